@@ -1,0 +1,204 @@
+"""The algorithm contract, and a scoring base that does the top-k for an algorithm.
+
+Two levels, as in kvpress: implement `SparseAlgorithm` directly for full control of `select`,
+or subclass `ScoringAlgorithm` and write only `score` — the base adds the sink and recent
+units, takes the top `top_k // unit` of the rest, expands pages to tokens and pads.
+
+Algorithms own their representations (pooled by `request.slot`) and never touch the store's
+slot maps or a backend's metadata.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from ..batch import Batch, Request, Selection
+from ..kv_store.layout import KVLayout
+
+if TYPE_CHECKING:
+    from ..config import SparseConfig
+
+
+class NoOptions(BaseModel):
+    """Extra-config of an algorithm without options."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class SparseAlgorithm(ABC):
+    """Picks, per decode step and layer, the logical tokens each request attends to.
+
+    Class attributes are declarations the framework reads before building anything:
+      Config       pydantic model of the extra-config (extra='forbid', paper defaults).
+      granularity  "page" (selects whole pages of `config.page_size`) or "token".
+      per_kv_head  True: one selection per KV head; False: one per request.
+      needs_prefill_queries  True when `build` needs the prompt's queries (SnapKV-like).
+    """
+
+    Config: ClassVar[type[BaseModel]] = NoOptions
+    granularity: ClassVar[Literal["page", "token"]] = "token"
+    per_kv_head: ClassVar[bool] = False
+    needs_prefill_queries: ClassVar[bool] = False
+
+    def __init__(
+        self, config: SparseConfig, layout: KVLayout, max_requests: int, max_seq_len: int
+    ) -> None:
+        self.config = config
+        self.options = config.extra_config
+        self.layout = layout
+        self.max_requests = max_requests
+        self.max_seq_len = max_seq_len
+
+    @property
+    def unit(self) -> int:
+        """Tokens per selection unit: page_size for page-granular algorithms, else 1."""
+        return self.config.page_size if self.granularity == "page" else 1
+
+    @classmethod
+    def check_config(cls, config: SparseConfig) -> None:
+        """Reject, at config time, settings this algorithm cannot serve (raise ValueError)."""
+        unit = config.page_size if cls.granularity == "page" else 1
+        if config.top_k < unit:
+            raise ValueError(
+                f"top_k ({config.top_k}) must be >= page_size ({unit}) for the page-granular "
+                f"algorithm {config.algorithm!r}: the budget is top_k // page_size pages"
+            )
+        need = cls.max_selected_tokens(config)
+        if config.device_buffer_tokens < need:
+            raise ValueError(
+                f"device_buffer_tokens ({config.device_buffer_tokens}) is smaller than the "
+                f"largest selection ({need} tokens = sink + top_k + recent, rounded to whole "
+                f"units); raise device_buffer_tokens to at least {need}"
+            )
+
+    @classmethod
+    def max_selected_tokens(cls, config: SparseConfig) -> int:
+        """Upper bound of a selection's length: the static width of `Selection.indices`."""
+        return _max_units(config, config.page_size if cls.granularity == "page" else 1) * (
+            config.page_size if cls.granularity == "page" else 1
+        )
+
+    @abstractmethod
+    def build(
+        self,
+        layer: int,
+        request: Request,
+        keys: torch.Tensor,
+        queries: torch.Tensor | None = None,
+    ) -> None:
+        """Make the representation of a prompt at prefill.
+
+        keys: [prompt_len, num_kv_heads, head_dim]; queries: [prompt_len, num_q_heads,
+        head_dim] (given when `needs_prefill_queries`), both in the KV dtype.
+        """
+
+    @abstractmethod
+    def append(self, layer: int, batch: Batch, keys: torch.Tensor) -> None:
+        """Update the representations with this decode step's keys: [batch, kv_heads, dim],
+        row i at position `batch.seq_lens[i] - 1` of request i."""
+
+    @abstractmethod
+    def select(self, layer: int, queries: torch.Tensor, batch: Batch) -> Selection:
+        """Choose tokens for this step. queries: [batch, num_q_heads, head_dim].
+
+        Returns a Selection of width `max_selected_tokens` with 1 (per request) or
+        num_kv_heads (per KV head) rows per request.
+        """
+
+    @abstractmethod
+    def release(self, request: Request) -> None:
+        """Forget a finished request's representations."""
+
+
+def _max_units(config: SparseConfig, unit: int) -> int:
+    sink_units = -(-config.sink_tokens // unit)
+    recent_units = -(-config.recent_tokens // unit) + 1  # a misaligned window spans one more
+    return sink_units + config.top_k // unit + recent_units
+
+
+class ScoringAlgorithm(SparseAlgorithm):
+    """Base for algorithms that score units (pages or tokens) and keep the best.
+
+    Subclasses implement `score`; this class forces the sink and recent units in, takes the
+    top `top_k // unit` of the remaining units, and turns units into sorted token indices.
+    """
+
+    @abstractmethod
+    def score(self, layer: int, queries: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """float32 [batch, heads, n_units] (heads = num_kv_heads if per_kv_head else 1),
+        where n_units covers the longest sequence of the batch. Entries of units at or
+        beyond a request's length are ignored (any value)."""
+
+    def select(self, layer: int, queries: torch.Tensor, batch: Batch) -> Selection:
+        assert batch.seq_lens is not None, "forward_begin fills seq_lens"
+        scores = self.score(layer, queries, batch).float()
+        return topk_selection(
+            scores,
+            batch.seq_lens,
+            unit=self.unit,
+            budget_units=self.config.top_k // self.unit,
+            sink_tokens=self.config.sink_tokens,
+            recent_tokens=self.config.recent_tokens,
+            width_units=_max_units(self.config, self.unit),
+        )
+
+
+def topk_selection(
+    scores: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    unit: int,
+    budget_units: int,
+    sink_tokens: int,
+    recent_tokens: int,
+    width_units: int,
+) -> Selection:
+    """Turn unit scores into a Selection without a host sync.
+
+    scores: float32 [B, H, n_units]; seq_lens: int [B]. A unit is kept if it holds a sink
+    token, a token of the recent window or the newest token, or is among the `budget_units`
+    best-scoring remaining valid units. Output width is `width_units * unit` (static).
+    """
+    b, h, n_units = scores.shape
+    device = scores.device
+    lens = seq_lens.to(device=device, dtype=torch.long).view(b, 1, 1)
+    ids = torch.arange(n_units, device=device).view(1, 1, n_units)
+    valid = ids * unit < lens
+    last_unit = (lens - 1) // unit
+    recent_start = (lens - recent_tokens).clamp(min=0) // unit
+    forced = valid & ((ids * unit < sink_tokens) | (ids >= recent_start) | (ids == last_unit))
+    forced, valid = forced.expand(b, h, n_units), valid.expand(b, h, n_units)
+    ranked = scores.masked_fill(~valid | forced, float("-inf"))
+    k = min(budget_units, n_units)
+    keep = forced.clone()
+    if k > 0:
+        top_vals, top_ids = ranked.topk(k, dim=-1)
+        chosen = torch.zeros_like(keep).scatter_(-1, top_ids, top_vals > float("-inf"))
+        keep |= chosen
+    width = min(width_units, n_units)
+    # kept unit ids first, ascending; then padding (n_units sorts last)
+    order = torch.where(keep, ids.expand(b, h, n_units), n_units)
+    units = order.sort(dim=-1).values[..., :width]
+    offsets = torch.arange(unit, device=device)
+    tokens = (units.unsqueeze(-1) * unit + offsets).flatten(-2)  # [B, H, width*unit]
+    ok = (units.unsqueeze(-1) < n_units).expand(-1, -1, -1, unit).flatten(-2) & (tokens < lens)
+    indices = torch.where(ok, tokens, -1).to(torch.int32)
+    return Selection(indices=indices, lengths=ok.sum(-1, dtype=torch.int32), page_size=unit)
+
+
+def reduce_groups(scores: torch.Tensor, num_kv_heads: int, how: str) -> torch.Tensor:
+    """Combine per-query-head scores [B, Hq, N] into per-KV-head scores [B, Hkv, N] over
+    each GQA group (query heads h*G .. h*G+G-1 share KV head h)."""
+    b, hq, n = scores.shape
+    grouped = scores.view(b, num_kv_heads, hq // num_kv_heads, n)
+    if how == "max":
+        return grouped.amax(dim=2)
+    if how == "sum":
+        return grouped.sum(dim=2)
+    if how == "mean":
+        return grouped.mean(dim=2)
+    raise ValueError(f"gqa_reduce must be one of max, sum, mean; got {how!r}")

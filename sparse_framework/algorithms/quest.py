@@ -1,0 +1,87 @@
+"""Quest (Tang et al., ICML 2024): query-aware page selection from per-page key bounds.
+
+Per page of `page_size` keys and per KV head the representation is the element-wise min and
+max of the keys. A page's score for a query q is Σ_d max(q_d·min_d, q_d·max_d), an upper
+bound of q·k over the page. The paper's evaluation code scores per *query* head after
+repeating KV; serving that would duplicate KV, so here each KV head gets one selection and its
+group's per-query-head bounds are combined by `gqa_reduce` — "max" by default, because the
+max of the group's upper bounds is still an upper bound for every head of the group, the
+property Quest's criticality estimate rests on.
+
+Facts from the original code kept here: pages start at position 0 (the last one may be
+partial and is always kept, as its decode kernel does); prefill runs dense; the paper keeps
+the first two layers dense (set `dense_layers: [0, 1]`) with page size 16.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..batch import Batch, Request
+from .base import ScoringAlgorithm, reduce_groups
+
+
+class QuestOptions(BaseModel):
+    """Quest's extra-config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    gqa_reduce: Literal["max", "sum", "mean"] = Field(
+        "max", description="how a GQA group's per-query-head page bounds combine per KV head"
+    )
+
+
+class Quest(ScoringAlgorithm):
+    """Page min/max keys, pooled as [layers, max_requests, kv_heads, max_pages, head_dim]."""
+
+    Config = QuestOptions
+    granularity = "page"
+    per_kv_head = True
+
+    def __init__(self, config, layout, max_requests, max_seq_len) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(config, layout, max_requests, max_seq_len)
+        p = config.page_size
+        self.max_pages = -(-max_seq_len // p)
+        shape = (layout.num_layers, max_requests, layout.num_kv_heads, self.max_pages, layout.head_dim)
+        self.page_min = torch.empty(shape, dtype=layout.dtype, device=layout.device)
+        self.page_max = torch.empty(shape, dtype=layout.dtype, device=layout.device)
+
+    def build(self, layer: int, request: Request, keys: torch.Tensor, queries=None) -> None:  # type: ignore[no-untyped-def]
+        p = self.config.page_size
+        n = keys.shape[0]
+        n_pages = -(-n // p)
+        pad = n_pages * p - n
+        k = keys.transpose(0, 1)  # [kv_heads, n, dim]
+        lo = torch.nn.functional.pad(k, (0, 0, 0, pad), value=float("inf"))
+        hi = torch.nn.functional.pad(k, (0, 0, 0, pad), value=float("-inf"))
+        shape = (k.shape[0], n_pages, p, k.shape[-1])
+        self.page_min[layer, request.slot, :, :n_pages] = lo.view(shape).amin(dim=2)
+        self.page_max[layer, request.slot, :, :n_pages] = hi.view(shape).amax(dim=2)
+
+    def append(self, layer: int, batch: Batch, keys: torch.Tensor) -> None:
+        assert batch.seq_lens is not None and batch.slot_ids is not None
+        pos = batch.seq_lens.long() - 1
+        page = pos // self.config.page_size
+        fresh = (pos % self.config.page_size == 0).view(-1, 1, 1)  # first token of a new page
+        rows = batch.slot_ids
+        cur_min = self.page_min[layer, rows, :, page]  # [B, kv_heads, dim]
+        cur_max = self.page_max[layer, rows, :, page]
+        self.page_min[layer, rows, :, page] = torch.where(fresh, keys, torch.minimum(cur_min, keys))
+        self.page_max[layer, rows, :, page] = torch.where(fresh, keys, torch.maximum(cur_max, keys))
+
+    def score(self, layer: int, queries: torch.Tensor, batch: Batch) -> torch.Tensor:
+        assert batch.seq_lens is not None and batch.slot_ids is not None
+        n_pages = -(-batch.max_seq_len // self.config.page_size)
+        lo = self.page_min[layer, batch.slot_ids, :, :n_pages].float()  # [B, Hkv, P, D]
+        hi = self.page_max[layer, batch.slot_ids, :, :n_pages].float()
+        b, hq, d = queries.shape
+        hkv = self.layout.num_kv_heads
+        q = queries.float().view(b, hkv, hq // hkv, 1, d)  # [B, Hkv, G, 1, D]
+        bound = torch.maximum(q * lo.unsqueeze(2), q * hi.unsqueeze(2)).sum(-1)  # [B, Hkv, G, P]
+        return reduce_groups(bound.flatten(1, 2), hkv, self.options.gqa_reduce)
+
+    def release(self, request: Request) -> None:
+        """Nothing to free: the pooled rows of `request.slot` are overwritten on reuse."""

@@ -1,0 +1,63 @@
+"""`torch_ref`: the source of truth. Plain torch paged decode attention over FlashAttention
+metadata with float32 accumulation, on any device, any page size, MHA and GQA."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..adaptors.flash_attention import FlashAttentionMetadata
+from .base import AttentionBackend
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q: [N, Hq, D]; k_cache/v_cache: [num_pages, P, Hk, D]; page_table: int32 [N, max_pages];
+    cache_seqlens: int32 [N]. Each of the Hq // Hk query heads of a group reads KV head
+    h = q_head // (Hq // Hk). A sequence of length 0 gives zeros. Returns float32 [N, Hq, D]."""
+    n, hq, d = q.shape
+    _, p, hk, _ = k_cache.shape
+    max_tokens = page_table.shape[1] * p
+    pos = torch.arange(max_tokens, device=q.device)
+    rows = page_table.long().repeat_interleave(p, dim=1) * p + pos % p  # [N, T] flat row ids
+    valid = pos < cache_seqlens.long().unsqueeze(1)
+    rows = torch.where(valid, rows, 0)
+    k = k_cache.reshape(-1, hk, d)[rows].float()  # [N, T, Hk, D]
+    v = v_cache.reshape(-1, hk, d)[rows].float()
+    group = hq // hk
+    qg = q.float().view(n, hk, group, d)
+    scores = torch.einsum("nhgd,nthd->nhgt", qg, k) * scale
+    scores = scores.masked_fill(~valid.view(n, 1, 1, -1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # empty sequences: all -inf -> 0
+    out = torch.einsum("nhgt,nthd->nhgd", probs, v)
+    return out.reshape(n, hq, d)
+
+
+class TorchRefBackend(AttentionBackend):
+    """Reference paged decode attention (CPU and CUDA)."""
+
+    metadata_format = "flash_attention"
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: FlashAttentionMetadata,
+        *,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        b, hq, d = q.shape
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
+        if metadata.heads_folded:
+            hk = metadata.page_table.shape[0] // b
+            q = q.reshape(b * hk, hq // hk, d)  # each (request, KV head) its group of heads
+        out = paged_attention(q, k_cache, v_cache, metadata.page_table, metadata.cache_seqlens, scale)
+        return out.reshape(b, hq, d).to(q.dtype)

@@ -1,0 +1,188 @@
+"""The `sparse-framework` command: run an experiment, print the config schema, list plugins."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from . import registry
+from .config import SparseConfig, config_schema, describe_errors, load_config
+from .engine.loop import RequestResult, run_experiment
+from .engine.workload import WorkloadConfig
+from .errors import SparseFrameworkError
+
+# The embedded default experiment: Quest at two budgets on a needle workload where one prompt
+# is short enough to take the dense path.
+DEFAULT_CONFIGS: list[dict[str, Any]] = [
+    {"algorithm": "quest", "backend": "torch_ref", "top_k": 256, "page_size": 16, "device_buffer_tokens": 1024},
+    {"algorithm": "quest", "backend": "torch_ref", "top_k": 1024, "page_size": 16, "device_buffer_tokens": 2048},
+]
+DEFAULT_WORKLOAD: dict[str, Any] = {"contexts": [1024, 4096, 8192], "decode_steps": 16, "needle_strength": 1.25}
+
+console = Console()
+if not console.is_terminal:  # piped or captured: keep the whole table readable
+    console = Console(width=200)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sparse-framework",
+        description="Pluggable decode-time sparse attention: run experiments, inspect configs and plugins.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser(
+        "run",
+        help="run a sparse-attention experiment on a synthetic needle workload",
+        description=(
+            "Prefill one request per context length, decode them together, and compare every "
+            "step's sparse attention with dense attention. With no arguments it runs the "
+            "embedded default (Quest, top_k 256 and 1024, contexts 1024/4096/8192) on the CPU."
+        ),
+    )
+    run.add_argument(
+        "--config",
+        action="append",
+        metavar="JSON|PATH",
+        help="sparse config as a JSON object or a JSON file; repeat to compare several "
+        "(see `sparse-framework schema`)",
+    )
+    run.add_argument("--workload", metavar="JSON|PATH", help="workload options as JSON (see --help-workload)")
+    run.add_argument("--contexts", metavar="N,N,...", help="prompt lengths, one request each")
+    run.add_argument("--steps", type=int, metavar="N", help="decode steps")
+    run.add_argument("--device", help="torch device for KV and attention (default cpu)")
+    run.add_argument("--dtype", help="KV dtype: float32, float16, bfloat16")
+    run.add_argument("--seed", type=int, help="workload seed")
+    run.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--help-workload", action="store_true", help="print the workload options and exit")
+
+    schema = sub.add_parser("schema", help="print the JSON Schema of the config, with every algorithm's extra-config")
+    schema.add_argument("--output", metavar="PATH", help="write to PATH instead of stdout")
+
+    sub.add_parser("plugins", help="list registered algorithms, adaptors and backends, with load errors")
+    return parser
+
+
+def _read_json_arg(value: str, what: str) -> dict[str, Any]:
+    text = value
+    if not value.lstrip().startswith("{"):
+        path = Path(value)
+        if not path.is_file():
+            raise SparseFrameworkError(f"{what} {value!r} is neither a JSON object nor an existing file")
+        text = path.read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SparseFrameworkError(f"{what} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise SparseFrameworkError(f"{what} must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _workload(args: argparse.Namespace) -> WorkloadConfig:
+    data = dict(DEFAULT_WORKLOAD)
+    if args.workload:
+        data.update(_read_json_arg(args.workload, "--workload"))
+    if args.contexts:
+        try:
+            data["contexts"] = [int(x) for x in args.contexts.split(",") if x.strip()]
+        except ValueError:
+            raise SparseFrameworkError(
+                f"--contexts must be comma-separated integers, got {args.contexts!r}"
+            ) from None
+    for key, value in (("decode_steps", args.steps), ("device", args.device), ("dtype", args.dtype), ("seed", args.seed)):
+        if value is not None:
+            data[key] = value
+    try:
+        return WorkloadConfig.model_validate(data)
+    except ValidationError as exc:
+        raise SparseFrameworkError(
+            "invalid workload:\n  " + "\n  ".join(describe_errors(exc, WorkloadConfig))
+        ) from None
+
+
+def _table(results: list[RequestResult]) -> Table:
+    table = Table(title="sparse attention vs dense (means over decode steps and layers)")
+    for name in ("algorithm", "backend", "context", "mode", "top_k", "selected", "rel err", "recall",
+                 "needles", "KV read", "dev KV", "ms/step"):
+        table.add_column(name, justify="left" if name in ("algorithm", "backend", "mode") else "right", no_wrap=True)
+    for r in results:
+        hits = "-" if r.needle_hit_rate is None else f"{r.needle_hit_rate:.1%}"
+        table.add_row(
+            r.algorithm, r.backend, str(r.context), r.mode, str(r.top_k), f"{r.selected_tokens:.0f}",
+            f"{r.rel_error:.2e}", f"{r.recall:.3f}", hits, f"{r.kv_read_fraction:.1%}",
+            f"{r.device_kv_fraction:.1%}", f"{r.ms_per_step:.1f}",
+        )
+    return table
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.help_workload:
+        console.print_json(json.dumps(WorkloadConfig.model_json_schema()))
+        return 0
+    configs = [load_config(c) for c in args.config] if args.config else [load_config(c) for c in DEFAULT_CONFIGS]
+    workload = _workload(args)
+    results: list[RequestResult] = []
+    total = len(configs) * workload.decode_steps
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, disable=args.no_progress, transient=True,
+    ) as progress:
+        task = progress.add_task("decode steps", total=total)
+        for cfg in configs:
+            progress.update(task, description=f"{cfg.algorithm} top_k={cfg.top_k}")
+            results += run_experiment(cfg, workload, on_step=lambda: progress.advance(task))
+    console.print(_table(results))
+    if args.json:
+        payload = {"workload": workload.model_dump(), "results": [r.as_dict() for r in results]}
+        Path(args.json).write_text(json.dumps(payload, indent=2))
+        console.print(f"results written to {args.json}")
+    return 0
+
+
+def _plugins() -> int:
+    table = Table(title="registered plugins")
+    for name in ("kind", "name", "target", "distribution", "status"):
+        table.add_column(name)
+    for kind in registry.GROUPS:
+        for info in registry.describe(kind):
+            status = Text("ok", style="green") if info.error is None else Text("error: " + info.error, style="red")
+            table.add_row(kind, info.name, info.target, info.distribution, status)
+    console.print(table)
+    return 0
+
+
+def _schema(args: argparse.Namespace) -> int:
+    text = json.dumps(config_schema(), indent=2)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "run":
+            return _run(args)
+        if args.command == "schema":
+            return _schema(args)
+        return _plugins()
+    except SparseFrameworkError as exc:
+        console.print(Text("error: ", style="red") + Text(str(exc)), highlight=False)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

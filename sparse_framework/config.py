@@ -1,0 +1,200 @@
+"""`SparseConfig`: the one JSON object that configures an experiment, and its parsing.
+
+    {"algorithm": "quest", "backend": "torch_ref", "top_k": 2048, "page_size": 16,
+     "extra": {...the algorithm's own options, validated by its pydantic Config...}}
+
+It comes from a JSON string, a JSON file path, a dict, or Python. Parsing resolves the named
+plugins through the registry, so an unknown algorithm or backend, an option the algorithm
+does not declare, or a combination a kernel cannot serve is rejected here, with one message
+naming the field, the bad value and what is allowed — never later, at step time.
+"""
+
+from __future__ import annotations
+
+import json
+from os import PathLike
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+from . import registry
+from .errors import ConfigError, PluginError
+
+if TYPE_CHECKING:
+    from .adaptors.base import BackendAdaptor
+    from .algorithms.base import SparseAlgorithm
+    from .backends.base import AttentionBackend
+
+
+class SparseConfig(BaseModel):
+    """Framework-level options; algorithm-specific ones live in `extra`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    algorithm: str = Field("quest", description="registered algorithm name (`sparse-framework plugins`)")
+    backend: str = Field("torch_ref", description="registered attention backend name")
+    adaptor: str | None = Field(
+        None, description="metadata adaptor; default: the one the backend consumes"
+    )
+    top_k: int = Field(2048, ge=1, description="retrieved tokens per selection (pages: top_k // page_size)")
+    page_size: int = Field(16, ge=1, description="tokens per page (page-granular algorithms, paged KV)")
+    device_buffer_tokens: int = Field(
+        4096, ge=1, description="device slots per request and layer in hierarchical mode"
+    )
+    sink_tokens: int = Field(16, ge=0, description="first tokens of every sequence, always selected")
+    recent_tokens: int = Field(64, ge=0, description="last tokens of every sequence, always selected")
+    min_sparse_prompt_len: int = Field(
+        2048, ge=0, description="prompts shorter than this decode densely"
+    )
+    dense_layers: list[int] = Field(
+        default_factory=list, description="layer indices that always attend densely"
+    )
+    extra: dict[str, Any] = Field(
+        default_factory=dict, description="the algorithm's own options (see its schema)"
+    )
+
+    _extra_model: BaseModel | None = PrivateAttr(default=None)
+
+    @field_validator("dense_layers")
+    @classmethod
+    def _unique_layers(cls, layers: list[int]) -> list[int]:
+        if any(layer < 0 for layer in layers):
+            raise ValueError(f"layer indices must be >= 0, got {layers}")
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"layer indices must be unique, got {layers}")
+        return sorted(layers)
+
+    @field_validator("algorithm", "backend", "adaptor")
+    @classmethod
+    def _registered(cls, name: str | None, info: Any) -> str | None:
+        if name is None:
+            return None
+        try:
+            registry.load(info.field_name, name)
+        except PluginError as exc:
+            raise ValueError(str(exc)) from None
+        return name
+
+    @model_validator(mode="after")
+    def _check_plugins(self) -> SparseConfig:
+        algo = self.algorithm_class
+        try:
+            self._extra_model = algo.Config.model_validate(self.extra)
+        except ValidationError as exc:
+            raise ValueError(
+                f"invalid extra-config for algorithm {self.algorithm!r}: "
+                + "; ".join(describe_errors(exc, algo.Config, prefix="extra"))
+            ) from None
+        algo.check_config(self)
+        self.adaptor_class.check_config(self)
+        backend = self.backend_class
+        if backend.metadata_format != self.adaptor_name:
+            raise ValueError(
+                f"backend {self.backend!r} consumes {backend.metadata_format!r} metadata, "
+                f"but adaptor {self.adaptor_name!r} was chosen; leave `adaptor` unset or "
+                f"set it to {backend.metadata_format!r}"
+            )
+        return self
+
+    # -- resolved plugins --------------------------------------------------------------
+    @property
+    def algorithm_class(self) -> type[SparseAlgorithm]:
+        return registry.load("algorithm", self.algorithm)
+
+    @property
+    def backend_class(self) -> type[AttentionBackend]:
+        return registry.load("backend", self.backend)
+
+    @property
+    def adaptor_name(self) -> str:
+        return self.adaptor or self.backend_class.metadata_format
+
+    @property
+    def adaptor_class(self) -> type[BackendAdaptor]:
+        return registry.load("adaptor", self.adaptor_name)
+
+    @property
+    def extra_config(self) -> BaseModel:
+        """`extra` parsed by the algorithm's Config model (defaults filled in)."""
+        assert self._extra_model is not None  # set by the validator; never None after construction
+        return self._extra_model
+
+
+def describe_errors(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> list[str]:
+    """One readable line per pydantic error: field, bad value, what is allowed."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(part) for part in err["loc"])
+        field = f"{prefix}.{loc}" if prefix and loc else (prefix or loc)
+        if err["type"] == "extra_forbidden":
+            allowed = ", ".join(model.model_fields) or "none"
+            lines.append(f"`{field}`: unknown option; allowed options: {allowed}")
+            continue
+        msg = err["msg"].removeprefix("Value error, ")
+        if field:
+            lines.append(f"`{field}` = {err['input']!r}: {msg}")
+        else:
+            lines.append(msg)
+    return lines
+
+
+def load_config(source: SparseConfig | dict[str, Any] | str | PathLike[str]) -> SparseConfig:
+    """Parse a config from a SparseConfig, a dict, a JSON string, or a JSON file path.
+
+    Raises ConfigError with one line per problem.
+    """
+    if isinstance(source, SparseConfig):
+        return source
+    data = _read(source) if isinstance(source, (str, PathLike)) else source
+    if not isinstance(data, dict):
+        raise ConfigError(f"config must be a JSON object, got {type(data).__name__}")
+    try:
+        return SparseConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(
+            "invalid sparse config:\n  " + "\n  ".join(describe_errors(exc, SparseConfig))
+        ) from None
+
+
+def _read(source: str | PathLike[str]) -> Any:
+    text = str(source)
+    where = "config JSON string"
+    if not text.lstrip().startswith("{"):
+        path = Path(text)
+        if not path.is_file():
+            raise ConfigError(f"config {text!r} is neither a JSON object nor an existing file")
+        where = f"config file {str(path)!r}"
+        text = path.read_text()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where} is not valid JSON: {exc}") from None
+
+
+def config_schema() -> dict[str, Any]:
+    """JSON Schema of SparseConfig with each loadable algorithm's extra-config under `$defs`,
+    tied to its algorithm name by if/then."""
+    schema = SparseConfig.model_json_schema()
+    defs = schema.setdefault("$defs", {})
+    rules = []
+    for name in registry.names("algorithm"):
+        try:
+            algo = registry.load("algorithm", name)
+        except PluginError:
+            continue  # listed with its error by `sparse-framework plugins`
+        key = f"extra_{name}"
+        defs[key] = algo.Config.model_json_schema(ref_template="#/$defs/" + key + "_{model}")
+        for sub, sub_schema in defs[key].pop("$defs", {}).items():
+            defs[f"{key}_{sub}"] = sub_schema
+        rules.append(
+            {
+                "if": {"properties": {"algorithm": {"const": name}}},
+                "then": {"properties": {"extra": {"$ref": f"#/$defs/{key}"}}},
+            }
+        )
+    if rules:
+        schema["allOf"] = rules
+    schema["properties"]["algorithm"]["enum"] = registry.names("algorithm")
+    schema["properties"]["backend"]["enum"] = registry.names("backend")
+    return schema

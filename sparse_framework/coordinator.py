@@ -1,0 +1,289 @@
+"""`SparseCoordinator`: the lifecycle hooks an engine calls around its forward passes.
+
+    on_request_begin(request)                 admit: choose dense/sparse, reserve KV
+    forward_begin(batch)                      prepare the step once (lengths, rows, room)
+      attention_begin(layer, q, k, v, batch)  store K/V; select -> make resident -> adapt
+      attend(layer, q, metadata)              run the configured backend (or your kernel)
+      attention_end(layer, output, batch)     build / append the algorithm's representations
+    forward_end(batch)
+    on_request_end(request)                   free everything
+
+The step's metadata is passed explicitly (no globals): `attention_begin` returns an
+`AttentionMetadata` holding the logical selection, its physical slots, the adaptor's plan and
+the paged K/V views, which is all a kernel needs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from os import PathLike
+from typing import Any
+
+import torch
+
+from .batch import Batch, Request, Selection
+from .config import SparseConfig, load_config
+from .errors import ConfigError
+from .kv_store.layout import KVLayout
+from .kv_store.resident import ResidentKVStore
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything one layer's attention needs for one step.
+
+    For prefill (dense and causal) `plan` is the list of prompt lengths and `k_cache` /
+    `v_cache` are this forward's packed K/V.
+    For decode: `selection` (logical, one row per request or per (request, KV head)),
+    `slots` (physical, same shape), `plan` (the adaptor's kernel metadata) and `k_cache` /
+    `v_cache` (the device buffer viewed as the plan's pages).
+    """
+
+    layer: int
+    is_prefill: bool
+    selection: Selection | None = None
+    slots: torch.Tensor | None = None
+    plan: Any = None
+    k_cache: torch.Tensor | None = None
+    v_cache: torch.Tensor | None = None
+
+
+class SparseCoordinator:
+    """Drives one algorithm, one store, one adaptor and one backend for an engine.
+
+    max_requests / max_seq_len size the pooled per-request state (algorithm
+    representations, page tables); capacity_tokens sizes the KV pool (default: enough for
+    max_requests sequences of max_seq_len).
+    """
+
+    def __init__(
+        self,
+        config: SparseConfig | dict[str, Any] | str | PathLike[str],
+        layout: KVLayout,
+        *,
+        max_requests: int = 8,
+        max_seq_len: int = 32768,
+        capacity_tokens: int | None = None,
+    ) -> None:
+        self.config = load_config(config)
+        self.layout = layout
+        bad = [layer for layer in self.config.dense_layers if layer >= layout.num_layers]
+        if bad:
+            raise ConfigError(
+                f"`dense_layers` = {self.config.dense_layers}: layers {bad} do not exist; "
+                f"the layout has layers 0..{layout.num_layers - 1}"
+            )
+        if max_requests < 1 or max_seq_len < 1:
+            raise ConfigError(f"max_requests and max_seq_len must be >= 1, got {max_requests}, {max_seq_len}")
+        backend_cls = self.config.backend_class
+        backend_cls.check_layout(layout)
+        algorithm_cls = self.config.algorithm_class
+        self.algorithm = algorithm_cls(self.config, layout, max_requests, max_seq_len)
+        self.adaptor = self.config.adaptor_class()
+        self.backend = backend_cls()
+        self.store = ResidentKVStore(
+            layout,
+            page_size=self.config.page_size,
+            max_requests=max_requests,
+            max_seq_len=max_seq_len,
+            head_major=algorithm_cls.per_kv_head,
+            capacity_tokens=capacity_tokens,
+        )
+        self.max_seq_len = max_seq_len
+        self._heads = layout.num_kv_heads if algorithm_cls.per_kv_head else 1
+        self._free_slots = list(range(max_requests - 1, -1, -1))
+        self.requests: dict[str, Request] = {}
+
+    # -- request lifecycle ------------------------------------------------------------------
+    def on_request_begin(self, request: Request) -> None:
+        """Admit a request: decide dense or sparse, reserve its KV and a state row."""
+        if request.rid in self.requests:
+            raise ValueError(f"request {request.rid!r} is already active")
+        if request.prompt_len >= self.max_seq_len:
+            raise ValueError(
+                f"request {request.rid!r}: prompt_len {request.prompt_len} leaves no room to decode "
+                f"within max_seq_len {self.max_seq_len}"
+            )
+        if not self._free_slots:
+            raise ValueError(f"all {len(self.requests)} request rows are in use (max_requests)")
+        request.slot = self._free_slots.pop()
+        request.seq_len = 0
+        request.dense = request.prompt_len < self.config.min_sparse_prompt_len
+        try:
+            self.store.admit(request)
+        except Exception:
+            self._free_slots.append(request.slot)
+            request.slot = -1
+            raise
+        self.requests[request.rid] = request
+
+    def on_request_end(self, request: Request) -> None:
+        """Finish a request: free its KV, its representations and its state row."""
+        if self.requests.pop(request.rid, None) is None:
+            raise ValueError(f"request {request.rid!r} is not active")
+        self.algorithm.release(request)
+        self.store.release(request)
+        self._free_slots.append(request.slot)
+        request.slot = -1
+
+    # -- step -----------------------------------------------------------------------------
+    def forward_begin(self, batch: Batch) -> None:
+        """Prepare the step once: advance lengths, make room, build the step's tensors."""
+        if not batch.requests:
+            raise ValueError("empty batch")
+        for r in batch.requests:
+            if self.requests.get(r.rid) is not r:
+                raise ValueError(f"request {r.rid!r} was not begun with on_request_begin")
+            if batch.is_prefill and r.seq_len != 0:
+                raise ValueError(f"request {r.rid!r} was already prefilled")
+            if not batch.is_prefill and r.seq_len == 0:
+                raise ValueError(f"request {r.rid!r} must be prefilled before decoding")
+            if not batch.is_prefill and r.seq_len >= self.max_seq_len:
+                raise ValueError(f"request {r.rid!r} reached max_seq_len {self.max_seq_len}")
+        for r in batch.requests:
+            r.seq_len = r.prompt_len if batch.is_prefill else r.seq_len + 1
+        if not batch.is_prefill:
+            self.store.grow(batch)
+        _fill_step_tensors(batch, self.layout.device)
+        sparse = [i for i, r in enumerate(batch.requests) if not r.dense]
+        batch.sparse_rows = None if len(sparse) == len(batch) else torch.tensor(sparse, device=self.layout.device)
+        batch.sparse_batch = batch if batch.sparse_rows is None else _sub_batch(batch, sparse, self.layout.device)
+
+    def forward_end(self, batch: Batch) -> None:
+        """End of the step: drop the per-layer scratch. (The hierarchical store starts its
+        asynchronous host writes here.)"""
+        batch.pending.clear()
+
+    def attention_begin(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch
+    ) -> AttentionMetadata:
+        """Store this step's K/V; for decode select, make resident and plan.
+
+        Decode: q [batch, q_heads, dim], k/v [batch, kv_heads, dim]. Prefill: packed
+        q [Σ prompt_len, q_heads, dim], k/v [Σ prompt_len, kv_heads, dim].
+        """
+        self._check_inputs(layer, q, k, v, batch)
+        batch.pending[layer] = {"q": q, "k": k, "v": v}
+        if batch.is_prefill:
+            offset = 0
+            for r in batch.requests:
+                self.store.write_prefill(layer, r, k[offset : offset + r.prompt_len], v[offset : offset + r.prompt_len])
+                offset += r.prompt_len
+            return AttentionMetadata(layer, True, plan=batch.query_lens, k_cache=k, v_cache=v)
+        self.store.write_decode(layer, batch, k, v)
+        selection = self._select(layer, q, batch)
+        slots = self.store.ensure_resident(layer, batch, selection)
+        plan = self.adaptor.plan(slots, selection.lengths, page_size=selection.page_size, num_slots=self.store.num_slots)
+        k_cache, v_cache = self.store.paged_view(layer, selection.page_size)
+        return AttentionMetadata(layer, False, selection, slots, plan, k_cache, v_cache)
+
+    def attend(self, layer: int, q: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """Run attention for the layer: the configured backend at decode; dense causal
+        attention (float32) at prefill. Returns q's shape and dtype."""
+        if metadata.is_prefill:
+            return _causal_prefill(q, metadata.k_cache, metadata.v_cache, metadata.plan)
+        return self.backend.run(q, metadata.k_cache, metadata.v_cache, metadata.plan)
+
+    def attention_end(self, layer: int, output: torch.Tensor | None, batch: Batch) -> None:
+        """Build (prefill) or extend (decode) the algorithm's representations. `output` is
+        the layer's attention output (None when the engine did not compute it); built-in
+        algorithms do not read it."""
+        pending = batch.pending.pop(layer)
+        if layer in self.config.dense_layers:
+            return
+        if batch.is_prefill:
+            offset = 0
+            for r in batch.requests:
+                if not r.dense:
+                    rows = slice(offset, offset + r.prompt_len)
+                    queries = pending["q"][rows] if self.algorithm.needs_prefill_queries else None
+                    self.algorithm.build(layer, r, pending["k"][rows], queries)
+                offset += r.prompt_len
+            return
+        sub = batch.sparse_batch
+        if sub is not None and len(sub):
+            keys = pending["k"] if batch.sparse_rows is None else pending["k"][batch.sparse_rows]
+            self.algorithm.append(layer, sub, keys)
+
+    # -- helpers --------------------------------------------------------------------------
+    def _select(self, layer: int, q: torch.Tensor, batch: Batch) -> Selection:
+        """The algorithm's selection for sparse requests; every token for dense ones."""
+        sub = batch.sparse_batch
+        if layer in self.config.dense_layers or sub is None or len(sub) == 0:
+            return _dense_selection(batch, self._heads, self.store.page_size)
+        queries = q if batch.sparse_rows is None else q[batch.sparse_rows]
+        chosen = self.algorithm.select(layer, queries, sub)
+        if batch.sparse_rows is None:
+            return chosen
+        dense = _dense_selection(batch, self._heads, chosen.page_size)
+        width = max(dense.indices.shape[-1], chosen.indices.shape[-1])
+        indices = torch.nn.functional.pad(dense.indices, (0, width - dense.indices.shape[-1]), value=-1)
+        indices[batch.sparse_rows] = torch.nn.functional.pad(
+            chosen.indices, (0, width - chosen.indices.shape[-1]), value=-1
+        )
+        lengths = dense.lengths.clone()
+        lengths[batch.sparse_rows] = chosen.lengths
+        return Selection(indices, lengths, chosen.page_size)
+
+    def _check_inputs(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> None:
+        lay = self.layout
+        if not 0 <= layer < lay.num_layers:
+            raise ValueError(f"layer {layer} out of range 0..{lay.num_layers - 1}")
+        if batch.seq_lens is None:
+            raise ValueError("call forward_begin(batch) before attention_begin")
+        tokens = sum(batch.query_lens)
+        want_kv = (tokens, lay.num_kv_heads, lay.head_dim)
+        if tuple(k.shape) != want_kv or tuple(v.shape) != want_kv:
+            raise ValueError(f"k and v must be {list(want_kv)}, got {list(k.shape)} and {list(v.shape)}")
+        if q.dim() != 3 or q.shape[0] != tokens or q.shape[2] != lay.head_dim or q.shape[1] % lay.num_kv_heads:
+            raise ValueError(
+                f"q must be [{tokens}, num_q_heads, {lay.head_dim}] with num_q_heads a multiple of "
+                f"{lay.num_kv_heads} KV heads, got {list(q.shape)}"
+            )
+
+
+def _fill_step_tensors(batch: Batch, device: str | torch.device) -> None:
+    batch.seq_lens = torch.tensor([r.seq_len for r in batch.requests], dtype=torch.int32, device=device)
+    batch.slot_ids = torch.tensor([r.slot for r in batch.requests], dtype=torch.long, device=device)
+    batch.max_seq_len = max(r.seq_len for r in batch.requests)
+
+
+def _sub_batch(batch: Batch, rows: list[int], device: str | torch.device) -> Batch:
+    sub = Batch([batch.requests[i] for i in rows], is_prefill=batch.is_prefill)
+    if rows:
+        _fill_step_tensors(sub, device)
+    return sub
+
+
+def _dense_selection(batch: Batch, heads: int, page_size: int) -> Selection:
+    """Every token of every request: arange(seq_len) per row."""
+    assert batch.seq_lens is not None
+    pos = torch.arange(batch.max_seq_len, device=batch.seq_lens.device, dtype=torch.int32)
+    lens = batch.seq_lens.view(-1, 1)
+    indices = torch.where(pos < lens, pos, -1).unsqueeze(1).expand(-1, heads, -1).contiguous()
+    return Selection(indices, lens.expand(-1, heads).contiguous(), page_size)
+
+
+def _causal_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], chunk: int = 256
+) -> torch.Tensor:
+    """Dense causal attention per request over packed rows, float32 accumulation; queries in
+    chunks so that memory stays at [q_heads, chunk, prompt_len]."""
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    offset = 0
+    for n in lens:
+        ks = k[offset : offset + n].float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
+        vs = v[offset : offset + n].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        for start in range(0, n, chunk):
+            stop = min(start + chunk, n)
+            qs = q[offset + start : offset + stop].float().transpose(0, 1)  # [Hq, c, D]
+            scores = (qs @ ks[:, :stop].transpose(1, 2)) * scale
+            rows = torch.arange(start, stop, device=q.device).unsqueeze(1)
+            future = torch.arange(stop, device=q.device).unsqueeze(0) > rows
+            probs = scores.masked_fill(future, float("-inf")).softmax(-1)
+            out[offset + start : offset + stop] = (probs @ vs[:, :stop]).transpose(0, 1).to(q.dtype)
+        offset += n
+    return out

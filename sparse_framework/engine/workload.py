@@ -1,0 +1,120 @@
+"""A synthetic long-context decode workload in which selection matters.
+
+Every request hides a few "needle" tokens in its prompt (per layer). For KV head h, a needle's
+key points along a random direction u_h (norm √dim, scaled by `needle_strength`); decode
+queries of h's query heads point along u_h too, plus unit noise. Dense attention therefore
+puts much of its mass on the needles, and an algorithm that misses them shows it in the
+output error, the recall and the needle hit rate. Everything else is standard normal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class WorkloadConfig(BaseModel):
+    """Shape and content of the synthetic workload (one request per context length)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    contexts: list[int] = Field([1024, 4096, 8192], min_length=1, description="prompt length of each request")
+    decode_steps: int = Field(16, ge=1, description="batched decode steps")
+    num_layers: int = Field(2, ge=1)
+    num_q_heads: int = Field(8, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    head_dim: int = Field(64, ge=1)
+    needles: int = Field(4, ge=0, description="needle tokens per request and layer")
+    needle_strength: float = Field(1.0, gt=0, description="needle key scale along the query direction")
+    seed: int = 0
+    dtype: str = Field("float32", description="KV dtype: " + ", ".join(DTYPES))
+    device: str = "cpu"
+
+    @field_validator("contexts")
+    @classmethod
+    def _positive(cls, contexts: list[int]) -> list[int]:
+        if any(c < 1 for c in contexts):
+            raise ValueError(f"every context length must be >= 1, got {contexts}")
+        return contexts
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, name: str) -> str:
+        if name not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+        return name
+
+    @model_validator(mode="after")
+    def _heads(self) -> WorkloadConfig:
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        return self
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass
+class RequestData:
+    """One request's generated tensors (float32, on the workload device).
+
+    keys/values: per layer [prompt_len, kv_heads, dim]; prompt_queries: per layer
+    [prompt_len, q_heads, dim]; needles: per layer int64 [needles] positions;
+    directions: per layer [kv_heads, dim].
+    """
+
+    context: int
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    prompt_queries: list[torch.Tensor]
+    needles: list[torch.Tensor]
+    directions: list[torch.Tensor]
+
+
+class SyntheticWorkload:
+    """Generates prompts and, per decode step, queries and new K/V, all seeded."""
+
+    def __init__(self, cfg: WorkloadConfig) -> None:
+        self.cfg = cfg
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+
+    def _randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen).to(self.cfg.device)
+
+    def _query(self, direction: torch.Tensor, rows: int) -> torch.Tensor:
+        """[rows, q_heads, dim]: query head j follows its KV head's direction, plus noise."""
+        group = self.cfg.num_q_heads // self.cfg.num_kv_heads
+        base = direction.repeat_interleave(group, dim=0)  # [q_heads, dim]
+        return base.unsqueeze(0) + self._randn(rows, self.cfg.num_q_heads, self.cfg.head_dim)
+
+    def request(self, context: int) -> RequestData:
+        c = self.cfg
+        data = RequestData(context, [], [], [], [], [])
+        for _ in range(c.num_layers):
+            direction = self._randn(c.num_kv_heads, c.head_dim)
+            direction = direction / direction.norm(dim=-1, keepdim=True) * c.head_dim**0.5
+            keys = self._randn(context, c.num_kv_heads, c.head_dim)
+            n = min(c.needles, context)
+            needles = torch.randperm(context, generator=self.gen)[:n].sort().values.to(c.device)
+            keys[needles] = direction.unsqueeze(0) * c.needle_strength + 0.1 * self._randn(n, c.num_kv_heads, c.head_dim)
+            data.keys.append(keys)
+            data.values.append(self._randn(context, c.num_kv_heads, c.head_dim))
+            data.prompt_queries.append(self._query(direction, context))
+            data.needles.append(needles)
+            data.directions.append(direction)
+        return data
+
+    def decode_inputs(self, reqs: list[RequestData], layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One step's q [B, q_heads, dim] and new k, v [B, kv_heads, dim] for a layer."""
+        c = self.cfg
+        q = torch.cat([self._query(r.directions[layer], 1) for r in reqs])
+        k = self._randn(len(reqs), c.num_kv_heads, c.head_dim)
+        v = self._randn(len(reqs), c.num_kv_heads, c.head_dim)
+        return q, k, v

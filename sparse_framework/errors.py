@@ -1,0 +1,28 @@
+"""Exceptions that users see. Each names what was wrong and what is allowed."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class SparseFrameworkError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class ConfigError(SparseFrameworkError, ValueError):
+    """A configuration value is invalid; the message names the field and the allowed values."""
+
+
+class PluginError(SparseFrameworkError, LookupError):
+    """A plugin is unknown, duplicated, broken, or of the wrong kind."""
+
+
+class CapacityError(SparseFrameworkError, RuntimeError):
+    """A KV pool cannot hold what was asked; the message gives the requested and free sizes."""
+
+
+def closest(name: str, choices: Iterable[str]) -> str:
+    """' Did you mean 'x'?' for the closest choice, or '' when nothing is close."""
+    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+    return f" Did you mean '{match[0]}'?" if match else ""
