@@ -1,0 +1,72 @@
+"""The `sparse-framework` command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sparse_framework.cli import main
+
+QUICK = ["--steps", "1", "--contexts", "40,200", "--no-progress"]
+CFG = json.dumps({"algorithm": "quest", "top_k": 32, "page_size": 8, "min_sparse_prompt_len": 100, "device_buffer_tokens": 256})
+
+
+def test_run_prints_table_and_writes_json(tmp_path, capsys) -> None:
+    out = tmp_path / "r.json"
+    assert main(["run", "--config", CFG, "--json", str(out), *QUICK]) == 0
+    printed = capsys.readouterr().out
+    for column in ("algorithm", "backend", "context", "top_k", "rel err", "recall", "needles", "KV read", "ms/step"):
+        assert column in printed
+    data = json.loads(out.read_text())
+    assert [r["context"] for r in data["results"]] == [40, 200]
+    assert [r["mode"] for r in data["results"]] == ["dense", "sparse"]
+    assert data["workload"]["decode_steps"] == 1
+
+
+def test_run_takes_a_config_file_and_several_configs(tmp_path, capsys) -> None:
+    path = tmp_path / "c.json"
+    path.write_text(CFG)
+    out = tmp_path / "r.json"
+    assert main(["run", "--config", str(path), "--config", CFG.replace("32", "64"), "--json", str(out), *QUICK]) == 0
+    assert [r["top_k"] for r in json.loads(out.read_text())["results"]] == [32, 32, 64, 64]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--config", '{"algorithm": "qest"}'], "Did you mean 'quest'?"),
+        (["--config", '{"top_k": 0}'], "`top_k` = 0"),
+        (["--config", "missing.json"], "neither a JSON object nor an existing file"),
+        (["--contexts", "10,x"], "--contexts must be comma-separated integers"),
+        (["--workload", '{"num_q_heads": 3}'], "must be a multiple of num_kv_heads"),
+        (["--workload", '{"heads": 3}'], "`heads`: unknown option"),
+        (["--dtype", "int4"], "dtype must be one of"),
+    ],
+)
+def test_run_bad_input_exits_2_with_a_clear_message(args, message, capsys) -> None:
+    assert main(["run", *args, "--no-progress"]) == 2
+    assert message in " ".join(capsys.readouterr().out.split())
+
+
+def test_schema_is_json_with_algorithm_extras(capsys, tmp_path) -> None:
+    assert main(["schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    assert "quest" in schema["properties"]["algorithm"]["enum"]
+    assert "gqa_reduce" in schema["$defs"]["extra_quest"]["properties"]
+    assert main(["schema", "--output", str(tmp_path / "s.json")]) == 0
+    assert json.loads((tmp_path / "s.json").read_text()) == schema
+
+
+def test_plugins_lists_builtins(capsys) -> None:
+    assert main(["plugins"]) == 0
+    printed = capsys.readouterr().out
+    for name in ("quest", "flash_attention", "torch_ref"):
+        assert name in printed
+
+
+def test_console_script_help() -> None:
+    done = subprocess.run([sys.executable, "-m", "sparse_framework.cli", "run", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "--config" in done.stdout and "embedded default" in done.stdout

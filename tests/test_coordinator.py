@@ -1,0 +1,226 @@
+"""SparseCoordinator: lifecycle, dense paths, dense equality, KV integrity and input errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparse_framework import Batch, CapacityError, ConfigError, KVLayout, Request
+from sparse_framework.coordinator import SparseCoordinator
+
+BASE = {
+    "algorithm": "quest",
+    "top_k": 32,
+    "page_size": 4,
+    "sink_tokens": 4,
+    "recent_tokens": 8,
+    "min_sparse_prompt_len": 0,
+    "device_buffer_tokens": 256,
+}
+
+
+def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """float64 decode attention of one request: q [Hq, D], k/v [L, Hk, D] -> [Hq, D]."""
+    group = q.shape[0] // k.shape[1]
+    kk = k.double().repeat_interleave(group, dim=1)
+    vv = v.double().repeat_interleave(group, dim=1)
+    probs = (torch.einsum("hd,lhd->hl", q.double(), kk) / math.sqrt(q.shape[-1])).softmax(-1)
+    return torch.einsum("hl,lhd->hd", probs, vv)
+
+
+class Driver:
+    """Drives a coordinator like an engine and keeps the full K/V as the reference."""
+
+    def __init__(self, coord: SparseCoordinator, q_heads: int, seed: int = 0) -> None:
+        self.coord = coord
+        self.q_heads = q_heads
+        self.gen = torch.Generator().manual_seed(seed)
+        self.kv: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.gen)
+
+    def prefill(self, requests: list[Request]) -> None:
+        lay = self.coord.layout
+        for r in requests:
+            self.coord.on_request_begin(r)
+        batch = Batch(requests, is_prefill=True)
+        self.coord.forward_begin(batch)
+        n = sum(r.prompt_len for r in requests)
+        for layer in range(lay.num_layers):
+            q = self.randn(n, self.q_heads, lay.head_dim)
+            k = self.randn(n, lay.num_kv_heads, lay.head_dim)
+            v = self.randn(n, lay.num_kv_heads, lay.head_dim)
+            meta = self.coord.attention_begin(layer, q, k, v, batch)
+            out = self.coord.attend(layer, q, meta)
+            self.coord.attention_end(layer, out, batch)
+            offset = 0
+            for r in requests:
+                rows = slice(offset, offset + r.prompt_len)
+                self.kv.setdefault(r.rid, []).append((k[rows], v[rows]))
+                offset += r.prompt_len
+        self.coord.forward_end(batch)
+
+    def decode(self, requests: list[Request]) -> list[tuple[torch.Tensor, torch.Tensor, object]]:
+        """One step; per layer (output, dense reference output, metadata)."""
+        lay = self.coord.layout
+        batch = Batch(requests)
+        self.coord.forward_begin(batch)
+        results = []
+        for layer in range(lay.num_layers):
+            b = len(requests)
+            q = self.randn(b, self.q_heads, lay.head_dim)
+            k = self.randn(b, lay.num_kv_heads, lay.head_dim)
+            v = self.randn(b, lay.num_kv_heads, lay.head_dim)
+            meta = self.coord.attention_begin(layer, q, k, v, batch)
+            meta.selection.validate(batch.seq_lens)
+            out = self.coord.attend(layer, q, meta)
+            self.coord.attention_end(layer, out, batch)
+            refs = []
+            for i, r in enumerate(requests):
+                pk, pv = self.kv[r.rid][layer]
+                pk, pv = torch.cat([pk, k[i : i + 1]]), torch.cat([pv, v[i : i + 1]])
+                self.kv[r.rid][layer] = (pk, pv)
+                refs.append(dense_reference(q[i], pk, pv))
+            results.append((out, torch.stack(refs), meta))
+        self.coord.forward_end(batch)
+        return results
+
+
+def make(config: dict | None = None, *, layers: int = 2, kv_heads: int = 2, head_dim: int = 8, **kw) -> SparseCoordinator:
+    layout = KVLayout(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim)
+    return SparseCoordinator({**BASE, **(config or {})}, layout, **{"max_requests": 4, "max_seq_len": 512, **kw})
+
+
+def test_lifecycle_leaves_nothing_allocated() -> None:
+    coord = make({"min_sparse_prompt_len": 60})
+    drv = Driver(coord, q_heads=4)
+    reqs = [Request("a", 100), Request("b", 37), Request("c", 70)]
+    drv.prefill(reqs)
+    assert [r.dense for r in reqs] == [False, True, False]
+    assert coord.store.used_tokens() > 0
+    for _ in range(30):  # crosses several page boundaries
+        drv.decode(reqs)
+    assert [r.seq_len for r in reqs] == [130, 67, 100]
+    for r in reqs:
+        coord.on_request_end(r)
+        assert r.slot == -1
+    assert coord.store.used_tokens() == 0
+    assert coord.requests == {}
+    assert bool((coord.store.page_table == -1).all())
+    # the freed rows and pages serve new requests
+    drv.prefill([Request("d", 200)])
+    drv.decode([coord.requests["d"]])
+
+
+def test_sparse_rows_are_sparse_and_dense_rows_are_complete() -> None:
+    coord = make({"min_sparse_prompt_len": 60})
+    drv = Driver(coord, q_heads=4)
+    reqs = [Request("long", 300), Request("short", 20)]
+    drv.prefill(reqs)
+    (out, ref, meta), _ = drv.decode(reqs)
+    sel = meta.selection
+    assert sel.indices.shape[1] == 2  # Quest selects per KV head
+    assert bool((sel.lengths[0] < 301).all())  # sparse: fewer than all tokens
+    assert sel.lengths[1].tolist() == [21, 21]  # dense: every token
+    assert sel.indices[1, 0, :21].tolist() == list(range(21))
+    # the dense request's output equals dense attention
+    assert torch.allclose(out[1].double(), ref[1], atol=1e-5)
+
+
+def test_dense_layers_attend_to_everything() -> None:
+    coord = make({"dense_layers": [1]})
+    drv = Driver(coord, q_heads=4)
+    reqs = [Request("a", 300)]
+    drv.prefill(reqs)
+    (out0, ref0, meta0), (out1, ref1, meta1) = drv.decode(reqs)
+    assert bool((meta0.selection.lengths < 301).all())
+    assert meta1.selection.lengths.tolist() == [[301, 301]]
+    assert torch.allclose(out1.double(), ref1, atol=1e-5)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2, 4]),
+    page_size=st.sampled_from([1, 2, 4, 8]),
+    lens=st.lists(st.integers(1, 90), min_size=1, max_size=3),
+    steps=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_budget_covering_the_context_equals_dense(kv_heads, group, page_size, lens, steps, seed) -> None:
+    coord = make({"top_k": 128, "page_size": page_size, "sink_tokens": 0, "recent_tokens": 0}, kv_heads=kv_heads)
+    drv = Driver(coord, q_heads=kv_heads * group, seed=seed)
+    reqs = [Request(f"r{i}", n) for i, n in enumerate(lens)]
+    drv.prefill(reqs)
+    for _ in range(steps):
+        for out, ref, meta in drv.decode(reqs):
+            assert torch.allclose(out.double(), ref, atol=1e-5, rtol=0)
+    for r in reqs:
+        coord.on_request_end(r)
+    assert coord.store.used_tokens() == 0
+
+
+def test_stored_kv_is_exactly_what_was_written() -> None:
+    coord = make()
+    drv = Driver(coord, q_heads=4)
+    reqs = [Request("a", 45), Request("b", 13)]
+    drv.prefill(reqs)
+    for _ in range(7):
+        drv.decode(reqs)
+    for r in reqs:
+        for layer in range(2):
+            k, v = coord.store.read(layer, r)
+            ek, ev = drv.kv[r.rid][layer]
+            assert torch.equal(k, ek) and torch.equal(v, ev)
+
+
+def test_input_errors_are_clear() -> None:
+    coord = make()
+    r = Request("a", 50)
+    coord.on_request_begin(r)
+    with pytest.raises(ValueError, match="already active"):
+        coord.on_request_begin(Request("a", 10))
+    with pytest.raises(ValueError, match="must be prefilled"):
+        coord.forward_begin(Batch([r]))
+    with pytest.raises(ValueError, match="was not begun"):
+        coord.forward_begin(Batch([Request("zz", 5)]))
+    batch = Batch([r], is_prefill=True)
+    coord.forward_begin(batch)
+    with pytest.raises(ValueError, match=r"k and v must be \[50, 2, 8\]"):
+        coord.attention_begin(0, torch.randn(50, 4, 8), torch.randn(50, 3, 8), torch.randn(50, 3, 8), batch)
+    with pytest.raises(ValueError, match="multiple of 2 KV heads"):
+        coord.attention_begin(0, torch.randn(50, 3, 8), torch.randn(50, 2, 8), torch.randn(50, 2, 8), batch)
+    with pytest.raises(ValueError, match="layer 5 out of range"):
+        coord.attention_begin(5, torch.randn(50, 4, 8), torch.randn(50, 2, 8), torch.randn(50, 2, 8), batch)
+    with pytest.raises(ValueError, match="not active"):
+        coord.on_request_end(Request("nope", 3))
+    with pytest.raises(ValueError, match="no room to decode"):
+        coord.on_request_begin(Request("huge", 512))
+
+
+def test_config_errors_at_construction() -> None:
+    with pytest.raises(ConfigError, match=r"`dense_layers` = \[0, 7\].*layers 0..1"):
+        make({"dense_layers": [0, 7]})
+    with pytest.raises(ConfigError, match="supports dtypes"):
+        SparseCoordinator(BASE, KVLayout(1, 1, 8, dtype=torch.float64))
+
+
+def test_capacity_error_names_sizes_and_keeps_existing_kv() -> None:
+    coord = make(capacity_tokens=64)
+    drv = Driver(coord, q_heads=4)
+    drv.prefill([Request("a", 40)])
+    before = coord.store.read(0, coord.requests["a"])
+    with pytest.raises(CapacityError, match=r"needs 10 more pages of 4 tokens, 6 of 16 are free"):
+        coord.on_request_begin(Request("b", 40))
+    assert "b" not in coord.requests
+    after = coord.store.read(0, coord.requests["a"])
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+    with pytest.raises(ValueError, match="request rows are in use"):
+        full = make(max_requests=1)
+        full.on_request_begin(Request("x", 5))
+        full.on_request_begin(Request("y", 5))
