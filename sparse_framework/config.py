@@ -160,6 +160,8 @@ def load_config(source: SparseConfig | dict[str, Any] | str | PathLike[str]) -> 
 def _read(source: str | PathLike[str]) -> Any:
     text = str(source)
     where = "config JSON string"
+    if text.lstrip()[:1] in ("[", '"') or text.strip().lstrip("-").isdigit():
+        raise ConfigError(f"config must be a JSON object ({{...}}), got {text.strip()[:40]!r}")
     if not text.lstrip().startswith("{"):
         path = Path(text)
         if not path.is_file():
@@ -172,17 +174,27 @@ def _read(source: str | PathLike[str]) -> Any:
         raise ConfigError(f"{where} is not valid JSON: {exc}") from None
 
 
+def _loads(kind: str, name: str) -> bool:
+    try:
+        registry.load(kind, name)
+    except PluginError:
+        return False
+    return True
+
+
 def config_schema() -> dict[str, Any]:
     """JSON Schema of SparseConfig with each loadable algorithm's extra-config under `$defs`,
     tied to its algorithm name by if/then."""
     schema = SparseConfig.model_json_schema()
     defs = schema.setdefault("$defs", {})
     rules = []
+    usable = []
     for name in registry.names("algorithm"):
         try:
             algo = registry.load("algorithm", name)
         except PluginError:
             continue  # listed with its error by `sparse-framework plugins`
+        usable.append(name)
         key = f"extra_{name}"
         defs[key] = algo.Config.model_json_schema(ref_template="#/$defs/" + key + "_{model}")
         for sub, sub_schema in defs[key].pop("$defs", {}).items():
@@ -195,6 +207,6 @@ def config_schema() -> dict[str, Any]:
         )
     if rules:
         schema["allOf"] = rules
-    schema["properties"]["algorithm"]["enum"] = registry.names("algorithm")
-    schema["properties"]["backend"]["enum"] = registry.names("backend")
+    schema["properties"]["algorithm"]["enum"] = usable
+    schema["properties"]["backend"]["enum"] = [n for n in registry.names("backend") if _loads("backend", n)]
     return schema

@@ -10,6 +10,7 @@ or listed.
 from __future__ import annotations
 
 import functools
+import importlib
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
@@ -118,6 +119,7 @@ def load(kind: str, name: str) -> Any:
 
 def describe(kind: str) -> list[PluginInfo]:
     """Every plugin of one kind with its load status (imports each one)."""
+    _check_kind(kind)
     infos = []
     for name, eps in sorted(_entry_points(kind).items()):
         try:
@@ -133,5 +135,6 @@ def describe(kind: str) -> list[PluginInfo]:
 
 def refresh() -> None:
     """Forget cached entry points and loaded classes (after installing a plugin at run time)."""
+    importlib.invalidate_caches()
     _entry_points.cache_clear()
     load.cache_clear()

@@ -180,8 +180,9 @@ def test_missing_file(tmp_path):
 
 
 def test_non_object_json():
-    # a string not starting with '{' is taken as a path, so a JSON array reads as a missing file
-    assert config_error("[1, 2]") == "config '[1, 2]' is neither a JSON object nor an existing file"
+    # a JSON array, string or number given as text is named as such, not taken for a path
+    assert config_error("[1, 2]") == "config must be a JSON object ({...}), got '[1, 2]'"
+    assert config_error("42") == "config must be a JSON object ({...}), got '42'"
     # ... while an array in a file, or passed as a Python list, is named as such
     assert config_error([1, 2]) == "config must be a JSON object, got list"
 

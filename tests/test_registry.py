@@ -109,11 +109,6 @@ def test_names_are_sorted_and_unknown_kind_is_rejected():
         registry.load("scheduler", "quest")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="registry.describe does not call _check_kind: an unknown kind raises KeyError, "
-    "not PluginError (reported; remove this marker once fixed)",
-)
 def test_describe_rejects_unknown_kind_with_plugin_error():
     with pytest.raises(PluginError, match="unknown plugin kind"):
         registry.describe("algorithms")
