@@ -42,9 +42,13 @@ class Batch:
     seq_lens: torch.Tensor | None = None
     slot_ids: torch.Tensor | None = None
     max_seq_len: int = 0
-    # rows of the requests that decode sparsely (None: all of them) and their sub-batch
-    sparse_rows: torch.Tensor | None = None
-    sparse_batch: Batch | None = None
+    # filled by forward_begin: which rows decode sparsely, as index tensors and sub-batches
+    num_sparse: int = 0
+    sparse_mask: torch.Tensor | None = None  # bool [batch]
+    sparse_rows: torch.Tensor | None = None  # int64 [num_sparse]
+    dense_rows: torch.Tensor | None = None  # int64 [batch - num_sparse]
+    sparse_batch: Batch | None = None  # the sparse rows as a batch (self when all are sparse)
+    dense_batch: Batch | None = None
     # per-layer scratch the coordinator keeps between attention_begin and attention_end
     pending: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 

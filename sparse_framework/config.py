@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from os import PathLike
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
@@ -34,13 +34,19 @@ class SparseConfig(BaseModel):
 
     algorithm: str = Field("quest", description="registered algorithm name (`sparse-framework plugins`)")
     backend: str = Field("torch_ref", description="registered attention backend name")
+    store: Literal["hierarchical", "resident"] = Field(
+        "hierarchical",
+        description="hierarchical: full KV on the host, a fixed device buffer per request; "
+        "resident: every token on the device",
+    )
     adaptor: str | None = Field(
         None, description="metadata adaptor; default: the one the backend consumes"
     )
     top_k: int = Field(2048, ge=1, description="retrieved tokens per selection (pages: top_k // page_size)")
     page_size: int = Field(16, ge=1, description="tokens per page (page-granular algorithms, paged KV)")
     device_buffer_tokens: int = Field(
-        4096, ge=1, description="device slots per request and layer in hierarchical mode"
+        4096, ge=1, description="device slots per request and layer in hierarchical mode "
+        "(rounded up to whole pages)"
     )
     sink_tokens: int = Field(16, ge=0, description="first tokens of every sequence, always selected")
     recent_tokens: int = Field(64, ge=0, description="last tokens of every sequence, always selected")

@@ -25,8 +25,9 @@ import torch
 from .batch import Batch, Request, Selection
 from .config import SparseConfig, load_config
 from .errors import ConfigError
+from .errors import CapacityError
+from .kv_store.hierarchical import HierarchicalKVStore
 from .kv_store.layout import KVLayout
-from .kv_store.resident import ResidentKVStore
 
 
 @dataclass
@@ -53,8 +54,9 @@ class SparseCoordinator:
     """Drives one algorithm, one store, one adaptor and one backend for an engine.
 
     max_requests / max_seq_len size the pooled per-request state (algorithm
-    representations, page tables); capacity_tokens sizes the KV pool (default: enough for
-    max_requests sequences of max_seq_len).
+    representations, page tables, slot maps). device_capacity_tokens / host_capacity_tokens
+    size the device pool (per layer) and the host pool; the defaults fit max_requests
+    sequences of max_seq_len in either (use `plan_capacity` to size them for real).
     """
 
     def __init__(
@@ -64,7 +66,8 @@ class SparseCoordinator:
         *,
         max_requests: int = 8,
         max_seq_len: int = 32768,
-        capacity_tokens: int | None = None,
+        device_capacity_tokens: int | None = None,
+        host_capacity_tokens: int | None = None,
     ) -> None:
         self.config = load_config(config)
         self.layout = layout
@@ -82,18 +85,27 @@ class SparseCoordinator:
         self.algorithm = algorithm_cls(self.config, layout, max_requests, max_seq_len)
         self.adaptor = self.config.adaptor_class()
         self.backend = backend_cls()
-        self.store = ResidentKVStore(
+        cfg = self.config
+        self.store = HierarchicalKVStore(
             layout,
-            page_size=self.config.page_size,
+            page_size=cfg.page_size,
+            device_buffer_tokens=cfg.device_buffer_tokens,
+            sink_tokens=cfg.sink_tokens,
+            recent_tokens=cfg.recent_tokens,
+            dense_layers=cfg.dense_layers,
+            unit=self.algorithm.unit,
+            per_kv_head=algorithm_cls.per_kv_head,
             max_requests=max_requests,
             max_seq_len=max_seq_len,
-            head_major=algorithm_cls.per_kv_head,
-            capacity_tokens=capacity_tokens,
+            device_capacity_tokens=device_capacity_tokens,
+            host_capacity_tokens=host_capacity_tokens,
+            resident_only=cfg.store == "resident",
         )
         self.max_seq_len = max_seq_len
         self._heads = layout.num_kv_heads if algorithm_cls.per_kv_head else 1
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self.requests: dict[str, Request] = {}
+        self.retracted: set[str] = set()
 
     # -- request lifecycle ------------------------------------------------------------------
     def on_request_begin(self, request: Request) -> None:
@@ -118,10 +130,34 @@ class SparseCoordinator:
             raise
         self.requests[request.rid] = request
 
+    def on_request_retract(self, request: Request) -> None:
+        """Preempt a request between steps: its device KV is released, its host KV and the
+        algorithm's representations are kept; `on_request_resume` brings it back."""
+        self._active(request)
+        if request.rid in self.retracted:
+            raise ValueError(f"request {request.rid!r} is already retracted")
+        if request.seq_len == 0:
+            raise ValueError(f"request {request.rid!r} must be prefilled before it is retracted")
+        self.store.retract(request)
+        self.retracted.add(request.rid)
+
+    def on_request_resume(self, request: Request) -> None:
+        """Resume a retracted request (CapacityError, with nothing changed, if it does not fit)."""
+        self._active(request)
+        if request.rid not in self.retracted:
+            raise ValueError(f"request {request.rid!r} is not retracted")
+        self.store.resume(request)
+        self.retracted.discard(request.rid)
+
+    def _active(self, request: Request) -> None:
+        if self.requests.get(request.rid) is not request:
+            raise ValueError(f"request {request.rid!r} is not active (call on_request_begin first)")
+
     def on_request_end(self, request: Request) -> None:
         """Finish a request: free its KV, its representations and its state row."""
         if self.requests.pop(request.rid, None) is None:
             raise ValueError(f"request {request.rid!r} is not active")
+        self.retracted.discard(request.rid)
         self.algorithm.release(request)
         self.store.release(request)
         self._free_slots.append(request.slot)
@@ -135,33 +171,42 @@ class SparseCoordinator:
         for r in batch.requests:
             if self.requests.get(r.rid) is not r:
                 raise ValueError(f"request {r.rid!r} was not begun with on_request_begin")
+            if r.rid in self.retracted:
+                raise ValueError(f"request {r.rid!r} is retracted; resume it before batching it")
             if batch.is_prefill and r.seq_len != 0:
                 raise ValueError(f"request {r.rid!r} was already prefilled")
             if not batch.is_prefill and r.seq_len == 0:
                 raise ValueError(f"request {r.rid!r} must be prefilled before decoding")
             if not batch.is_prefill and r.seq_len >= self.max_seq_len:
                 raise ValueError(f"request {r.rid!r} reached max_seq_len {self.max_seq_len}")
+        if len({r.rid for r in batch.requests}) != len(batch):
+            raise ValueError("a request appears twice in the batch")
+        before = [r.seq_len for r in batch.requests]
         for r in batch.requests:
             r.seq_len = r.prompt_len if batch.is_prefill else r.seq_len + 1
         if not batch.is_prefill:
-            self.store.grow(batch)
-        _fill_step_tensors(batch, self.layout.device)
-        sparse = [i for i, r in enumerate(batch.requests) if not r.dense]
-        batch.sparse_rows = None if len(sparse) == len(batch) else torch.tensor(sparse, device=self.layout.device)
-        batch.sparse_batch = batch if batch.sparse_rows is None else _sub_batch(batch, sparse, self.layout.device)
+            try:
+                self.store.grow(batch)
+            except CapacityError:
+                for r, n in zip(batch.requests, before):
+                    r.seq_len = n
+                raise
+        _prepare(batch, self.layout.device)
+        self.store.begin_step(batch)
 
     def forward_end(self, batch: Batch) -> None:
-        """End of the step: drop the per-layer scratch. (The hierarchical store starts its
-        asynchronous host writes here.)"""
+        """End of the step: start the store's asynchronous host writes, drop the scratch."""
+        self.store.end_step(batch)
         batch.pending.clear()
 
     def attention_begin(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, batch: Batch
     ) -> AttentionMetadata:
         """Store this step's K/V; for decode select, make resident and plan.
 
         Decode: q [batch, q_heads, dim], k/v [batch, kv_heads, dim]. Prefill: packed
-        q [Σ prompt_len, q_heads, dim], k/v [Σ prompt_len, kv_heads, dim].
+        q [Σ prompt_len, q_heads, dim], k/v [Σ prompt_len, kv_heads, dim]. MLA: k is the
+        latent [tokens, 1, 576] and v is None.
         """
         self._check_inputs(layer, q, k, v, batch)
         batch.pending[layer] = {"q": q, "k": k, "v": v}
@@ -170,10 +215,10 @@ class SparseCoordinator:
             for r in batch.requests:
                 self.store.write_prefill(layer, r, k[offset : offset + r.prompt_len], v[offset : offset + r.prompt_len])
                 offset += r.prompt_len
-            return AttentionMetadata(layer, True, plan=batch.query_lens, k_cache=k, v_cache=v)
+            v_rows = k[..., : self.layout.v_head_dim] if v is None else v
+            return AttentionMetadata(layer, True, plan=batch.query_lens, k_cache=k, v_cache=v_rows)
         self.store.write_decode(layer, batch, k, v)
-        selection = self._select(layer, q, batch)
-        slots = self.store.ensure_resident(layer, batch, selection)
+        selection, slots = self._select_and_place(layer, q, batch)
         plan = self.adaptor.plan(slots, selection.lengths, page_size=selection.page_size, num_slots=self.store.num_slots)
         k_cache, v_cache = self.store.paged_view(layer, selection.page_size)
         return AttentionMetadata(layer, False, selection, slots, plan, k_cache, v_cache)
@@ -202,31 +247,40 @@ class SparseCoordinator:
                 offset += r.prompt_len
             return
         sub = batch.sparse_batch
-        if sub is not None and len(sub):
-            keys = pending["k"] if batch.sparse_rows is None else pending["k"][batch.sparse_rows]
+        if sub is not None:
+            keys = pending["k"] if sub is batch else pending["k"][batch.sparse_rows]
             self.algorithm.append(layer, sub, keys)
 
     # -- helpers --------------------------------------------------------------------------
-    def _select(self, layer: int, q: torch.Tensor, batch: Batch) -> Selection:
-        """The algorithm's selection for sparse requests; every token for dense ones."""
+    def _select_and_place(self, layer: int, q: torch.Tensor, batch: Batch) -> tuple[Selection, torch.Tensor]:
+        """Selection and device slots for every row: the algorithm's choice, made resident,
+        for sparse requests in sparse layers; every token for the others."""
         sub = batch.sparse_batch
-        if layer in self.config.dense_layers or sub is None or len(sub) == 0:
-            return _dense_selection(batch, self._heads, self.store.page_size)
-        queries = q if batch.sparse_rows is None else q[batch.sparse_rows]
+        if layer in self.config.dense_layers or sub is None:
+            everything = _dense_selection(batch, self._heads, self.store.page_size)
+            return everything, self.store.resident_slots(layer, batch, everything)
+        queries = q if sub is batch else q[batch.sparse_rows]
         chosen = self.algorithm.select(layer, queries, sub)
-        if batch.sparse_rows is None:
-            return chosen
-        dense = _dense_selection(batch, self._heads, chosen.page_size)
-        width = max(dense.indices.shape[-1], chosen.indices.shape[-1])
-        indices = torch.nn.functional.pad(dense.indices, (0, width - dense.indices.shape[-1]), value=-1)
-        indices[batch.sparse_rows] = torch.nn.functional.pad(
-            chosen.indices, (0, width - chosen.indices.shape[-1]), value=-1
-        )
-        lengths = dense.lengths.clone()
-        lengths[batch.sparse_rows] = chosen.lengths
-        return Selection(indices, lengths, chosen.page_size)
+        slots = self.store.ensure_resident(layer, sub, chosen)
+        if sub is batch:
+            return chosen, slots
+        dense = batch.dense_batch
+        assert dense is not None and batch.dense_rows is not None and batch.sparse_rows is not None
+        everything = _dense_selection(dense, self._heads, chosen.page_size)
+        dense_slots = self.store.resident_slots(layer, dense, everything)
+        width = max(everything.indices.shape[-1], chosen.indices.shape[-1])
+        shape = (len(batch), self._heads, width)
+        indices = torch.full(shape, -1, dtype=torch.int32, device=q.device)
+        all_slots = torch.full(shape, -1, dtype=torch.int32, device=q.device)
+        lengths = torch.zeros(shape[:2], dtype=torch.int32, device=q.device)
+        for rows, sel, sl in ((batch.sparse_rows, chosen, slots), (batch.dense_rows, everything, dense_slots)):
+            w = sel.indices.shape[-1]
+            indices[rows, :, :w] = sel.indices
+            all_slots[rows, :, :w] = sl
+            lengths[rows] = sel.lengths
+        return Selection(indices, lengths, chosen.page_size), all_slots
 
-    def _check_inputs(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> None:
+    def _check_inputs(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, batch: Batch) -> None:
         lay = self.layout
         if not 0 <= layer < lay.num_layers:
             raise ValueError(f"layer {layer} out of range 0..{lay.num_layers - 1}")
@@ -234,8 +288,15 @@ class SparseCoordinator:
             raise ValueError("call forward_begin(batch) before attention_begin")
         tokens = sum(batch.query_lens)
         want_kv = (tokens, lay.num_kv_heads, lay.head_dim)
-        if tuple(k.shape) != want_kv or tuple(v.shape) != want_kv:
-            raise ValueError(f"k and v must be {list(want_kv)}, got {list(k.shape)} and {list(v.shape)}")
+        if lay.is_mla:
+            if tuple(k.shape) != want_kv or v is not None:
+                raise ValueError(
+                    f"an MLA layout takes the latent as k {list(want_kv)} and v=None "
+                    f"(V is its first {lay.v_head_dim} dims), got k {list(k.shape)}"
+                )
+        elif v is None or tuple(k.shape) != want_kv or tuple(v.shape) != want_kv:
+            got = "None" if v is None else list(v.shape)
+            raise ValueError(f"k and v must be {list(want_kv)}, got {list(k.shape)} and {got}")
         if q.dim() != 3 or q.shape[0] != tokens or q.shape[2] != lay.head_dim or q.shape[1] % lay.num_kv_heads:
             raise ValueError(
                 f"q must be [{tokens}, num_q_heads, {lay.head_dim}] with num_q_heads a multiple of "
@@ -249,10 +310,24 @@ def _fill_step_tensors(batch: Batch, device: str | torch.device) -> None:
     batch.max_seq_len = max(r.seq_len for r in batch.requests)
 
 
-def _sub_batch(batch: Batch, rows: list[int], device: str | torch.device) -> Batch:
+def _prepare(batch: Batch, device: str | torch.device) -> None:
+    """The step's tensors, and the split into sparse and dense rows (as sub-batches)."""
+    _fill_step_tensors(batch, device)
+    sparse = [i for i, r in enumerate(batch.requests) if not r.dense]
+    dense = [i for i, r in enumerate(batch.requests) if r.dense]
+    batch.num_sparse = len(sparse)
+    batch.sparse_mask = torch.tensor([not r.dense for r in batch.requests], device=device)
+    batch.sparse_rows = torch.tensor(sparse, dtype=torch.long, device=device)
+    batch.dense_rows = torch.tensor(dense, dtype=torch.long, device=device)
+    batch.sparse_batch = batch if not dense else _sub_batch(batch, sparse, device)
+    batch.dense_batch = batch if not sparse else _sub_batch(batch, dense, device)
+
+
+def _sub_batch(batch: Batch, rows: list[int], device: str | torch.device) -> Batch | None:
+    if not rows:
+        return None
     sub = Batch([batch.requests[i] for i in rows], is_prefill=batch.is_prefill)
-    if rows:
-        _fill_step_tensors(sub, device)
+    _prepare(sub, device)
     return sub
 
 
@@ -270,7 +345,7 @@ def _causal_prefill(
 ) -> torch.Tensor:
     """Dense causal attention per request over packed rows, float32 accumulation; queries in
     chunks so that memory stays at [q_heads, chunk, prompt_len]."""
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     group = q.shape[1] // k.shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1])
     offset = 0

@@ -111,7 +111,8 @@ def test_lifecycle_leaves_nothing_allocated() -> None:
         assert r.slot == -1
     assert coord.store.used_tokens() == 0
     assert coord.requests == {}
-    assert bool((coord.store.page_table == -1).all())
+    assert bool((coord.store.dev_table == -1).all()) and bool((coord.store.host_table == -1).all())
+    assert coord.store.host_alloc.used == 0
     # the freed rows and pages serve new requests
     drv.prefill([Request("d", 200)])
     drv.decode([coord.requests["d"]])
@@ -211,15 +212,24 @@ def test_config_errors_at_construction() -> None:
 
 
 def test_capacity_error_names_sizes_and_keeps_existing_kv() -> None:
-    coord = make(capacity_tokens=64)
+    # dense-mode requests (below min_sparse_prompt_len) hold every token on the device
+    coord = make({"min_sparse_prompt_len": 1000}, device_capacity_tokens=64)
     drv = Driver(coord, q_heads=4)
     drv.prefill([Request("a", 40)])
     before = coord.store.read(0, coord.requests["a"])
-    with pytest.raises(CapacityError, match=r"needs 10 more pages of 4 tokens, 6 of 16 are free"):
+    with pytest.raises(CapacityError, match=r"needs 10 more pages of 4 tokens \(40 tokens\), 6 of 16 pages are free"):
         coord.on_request_begin(Request("b", 40))
     assert "b" not in coord.requests
     after = coord.store.read(0, coord.requests["a"])
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+    # sparse requests hold a fixed device buffer (device_buffer_tokens) and all tokens on the host
+    coord = make({"device_buffer_tokens": 64}, device_capacity_tokens=128, host_capacity_tokens=100)
+    drv = Driver(coord, q_heads=4)
+    drv.prefill([Request("a", 90)])
+    assert coord.store.device_tokens(coord.requests["a"]) == 64
+    with pytest.raises(CapacityError, match=r"host KV pool full: request 'b' needs 3 more pages.*2 of 25 pages are free"):
+        coord.on_request_begin(Request("b", 12))
+    assert coord.store.host_alloc.used == 23
     with pytest.raises(ValueError, match="request rows are in use"):
         full = make(max_requests=1)
         full.on_request_begin(Request("x", 5))

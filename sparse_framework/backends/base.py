@@ -67,5 +67,5 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """Decode attention. q: [batch, num_q_heads, head_dim]; k_cache/v_cache: the paged
         view [num_pages, page_size, heads, head_dim] that matches the metadata (heads = 1
-        when the metadata folds KV heads into the batch). Returns [batch, num_q_heads,
-        head_dim] in q's dtype."""
+        when the metadata folds KV heads into the batch; v_cache's dim is 512 for an MLA
+        latent of 576). Returns [batch, num_q_heads, v_dim] in q's dtype."""

@@ -19,10 +19,12 @@ def paged_attention(
     cache_seqlens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """q: [N, Hq, D]; k_cache/v_cache: [num_pages, P, Hk, D]; page_table: int32 [N, max_pages];
+    """q: [N, Hq, D]; k_cache: [num_pages, P, Hk, D]; v_cache: [num_pages, P, Hk, Dv] (Dv < D
+    for MLA, where V is a prefix of the latent row); page_table: int32 [N, max_pages];
     cache_seqlens: int32 [N]. Each of the Hq // Hk query heads of a group reads KV head
-    h = q_head // (Hq // Hk). A sequence of length 0 gives zeros. Returns float32 [N, Hq, D]."""
+    h = q_head // (Hq // Hk). A sequence of length 0 gives zeros. Returns float32 [N, Hq, Dv]."""
     n, hq, d = q.shape
+    dv = v_cache.shape[-1]
     _, p, hk, _ = k_cache.shape
     max_tokens = page_table.shape[1] * p
     pos = torch.arange(max_tokens, device=q.device)
@@ -30,14 +32,14 @@ def paged_attention(
     valid = pos < cache_seqlens.long().unsqueeze(1)
     rows = torch.where(valid, rows, 0)
     k = k_cache.reshape(-1, hk, d)[rows].float()  # [N, T, Hk, D]
-    v = v_cache.reshape(-1, hk, d)[rows].float()
+    v = v_cache.reshape(-1, hk, dv)[rows].float()
     group = hq // hk
     qg = q.float().view(n, hk, group, d)
     scores = torch.einsum("nhgd,nthd->nhgt", qg, k) * scale
     scores = scores.masked_fill(~valid.view(n, 1, 1, -1), float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # empty sequences: all -inf -> 0
     out = torch.einsum("nhgt,nthd->nhgd", probs, v)
-    return out.reshape(n, hq, d)
+    return out.reshape(n, hq, dv)
 
 
 class TorchRefBackend(AttentionBackend):
@@ -60,4 +62,4 @@ class TorchRefBackend(AttentionBackend):
             hk = metadata.page_table.shape[0] // b
             q = q.reshape(b * hk, hq // hk, d)  # each (request, KV head) its group of heads
         out = paged_attention(q, k_cache, v_cache, metadata.page_table, metadata.cache_seqlens, scale)
-        return out.reshape(b, hq, d).to(q.dtype)
+        return out.reshape(b, hq, v_cache.shape[-1]).to(q.dtype)

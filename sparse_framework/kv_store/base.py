@@ -1,9 +1,4 @@
-"""The store interface the coordinator talks to.
-
-Step 1 ships a resident store (every token on the device); the hierarchical store (host pool
-+ per-request device buffer + swap-in) implements the same interface, so the coordinator,
-algorithms and backends do not change when it arrives.
-"""
+"""The store interface the coordinator talks to (implemented by HierarchicalKVStore)."""
 
 from __future__ import annotations
 
@@ -16,60 +11,83 @@ from .layout import KVLayout
 
 
 class KVStore(ABC):
-    """Holds every live request's K/V per layer and maps logical tokens to physical slots.
+    """Holds every live request's K/V per layer and maps logical tokens to device slots.
 
-    Buffers are viewed as pages for the kernels: token-major [num_slots, kv_heads, dim]
-    (per-request selections) or head-major [kv_heads, num_slots, dim] (per-KV-head
-    selections, whose page tables fold KV heads into the batch).
+    Device buffers are viewed as pages for the kernels: token-major [slots, kv_heads, dim]
+    (per-request selections) or head-major [kv_heads, slots, dim] (per-KV-head selections,
+    whose page tables fold KV heads into the batch).
     """
 
     layout: KVLayout
     head_major: bool
+    page_size: int
 
     @property
     @abstractmethod
     def num_slots(self) -> int:
-        """Physical token slots per KV head and layer."""
+        """Device token slots per KV head and layer."""
 
+    # lifecycle
     @abstractmethod
     def admit(self, request: Request) -> None:
-        """Reserve room for a new request's prompt (raises CapacityError when full)."""
+        """Reserve room for a new request's prompt (CapacityError when full; nothing changes)."""
+
+    @abstractmethod
+    def retract(self, request: Request) -> None:
+        """Preempt: release the request's device memory, keep its KV on the host."""
+
+    @abstractmethod
+    def resume(self, request: Request) -> None:
+        """Undo `retract`: attention afterwards is bit-identical to never having retracted."""
+
+    @abstractmethod
+    def release(self, request: Request) -> None:
+        """Free everything the request holds."""
+
+    # per step
+    def begin_step(self, batch: Batch) -> None:
+        """Start of a forward pass (wait for last step's asynchronous writes)."""
+
+    def end_step(self, batch: Batch) -> None:
+        """End of a forward pass (start asynchronous writes)."""
 
     @abstractmethod
     def grow(self, batch: Batch) -> None:
         """Make room for this decode step's new token of every request (after `seq_len` was
-        advanced)."""
+        advanced); all or nothing."""
 
     @abstractmethod
-    def write_prefill(self, layer: int, request: Request, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store a prompt's K/V: [prompt_len, kv_heads, dim] at positions 0..prompt_len-1."""
+    def write_prefill(self, layer: int, request: Request, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        """Store a prompt's K/V: [prompt_len, kv_heads, dim] (v None for MLA latents)."""
 
     @abstractmethod
-    def write_decode(self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write_decode(self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor | None) -> None:
         """Store this step's K/V: [batch, kv_heads, dim], row i at position seq_lens[i]-1."""
 
     @abstractmethod
     def ensure_resident(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
-        """Make the selected tokens resident; return their physical slots, int32 shaped like
-        `selection.indices`, -1 where the selection is padded."""
+        """Make a selection of the batch's (sparse) requests resident; return device slots,
+        int32 shaped like `selection.indices`, -1 where the selection is padded."""
+
+    @abstractmethod
+    def resident_slots(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
+        """Device slots of tokens of requests whose whole sequence is on the device (dense
+        requests and dense layers)."""
 
     @abstractmethod
     def paged_view(self, layer: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of a layer viewed as [num_pages, page_size, heads, dim] (heads = 1 in the
         head-major layout, whose page p of KV head h is page h * num_slots // page_size + p)."""
 
-    @abstractmethod
-    def release(self, request: Request) -> None:
-        """Free everything the request holds."""
-
+    # accounting
     @abstractmethod
     def device_tokens(self, request: Request) -> int:
-        """Token slots the request holds on the device (per layer and KV head)."""
+        """Device token slots the request holds (per layer, averaged over layers)."""
 
     @abstractmethod
     def used_tokens(self) -> int:
-        """Token slots currently owned by requests (per layer and KV head)."""
+        """Device token slots owned by requests (per layer, averaged over layers)."""
 
+    @abstractmethod
     def device_bytes(self) -> int:
         """Bytes of KV held on the device for live requests, over all layers."""
-        return self.used_tokens() * self.layout.bytes_per_token

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+FP8_DTYPES = tuple(
+    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
+)
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """MHA/GQA KV layout: per layer and token, one K row and one V row of
-    `num_kv_heads x head_dim` elements of `dtype`.
+    """Per layer and token: what is cached.
 
-    (The MLA latent layout arrives with the hierarchical store, step 2.)
+    kind "mha" (MHA/GQA): one K row and one V row of `num_kv_heads x head_dim` elements.
+    kind "mla": one latent row of `head_dim` elements (e.g. 576 = 512 + 64 RoPE dims) for
+    one KV head; K is the whole row and V its first `v_head_dim` (512) elements.
+    Any floating dtype; fp8 rows are stored as bytes (`storage_dtype` uint8).
     """
 
     num_layers: int
@@ -20,6 +27,8 @@ class KVLayout:
     head_dim: int
     dtype: torch.dtype = torch.float32
     device: str | torch.device = "cpu"
+    kind: Literal["mha", "mla"] = "mha"
+    v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim"):
@@ -28,13 +37,58 @@ class KVLayout:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ValueError(f"KVLayout.dtype must be a floating torch.dtype, got {self.dtype!r}")
+        if self.kind not in ("mha", "mla"):
+            raise ValueError(f"KVLayout.kind must be 'mha' or 'mla', got {self.kind!r}")
+        if self.kind == "mla":
+            if self.num_kv_heads != 1:
+                raise ValueError(f"an MLA layout has one latent KV head, got num_kv_heads={self.num_kv_heads}")
+            if self.v_head_dim is None:
+                object.__setattr__(self, "v_head_dim", min(512, self.head_dim))
+            if not 1 <= self.v_head_dim <= self.head_dim:
+                raise ValueError(f"KVLayout.v_head_dim must be in 1..head_dim ({self.head_dim}), got {self.v_head_dim}")
+        elif self.v_head_dim not in (None, self.head_dim):
+            raise ValueError("KVLayout.v_head_dim differs from head_dim only in MLA layouts")
+        else:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+
+    @classmethod
+    def mla(cls, num_layers: int, latent_dim: int = 576, v_head_dim: int = 512, **kw: object) -> KVLayout:
+        """DeepSeek-style MLA layout: one latent row (512 + 64) per token."""
+        return cls(num_layers, 1, latent_dim, kind="mla", v_head_dim=v_head_dim, **kw)  # type: ignore[arg-type]
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kind == "mla"
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype in FP8_DTYPES
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """dtype of the stored tensors: uint8 bytes for fp8, else `dtype`."""
+        return torch.uint8 if self.is_fp8 else self.dtype
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.storage_dtype).element_size()
+
+    @property
+    def tensors_per_token(self) -> int:
+        """Stored rows per token and layer: K and V (MHA) or the latent (MLA)."""
+        return 1 if self.is_mla else 2
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's K (or latent) row over all KV heads, in one layer."""
+        return self.num_kv_heads * self.head_dim * self.element_size
 
     @property
     def bytes_per_token_per_layer(self) -> int:
-        """K + V bytes of one token in one layer."""
-        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        """Everything one token stores in one layer (K + V, or the latent)."""
+        return self.tensors_per_token * self.row_bytes
 
     @property
     def bytes_per_token(self) -> int:
-        """K + V bytes of one token over all layers."""
+        """Everything one token stores over all layers."""
         return self.num_layers * self.bytes_per_token_per_layer

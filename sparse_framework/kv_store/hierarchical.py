@@ -1,0 +1,625 @@
+"""The two-tier KV store: full KV in pinned host memory, a fixed device buffer per request.
+
+Tiers and modes
+  host     every token of every live sparse request, all layers ([layers, host slots,
+           kv_heads, dim] per tensor, pinned on CUDA machines), paged by `page_size`.
+  device   one paged pool per layer. A (request, layer) is either *resident* (every token
+           on the device: short prompts, `dense_layers`) or *buffered* (a fixed buffer of
+           `device_buffer_tokens` slots holding the sink, the recent window and whatever the
+           algorithm selected lately).
+
+Buffered (request, layer)s are managed in *units* (a page for page-granular algorithms, a
+token otherwise) and per *stream* (one per request, or one per KV head when the algorithm
+selects per KV head). Per stream the store keeps a logical→buffer-unit map, its inverse and
+the step each unit was last used, all in device tensors, so that the decode path —
+`write_decode`, `ensure_resident` — runs without a host synchronisation or a Python loop
+over requests (masked writes go to a trash column instead of being filtered).
+
+Asynchronous host writes: a decode token's rows go to the device buffer at once and to the
+host at `end_step`, on a side CUDA stream; `begin_step` makes the compute stream wait for
+them, so no step reads a host row before its copy completed.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..batch import Batch, Request, Selection
+from ..errors import CapacityError
+from .base import KVStore
+from .copy import copy_rows
+from .layout import KVLayout
+from .pages import PageAllocator
+
+_RESIDENT, _BUFFERED = "resident", "buffered"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class HierarchicalKVStore(KVStore):
+    """See the module docstring. `unit` is the selection granularity (page_size or 1)."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        page_size: int,
+        device_buffer_tokens: int,
+        sink_tokens: int,
+        recent_tokens: int,
+        dense_layers: list[int] | tuple[int, ...] = (),
+        unit: int = 1,
+        per_kv_head: bool = False,
+        max_requests: int = 8,
+        max_seq_len: int = 32768,
+        device_capacity_tokens: int | None = None,
+        host_capacity_tokens: int | None = None,
+        pin_memory: bool | None = None,
+        resident_only: bool = False,
+    ) -> None:
+        if page_size % unit:
+            raise ValueError(f"unit ({unit}) must divide page_size ({page_size})")
+        self.layout = layout
+        self.page_size = page_size
+        self.unit = unit
+        self.head_major = per_kv_head
+        self.streams = layout.num_kv_heads if per_kv_head else 1
+        self.buffer_tokens = _cdiv(device_buffer_tokens, page_size) * page_size
+        self.buffer_units = self.buffer_tokens // unit
+        self.sink_tokens, self.recent_tokens = sink_tokens, recent_tokens
+        self.dense_layers = frozenset(dense_layers)
+        self.all_resident = resident_only
+        self.max_requests, self.max_seq_len = max_requests, max_seq_len
+        self.max_pages = _cdiv(max_seq_len, page_size)
+        self.max_units = _cdiv(max_seq_len, unit)
+        L, hk, d = layout.num_layers, layout.num_kv_heads, layout.head_dim
+        dev = torch.device(layout.device)
+        self.device = dev
+        store_dtype = layout.storage_dtype
+
+        table_pages = max(self.max_pages, self.buffer_tokens // page_size)
+        dev_pages = (
+            _cdiv(device_capacity_tokens, page_size) if device_capacity_tokens else max_requests * table_pages
+        )
+        self.device_slots = dev_pages * page_size
+        shape = (L, hk, self.device_slots, d) if per_kv_head else (L, self.device_slots, hk, d)
+        self.dev = [torch.zeros(shape, dtype=store_dtype, device=dev) for _ in range(layout.tensors_per_token)]
+        self.dev_alloc = [PageAllocator(dev_pages, f"device KV pool (layer {i})") for i in range(L)]
+        self.dev_table = torch.full((L, max_requests, table_pages), -1, dtype=torch.int32, device=dev)
+        self._dev_pages: dict[tuple[int, int], torch.Tensor] = {}
+
+        if host_capacity_tokens is None:
+            host_capacity_tokens = 0 if resident_only else max_requests * self.max_pages * page_size
+        host_pages = _cdiv(host_capacity_tokens, page_size)
+        self.host_slots = host_pages * page_size
+        pin = dev.type == "cuda" if pin_memory is None else pin_memory
+        self.host = [
+            torch.zeros((L, self.host_slots, hk, d), dtype=store_dtype, pin_memory=pin)
+            for _ in range(layout.tensors_per_token)
+        ]
+        self.host_alloc = PageAllocator(host_pages, "host KV pool")
+        self.host_table = torch.full((max_requests, self.max_pages), -1, dtype=torch.int32, device=dev)
+        self._host_pages: dict[int, torch.Tensor] = {}
+
+        s = self.streams  # each map has one trash column at the end, for masked writes
+        self.l2s = torch.full((L, max_requests, s, self.max_units + 1), -1, dtype=torch.int32, device=dev)
+        self.s2l = torch.full((L, max_requests, s, self.buffer_units + 1), -1, dtype=torch.int32, device=dev)
+        self.last_used = torch.full((L, max_requests, s, self.buffer_units + 1), -1, dtype=torch.int64, device=dev)
+        self._trash_l, self._trash_s = self.max_units, self.buffer_units
+        self.clock = torch.zeros((), dtype=torch.int64, device=dev)
+
+        self.hits = torch.zeros(L, dtype=torch.int64, device=dev)
+        self.misses = torch.zeros(L, dtype=torch.int64, device=dev)
+        self.rows_in = torch.zeros(L, dtype=torch.int64, device=dev)  # token rows host -> device
+        self.rows_out = torch.zeros(L, dtype=torch.int64, device=dev)  # token rows device -> host
+        self._swap_seconds = [0.0] * L
+        self._swap_events: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, dev off, host off)
+        self._side = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
+        self._writes_done: torch.cuda.Event | None = None
+        self._retracted: set[int] = set()
+
+    # -- geometry -------------------------------------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        return self.device_slots
+
+    @property
+    def row_elems(self) -> int:
+        """Elements of one stream's row (one KV head, or all heads) in one tensor."""
+        return self.layout.head_dim * (1 if self.head_major else self.layout.num_kv_heads)
+
+    def _keeps_host(self, request: Request) -> bool:
+        """Sparse requests keep every token on the host; resident-only ones do not."""
+        return not (self.all_resident or request.dense)
+
+    def mode(self, request: Request, layer: int) -> str:
+        resident = self.all_resident or request.dense or layer in self.dense_layers
+        return _RESIDENT if resident else _BUFFERED
+
+    def _phys(self, layer: int, slot_ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Device slots of positions (logical tokens of a resident layer, or buffer positions
+        of a buffered one). slot_ids: [B]; pos: [B, ...] int, -1 kept. Returns int64."""
+        p = self.page_size
+        flat = pos.reshape(pos.shape[0], -1).long()
+        table = self.dev_table[layer, slot_ids.long()]
+        phys = table.gather(1, flat.clamp(min=0) // p).long() * p + flat.clamp(min=0) % p
+        return torch.where(flat >= 0, phys, -1).reshape(pos.shape)
+
+    def _host_rows(self, slot_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Host slots of logical tokens. slot_ids: [B]; tokens: [B, ...]; -1 kept."""
+        p = self.page_size
+        flat = tokens.reshape(tokens.shape[0], -1).long()
+        table = self.host_table[slot_ids.long()]
+        rows = table.gather(1, flat.clamp(min=0) // p).long() * p + flat.clamp(min=0) % p
+        return torch.where(flat >= 0, rows, -1).reshape(tokens.shape)
+
+    def _dev_off(self, layer: int, slots: torch.Tensor, head: torch.Tensor | int = 0) -> torch.Tensor:
+        """Flat element offsets of a stream's row at device slots (-1 kept)."""
+        hk, d = self.layout.num_kv_heads, self.layout.head_dim
+        if self.head_major:
+            off = ((layer * hk + head) * self.device_slots + slots) * d
+        else:
+            off = (layer * self.device_slots + slots) * hk * d
+        return torch.where(slots >= 0, off, -1)
+
+    def _host_off(self, layer: int, rows: torch.Tensor, head: torch.Tensor | int = 0) -> torch.Tensor:
+        hk, d = self.layout.num_kv_heads, self.layout.head_dim
+        if self.head_major:
+            off = ((layer * self.host_slots + rows) * hk + head) * d
+        else:
+            off = (layer * self.host_slots + rows) * hk * d
+        return torch.where(rows >= 0, off, -1)
+
+    def _store(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.layout.dtype)
+        return x.view(torch.uint8) if self.layout.is_fp8 else x
+
+    def _tensors(self, k: torch.Tensor, v: torch.Tensor | None) -> list[torch.Tensor]:
+        return [self._store(k)] if self.layout.is_mla else [self._store(k), self._store(v)]  # type: ignore[arg-type]
+
+    def _write_dev(self, layer: int, slots: torch.Tensor, rows: list[torch.Tensor]) -> None:
+        """rows[i]: [n, kv_heads, dim] to device slots [n] (all heads), or, in the head-major
+        layout, slots [n, kv_heads] (one slot per head)."""
+        for buf, x in zip(self.dev, rows):
+            if not self.head_major:
+                buf[layer][slots] = x
+            elif slots.dim() == 1:
+                buf[layer][:, slots] = x.transpose(0, 1)
+            else:
+                heads = torch.arange(x.shape[1], device=slots.device).expand_as(slots)
+                buf[layer][heads, slots] = x
+
+    # -- allocation (host-side bookkeeping at admit, page boundaries, retract, finish) ------
+    def _alloc_device(self, request: Request, layers: list[int], tokens_for: dict[str, int]) -> None:
+        """All-or-nothing: allocate device pages for the given layers or raise unchanged."""
+        needs = {}
+        for layer in layers:
+            have = self._dev_pages.get((layer, request.slot))
+            want = _cdiv(tokens_for[self.mode(request, layer)], self.page_size)
+            n = want - (0 if have is None else have.numel())
+            if n > 0:
+                needs[layer] = n
+        for layer, n in needs.items():
+            if n > self.dev_alloc[layer].free:
+                self.dev_alloc[layer].alloc(n, self.page_size, f"request {request.rid!r}")  # raises
+        for layer, n in needs.items():
+            ids = self.dev_alloc[layer].alloc(n, self.page_size, f"request {request.rid!r}")
+            have = self._dev_pages.get((layer, request.slot), ids[:0])
+            self.dev_table[layer, request.slot, have.numel() : have.numel() + n] = ids.to(torch.int32).to(self.device)
+            self._dev_pages[(layer, request.slot)] = torch.cat([have, ids])
+
+    def _free_device(self, request: Request) -> None:
+        for layer in range(self.layout.num_layers):
+            ids = self._dev_pages.pop((layer, request.slot), None)
+            if ids is not None:
+                self.dev_alloc[layer].release(ids)
+        self.dev_table[:, request.slot] = -1
+
+    def _alloc_host(self, request: Request, tokens: int) -> None:
+        have = self._host_pages.get(request.slot)
+        n = _cdiv(tokens, self.page_size) - (0 if have is None else have.numel())
+        if n <= 0:
+            return
+        ids = self.host_alloc.alloc(n, self.page_size, f"request {request.rid!r}")
+        have = ids[:0] if have is None else have
+        self.host_table[request.slot, have.numel() : have.numel() + n] = ids.to(torch.int32).to(self.device)
+        self._host_pages[request.slot] = torch.cat([have, ids])
+
+    def _free_host(self, request: Request) -> None:
+        ids = self._host_pages.pop(request.slot, None)
+        if ids is not None:
+            self.host_alloc.release(ids)
+        self.host_table[request.slot] = -1
+
+    def _reset_maps(self, request: Request) -> None:
+        self.l2s[:, request.slot] = -1
+        self.s2l[:, request.slot] = -1
+        self.last_used[:, request.slot] = -1
+
+    def _device_tokens_for(self, request: Request, tokens: int) -> dict[str, int]:
+        return {_RESIDENT: tokens, _BUFFERED: self.buffer_tokens}
+
+    def admit(self, request: Request) -> None:
+        """Reserve host pages (sparse requests) and device pages for the prompt; all or nothing."""
+        layers = list(range(self.layout.num_layers))
+        if self._keeps_host(request):
+            self._alloc_host(request, request.prompt_len)
+        try:
+            self._alloc_device(request, layers, self._device_tokens_for(request, request.prompt_len))
+        except CapacityError:
+            self._free_host(request)
+            raise
+        self._reset_maps(request)
+
+    def grow(self, batch: Batch) -> None:
+        """Pages for this step's new tokens (only at page boundaries); all or nothing."""
+        starting = [r for r in batch.requests if (r.seq_len - 1) % self.page_size == 0]
+        if not starting:
+            return
+        host_need = sum(1 for r in starting if self._keeps_host(r))
+        if host_need > self.host_alloc.free:
+            self.host_alloc.alloc(host_need, self.page_size, f"{host_need} requests")  # raises
+        for layer in range(self.layout.num_layers):
+            need = sum(1 for r in starting if self.mode(r, layer) == _RESIDENT)
+            if need > self.dev_alloc[layer].free:
+                self.dev_alloc[layer].alloc(need, self.page_size, f"{need} requests")  # raises
+        for r in starting:
+            if self._keeps_host(r):
+                self._alloc_host(r, r.seq_len)
+            self._alloc_device(r, list(range(self.layout.num_layers)), self._device_tokens_for(r, r.seq_len))
+
+    def release(self, request: Request) -> None:
+        self._sync_writes()
+        self._free_device(request)
+        self._free_host(request)
+        self._reset_maps(request)
+        self._retracted.discard(request.slot)
+
+    # -- prefill ----------------------------------------------------------------------------
+    def _initial_units(self, seq_len: int) -> torch.Tensor:
+        """Units a fresh buffer holds: the sink, the recent window and the newest unit."""
+        u = self.unit
+        sink = set(range(_cdiv(self.sink_tokens, u)))
+        recent = set(range(max(0, seq_len - self.recent_tokens) // u, (seq_len - 1) // u + 1))
+        units = sorted(x for x in sink | recent if x * u < seq_len)
+        if len(units) > self.buffer_units:
+            raise ValueError(
+                f"sink + recent window ({len(units)} units of {u}) exceed device_buffer_tokens "
+                f"({self.buffer_tokens})"
+            )
+        return torch.tensor(units, dtype=torch.long, device=self.device)
+
+    def _fill_buffer(self, layer: int, request: Request, rows: list[torch.Tensor] | None) -> None:
+        """Map the initial units of a buffered (request, layer) to buffer units 0..m-1 and fill
+        them, from `rows` (the prompt's K/V, prefill) or from the host (resume)."""
+        units = self._initial_units(request.seq_len)
+        m = units.numel()
+        r = request.slot
+        bu = torch.arange(m, device=self.device)
+        self.l2s[layer, r, :, units] = bu.to(torch.int32)
+        self.s2l[layer, r, :, :m] = units.to(torch.int32)
+        self.last_used[layer, r, :, :m] = self.clock
+        tokens = (units.unsqueeze(1) * self.unit + torch.arange(self.unit, device=self.device)).flatten()
+        pos = (bu.unsqueeze(1) * self.unit + torch.arange(self.unit, device=self.device)).flatten()
+        keep = tokens < request.seq_len
+        tokens, pos = tokens[keep], pos[keep]
+        slots = self._phys(layer, torch.tensor([r], device=self.device), pos.unsqueeze(0))[0]
+        if rows is not None:
+            self._write_dev(layer, slots, [x[tokens] for x in rows])
+        else:
+            self._copy_in(layer, torch.tensor([r], device=self.device), tokens.unsqueeze(0), slots.unsqueeze(0))
+
+    def write_prefill(self, layer: int, request: Request, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        rows = self._tensors(k, v)
+        n = k.shape[0]
+        sid = torch.tensor([request.slot], device=self.device)
+        positions = torch.arange(n, device=self.device).unsqueeze(0)
+        if self._keeps_host(request):  # offload the whole prompt to the host
+            host_off = self._host_off(layer, self._host_rows(sid, positions)[0], 0)
+            for buf, x in zip(self.host, rows):
+                src = x.contiguous()
+                src_off = torch.arange(n, device=src.device) * self.layout.num_kv_heads * self.layout.head_dim
+                copy_rows(src, buf, src_off, host_off, self.layout.num_kv_heads * self.layout.head_dim)
+        if self.mode(request, layer) == _RESIDENT:
+            self._write_dev(layer, self._phys(layer, sid, positions)[0], rows)
+        else:
+            self._fill_buffer(layer, request, rows)
+
+    # -- decode -----------------------------------------------------------------------------
+    def begin_step(self, batch: Batch) -> None:
+        """Wait (on the GPU) for last step's host writes; advance the recency clock."""
+        if self._writes_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._writes_done)
+            self._writes_done = None
+        self.clock += 1
+
+    def _victims(self, layer: int, rows: torch.Tensor, seq_lens: torch.Tensor, protect: torch.Tensor, count: int) -> torch.Tensor:
+        """`count` buffer units per stream in eviction order: free units first, then least
+        recently used; never a protected unit or one holding a pinned (sink, recent, newest)
+        unit. rows: [B] state rows; protect: bool [B, S, buffer_units]. -> int64 [B, S, count]."""
+        owner = self.s2l[layer, rows, :, : self.buffer_units].long()  # [B, S, Ub]
+        lens = seq_lens.long().view(-1, 1, 1)
+        u = self.unit
+        pinned = (owner >= 0) & (
+            (owner * u < self.sink_tokens)
+            | (owner >= (lens - self.recent_tokens).clamp(min=0) // u)
+            | (owner >= (lens - 1) // u)
+        )
+        age = torch.where(owner < 0, -1, self.last_used[layer, rows, :, : self.buffer_units])
+        age = age.masked_fill(pinned | protect, torch.iinfo(torch.int64).max)
+        return age.topk(count, dim=-1, largest=False).indices
+
+    def _assign(self, layer: int, rows: torch.Tensor, units: torch.Tensor, take: torch.Tensor, victims: torch.Tensor) -> None:
+        """Map logical `units` [B, S, W] to buffer units `victims` where `take`, evicting the
+        victims' old units; masked entries write to the trash columns."""
+        b, s, w = units.shape
+        ri = rows.view(-1, 1, 1).expand(b, s, w)
+        hi = torch.arange(s, device=self.device).view(1, -1, 1).expand(b, s, w)
+        old = self.s2l[layer, ri, hi, victims].long()
+        self.l2s[layer, ri, hi, torch.where(take & (old >= 0), old, self._trash_l)] = -1
+        self.l2s[layer, ri, hi, torch.where(take, units, self._trash_l)] = victims.to(torch.int32)
+        self.s2l[layer, ri, hi, torch.where(take, victims, self._trash_s)] = units.to(torch.int32)
+
+    def _row_groups(self, layer: int, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(resident rows, buffered rows) of a batch in a layer, as index tensors or None."""
+        everything = torch.arange(len(batch), device=self.device)
+        if self.all_resident or layer in self.dense_layers or batch.num_sparse == 0:
+            return everything, None
+        if batch.num_sparse == len(batch):
+            return None, everything
+        return batch.dense_rows, batch.sparse_rows
+
+    def write_decode(self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        assert batch.seq_lens is not None and batch.slot_ids is not None
+        data = self._tensors(k, v)
+        pos = batch.seq_lens.long() - 1
+        resident, buffered = self._row_groups(layer, batch)
+        if resident is not None:
+            slots = self._phys(layer, batch.slot_ids[resident], pos[resident].unsqueeze(1))  # [n, 1]
+            self._write_dev(layer, slots[:, 0], [x[resident] for x in data])
+            self._queue_host_write(layer, batch, resident, slots.expand(-1, self.streams))
+        if buffered is None:
+            return
+        rows, p = batch.slot_ids[buffered], pos[buffered]
+        unit = (p // self.unit).view(-1, 1, 1).expand(-1, self.streams, 1)  # [n, S, 1]
+        fresh = (p % self.unit == 0).view(-1, 1, 1).expand(-1, self.streams, 1)
+        heads = torch.arange(self.streams, device=self.device).view(1, -1)
+        existing = self.l2s[layer, rows.view(-1, 1), heads, unit[..., 0]].long().unsqueeze(-1)
+        nothing = torch.zeros(rows.numel(), self.streams, self.buffer_units, dtype=torch.bool, device=self.device)
+        victim = self._victims(layer, rows, batch.seq_lens[buffered], nothing, 1)
+        self._assign(layer, rows, unit, fresh, victim)
+        bu = torch.where(fresh, victim, existing)[..., 0]  # [n, S]
+        self.last_used[layer, rows.view(-1, 1), heads, bu] = self.clock
+        slots = self._phys(layer, rows, bu * self.unit + (p % self.unit).view(-1, 1))  # [n, S]
+        self._write_dev(layer, slots if self.head_major else slots[:, 0], [x[buffered] for x in data])
+        self._queue_host_write(layer, batch, buffered, slots)
+
+    def _queue_host_write(self, layer: int, batch: Batch, sel: torch.Tensor, slots: torch.Tensor) -> None:
+        """Remember the device→host copy of rows `sel`'s new token (device slots [n, S]);
+        requests in dense mode keep no host copy."""
+        assert batch.slot_ids is not None and batch.seq_lens is not None
+        if self.all_resident or batch.num_sparse == 0:
+            return
+        heads = torch.arange(self.streams, device=self.device).view(1, -1) if self.head_major else 0
+        pos = batch.seq_lens[sel].long().unsqueeze(1) - 1
+        host_rows = self._host_rows(batch.slot_ids[sel], pos).expand(-1, self.streams)
+        host_rows = torch.where(batch.sparse_mask[sel].view(-1, 1), host_rows, -1)
+        host_off = self._host_off(layer, host_rows, heads)
+        dev_off = torch.where(host_off >= 0, self._dev_off(layer, slots, heads), -1)
+        self.rows_out[layer] += (host_off >= 0).sum()
+        self._pending.append((layer, dev_off.flatten(), host_off.flatten()))
+
+    def end_step(self, batch: Batch) -> None:
+        """Start this step's device→host writes (on a side stream on CUDA)."""
+        if not self._pending:
+            return
+        src_off = torch.cat([p[1] for p in self._pending])
+        dst_off = torch.cat([p[2] for p in self._pending])
+        self._pending.clear()
+        if self._side is None:
+            for dev_buf, host_buf in zip(self.dev, self.host):
+                copy_rows(dev_buf, host_buf, src_off, dst_off, self.row_elems)
+            return
+        self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side):
+            for dev_buf, host_buf in zip(self.dev, self.host):
+                copy_rows(dev_buf, host_buf, src_off, dst_off, self.row_elems)
+        src_off.record_stream(self._side)
+        dst_off.record_stream(self._side)
+        self._writes_done = torch.cuda.Event()
+        self._writes_done.record(self._side)
+
+    def _sync_writes(self) -> None:
+        if self._writes_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._writes_done)
+            self._writes_done = None
+
+    # -- selection --------------------------------------------------------------------------
+    def resident_slots(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
+        assert batch.slot_ids is not None
+        return self._phys(layer, batch.slot_ids, selection.indices).to(torch.int32)
+
+    def ensure_resident(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
+        """Swap in the missing units of a selection of buffered rows; return device slots.
+
+        1. look every selected unit up in the logical→buffer map (hits, misses);
+        2. protect the hits, pick victims among the other units (free first, then least
+           recently used; never pinned ones), evict them and map the misses there;
+        3. copy the misses' rows host→device (zero-copy gather on CUDA);
+        4. stamp recency and count hits, misses and rows moved.
+        """
+        assert batch.slot_ids is not None and batch.seq_lens is not None
+        if self.all_resident:
+            return self.resident_slots(layer, batch, selection)
+        u = self.unit
+        idx = selection.indices
+        b, s, w = idx.shape
+        first = idx[..., ::u]
+        units = first.long().div(u, rounding_mode="floor")  # [B, S, Wu], -1 stays -1
+        valid = first >= 0
+        rows = batch.slot_ids
+        ri = rows.view(-1, 1, 1)
+        hi = torch.arange(s, device=self.device).view(1, -1, 1)
+        cur = self.l2s[layer, ri, hi, units.clamp(min=0)].long()
+        hit = valid & (cur >= 0)
+        miss = valid & (cur < 0)
+        protect = torch.zeros(b, s, self.buffer_units + 1, dtype=torch.bool, device=self.device)
+        protect.scatter_(2, torch.where(hit, cur, self.buffer_units), True)
+        wu = units.shape[-1]
+        victims = self._victims(layer, rows, batch.seq_lens, protect[..., : self.buffer_units], min(wu, self.buffer_units))
+        if wu > victims.shape[-1]:
+            victims = torch.nn.functional.pad(victims, (0, wu - victims.shape[-1]), value=self._trash_s)
+        rank = (miss.long().cumsum(-1) - 1).clamp(min=0)
+        victim = victims.gather(-1, rank)
+        self._assign(layer, rows, units, miss, victim)
+        bu = torch.where(hit, cur, torch.where(miss, victim, -1))  # [B, S, Wu]
+        self.last_used[layer, ri, hi, torch.where(valid, bu, self._trash_s)] = self.clock
+        # token-level positions
+        offs = torch.arange(u, device=self.device)
+        tok_bu = (bu.unsqueeze(-1) * u + offs).flatten(-2)[..., :w]
+        tok_bu = torch.where(idx >= 0, tok_bu, -1)
+        slots = self._phys(layer, rows, tok_bu)  # [B, S, W]
+        tok_miss = miss.unsqueeze(-1).expand(-1, -1, -1, u).flatten(-2)[..., :w] & (idx >= 0)
+        src_tokens = torch.where(tok_miss, idx.long(), -1)
+        start = self._timer()
+        self._copy_in(layer, rows, src_tokens, torch.where(tok_miss, slots, -1))
+        self._stop_timer(layer, start)
+        self.hits[layer] += (hit.unsqueeze(-1).expand(-1, -1, -1, u).flatten(-2)[..., :w] & (idx >= 0)).sum()
+        self.misses[layer] += tok_miss.sum()
+        return slots.to(torch.int32)
+
+    def _copy_in(self, layer: int, rows: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor) -> None:
+        """Host→device copy of logical `tokens` [B, S, W] (or [B, W] for all streams) into
+        device `slots` (same shape), -1 entries skipped."""
+        if tokens.dim() == 2:
+            tokens = tokens.unsqueeze(1).expand(-1, self.streams, -1)
+            slots = slots.unsqueeze(1).expand(-1, self.streams, -1)
+        heads = torch.arange(self.streams, device=self.device).view(1, -1, 1) if self.head_major else 0
+        host_rows = self._host_rows(rows, tokens)
+        src = self._host_off(layer, host_rows, heads)
+        dst = self._dev_off(layer, slots, heads)
+        src = torch.where(dst >= 0, src, -1).flatten()
+        dst = dst.flatten()
+        for dev_buf, host_buf in zip(self.dev, self.host):
+            copy_rows(host_buf, dev_buf, src, dst, self.row_elems)
+        self.rows_in[layer] += (src >= 0).sum()
+
+    def _timer(self) -> object:
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def _stop_timer(self, layer: int, start: object) -> None:
+        if isinstance(start, float):
+            self._swap_seconds[layer] += time.perf_counter() - start
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._swap_events.append((layer, start, end))  # type: ignore[arg-type]
+
+    # -- retract / resume -------------------------------------------------------------------
+    def retract(self, request: Request) -> None:
+        """Preempt: free the request's device memory, keep (or make) its host copy."""
+        self._sync_writes()
+        if not self._keeps_host(request):  # resident-only requests get a host copy first
+            self._alloc_host(request, request.seq_len)
+            sid = torch.tensor([request.slot], device=self.device)
+            tokens = torch.arange(request.seq_len, device=self.device).unsqueeze(0)
+            host_rows = self._host_rows(sid, tokens)
+            for layer in range(self.layout.num_layers):
+                slots = self._phys(layer, sid, tokens)
+                for h in range(self.streams):
+                    src = self._dev_off(layer, slots, h).flatten()
+                    dst = self._host_off(layer, host_rows, h).flatten()
+                    for dev_buf, host_buf in zip(self.dev, self.host):
+                        copy_rows(dev_buf, host_buf, src, dst, self.row_elems)
+        self._free_device(request)
+        self._reset_maps(request)
+        self._retracted.add(request.slot)
+
+    def resume(self, request: Request) -> None:
+        """Bring a retracted request back: device pages, resident layers copied in whole,
+        buffered layers refilled with the sink and recent window."""
+        if request.slot not in self._retracted:
+            raise ValueError(f"request {request.rid!r} is not retracted")
+        self._alloc_device(request, list(range(self.layout.num_layers)), self._device_tokens_for(request, request.seq_len))
+        sid = torch.tensor([request.slot], device=self.device)
+        tokens = torch.arange(request.seq_len, device=self.device).unsqueeze(0)
+        for layer in range(self.layout.num_layers):
+            if self.mode(request, layer) == _RESIDENT:
+                self._copy_in(layer, sid, tokens, self._phys(layer, sid, tokens))
+            else:
+                self._fill_buffer(layer, request, None)
+        if not self._keeps_host(request):
+            # later writes to these host pages are queued after this copy on the same
+            # stream (prefill) or on the side stream, which waits for it (end_step)
+            self._free_host(request)
+        self._retracted.discard(request.slot)
+
+    # -- views and accounting ---------------------------------------------------------------
+    def paged_view(self, layer: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        heads = 1 if self.head_major else self.layout.num_kv_heads
+        shape = (-1, page_size, heads, self.layout.head_dim)
+        k = self.dev[0][layer].reshape(shape)
+        v = k[..., : self.layout.v_head_dim] if self.layout.is_mla else self.dev[1][layer].reshape(shape)
+        if self.layout.is_fp8:
+            return k.view(self.layout.dtype), v.view(self.layout.dtype)
+        return k, v
+
+    def read(self, layer: int, request: Request) -> list[torch.Tensor]:
+        """A request's rows in logical order, [seq_len, kv_heads, dim] per stored tensor
+        (K, V; or the latent): from the device for a resident (request, layer), else from
+        the host. Synchronises; for tests and debugging."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        sid = torch.tensor([request.slot], device=self.device)
+        tokens = torch.arange(request.seq_len, device=self.device).unsqueeze(0)
+        if self.mode(request, layer) == _BUFFERED or request.slot in self._retracted:
+            rows = self._host_rows(sid, tokens)[0].cpu()
+            return [buf[layer][rows] for buf in self.host]
+        slots = self._phys(layer, sid, tokens)[0]
+        if self.head_major:
+            return [buf[layer][:, slots].transpose(0, 1) for buf in self.dev]
+        return [buf[layer][slots] for buf in self.dev]
+
+    def device_tokens(self, request: Request) -> int:
+        """Device token slots the request holds, averaged over layers."""
+        pages = sum(ids.numel() for (layer, slot), ids in self._dev_pages.items() if slot == request.slot)
+        return pages * self.page_size // self.layout.num_layers
+
+    def host_tokens(self, request: Request) -> int:
+        ids = self._host_pages.get(request.slot)
+        return 0 if ids is None else ids.numel() * self.page_size
+
+    def used_tokens(self) -> int:
+        return sum(a.used for a in self.dev_alloc) * self.page_size // self.layout.num_layers
+
+    def device_bytes(self) -> int:
+        return sum(a.used for a in self.dev_alloc) * self.page_size * self.layout.bytes_per_token_per_layer
+
+    def stats(self) -> list[dict[str, float]]:
+        """Per layer: hits, misses, rows and bytes moved each way, swap-in time (syncs)."""
+        for layer, start, end in self._swap_events:
+            end.synchronize()
+            self._swap_seconds[layer] += start.elapsed_time(end) / 1000
+        self._swap_events.clear()
+        row_bytes = self.row_elems * self.layout.element_size * self.layout.tensors_per_token
+        return [
+            {
+                "layer": layer,
+                "hits": int(self.hits[layer]),
+                "misses": int(self.misses[layer]),
+                "bytes_in": int(self.rows_in[layer]) * row_bytes,
+                "bytes_out": int(self.rows_out[layer]) * row_bytes,
+                "swap_seconds": self._swap_seconds[layer],
+            }
+            for layer in range(self.layout.num_layers)
+        ]
+

@@ -1,0 +1,48 @@
+"""A bulk page allocator: a stack of free page ids in one tensor.
+
+Allocation and release move whole runs of ids at once (no per-page Python loop); exhaustion
+raises CapacityError naming the requested and free counts and changes nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import CapacityError
+
+
+class PageAllocator:
+    """Free-page stack over ids 0..num_pages-1 (host-side bookkeeping, int64 CPU tensor)."""
+
+    def __init__(self, num_pages: int, what: str) -> None:
+        self.num_pages = num_pages
+        self.what = what
+        self._stack = torch.arange(num_pages - 1, -1, -1, dtype=torch.int64)  # top = end
+        self._top = num_pages
+
+    @property
+    def free(self) -> int:
+        return self._top
+
+    @property
+    def used(self) -> int:
+        return self.num_pages - self._top
+
+    def alloc(self, n: int, page_tokens: int, who: str) -> torch.Tensor:
+        """n page ids (int64 [n]); raises CapacityError if fewer than n are free."""
+        if n > self._top:
+            raise CapacityError(
+                f"{self.what} full: {who} needs {n} more pages of {page_tokens} tokens "
+                f"({n * page_tokens} tokens), {self._top} of {self.num_pages} pages are free"
+            )
+        ids = self._stack[self._top - n : self._top].flip(0).clone()
+        self._top -= n
+        return ids
+
+    def release(self, ids: torch.Tensor) -> None:
+        """Return ids (any order; each must be currently allocated)."""
+        n = ids.numel()
+        if self._top + n > self.num_pages:
+            raise RuntimeError(f"{self.what}: releasing {n} pages would exceed the pool")
+        self._stack[self._top : self._top + n] = ids.flatten().flip(0).to(torch.int64).cpu()
+        self._top += n
