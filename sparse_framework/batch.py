@@ -55,6 +55,28 @@ class Batch:
     def __len__(self) -> int:
         return len(self.requests)
 
+    def prepare(self, device: str | torch.device) -> None:
+        """Fill the step's tensors from the requests (once per step, in forward_begin): lengths,
+        state rows, and the split into sparse and dense rows, with their sub-batches."""
+        self.seq_lens = torch.tensor([r.seq_len for r in self.requests], dtype=torch.int32, device=device)
+        self.slot_ids = torch.tensor([r.slot for r in self.requests], dtype=torch.long, device=device)
+        self.max_seq_len = max(r.seq_len for r in self.requests)
+        sparse = [i for i, r in enumerate(self.requests) if not r.dense]
+        dense = [i for i, r in enumerate(self.requests) if r.dense]
+        self.num_sparse = len(sparse)
+        self.sparse_mask = torch.tensor([not r.dense for r in self.requests], device=device)
+        self.sparse_rows = torch.tensor(sparse, dtype=torch.long, device=device)
+        self.dense_rows = torch.tensor(dense, dtype=torch.long, device=device)
+        self.sparse_batch = self if not dense else self._sub(sparse, device)
+        self.dense_batch = self if not sparse else self._sub(dense, device)
+
+    def _sub(self, rows: list[int], device: str | torch.device) -> Batch | None:
+        if not rows:
+            return None
+        sub = Batch([self.requests[i] for i in rows], is_prefill=self.is_prefill)
+        sub.prepare(device)
+        return sub
+
     @property
     def query_lens(self) -> list[int]:
         """Query tokens per request in this forward."""

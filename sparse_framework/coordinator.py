@@ -191,7 +191,7 @@ class SparseCoordinator:
                 for r, n in zip(batch.requests, before):
                     r.seq_len = n
                 raise
-        _prepare(batch, self.layout.device)
+        batch.prepare(self.layout.device)
         self.store.begin_step(batch)
 
     def forward_end(self, batch: Batch) -> None:
@@ -302,33 +302,6 @@ class SparseCoordinator:
                 f"q must be [{tokens}, num_q_heads, {lay.head_dim}] with num_q_heads a multiple of "
                 f"{lay.num_kv_heads} KV heads, got {list(q.shape)}"
             )
-
-
-def _fill_step_tensors(batch: Batch, device: str | torch.device) -> None:
-    batch.seq_lens = torch.tensor([r.seq_len for r in batch.requests], dtype=torch.int32, device=device)
-    batch.slot_ids = torch.tensor([r.slot for r in batch.requests], dtype=torch.long, device=device)
-    batch.max_seq_len = max(r.seq_len for r in batch.requests)
-
-
-def _prepare(batch: Batch, device: str | torch.device) -> None:
-    """The step's tensors, and the split into sparse and dense rows (as sub-batches)."""
-    _fill_step_tensors(batch, device)
-    sparse = [i for i, r in enumerate(batch.requests) if not r.dense]
-    dense = [i for i, r in enumerate(batch.requests) if r.dense]
-    batch.num_sparse = len(sparse)
-    batch.sparse_mask = torch.tensor([not r.dense for r in batch.requests], device=device)
-    batch.sparse_rows = torch.tensor(sparse, dtype=torch.long, device=device)
-    batch.dense_rows = torch.tensor(dense, dtype=torch.long, device=device)
-    batch.sparse_batch = batch if not dense else _sub_batch(batch, sparse, device)
-    batch.dense_batch = batch if not sparse else _sub_batch(batch, dense, device)
-
-
-def _sub_batch(batch: Batch, rows: list[int], device: str | torch.device) -> Batch | None:
-    if not rows:
-        return None
-    sub = Batch([batch.requests[i] for i in rows], is_prefill=batch.is_prefill)
-    _prepare(sub, device)
-    return sub
 
 
 def _dense_selection(batch: Batch, heads: int, page_size: int) -> Selection:

@@ -1,0 +1,363 @@
+"""HierarchicalKVStore: a stateful test interleaving the whole lifecycle, plus unit tests.
+
+After every step of the state machine: rows at returned slots are exactly the rows written
+for the selected logical tokens; logical→buffer maps and their inverses agree; no device page
+is owned twice; pinned (sink, recent, newest) units of buffered streams stay resident; a
+finished or retracted request holds no device page.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from sparse_framework import Batch, CapacityError, KVLayout, Request, Selection
+from sparse_framework.kv_store.hierarchical import HierarchicalKVStore
+
+MAX_REQ, MAX_LEN = 3, 48
+
+
+def rows_of(store: HierarchicalKVStore, layer: int, slots: torch.Tensor) -> list[torch.Tensor]:
+    """Device rows at slots [n] (token-major) or [n, kv_heads] (head-major): [n, heads, dim]."""
+    out = []
+    for buf in store.dev:
+        if store.head_major:
+            heads = torch.arange(buf.shape[1]).expand_as(slots)
+            out.append(buf[layer][heads, slots])
+        else:
+            out.append(buf[layer][slots])
+    return out
+
+
+class StoreMachine(RuleBasedStateMachine):
+    @initialize(
+        kind=st.sampled_from(["mha-token", "mha-head", "mla"]),
+        page=st.sampled_from([2, 4]),
+        page_unit=st.booleans(),
+        sink=st.integers(0, 4),
+        recent=st.integers(0, 5),
+        extra=st.integers(0, 3),
+        dense_layer=st.booleans(),
+        seed=st.integers(0, 2**16),
+    )
+    def setup(self, kind, page, page_unit, sink, recent, extra, dense_layer, seed) -> None:
+        if kind == "mla":
+            self.layout = KVLayout.mla(2, latent_dim=6, v_head_dim=4)
+        else:
+            self.layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=3)
+        self.unit = page if page_unit else 1
+        pinned_units = -(-sink // self.unit) + -(-recent // self.unit) + 1
+        buffer_tokens = (pinned_units + extra + 1) * self.unit
+        self.store = HierarchicalKVStore(
+            self.layout, page_size=page, device_buffer_tokens=buffer_tokens, sink_tokens=sink,
+            recent_tokens=recent, dense_layers=[1] if dense_layer else [], unit=self.unit,
+            per_kv_head=kind == "mha-head", max_requests=MAX_REQ, max_seq_len=MAX_LEN,
+        )
+        self.gen = torch.Generator().manual_seed(seed)
+        self.free_slots = list(range(MAX_REQ))
+        self.active: dict[str, Request] = {}
+        self.retracted: set[str] = set()
+        self.truth: dict[str, list[list[torch.Tensor]]] = {}  # rid -> layer -> [K, V] or [latent]
+        self.counter = 0
+
+    # -- helpers ------------------------------------------------------------------------------
+    def rand(self, n: int) -> list[torch.Tensor]:
+        shape = (n, self.layout.num_kv_heads, self.layout.head_dim)
+        return [torch.randn(*shape, generator=self.gen) for _ in range(self.layout.tensors_per_token)]
+
+    def live(self) -> list[Request]:
+        return [r for rid, r in self.active.items() if rid not in self.retracted]
+
+    def kv(self, rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return rows[0], (rows[1] if len(rows) > 1 else None)
+
+    # -- rules --------------------------------------------------------------------------------
+    @precondition(lambda self: len(self.active) < MAX_REQ)
+    @rule(length=st.integers(1, 30), dense=st.booleans())
+    def admit(self, length: int, dense: bool) -> None:
+        self.counter += 1
+        r = Request(f"r{self.counter}", length, seq_len=length, dense=dense, slot=self.free_slots.pop())
+        self.store.admit(r)
+        self.active[r.rid] = r
+        self.truth[r.rid] = []
+        batch = Batch([r], is_prefill=True)
+        batch.prepare("cpu")
+        self.store.begin_step(batch)
+        for layer in range(2):
+            rows = self.rand(length)
+            self.store.write_prefill(layer, r, *self.kv(rows))
+            self.truth[r.rid].append(rows)
+        self.store.end_step(batch)
+
+    @precondition(lambda self: any(r.seq_len < MAX_LEN for r in self.live()))
+    @rule(data=st.data())
+    def decode(self, data) -> None:
+        cands = [r for r in self.live() if r.seq_len < MAX_LEN]
+        reqs = data.draw(st.lists(st.sampled_from(cands), min_size=1, unique_by=lambda r: r.rid))
+        for r in reqs:
+            r.seq_len += 1
+        self.store.grow(Batch(reqs))
+        batch = Batch(reqs)
+        batch.prepare("cpu")
+        self.store.begin_step(batch)
+        for layer in range(2):
+            rows = self.rand(len(reqs))
+            self.store.write_decode(layer, batch, *self.kv(rows))
+            for i, r in enumerate(reqs):
+                self.truth[r.rid][layer] = [torch.cat([t, x[i : i + 1]]) for t, x in zip(self.truth[r.rid][layer], rows)]
+        self.store.end_step(batch)
+
+    @precondition(lambda self: bool(self.live()))
+    @rule(data=st.data(), layer=st.integers(0, 1))
+    def select(self, data, layer: int) -> None:
+        reqs = data.draw(st.lists(st.sampled_from(self.live()), min_size=1, unique_by=lambda r: r.rid))
+        buffered = [r for r in reqs if self.store.mode(r, layer) == "buffered"]
+        resident = [r for r in reqs if self.store.mode(r, layer) == "resident"]
+        for group, is_buffered in ((buffered, True), (resident, False)):
+            if not group:
+                continue
+            batch = Batch(group)
+            batch.prepare("cpu")
+            sel = self.random_selection(data, group, full=not is_buffered)
+            before = self.store.hits[layer] + self.store.misses[layer]
+            if is_buffered:
+                slots = self.store.ensure_resident(layer, batch, sel)
+                valid = int((sel.indices >= 0).sum())
+                assert int(self.store.hits[layer] + self.store.misses[layer] - before) == valid
+            else:
+                slots = self.store.resident_slots(layer, batch, sel)
+            self.check_rows(layer, group, sel, slots)
+
+    def random_selection(self, data, reqs: list[Request], full: bool) -> Selection:
+        """Per stream: the pinned units plus random others (whole units), or every token."""
+        s, u = self.store.streams, self.unit
+        width = max(r.seq_len for r in reqs) if full else self.store.buffer_units * u
+        idx = torch.full((len(reqs), s, width), -1, dtype=torch.int32)
+        lens = torch.zeros(len(reqs), s, dtype=torch.int32)
+        for i, r in enumerate(reqs):
+            n_units = -(-r.seq_len // u)
+            for h in range(s):
+                if full:
+                    units = list(range(n_units))
+                else:
+                    pinned = {x for x in range(n_units) if x * u < self.store.sink_tokens}
+                    pinned |= set(range(max(0, r.seq_len - self.store.recent_tokens) // u, n_units)) | {n_units - 1}
+                    others = [x for x in range(n_units) if x not in pinned]
+                    room = self.store.buffer_units - len(pinned)
+                    picked = data.draw(st.lists(st.sampled_from(others), unique=True, max_size=room)) if others else []
+                    # a selection without its pinned units must not get them evicted either
+                    omit_pinned = picked and data.draw(st.booleans())
+                    units = sorted(set(picked) if omit_pinned else pinned | set(picked))
+                toks = [t for x in units for t in range(x * u, min((x + 1) * u, r.seq_len))]
+                idx[i, h, : len(toks)] = torch.tensor(toks, dtype=torch.int32)
+                lens[i, h] = len(toks)
+        return Selection(idx, lens, page_size=u)
+
+    def check_rows(self, layer: int, reqs: list[Request], sel: Selection, slots: torch.Tensor) -> None:
+        assert slots.shape == sel.indices.shape and slots.dtype == torch.int32
+        assert bool(((slots >= 0) == (sel.indices >= 0)).all())
+        for i, r in enumerate(reqs):
+            for h in range(slots.shape[1]):
+                n = int(sel.lengths[i, h])
+                toks, sl = sel.indices[i, h, :n].long(), slots[i, h, :n].long()
+                if self.store.head_major:
+                    got = [buf[layer][h, sl] for buf in self.store.dev]
+                    want = [t[toks, h] for t in self.truth[r.rid][layer]]
+                else:
+                    got = [buf[layer][sl] for buf in self.store.dev]
+                    want = [t[toks] for t in self.truth[r.rid][layer]]
+                for g, w in zip(got, want):
+                    assert torch.equal(g, w), f"{r.rid} layer {layer} stream {h}: wrong rows at slots"
+
+    @precondition(lambda self: bool(self.live()))
+    @rule(data=st.data())
+    def retract(self, data) -> None:
+        r = data.draw(st.sampled_from(self.live()))
+        try:
+            self.store.retract(r)
+        except CapacityError:  # a dense request needs host room for its copy
+            return
+        self.retracted.add(r.rid)
+        assert self.store.device_tokens(r) == 0
+
+    @precondition(lambda self: bool(self.retracted))
+    @rule(data=st.data())
+    def resume(self, data) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.retracted)))
+        self.store.resume(self.active[rid])
+        self.retracted.discard(rid)
+
+    @precondition(lambda self: bool(self.active))
+    @rule(data=st.data())
+    def finish(self, data) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.active)))
+        r = self.active.pop(rid)
+        self.retracted.discard(rid)
+        self.store.release(r)
+        assert bool((self.store.dev_table[:, r.slot] == -1).all())
+        assert bool((self.store.host_table[r.slot] == -1).all())
+        assert bool((self.store.s2l[:, r.slot] == -1).all())
+        self.free_slots.append(r.slot)
+
+    # -- invariants ---------------------------------------------------------------------------
+    @invariant()
+    def maps_are_mutual_inverses(self) -> None:
+        if not hasattr(self, "store"):
+            return
+        st_ = self.store
+        for r in self.live():
+            for layer in range(2):
+                if st_.mode(r, layer) != "buffered":
+                    continue
+                for h in range(st_.streams):
+                    l2s = st_.l2s[layer, r.slot, h, : st_.max_units]
+                    s2l = st_.s2l[layer, r.slot, h, : st_.buffer_units]
+                    mapped = (l2s >= 0).nonzero().flatten()
+                    assert torch.equal(s2l[l2s[mapped].long()].long(), mapped)
+                    owned = (s2l >= 0).nonzero().flatten()
+                    assert torch.equal(l2s[s2l[owned].long()].long(), owned)
+                    assert owned.numel() == mapped.numel()
+
+    @invariant()
+    def no_page_owned_twice(self) -> None:
+        if not hasattr(self, "store"):
+            return
+        st_ = self.store
+        for layer in range(2):
+            owned = [ids for (lay, _), ids in st_._dev_pages.items() if lay == layer]
+            flat = torch.cat(owned) if owned else torch.empty(0, dtype=torch.long)
+            assert flat.unique().numel() == flat.numel()
+            assert flat.numel() == st_.dev_alloc[layer].used
+        host = list(st_._host_pages.values())
+        flat = torch.cat(host) if host else torch.empty(0, dtype=torch.long)
+        assert flat.unique().numel() == flat.numel() == st_.host_alloc.used
+        for rid in self.retracted:
+            assert st_.device_tokens(self.active[rid]) == 0
+
+    @invariant()
+    def pinned_units_and_their_rows_are_resident(self) -> None:
+        if not hasattr(self, "store"):
+            return
+        st_, u = self.store, self.unit
+        for r in self.live():
+            for layer in range(2):
+                if st_.mode(r, layer) != "buffered":
+                    continue
+                n_units = -(-r.seq_len // u)
+                pinned = {x for x in range(n_units) if x * u < st_.sink_tokens}
+                pinned |= set(range(max(0, r.seq_len - st_.recent_tokens) // u, n_units)) | {n_units - 1}
+                for h in range(st_.streams):
+                    l2s = st_.l2s[layer, r.slot, h]
+                    for x in pinned:
+                        assert int(l2s[x]) >= 0, f"pinned unit {x} of {r.rid} evicted"
+                    # every mapped unit's rows equal the truth
+                    for x in (l2s[: st_.max_units] >= 0).nonzero().flatten().tolist():
+                        bu = int(l2s[x])
+                        toks = torch.arange(x * u, min((x + 1) * u, r.seq_len))
+                        pos = bu * u + torch.arange(toks.numel())
+                        slots = st_._phys(layer, torch.tensor([r.slot]), pos.unsqueeze(0))[0]
+                        got = [buf[layer][h, slots] if st_.head_major else buf[layer][slots] for buf in st_.dev]
+                        want = [t[toks, h] if st_.head_major else t[toks] for t in self.truth[r.rid][layer]]
+                        for g, w in zip(got, want):
+                            assert torch.equal(g, w)
+
+
+TestStoreMachine = StoreMachine.TestCase
+TestStoreMachine.settings = settings(
+    max_examples=40, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+# -- unit tests ---------------------------------------------------------------------------------
+def small_store(**kw) -> HierarchicalKVStore:
+    args = dict(page_size=4, device_buffer_tokens=16, sink_tokens=4, recent_tokens=4, unit=4,
+                max_requests=2, max_seq_len=64)
+    args.update(kw)
+    return HierarchicalKVStore(KVLayout(num_layers=1, num_kv_heads=2, head_dim=4), **args)
+
+
+def test_lru_evicts_the_least_recently_used_unpinned_unit() -> None:
+    store = small_store(device_buffer_tokens=20, recent_tokens=8)  # 5 units: sink 0, recent 8-9, 2 free
+    r = Request("a", 40, seq_len=40, slot=0)
+    store.admit(r)
+    kv = torch.randn(40, 2, 4), torch.randn(40, 2, 4)
+    store.write_prefill(0, r, *kv)
+    batch = Batch([r])
+    batch.prepare("cpu")
+
+    def pick(units: list[int]) -> torch.Tensor:
+        toks = [t for x in units for t in range(4 * x, 4 * x + 4)]
+        sel = Selection(torch.tensor([[toks]], dtype=torch.int32), torch.tensor([[len(toks)]], dtype=torch.int32), 4)
+        store.begin_step(batch)
+        return store.ensure_resident(0, batch, sel)
+
+    def mapped() -> list[int]:
+        return store.l2s[0, 0, 0, :10].ge(0).nonzero().flatten().tolist()
+
+    assert mapped() == [0, 8, 9]
+    pick([0, 3, 8, 9])  # miss: takes a free buffer unit
+    pick([0, 4, 8, 9])  # miss: takes the other free unit (free before least recently used)
+    pick([0, 3, 8, 9])  # hit
+    pick([0, 5, 8, 9])  # miss: evicts 4, the least recently used unpinned unit
+    assert mapped() == [0, 3, 5, 8, 9]
+    assert int(store.misses[0]) == 12 and int(store.hits[0]) == 52
+    stats = store.stats()[0]
+    assert stats["bytes_in"] == 12 * 2 * 2 * 4 * 4  # rows x (K,V) x heads x dim x 4 bytes
+    assert stats["swap_seconds"] > 0
+
+
+def test_retract_resume_restores_rows_and_frees_the_device() -> None:
+    store = small_store()
+    r = Request("a", 30, seq_len=30, slot=1)
+    store.admit(r)
+    k, v = torch.randn(30, 2, 4), torch.randn(30, 2, 4)
+    store.write_prefill(0, r, k, v)
+    before_used = store.dev_alloc[0].used
+    store.retract(r)
+    assert store.dev_alloc[0].used == before_used - 4 and store.device_tokens(r) == 0
+    got_k, got_v = store.read(0, r)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    store.resume(r)
+    assert store.device_tokens(r) == 16
+    with pytest.raises(ValueError, match="is not retracted"):
+        store.resume(r)
+
+
+def test_dense_request_retract_needs_host_room_and_changes_nothing_when_full() -> None:
+    store = small_store(host_capacity_tokens=8)
+    r = Request("a", 20, seq_len=20, slot=0, dense=True)
+    store.admit(r)
+    store.write_prefill(0, r, torch.randn(20, 2, 4), torch.randn(20, 2, 4))
+    used = store.dev_alloc[0].used
+    with pytest.raises(CapacityError, match="host KV pool full"):
+        store.retract(r)
+    assert store.dev_alloc[0].used == used and store.host_alloc.used == 0
+
+
+def test_selection_wider_than_buffer_is_rejected_at_config_time() -> None:
+    from sparse_framework import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="device_buffer_tokens"):
+        load_config({"top_k": 512, "page_size": 16, "device_buffer_tokens": 256})
+
+
+def test_fp8_rows_are_stored_as_bytes_and_read_back_exactly() -> None:
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float8_e4m3fn)
+    store = HierarchicalKVStore(layout, page_size=2, device_buffer_tokens=8, sink_tokens=2, recent_tokens=2,
+                                max_requests=1, max_seq_len=32)
+    assert store.dev[0].dtype == torch.uint8 and layout.row_bytes == 8
+    r = Request("a", 20, seq_len=20, slot=0)
+    store.admit(r)
+    k = torch.randn(20, 1, 8).to(torch.float8_e4m3fn)
+    store.write_prefill(0, r, k, k)
+    batch = Batch([r])
+    batch.prepare("cpu")
+    sel = Selection(torch.tensor([[[0, 1, 7, 18, 19]]], dtype=torch.int32), torch.tensor([[5]], dtype=torch.int32))
+    slots = store.ensure_resident(0, batch, sel)
+    kc, _ = store.paged_view(0, 1)
+    assert kc.dtype == torch.float8_e4m3fn
+    got = kc.reshape(-1, 1, 8)[slots[0, 0].long()]
+    assert torch.equal(got.view(torch.uint8), k[[0, 1, 7, 18, 19]].view(torch.uint8))
