@@ -285,7 +285,8 @@ class HierarchicalKVStore(KVStore):
         """Units a fresh buffer holds: the sink, the recent window and the newest unit."""
         u = self.unit
         sink = set(range(_cdiv(self.sink_tokens, u)))
-        recent = set(range(max(0, seq_len - self.recent_tokens) // u, (seq_len - 1) // u + 1))
+        newest = (seq_len - 1) // u
+        recent = set(range(min(max(0, seq_len - self.recent_tokens) // u, newest), newest + 1))
         units = sorted(x for x in sink | recent if x * u < seq_len)
         if len(units) > self.buffer_units:
             raise ValueError(
