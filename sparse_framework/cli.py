@@ -18,7 +18,10 @@ from . import registry
 from .config import SparseConfig, config_schema, describe_errors, load_config
 from .engine.loop import RequestResult, run_experiment
 from .engine.workload import WorkloadConfig
-from .errors import SparseFrameworkError
+from .engine.workload import DTYPES as LAYOUT_DTYPES
+from .errors import SparseFrameworkError, closest
+from .kv_store.capacity import PRESETS, plan_capacity
+from .kv_store.layout import KVLayout
 
 # The embedded default experiment: Quest at two budgets on a needle workload where one prompt
 # is short enough to take the dense path.
@@ -70,6 +73,27 @@ def _parser() -> argparse.ArgumentParser:
     schema.add_argument("--output", metavar="PATH", help="write to PATH instead of stdout")
 
     sub.add_parser("plugins", help="list registered algorithms, adaptors and backends, with load errors")
+
+    plan = sub.add_parser(
+        "plan",
+        help="how many concurrent requests fit: resident vs hierarchical KV store",
+        description=(
+            "Capacity planning for a model's KV layout: requests of a context length that fit "
+            "in a device (and host) memory budget with every token resident vs with the "
+            "hierarchical store (a fixed device buffer per request and sparse layer, full KV "
+            "on the host). Device bytes count the buffer, dense layers, slot maps and the "
+            "algorithm's representation. A row with the smallest buffer that holds the "
+            "config's largest selection is printed too."
+        ),
+    )
+    plan.add_argument("--model", default="llama-3-8b", help="layout preset: " + ", ".join(PRESETS))
+    plan.add_argument("--layout", metavar="JSON", help="custom layout, e.g. "
+                      '\'{"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "dtype": "bfloat16"}\'')
+    plan.add_argument("--context", default="16384", metavar="N,N,...", help="context lengths (default 16384)")
+    plan.add_argument("--gpu-gb", type=float, default=60.0, help="device memory for KV, GiB (default 60)")
+    plan.add_argument("--host-gb", type=float, default=1024.0, help="pinned host memory for KV, GiB (default 1024)")
+    plan.add_argument("--config", metavar="JSON|PATH", help='sparse config (default {"top_k": 2048})')
+    plan.add_argument("--json", metavar="PATH", help="write the plan as JSON to PATH")
     return parser
 
 
@@ -94,12 +118,7 @@ def _workload(args: argparse.Namespace) -> WorkloadConfig:
     if args.workload:
         data.update(_read_json_arg(args.workload, "--workload"))
     if args.contexts:
-        try:
-            data["contexts"] = [int(x) for x in args.contexts.split(",") if x.strip()]
-        except ValueError:
-            raise SparseFrameworkError(
-                f"--contexts must be comma-separated integers, got {args.contexts!r}"
-            ) from None
+        data["contexts"] = _int_list(args.contexts, "--contexts")
     for key, value in (("decode_steps", args.steps), ("device", args.device), ("dtype", args.dtype), ("seed", args.seed)):
         if value is not None:
             data[key] = value
@@ -114,14 +133,15 @@ def _workload(args: argparse.Namespace) -> WorkloadConfig:
 def _table(results: list[RequestResult]) -> Table:
     table = Table(title="sparse attention vs dense (means over decode steps and layers)")
     for name in ("algorithm", "backend", "context", "mode", "top_k", "selected", "rel err", "recall",
-                 "needles", "KV read", "dev KV", "ms/step"):
+                 "needles", "KV read", "dev KV", "hit rate", "swap KiB/step", "ms/step"):
         table.add_column(name, justify="left" if name in ("algorithm", "backend", "mode") else "right", no_wrap=True)
     for r in results:
         hits = "-" if r.needle_hit_rate is None else f"{r.needle_hit_rate:.1%}"
         table.add_row(
             r.algorithm, r.backend, str(r.context), r.mode, str(r.top_k), f"{r.selected_tokens:.0f}",
             f"{r.rel_error:.2e}", f"{r.recall:.3f}", hits, f"{r.kv_read_fraction:.1%}",
-            f"{r.device_kv_fraction:.1%}", f"{r.ms_per_step:.1f}",
+            f"{r.device_kv_fraction:.1%}", "-" if r.hit_rate is None else f"{r.hit_rate:.1%}",
+            f"{r.swap_in_kib_per_step:.0f}", f"{r.ms_per_step:.1f}",
         )
     return table
 
@@ -162,6 +182,65 @@ def _plugins() -> int:
     return 0
 
 
+def _layout(args: argparse.Namespace) -> tuple[str, KVLayout]:
+    if not args.layout:
+        if args.model not in PRESETS:
+            raise SparseFrameworkError(f"unknown --model {args.model!r}; presets: {', '.join(PRESETS)}{closest(args.model, PRESETS)}")
+        return args.model, PRESETS[args.model]
+    data = _read_json_arg(args.layout, "--layout")
+    dtype = data.pop("dtype", "bfloat16")
+    if dtype not in LAYOUT_DTYPES:
+        raise SparseFrameworkError(f"--layout dtype must be one of {', '.join(LAYOUT_DTYPES)}, got {dtype!r}")
+    try:
+        return "custom", KVLayout(**data, dtype=LAYOUT_DTYPES[dtype])
+    except (TypeError, ValueError) as exc:
+        raise SparseFrameworkError(f"invalid --layout: {exc}") from None
+
+
+def _plan(args: argparse.Namespace) -> int:
+    name, layout = _layout(args)
+    contexts = _int_list(args.context, "--context")
+    base = load_config(args.config) if args.config else load_config({"top_k": 2048})
+    smallest = base.algorithm_class.max_selected_tokens(base)
+    configs = [base]
+    if smallest < base.device_buffer_tokens:
+        configs.append(base.model_copy(update={"device_buffer_tokens": smallest}))
+    gpu, host = int(args.gpu_gb * 2**30), int(args.host_gb * 2**30)
+    table = Table(title=f"{name}: {layout.num_layers} layers, {layout.bytes_per_token_per_layer} B/token/layer, "
+                        f"{args.gpu_gb:g} GiB device, {args.host_gb:g} GiB host, {base.algorithm} top_k={base.top_k}")
+    for col in ("context", "buffer", "resident/req", "hier. device/req", "host/req", "resident reqs",
+                "hier. reqs", "limited by", "gain", "KV-only gain"):
+        table.add_column(col, justify="right", no_wrap=True)
+    plans = []
+    for context in contexts:
+        for cfg in configs:
+            p = plan_capacity(layout, gpu, host, context, cfg)
+            plans.append({"model": name, **p.as_dict()})
+            table.add_row(str(context), str(p.device_buffer_tokens), _mib(p.resident_device_bytes),
+                          _mib(p.hierarchical_device_bytes), _mib(p.hierarchical_host_bytes),
+                          str(p.resident_requests), str(p.hierarchical_requests), p.limited_by,
+                          f"{p.gain:.2f}x", f"{p.kv_only_gain:.2f}x")
+    console.print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(plans, indent=2))
+        console.print(f"plan written to {args.json}")
+    return 0
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SparseFrameworkError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise SparseFrameworkError(f"{flag} needs positive integers, got {text!r}")
+    return values
+
+
 def _schema(args: argparse.Namespace) -> int:
     text = json.dumps(config_schema(), indent=2)
     if args.output:
@@ -178,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args)
         if args.command == "schema":
             return _schema(args)
+        if args.command == "plan":
+            return _plan(args)
         return _plugins()
     except SparseFrameworkError as exc:
         console.print(Text("error: ", style="red") + Text(str(exc)), highlight=False)

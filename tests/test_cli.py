@@ -70,3 +70,31 @@ def test_plugins_lists_builtins(capsys) -> None:
 def test_console_script_help() -> None:
     done = subprocess.run([sys.executable, "-m", "sparse_framework.cli", "run", "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "--config" in done.stdout and "embedded default" in done.stdout
+
+
+def test_plan_prints_resident_vs_hierarchical(tmp_path, capsys) -> None:
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama-3-8b", "--context", "16384,32768", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "resident reqs" in printed and "KV-only gain" in printed
+    plans = json.loads(out.read_text())
+    assert [p["context_len"] for p in plans] == [16384, 16384, 32768, 32768]
+    assert plans[1]["device_buffer_tokens"] == 2144  # the smallest buffer for top_k 2048
+    assert plans[1]["kv_only_gain"] > 7.5
+    layout = '{"num_layers": 4, "num_kv_heads": 2, "head_dim": 64, "dtype": "float16"}'
+    assert main(["plan", "--layout", layout, "--context", "4096", "--config", '{"top_k": 256, "device_buffer_tokens": 512}']) == 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "lama"], "Did you mean 'llama-3-8b'?"),
+        (["--layout", '{"num_layers": 2}'], "invalid --layout"),
+        (["--layout", '{"num_layers": 2, "num_kv_heads": 1, "head_dim": 8, "dtype": "int8"}'], "--layout dtype must be one of"),
+        (["--context", "0"], "--context needs positive integers"),
+        (["--config", '{"top_k": "many"}'], "`top_k` = 'many'"),
+    ],
+)
+def test_plan_bad_input(args, message, capsys) -> None:
+    assert main(["plan", *args]) == 2
+    assert message in " ".join(capsys.readouterr().out.split())

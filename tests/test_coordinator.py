@@ -234,3 +234,27 @@ def test_capacity_error_names_sizes_and_keeps_existing_kv() -> None:
         full = make(max_requests=1)
         full.on_request_begin(Request("x", 5))
         full.on_request_begin(Request("y", 5))
+
+
+@pytest.mark.parametrize("config", [{}, {"min_sparse_prompt_len": 1000}, {"store": "resident"}])
+def test_retract_and_resume_give_bit_identical_attention(config) -> None:
+    """Two identical coordinators decode the same inputs; one retracts and resumes a request
+    midway. Every later output is bit-identical."""
+    host = {} if config.get("store") != "resident" else {"host_capacity_tokens": 1024}
+    a, b = make(config, **host), make(config, **host)
+    da, db = Driver(a, q_heads=4, seed=7), Driver(b, q_heads=4, seed=7)
+    ra, rb = [Request("x", 120), Request("y", 64)], [Request("x", 120), Request("y", 64)]
+    da.prefill(ra)
+    db.prefill(rb)
+    for step in range(12):
+        if step == 4:
+            used = b.store.device_bytes()
+            b.on_request_retract(rb[0])
+            assert b.store.device_bytes() < used and b.store.device_tokens(rb[0]) == 0
+            with pytest.raises(ValueError, match="is retracted"):
+                b.forward_begin(Batch(rb))
+            b.on_request_resume(rb[0])
+        for (oa, _, _), (ob, _, _) in zip(da.decode(ra), db.decode(rb)):
+            assert torch.equal(oa, ob)
+    with pytest.raises(ValueError, match="is not retracted"):
+        b.on_request_resume(rb[0])

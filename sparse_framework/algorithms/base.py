@@ -76,6 +76,11 @@ class SparseAlgorithm(ABC):
             )
 
     @classmethod
+    def representation_bytes_per_token(cls, layout: KVLayout, config: SparseConfig) -> float:
+        """Device bytes of representation per token and layer (for capacity planning)."""
+        return 0.0
+
+    @classmethod
     def max_selected_tokens(cls, config: SparseConfig) -> int:
         """Upper bound of a selection's length: the static width of `Selection.indices`."""
         return _max_units(config, config.page_size if cls.granularity == "page" else 1) * (

@@ -41,6 +41,11 @@ class Quest(ScoringAlgorithm):
     granularity = "page"
     per_kv_head = True
 
+    @classmethod
+    def representation_bytes_per_token(cls, layout, config) -> float:  # type: ignore[no-untyped-def]
+        """Min and max keys of every page: 2 / page_size of a K row."""
+        return 2 * layout.row_bytes / config.page_size
+
     def __init__(self, config, layout, max_requests, max_seq_len) -> None:  # type: ignore[no-untyped-def]
         super().__init__(config, layout, max_requests, max_seq_len)
         p = config.page_size

@@ -33,6 +33,8 @@ class RequestResult:
     kv_read_fraction: float  # tokens attended / tokens in context
     device_kv_fraction: float  # device bytes held / dense device bytes
     ms_per_step: float  # whole batch, coordinator + attention, reference excluded
+    hit_rate: float | None  # device-buffer hits / selected tokens of buffered rows (whole batch)
+    swap_in_kib_per_step: float  # host -> device KiB per decode step (whole batch, all layers)
     config: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -121,6 +123,9 @@ def run_experiment(
         if on_step is not None:
             on_step()
 
+    stats = coord.store.stats()
+    hits, misses = sum(x["hits"] for x in stats), sum(x["misses"] for x in stats)
+    swapped = sum(x["bytes_in"] for x in stats) / 1024 / workload.decode_steps
     results = []
     for r, t in zip(requests, tallies):
         device_tokens = coord.store.device_tokens(r)
@@ -138,6 +143,8 @@ def run_experiment(
                 kv_read_fraction=t.read / t.n,
                 device_kv_fraction=device_tokens / r.seq_len,
                 ms_per_step=1000 * step_seconds / workload.decode_steps,
+                hit_rate=hits / (hits + misses) if hits + misses else None,
+                swap_in_kib_per_step=swapped,
                 config=config.model_dump(),
             )
         )

@@ -1,0 +1,44 @@
+"""Capacity planning: resident vs hierarchical request counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparse_framework import KVLayout, load_config
+from sparse_framework.kv_store.capacity import PRESETS, plan_capacity
+
+GiB = 2**30
+
+
+def test_llama_16k_top2048_matches_the_hand_computation() -> None:
+    layout = PRESETS["llama-3-8b"]
+    cfg = load_config({"top_k": 2048, "device_buffer_tokens": 2144})
+    plan = plan_capacity(layout, 60 * GiB, 1024 * GiB, 16384, cfg)
+    per_layer = 2 * 8 * 128 * 2  # K + V, 8 heads x 128 dims, bf16
+    assert plan.resident_device_bytes == 32 * 16384 * per_layer
+    assert plan.buffer_kv_bytes == 32 * 2144 * per_layer
+    maps = 32 * 8 * (4 * (16384 // 16 + 1) + 12 * (2144 // 16 + 1))  # Quest: per KV head, page units
+    representation = 32 * 16384 * 2 * 8 * 128 * 2 // 16  # page min + max keys
+    assert plan.hierarchical_device_bytes == plan.buffer_kv_bytes + maps + representation
+    assert plan.resident_requests == 60 * GiB // plan.resident_device_bytes == 30
+    assert plan.hierarchical_requests == 60 * GiB // plan.hierarchical_device_bytes
+    assert plan.kv_only_gain == pytest.approx(16384 / 2144)  # the ~7.5x anchor
+    assert plan.limited_by == "device" and plan.gain > 5
+
+
+def test_host_memory_can_be_the_limit() -> None:
+    cfg = load_config({"top_k": 2048})
+    plan = plan_capacity(PRESETS["deepseek-v3.2"], 80 * GiB, 16 * GiB, 131072, cfg)
+    assert plan.limited_by == "host"
+    assert plan.hierarchical_requests == 16 * GiB // plan.hierarchical_host_bytes
+
+
+def test_dense_layers_cost_full_context_and_short_contexts_cap_the_buffer() -> None:
+    layout = KVLayout(num_layers=4, num_kv_heads=1, head_dim=8, dtype=torch.float16)
+    cfg = load_config({"top_k": 64, "page_size": 8, "device_buffer_tokens": 256, "dense_layers": [0]})
+    plan = plan_capacity(layout, GiB, GiB, 1000, cfg)
+    per_layer = 2 * 8 * 2
+    assert plan.buffer_kv_bytes == 3 * 256 * per_layer + 1 * 1000 * per_layer
+    short = plan_capacity(layout, GiB, GiB, 100, cfg)
+    assert short.device_buffer_tokens == 104  # never more than the (page-rounded) context
