@@ -213,7 +213,8 @@ class SparseCoordinator:
         if batch.is_prefill:
             offset = 0
             for r in batch.requests:
-                self.store.write_prefill(layer, r, k[offset : offset + r.prompt_len], v[offset : offset + r.prompt_len])
+                rows = slice(offset, offset + r.prompt_len)
+                self.store.write_prefill(layer, r, k[rows], None if v is None else v[rows])
                 offset += r.prompt_len
             v_rows = k[..., : self.layout.v_head_dim] if v is None else v
             return AttentionMetadata(layer, True, plan=batch.query_lens, k_cache=k, v_cache=v_rows)

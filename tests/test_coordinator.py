@@ -42,7 +42,7 @@ class Driver:
         self.kv: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def randn(self, *shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=self.gen)
+        return torch.randn(*shape, generator=self.gen).to(self.coord.layout.device)
 
     def prefill(self, requests: list[Request]) -> None:
         lay = self.coord.layout
@@ -87,12 +87,33 @@ class Driver:
                 self.kv[r.rid][layer] = (pk, pv)
                 refs.append(dense_reference(q[i], pk, pv))
             results.append((out, torch.stack(refs), meta))
+            self.check_slots(layer, requests, meta)
         self.coord.forward_end(batch)
         return results
 
 
-def make(config: dict | None = None, *, layers: int = 2, kv_heads: int = 2, head_dim: int = 8, **kw) -> SparseCoordinator:
-    layout = KVLayout(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim)
+    def check_slots(self, layer: int, requests: list[Request], meta) -> None:
+        """The device rows at the returned slots are the rows written for the selected tokens."""
+        sel, slots = meta.selection, meta.slots.long()
+        k_cache, v_cache = meta.k_cache, meta.v_cache
+        heads = k_cache.shape[2]
+        k_rows, v_rows = k_cache.reshape(-1, heads, k_cache.shape[-1]), v_cache.reshape(-1, heads, v_cache.shape[-1])
+        per_head = sel.indices.shape[1] > 1
+        n_slots = self.coord.store.num_slots
+        for i, r in enumerate(requests):
+            want_k, want_v = self.kv[r.rid][layer]
+            for h in range(sel.indices.shape[1]):
+                n = int(sel.lengths[i, h])
+                toks, sl = sel.indices[i, h, :n].long(), slots[i, h, :n]
+                if per_head:  # head-major buffer: KV head h's slot s is row h * num_slots + s
+                    assert torch.equal(k_rows[h * n_slots + sl, 0], want_k[toks, h])
+                    assert torch.equal(v_rows[h * n_slots + sl, 0], want_v[toks, h])
+                else:
+                    assert torch.equal(k_rows[sl], want_k[toks]) and torch.equal(v_rows[sl], want_v[toks])
+
+
+def make(config: dict | None = None, *, layers: int = 2, kv_heads: int = 2, head_dim: int = 8, device: str = "cpu", **kw) -> SparseCoordinator:
+    layout = KVLayout(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, device=device)
     return SparseCoordinator({**BASE, **(config or {})}, layout, **{"max_requests": 4, "max_seq_len": 512, **kw})
 
 
@@ -258,3 +279,42 @@ def test_retract_and_resume_give_bit_identical_attention(config) -> None:
             assert torch.equal(oa, ob)
     with pytest.raises(ValueError, match="is not retracted"):
         b.on_request_resume(rb[0])
+
+
+def test_mla_layout_latent_rows_and_dense_equality() -> None:
+    """MLA: one latent row per token (K = all 24 dims, V = the first 16), 8 query heads."""
+    layout = KVLayout.mla(2, latent_dim=24, v_head_dim=16)
+    coord = SparseCoordinator({**BASE, "top_k": 256, "device_buffer_tokens": 512}, layout, max_requests=2, max_seq_len=256)
+    g = torch.Generator().manual_seed(0)
+    reqs = [Request("a", 90), Request("b", 40)]
+    latents: dict[str, list[torch.Tensor]] = {}
+    for r in reqs:
+        coord.on_request_begin(r)
+    batch = Batch(reqs, is_prefill=True)
+    coord.forward_begin(batch)
+    for layer in range(2):
+        k = torch.randn(130, 1, 24, generator=g)
+        q = torch.randn(130, 8, 24, generator=g)
+        with pytest.raises(ValueError, match="MLA layout takes the latent as k"):
+            coord.attention_begin(layer, q, k, k, batch)
+        meta = coord.attention_begin(layer, q, k, None, batch)
+        assert coord.attend(layer, q, meta).shape == (130, 8, 16)
+        coord.attention_end(layer, None, batch)
+        latents.setdefault("a", []).append(k[:90])
+        latents.setdefault("b", []).append(k[90:])
+    coord.forward_end(batch)
+    for _ in range(4):
+        batch = Batch(reqs)
+        coord.forward_begin(batch)
+        for layer in range(2):
+            q = torch.randn(2, 8, 24, generator=g)
+            k = torch.randn(2, 1, 24, generator=g)
+            meta = coord.attention_begin(layer, q, k, None, batch)
+            out = coord.attend(layer, q, meta)
+            coord.attention_end(layer, out, batch)
+            for i, r in enumerate(reqs):
+                latents[r.rid][layer] = torch.cat([latents[r.rid][layer], k[i : i + 1]])
+                lat = latents[r.rid][layer]
+                ref = dense_reference(q[i], lat, lat[..., :16])
+                assert torch.allclose(out[i].double(), ref, atol=1e-5)
+        coord.forward_end(batch)

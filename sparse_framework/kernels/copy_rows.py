@@ -1,6 +1,6 @@
 """Row copy between any two tensors a GPU can address — device memory or pinned host memory
 (zero-copy over PCIe): `dst.flat[dst_off[i] : dst_off[i] + ROW] = src.flat[src_off[i] : ...]`
-for every i with src_off[i] >= 0. One program copies BLOCK rows of ROW elements, so that many
+for every i with src_off[i] >= 0 and dst_off[i] >= 0. One program copies BLOCK rows of ROW elements, so that many
 small rows are in flight at once, which is what saturates PCIe for random rows."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def copy_rows_kernel(
     in_range = rows < n_rows
     src = tl.load(src_off_ptr + rows, mask=in_range, other=-1)
     dst = tl.load(dst_off_ptr + rows, mask=in_range, other=-1)
-    live = in_range & (src >= 0)
+    live = in_range & (src >= 0) & (dst >= 0)
     for start in range(0, ROW, COLS):
         cols = start + tl.arange(0, COLS)
         mask = live[:, None] & (cols[None, :] < ROW)

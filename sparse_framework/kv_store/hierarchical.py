@@ -111,11 +111,13 @@ class HierarchicalKVStore(KVStore):
         self.last_used = torch.full((L, max_requests, s, self.buffer_units + 1), -1, dtype=torch.int64, device=dev)
         self._trash_l, self._trash_s = self.max_units, self.buffer_units
         self.clock = torch.zeros((), dtype=torch.int64, device=dev)
+        self._minus_one = torch.full((), -1, dtype=torch.int32, device=dev)  # (a CUDA graph may not copy a scalar in)
 
         self.hits = torch.zeros(L, dtype=torch.int64, device=dev)
         self.misses = torch.zeros(L, dtype=torch.int64, device=dev)
         self.rows_in = torch.zeros(L, dtype=torch.int64, device=dev)  # token rows host -> device
         self.rows_out = torch.zeros(L, dtype=torch.int64, device=dev)  # token rows device -> host
+        self.timing = True  # time swap-ins (turn off while capturing a CUDA graph)
         self._swap_seconds = [0.0] * L
         self._swap_events: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, dev off, host off)
@@ -362,7 +364,7 @@ class HierarchicalKVStore(KVStore):
         ri = rows.view(-1, 1, 1).expand(b, s, w)
         hi = torch.arange(s, device=self.device).view(1, -1, 1).expand(b, s, w)
         old = self.s2l[layer, ri, hi, victims].long()
-        self.l2s[layer, ri, hi, torch.where(take & (old >= 0), old, self._trash_l)] = -1
+        self.l2s[layer, ri, hi, torch.where(take & (old >= 0), old, self._trash_l)] = self._minus_one
         self.l2s[layer, ri, hi, torch.where(take, units, self._trash_l)] = victims.to(torch.int32)
         self.s2l[layer, ri, hi, torch.where(take, victims, self._trash_s)] = units.to(torch.int32)
 
@@ -487,9 +489,10 @@ class HierarchicalKVStore(KVStore):
         slots = self._phys(layer, rows, tok_bu)  # [B, S, W]
         tok_miss = miss.unsqueeze(-1).expand(-1, -1, -1, u).flatten(-2)[..., :w] & (idx >= 0)
         src_tokens = torch.where(tok_miss, idx.long(), -1)
-        start = self._timer()
+        start = self._timer() if self.timing else None
         self._copy_in(layer, rows, src_tokens, torch.where(tok_miss, slots, -1))
-        self._stop_timer(layer, start)
+        if start is not None:
+            self._stop_timer(layer, start)
         self.hits[layer] += (hit.unsqueeze(-1).expand(-1, -1, -1, u).flatten(-2)[..., :w] & (idx >= 0)).sum()
         self.misses[layer] += tok_miss.sum()
         return slots.to(torch.int32)

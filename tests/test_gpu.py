@@ -1,0 +1,160 @@
+"""CUDA checks of the store: pinned host memory, the Triton zero-copy kernel, the side
+stream for host writes. Skipped (visibly) without a GPU; run them on the GPU machine:
+`python -m pytest -m gpu -q`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparse_framework import Batch, KVLayout, Request
+from sparse_framework.kv_store.copy import copy_rows
+from sparse_framework.kv_store.hierarchical import HierarchicalKVStore
+
+from test_coordinator import Driver, make
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+@pytest.mark.parametrize("row", [1, 64, 576, 1024, 2048])
+def test_zero_copy_kernel_both_directions(dtype, row) -> None:
+    n_host, n_dev, n = 4096, 1024, 700
+    host = (torch.randn(n_host * row) * 40).to(dtype).pin_memory()
+    dev = torch.zeros(n_dev * row, dtype=dtype, device="cuda")
+    src = torch.randperm(n_host, device="cuda")[:n] * row  # distinct rows, so the copy back is well defined
+    src[::7] = -1
+    dst = torch.randperm(n_dev, device="cuda")[:n] * row
+    copy_rows(host, dev, src, dst, row)
+    want = torch.zeros(n_dev * row, dtype=dtype)
+    copy_rows(host, want, src.cpu(), dst.cpu(), row, impl="torch")
+    torch.cuda.synchronize()
+    assert torch.equal(dev.cpu(), want)
+    back = torch.zeros_like(host).pin_memory()
+    copy_rows(dev, back, torch.where(src >= 0, dst, -1), src, row)  # device -> pinned host
+    torch.cuda.synchronize()
+    keep = src.cpu() >= 0
+    cols = torch.arange(row)
+    idx = (src.cpu()[keep].unsqueeze(1) + cols).flatten()
+    assert torch.equal(back[idx], host[idx])
+
+
+def test_unpinned_host_memory_is_refused() -> None:
+    with pytest.raises(ValueError, match="must be pinned"):
+        copy_rows(torch.zeros(8), torch.zeros(8, device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda"),
+                  torch.zeros(1, dtype=torch.long, device="cuda"), 1)
+
+
+@pytest.mark.parametrize("config", [{}, {"top_k": 8, "page_size": 2, "sink_tokens": 2, "recent_tokens": 2}, {"min_sparse_prompt_len": 100}])
+def test_coordinator_on_cuda_reads_the_right_rows_and_matches_dense_at_full_budget(config) -> None:
+    coord = make(config, device="cuda")
+    assert coord.store.host[0].is_pinned()
+    drv = Driver(coord, q_heads=4)
+    reqs = [Request("a", 150), Request("b", 77), Request("c", 300)]
+    drv.prefill(reqs)
+    for _ in range(20):
+        drv.decode(reqs)  # checks the rows at every returned slot
+    full = make({"top_k": 512, "device_buffer_tokens": 1024}, device="cuda")
+    drv = Driver(full, q_heads=4)
+    drv.prefill([Request("a", 150), Request("b", 300)])
+    for _ in range(5):
+        for out, ref, _ in drv.decode(list(full.requests.values())):
+            assert torch.allclose(out.double(), ref, atol=1e-5, rtol=0)
+    stats = full.store.stats()
+    assert sum(x["misses"] for x in stats) > 0 and sum(x["bytes_out"] for x in stats) > 0
+
+
+def test_retract_resume_bit_identical_on_cuda() -> None:
+    a, b = make({}, device="cuda"), make({}, device="cuda")
+    da, db = Driver(a, q_heads=4, seed=3), Driver(b, q_heads=4, seed=3)
+    ra, rb = [Request("x", 200), Request("y", 90)], [Request("x", 200), Request("y", 90)]
+    da.prefill(ra)
+    db.prefill(rb)
+    for step in range(10):
+        if step == 3:
+            b.on_request_retract(rb[1])
+            b.on_request_resume(rb[1])
+        for (oa, _, _), (ob, _, _) in zip(da.decode(ra), db.decode(rb)):
+            assert torch.equal(oa, ob)
+
+
+def test_host_copies_of_decode_tokens_complete_before_they_are_read() -> None:
+    """Decode tokens go to the host on a side stream; evicting them right away and reading
+    them back must still give the written rows."""
+    layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, device="cuda")
+    store = HierarchicalKVStore(layout, page_size=1, device_buffer_tokens=8, sink_tokens=1, recent_tokens=1,
+                                max_requests=1, max_seq_len=600)
+    r = Request("a", 4, seq_len=4, slot=0)
+    store.admit(r)
+    rows = [torch.randn(4, 2, 64, device="cuda").bfloat16()]
+    store.write_prefill(0, r, rows[0], rows[0] + 1)
+    for _ in range(500):
+        r.seq_len += 1
+        b = Batch([r])
+        store.grow(b)
+        b.prepare("cuda")
+        store.begin_step(b)
+        k = torch.randn(1, 2, 64, device="cuda").bfloat16()
+        store.write_decode(0, b, k, k + 1)
+        rows.append(k)
+        store.end_step(b)
+    k_host, v_host = store.read(0, r)
+    want = torch.cat(rows).cpu()
+    assert torch.equal(k_host, want) and torch.equal(v_host, want + 1)
+
+
+def test_decode_path_of_the_store_captures_in_a_cuda_graph() -> None:
+    """write_decode + ensure_resident contain no host synchronisation: they capture in a
+    CUDA graph, and replays keep the rows right."""
+    from sparse_framework import Selection
+
+    layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, device="cuda")
+    store = HierarchicalKVStore(layout, page_size=4, device_buffer_tokens=64, sink_tokens=4, recent_tokens=4,
+                                max_requests=2, max_seq_len=4096)
+    reqs = [Request("a", 1000, seq_len=1000, slot=0), Request("b", 700, seq_len=700, slot=1)]
+    truth = []
+    for r in reqs:
+        store.admit(r)
+        k = torch.randn(r.prompt_len, 2, 64, device="cuda").bfloat16()
+        store.write_prefill(0, r, k, k)
+        truth.append(k)
+    # the graph writes one new token at the current lengths and selects a fixed-width set
+    for r in reqs:
+        r.seq_len += 1
+    batch = Batch(reqs)
+    store.grow(batch)
+    batch.prepare("cuda")
+    store.timing = False
+    new_k = torch.randn(2, 2, 64, device="cuda").bfloat16()
+    idx = torch.zeros(2, 1, 40, dtype=torch.int32, device="cuda")
+    lens = torch.full((2, 1), 40, dtype=torch.int32, device="cuda")
+
+    def step() -> torch.Tensor:
+        store.write_decode(0, batch, new_k, new_k)
+        return store.ensure_resident(0, batch, Selection(idx, lens))
+
+    def pick(seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        for i, r in enumerate(reqs):
+            pinned = list(range(4)) + list(range(r.seq_len - 4, r.seq_len))
+            rest = torch.randperm(r.seq_len - 8, generator=g)[:32] + 4
+            idx[i, 0] = torch.tensor(sorted(pinned + rest.tolist()), dtype=torch.int32)
+
+    pick(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        slots = step()
+    for seed in range(1, 6):
+        pick(seed)
+        graph.replay()
+        torch.cuda.synchronize()
+        kc, _ = store.paged_view(0, 1)
+        rows = kc.reshape(-1, 2, 64)
+        for i, r in enumerate(reqs):
+            want = torch.cat([truth[i], new_k[i : i + 1]])
+            assert torch.equal(rows[slots[i, 0].long()], want[idx[i, 0].long()])
