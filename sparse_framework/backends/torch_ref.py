@@ -31,8 +31,9 @@ def paged_attention(
     rows = page_table.long().repeat_interleave(p, dim=1) * p + pos % p  # [N, T] flat row ids
     valid = pos < cache_seqlens.long().unsqueeze(1)
     rows = torch.where(valid, rows, 0)
-    k = k_cache.reshape(-1, hk, d)[rows].float()  # [N, T, Hk, D]
-    v = v_cache.reshape(-1, hk, dv)[rows].float()
+    hidden = ~valid.view(n, -1, 1, 1)  # rows past a sequence: never read (may hold anything)
+    k = k_cache.reshape(-1, hk, d)[rows].float().masked_fill(hidden, 0.0)  # [N, T, Hk, D]
+    v = v_cache.reshape(-1, hk, dv)[rows].float().masked_fill(hidden, 0.0)
     group = hq // hk
     qg = q.float().view(n, hk, group, d)
     scores = torch.einsum("nhgd,nthd->nhgt", qg, k) * scale
