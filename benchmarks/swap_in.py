@@ -14,6 +14,7 @@ kernel alone. Medians over `--iters` calls after warm-up, with the ceiling besid
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -132,8 +133,6 @@ def bench(kind: str, batch: int, fraction: float, args: argparse.Namespace) -> d
         "kernel_gbps": moved / med(kernel_us) / 1e3 if miss else 0.0,
         "pcie_ceiling_gbps": PCIE_GBPS,
     }
-    del store, graph
-    torch.cuda.empty_cache()
     return res
 
 
@@ -189,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         for batch in [int(x) for x in args.batches.split(",")]:
             for fraction in [float(x) for x in args.misses.split(",")]:
                 r = bench(kind, batch, fraction, args)
+                gc.collect()  # free the last store's pinned host pool before the next one
+                torch.cuda.empty_cache()
                 results.append(r)
                 print(
                     f"{kind} {r['row_bytes']:>5}B B={batch:<3} miss={fraction:<4} misses/call={r['misses_per_call']:.0f}"

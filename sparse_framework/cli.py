@@ -8,14 +8,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
 from . import registry
-from .config import SparseConfig, config_schema, describe_errors, load_config
+from .config import config_schema, load_config, read_json_object, validate
 from .engine.loop import RequestResult, run_experiment
 from .engine.workload import WorkloadConfig
 from .engine.workload import DTYPES as LAYOUT_DTYPES
@@ -97,37 +96,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _read_json_arg(value: str, what: str) -> dict[str, Any]:
-    text = value
-    if not value.lstrip().startswith("{"):
-        path = Path(value)
-        if not path.is_file():
-            raise SparseFrameworkError(f"{what} {value!r} is neither a JSON object nor an existing file")
-        text = path.read_text()
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise SparseFrameworkError(f"{what} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise SparseFrameworkError(f"{what} must be a JSON object, got {type(data).__name__}")
-    return data
-
-
 def _workload(args: argparse.Namespace) -> WorkloadConfig:
     data = dict(DEFAULT_WORKLOAD)
     if args.workload:
-        data.update(_read_json_arg(args.workload, "--workload"))
+        workload = read_json_object(args.workload, "--workload")
+        if not isinstance(workload, dict):
+            raise SparseFrameworkError(f"--workload must be a JSON object, got {type(workload).__name__}")
+        data.update(workload)
     if args.contexts:
         data["contexts"] = _int_list(args.contexts, "--contexts")
     for key, value in (("decode_steps", args.steps), ("device", args.device), ("dtype", args.dtype), ("seed", args.seed)):
         if value is not None:
             data[key] = value
-    try:
-        return WorkloadConfig.model_validate(data)
-    except ValidationError as exc:
-        raise SparseFrameworkError(
-            "invalid workload:\n  " + "\n  ".join(describe_errors(exc, WorkloadConfig))
-        ) from None
+    return validate(WorkloadConfig, data, "workload")
 
 
 def _table(results: list[RequestResult]) -> Table:
@@ -187,7 +168,9 @@ def _layout(args: argparse.Namespace) -> tuple[str, KVLayout]:
         if args.model not in PRESETS:
             raise SparseFrameworkError(f"unknown --model {args.model!r}; presets: {', '.join(PRESETS)}{closest(args.model, PRESETS)}")
         return args.model, PRESETS[args.model]
-    data = _read_json_arg(args.layout, "--layout")
+    data = read_json_object(args.layout, "--layout")
+    if not isinstance(data, dict):
+        raise SparseFrameworkError(f"--layout must be a JSON object, got {type(data).__name__}")
     dtype = data.pop("dtype", "bfloat16")
     if dtype not in LAYOUT_DTYPES:
         raise SparseFrameworkError(f"--layout dtype must be one of {', '.join(LAYOUT_DTYPES)}, got {dtype!r}")

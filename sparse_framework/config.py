@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from os import PathLike
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
@@ -152,27 +152,36 @@ def load_config(source: SparseConfig | dict[str, Any] | str | PathLike[str]) -> 
     """
     if isinstance(source, SparseConfig):
         return source
-    data = _read(source) if isinstance(source, (str, PathLike)) else source
+    data = read_json_object(source, "config") if isinstance(source, (str, PathLike)) else source
     if not isinstance(data, dict):
         raise ConfigError(f"config must be a JSON object, got {type(data).__name__}")
+    return validate(SparseConfig, data, "sparse config")
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def validate(model: type[M], data: Any, what: str) -> M:
+    """`model.model_validate(data)`, with every problem in one ConfigError."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} must be a JSON object, got {type(data).__name__}")
     try:
-        return SparseConfig.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(
-            "invalid sparse config:\n  " + "\n  ".join(describe_errors(exc, SparseConfig))
-        ) from None
+        raise ConfigError(f"invalid {what}:\n  " + "\n  ".join(describe_errors(exc, model))) from None
 
 
-def _read(source: str | PathLike[str]) -> Any:
+def read_json_object(source: str | PathLike[str], what: str) -> Any:
+    """The JSON value of a string that holds an object, or of a file path."""
     text = str(source)
-    where = "config JSON string"
+    where = f"{what} JSON string"
     if text.lstrip()[:1] in ("[", '"') or text.strip().lstrip("-").isdigit():
-        raise ConfigError(f"config must be a JSON object ({{...}}), got {text.strip()[:40]!r}")
+        raise ConfigError(f"{what} must be a JSON object ({{...}}), got {text.strip()[:40]!r}")
     if not text.lstrip().startswith("{"):
         path = Path(text)
         if not path.is_file():
-            raise ConfigError(f"config {text!r} is neither a JSON object nor an existing file")
-        where = f"config file {str(path)!r}"
+            raise ConfigError(f"{what} {text!r} is neither a JSON object nor an existing file")
+        where = f"{what} file {str(path)!r}"
         text = path.read_text()
     try:
         return json.loads(text)

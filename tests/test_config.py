@@ -12,16 +12,9 @@ from hypothesis import strategies as st
 from sparse_framework import ConfigError, SparseConfig, config_schema, load_config
 from sparse_framework.algorithms.quest import Quest, QuestOptions
 from sparse_framework.backends.torch_ref import TorchRefBackend
+from helpers import SMALL_QUEST
 
-SMALL = {
-    "algorithm": "quest",
-    "top_k": 32,
-    "page_size": 4,
-    "sink_tokens": 4,
-    "recent_tokens": 8,
-    "min_sparse_prompt_len": 0,
-    "device_buffer_tokens": 256,
-}
+SMALL = SMALL_QUEST
 # quest is page-granular: sink 1 page + top_k 8 pages + recent 2 pages + 1 misaligned page
 SMALL_MAX_SELECTED = (1 + 8 + 2 + 1) * 4
 

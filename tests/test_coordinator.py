@@ -11,16 +11,9 @@ from hypothesis import strategies as st
 
 from sparse_framework import Batch, CapacityError, ConfigError, KVLayout, Request
 from sparse_framework.coordinator import SparseCoordinator
+from helpers import SMALL_QUEST
 
-BASE = {
-    "algorithm": "quest",
-    "top_k": 32,
-    "page_size": 4,
-    "sink_tokens": 4,
-    "recent_tokens": 8,
-    "min_sparse_prompt_len": 0,
-    "device_buffer_tokens": 256,
-}
+BASE = SMALL_QUEST
 
 
 def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -24,18 +24,12 @@ from sparse_framework.algorithms.quest import Quest
 from sparse_framework.backends.base import AttentionBackend
 from sparse_framework.backends.torch_ref import TorchRefBackend
 from sparse_framework.config import config_schema
+from helpers import SMALL_QUEST
 
 TOY_PLUGIN_SRC = Path(__file__).parent / "plugins" / "toy_plugin"
 ALGO_GROUP = "sparse_framework.algorithms"
 
-SMALL = {
-    "top_k": 32,
-    "page_size": 4,
-    "sink_tokens": 4,
-    "recent_tokens": 8,
-    "min_sparse_prompt_len": 0,
-    "device_buffer_tokens": 256,
-}
+SMALL = {k: v for k, v in SMALL_QUEST.items() if k != "algorithm"}
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,7 @@ Adaptors are pure functions of their inputs, so every one of them is tested on t
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 

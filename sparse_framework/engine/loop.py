@@ -14,7 +14,7 @@ from ..config import SparseConfig
 from ..coordinator import SparseCoordinator
 from ..kv_store.layout import KVLayout
 from .metrics import attention_recall, dense_attention, needle_hits, relative_error, selected_mask
-from .workload import RequestData, SyntheticWorkload, WorkloadConfig
+from .workload import SyntheticWorkload, WorkloadConfig
 
 
 @dataclass
