@@ -8,6 +8,10 @@ finished or retracted request holds no device page.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -18,6 +22,10 @@ from sparse_framework import Batch, CapacityError, KVLayout, Request, Selection
 from sparse_framework.kv_store.hierarchical import HierarchicalKVStore
 
 MAX_REQ, MAX_LEN = 3, 48
+# the state machine runs the torch implementation here, and the fused Triton kernels under
+# the interpreter in a subprocess (test_state_machine_with_the_fused_kernels)
+IMPL = os.environ.get("SPARSE_FRAMEWORK_STORE_IMPL", "torch")
+EXAMPLES = int(os.environ.get("SPARSE_FRAMEWORK_STORE_EXAMPLES", "40"))
 
 
 def rows_of(store: HierarchicalKVStore, layer: int, slots: torch.Tensor) -> list[torch.Tensor]:
@@ -54,7 +62,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.store = HierarchicalKVStore(
             self.layout, page_size=page, device_buffer_tokens=buffer_tokens, sink_tokens=sink,
             recent_tokens=recent, dense_layers=[1] if dense_layer else [], unit=self.unit,
-            per_kv_head=kind == "mha-head", max_requests=MAX_REQ, max_seq_len=MAX_LEN,
+            per_kv_head=kind == "mha-head", max_requests=MAX_REQ, max_seq_len=MAX_LEN, impl=IMPL,
         )
         self.gen = torch.Generator().manual_seed(seed)
         self.free_slots = list(range(MAX_REQ))
@@ -267,8 +275,82 @@ class StoreMachine(RuleBasedStateMachine):
 
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = settings(
-    max_examples=40, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=EXAMPLES, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+
+
+def test_state_machine_with_the_fused_kernels() -> None:
+    """The same state machine over the fused Triton kernels, interpreted on the CPU."""
+    pytest.importorskip("triton")
+    if IMPL == "triton":
+        pytest.skip("already running the fused kernels")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "SPARSE_FRAMEWORK_STORE_IMPL": "triton",
+           "SPARSE_FRAMEWORK_STORE_EXAMPLES": "60"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", "TestStoreMachine"],
+        capture_output=True, text=True, env=env, timeout=1200,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "1 passed" in done.stdout
+
+
+PARITY_CHECK = r"""
+import torch
+from sparse_framework import Batch, KVLayout, Request, Selection
+from sparse_framework.kv_store.hierarchical import HierarchicalKVStore
+
+for per_head, unit, mla in [(False, 1, False), (True, 1, False), (False, 4, False), (True, 4, False), (False, 2, True)]:
+    layout = KVLayout.mla(2, latent_dim=6, v_head_dim=4) if mla else KVLayout(2, 2, 4)
+    stores = [HierarchicalKVStore(layout, page_size=4, device_buffer_tokens=24, sink_tokens=4, recent_tokens=6,
+                                  unit=unit, per_kv_head=per_head, max_requests=2, max_seq_len=64, impl=impl)
+              for impl in ("torch", "triton")]
+    g = torch.Generator().manual_seed(unit)
+    lens = [45, 30]
+    rows = [[torch.randn(n, layout.num_kv_heads, layout.head_dim, generator=g) for _ in range(layout.tensors_per_token)] for n in lens]
+    reqs = [[Request(f"r{i}", n, seq_len=n, slot=i) for i, n in enumerate(lens)] for _ in stores]
+    for st, rs in zip(stores, reqs):
+        for r, kv in zip(rs, rows):
+            st.admit(r)
+            st.write_prefill(1, r, kv[0], kv[1] if len(kv) > 1 else None)
+    s = stores[0].streams
+    ub = stores[0].buffer_units
+    for step in range(8):
+        idx = torch.full((2, s, ub * unit), -1, dtype=torch.int32)
+        n_sel = torch.zeros(2, s, dtype=torch.int32)
+        for i, n in enumerate(lens):
+            nu = -(-n // unit)
+            for h in range(s):
+                pinned = {x for x in range(nu) if x * unit < 4} | set(range(max(0, n - 6) // unit, nu))
+                others = [x for x in range(nu) if x not in pinned]
+                room = ub - len(pinned)
+                pick = torch.randperm(len(others), generator=g)[: int(torch.randint(0, room + 1, (1,), generator=g))]
+                units = sorted(pinned | {others[p] for p in pick.tolist()})
+                toks = [t for x in units for t in range(x * unit, min((x + 1) * unit, n))]
+                idx[i, h, : len(toks)] = torch.tensor(toks, dtype=torch.int32)
+                n_sel[i, h] = len(toks)
+        out = []
+        for st, rs in zip(stores, reqs):
+            b = Batch(rs)
+            b.prepare("cpu")
+            st.begin_step(b)
+            out.append(st.ensure_resident(1, b, Selection(idx, n_sel, unit)))
+        a, t = stores
+        assert torch.equal(out[0], out[1]), (per_head, unit, step)
+        assert torch.equal(a.l2s[..., :-1], t.l2s[..., :-1]) and torch.equal(a.s2l[..., :-1], t.s2l[..., :-1])
+        assert torch.equal(a.last_used[..., :-1], t.last_used[..., :-1]) and torch.equal(a.counts, t.counts)
+        assert all(torch.equal(x, y) for x, y in zip(a.dev, t.dev))
+print("parity ok")
+"""
+
+
+def test_fused_kernels_match_the_torch_path_exactly() -> None:
+    """Same selections into a torch-path store and a fused-kernel store (interpreted): the
+    same slots, maps, recency, counters and device rows after every call."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", PARITY_CHECK], capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "parity ok" in done.stdout
 
 
 # -- unit tests ---------------------------------------------------------------------------------

@@ -60,6 +60,7 @@ class HierarchicalKVStore(KVStore):
         host_capacity_tokens: int | None = None,
         pin_memory: bool | None = None,
         resident_only: bool = False,
+        impl: str = "auto",
     ) -> None:
         if page_size % unit:
             raise ValueError(f"unit ({unit}) must divide page_size ({page_size})")
@@ -73,6 +74,11 @@ class HierarchicalKVStore(KVStore):
         self.sink_tokens, self.recent_tokens = sink_tokens, recent_tokens
         self.dense_layers = frozenset(dense_layers)
         self.all_resident = resident_only
+        if impl not in ("auto", "torch", "triton"):
+            raise ValueError(f"impl must be auto, torch or triton, got {impl!r}")
+        # "triton": the fused kernels of kernels/residency.py (CUDA, or the CPU interpreter);
+        # "torch": the same algorithm in torch ops, the reference.
+        self.impl = impl if impl != "auto" else ("triton" if torch.device(layout.device).type == "cuda" else "torch")
         self.max_requests, self.max_seq_len = max_requests, max_seq_len
         self.max_pages = _cdiv(max_seq_len, page_size)
         self.max_units = _cdiv(max_seq_len, unit)
@@ -113,9 +119,9 @@ class HierarchicalKVStore(KVStore):
         self.clock = torch.zeros((), dtype=torch.int64, device=dev)
         self._minus_one = torch.full((), -1, dtype=torch.int32, device=dev)  # (a CUDA graph may not copy a scalar in)
 
-        self.hits = torch.zeros(L, dtype=torch.int64, device=dev)
-        self.misses = torch.zeros(L, dtype=torch.int64, device=dev)
-        self.rows_in = torch.zeros(L, dtype=torch.int64, device=dev)  # token rows host -> device
+        # per layer: hits, misses (selected tokens), rows copied host -> device
+        self.counts = torch.zeros(L, 3, dtype=torch.int64, device=dev)
+        self.hits, self.misses, self.rows_in = self.counts[:, 0], self.counts[:, 1], self.counts[:, 2]
         self.rows_out = torch.zeros(L, dtype=torch.int64, device=dev)  # token rows device -> host
         self.timing = True  # time swap-ins (turn off while capturing a CUDA graph)
         self._swap_seconds = [0.0] * L
@@ -354,8 +360,10 @@ class HierarchicalKVStore(KVStore):
             | (owner >= (lens - 1) // u)
         )
         age = torch.where(owner < 0, -1, self.last_used[layer, rows, :, : self.buffer_units])
-        age = age.masked_fill(pinned | protect, torch.iinfo(torch.int64).max)
-        return age.topk(count, dim=-1, largest=False).indices
+        # (age, unit) packed in one key: ties go to the lower unit, as in the fused kernel
+        key = ((age + 1) << 20) | torch.arange(self.buffer_units, device=self.device)
+        key = key.masked_fill(pinned | protect, torch.iinfo(torch.int64).max)
+        return key.topk(count, dim=-1, largest=False).indices
 
     def _assign(self, layer: int, rows: torch.Tensor, units: torch.Tensor, take: torch.Tensor, victims: torch.Tensor) -> None:
         """Map logical `units` [B, S, W] to buffer units `victims` where `take`, evicting the
@@ -459,6 +467,8 @@ class HierarchicalKVStore(KVStore):
         assert batch.slot_ids is not None and batch.seq_lens is not None
         if self.all_resident:
             return self.resident_slots(layer, batch, selection)
+        if self.impl == "triton":
+            return self._ensure_resident_fused(layer, batch, selection)
         u = self.unit
         idx = selection.indices
         b, s, w = idx.shape
@@ -496,6 +506,44 @@ class HierarchicalKVStore(KVStore):
         self.hits[layer] += (hit.unsqueeze(-1).expand(-1, -1, -1, u).flatten(-2)[..., :w] & (idx >= 0)).sum()
         self.misses[layer] += tok_miss.sum()
         return slots.to(torch.int32)
+
+    def _ensure_resident_fused(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
+        """`ensure_resident` in two kernel launches (kernels/residency.py)."""
+        from ..kernels.residency import place_and_copy_kernel, plan_residency_kernel
+        from .copy import _as_kernel_arg
+
+        idx = selection.indices.contiguous()
+        b, s, w = idx.shape
+        u = self.unit
+        wu = -(-w // u)
+        bu = torch.empty((b, s, wu), dtype=torch.int32, device=self.device)
+        miss = torch.empty((b, s, wu), dtype=torch.int8, device=self.device)
+        block_b = _pow2(self.buffer_units)
+        scratch = torch.empty((b * s, block_b), dtype=torch.int64, device=self.device)
+        start = self._timer() if self.timing else None
+        plan_residency_kernel[(b * s,)](
+            idx, batch.slot_ids, batch.seq_lens, self.l2s[layer], self.s2l[layer], self.last_used[layer],
+            self.clock, bu, miss, scratch, self.counts[layer],
+            s, w, wu, self.max_units, self.buffer_units, u, self.sink_tokens, self.recent_tokens,
+            BLOCK_W=_pow2(wu), BLOCK_B=block_b, num_warps=8 if block_b <= 2048 else 16,
+        )
+        slots = torch.empty_like(idx)
+        host = [_as_kernel_arg(t) for t in self.host]
+        dev = self.dev
+        two = len(dev) == 2
+        row = self.row_elems
+        per_layer = self.layout.num_kv_heads * self.layout.head_dim
+        place_and_copy_kernel[(b * s * w,)](
+            idx, bu, miss, batch.slot_ids, self.dev_table[layer], self.host_table, slots,
+            host[0], dev[0], host[1] if two else host[0], dev[1] if two else dev[0],
+            s, w, wu, self.buffer_units, u, self.page_size, self.dev_table.shape[-1], self.host_table.shape[-1],
+            layer * self.host_slots * per_layer, layer * self.device_slots * per_layer,
+            self.host_slots, self.device_slots, self.layout.num_kv_heads,
+            HEAD_MAJOR=self.head_major, TWO=two, ROW=row, COLS=min(128, _pow2(row)), num_warps=4,
+        )
+        if start is not None:
+            self._stop_timer(layer, start)
+        return slots
 
     def _copy_in(self, layer: int, rows: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor) -> None:
         """Host→device copy of logical `tokens` [B, S, W] (or [B, W] for all streams) into
@@ -627,3 +675,6 @@ class HierarchicalKVStore(KVStore):
             for layer in range(self.layout.num_layers)
         ]
 
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
