@@ -111,7 +111,9 @@ class SparseAlgorithm(ABC):
         """Choose tokens for this step. queries: [batch, num_q_heads, head_dim].
 
         Returns a Selection of width `max_selected_tokens` with 1 (per request) or
-        num_kv_heads (per KV head) rows per request.
+        num_kv_heads (per KV head) rows per request. It must contain the sink tokens, the
+        recent window and the newest token (the store pins them in the device buffer, and
+        the buffer is sized for selections that include them); ScoringAlgorithm does this.
         """
 
     @abstractmethod
@@ -177,13 +179,16 @@ def topk_selection(
     recent_start = (lens - recent_tokens).clamp(min=0) // unit
     forced = valid & ((ids * unit < sink_tokens) | (ids >= recent_start) | (ids == last_unit))
     forced, valid = forced.expand(b, h, n_units), valid.expand(b, h, n_units)
-    ranked = scores.masked_fill(~valid | forced, float("-inf"))
+    eligible = valid & ~forced
+    # a valid unit always competes, whatever its score (NaN ranks last, ±inf at the ends);
+    # ineligible ones rank below every eligible one and are never kept
+    big = torch.finfo(torch.float32).max
+    ranked = scores.float().nan_to_num(nan=-big, posinf=big, neginf=-big).masked_fill(~eligible, float("-inf"))
     k = min(budget_units, n_units)
     keep = forced.clone()
     if k > 0:
-        top_vals, top_ids = ranked.topk(k, dim=-1)
-        chosen = torch.zeros_like(keep).scatter_(-1, top_ids, top_vals > float("-inf"))
-        keep |= chosen
+        top_ids = ranked.topk(k, dim=-1).indices
+        keep |= torch.zeros_like(keep).scatter_(-1, top_ids, eligible.gather(-1, top_ids))
     width = min(width_units, n_units)
     # kept unit ids first, ascending; then padding (n_units sorts last)
     order = torch.where(keep, ids.expand(b, h, n_units), n_units)
