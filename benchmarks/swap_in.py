@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--json", help="write results to this JSON file")
     parser.add_argument("--sweep-kernel", action="store_true", help="only tune the copy kernel's launch parameters")
+    parser.add_argument("--place-warps", default=None, help="comma list: warps of the placing kernel to compare")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("swap_in.py needs a CUDA device", file=sys.stderr)
@@ -184,6 +185,20 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(sweep, f, indent=2)
         return 0
     results = []
+    if args.place_warps:
+        import sparse_framework.kv_store.hierarchical as hier
+
+        for warps in [int(x) for x in args.place_warps.split(",")]:
+            hier.PLACE_WARPS = warps
+            for kind in args.layouts.split(","):
+                for batch in [int(x) for x in args.batches.split(",")]:
+                    for fraction in [float(x) for x in args.misses.split(",")]:
+                        r = bench(kind, batch, fraction, args)
+                        gc.collect()
+                        torch.cuda.empty_cache()
+                        print(f"warps={warps} {kind} B={batch} miss={fraction}: graph {r['graph_us']:.1f}us "
+                              f"{r['graph_gbps']:.1f}GB/s eager {r['eager_us']:.1f}us", flush=True)
+        return 0
     for kind in args.layouts.split(","):
         for batch in [int(x) for x in args.batches.split(",")]:
             for fraction in [float(x) for x in args.misses.split(",")]:

@@ -34,6 +34,7 @@ from .layout import KVLayout
 from .pages import PageAllocator
 
 _RESIDENT, _BUFFERED = "resident", "buffered"
+PLACE_WARPS = 2  # warps per token program of place_and_copy_kernel (benchmarks/swap_in.py --place-warps)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -539,7 +540,7 @@ class HierarchicalKVStore(KVStore):
             s, w, wu, self.buffer_units, u, self.page_size, self.dev_table.shape[-1], self.host_table.shape[-1],
             layer * self.host_slots * per_layer, layer * self.device_slots * per_layer,
             self.host_slots, self.device_slots, self.layout.num_kv_heads,
-            HEAD_MAJOR=self.head_major, TWO=two, ROW=row, COLS=min(128, _pow2(row)), num_warps=4,
+            HEAD_MAJOR=self.head_major, TWO=two, ROW=row, COLS=min(128, _pow2(row)), num_warps=PLACE_WARPS,
         )
         if start is not None:
             self._stop_timer(layer, start)
