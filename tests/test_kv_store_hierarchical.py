@@ -239,7 +239,7 @@ class StoreMachine(RuleBasedStateMachine):
             flat = torch.cat(owned) if owned else torch.empty(0, dtype=torch.long)
             assert flat.unique().numel() == flat.numel()
             assert flat.numel() == st_.dev_alloc[layer].used
-        host = list(st_._host_pages.values())
+        host = list(st_.host_pool._host_pages.values())
         flat = torch.cat(host) if host else torch.empty(0, dtype=torch.long)
         assert flat.unique().numel() == flat.numel() == st_.host_alloc.used
         for rid in self.retracted:

@@ -30,8 +30,10 @@ from ..batch import Batch, Request, Selection
 from ..errors import CapacityError
 from .base import KVStore
 from .copy import copy_rows
+from .host_pool import HostPool
 from .layout import KVLayout
 from .pages import PageAllocator
+from .slot_maps import SlotMaps
 
 _RESIDENT, _BUFFERED = "resident", "buffered"
 PLACE_WARPS = 2  # warps per token program of place_and_copy_kernel (benchmarks/swap_in.py --place-warps)
@@ -101,24 +103,22 @@ class HierarchicalKVStore(KVStore):
 
         if host_capacity_tokens is None:
             host_capacity_tokens = 0 if resident_only else max_requests * self.max_pages * page_size
-        host_pages = _cdiv(host_capacity_tokens, page_size)
-        self.host_slots = host_pages * page_size
         pin = dev.type == "cuda" if pin_memory is None else pin_memory
-        self.host = [
-            torch.zeros((L, self.host_slots, hk, d), dtype=store_dtype, pin_memory=pin)
-            for _ in range(layout.tensors_per_token)
-        ]
-        self.host_alloc = PageAllocator(host_pages, "host KV pool")
-        self.host_table = torch.full((max_requests, self.max_pages), -1, dtype=torch.int32, device=dev)
-        self._host_pages: dict[int, torch.Tensor] = {}
+        self.host_pool = HostPool(
+            layout, page_size=page_size, max_requests=max_requests, max_pages=self.max_pages,
+            capacity_tokens=host_capacity_tokens, pin=pin, device=dev,
+        )
+        self.host_pool.head_major = per_kv_head
+        self.host, self.host_slots = self.host_pool.tensors, self.host_pool.host_slots
+        self.host_alloc, self.host_table = self.host_pool.host_alloc, self.host_pool.host_table
 
-        s = self.streams  # each map has one trash column at the end, for masked writes
-        self.l2s = torch.full((L, max_requests, s, self.max_units + 1), -1, dtype=torch.int32, device=dev)
-        self.s2l = torch.full((L, max_requests, s, self.buffer_units + 1), -1, dtype=torch.int32, device=dev)
-        self.last_used = torch.full((L, max_requests, s, self.buffer_units + 1), -1, dtype=torch.int64, device=dev)
-        self._trash_l, self._trash_s = self.max_units, self.buffer_units
-        self.clock = torch.zeros((), dtype=torch.int64, device=dev)
-        self._minus_one = torch.full((), -1, dtype=torch.int32, device=dev)  # (a CUDA graph may not copy a scalar in)
+        self.maps = SlotMaps(
+            num_layers=L, max_requests=max_requests, streams=self.streams, max_units=self.max_units,
+            buffer_units=self.buffer_units, unit=unit, sink_tokens=sink_tokens, recent_tokens=recent_tokens,
+            device=dev,
+        )
+        self.l2s, self.s2l, self.last_used = self.maps.l2s, self.maps.s2l, self.maps.last_used
+        self.clock = self.maps.clock
 
         # per layer: hits, misses (selected tokens), rows copied host -> device
         self.counts = torch.zeros(L, 3, dtype=torch.int64, device=dev)
@@ -159,14 +159,6 @@ class HierarchicalKVStore(KVStore):
         phys = table.gather(1, flat.clamp(min=0) // p).long() * p + flat.clamp(min=0) % p
         return torch.where(flat >= 0, phys, -1).reshape(pos.shape)
 
-    def _host_rows(self, slot_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Host slots of logical tokens. slot_ids: [B]; tokens: [B, ...]; -1 kept."""
-        p = self.page_size
-        flat = tokens.reshape(tokens.shape[0], -1).long()
-        table = self.host_table[slot_ids.long()]
-        rows = table.gather(1, flat.clamp(min=0) // p).long() * p + flat.clamp(min=0) % p
-        return torch.where(flat >= 0, rows, -1).reshape(tokens.shape)
-
     def _dev_off(self, layer: int, slots: torch.Tensor, head: torch.Tensor | int = 0) -> torch.Tensor:
         """Flat element offsets of a stream's row at device slots (-1 kept)."""
         hk, d = self.layout.num_kv_heads, self.layout.head_dim
@@ -175,14 +167,6 @@ class HierarchicalKVStore(KVStore):
         else:
             off = (layer * self.device_slots + slots) * hk * d
         return torch.where(slots >= 0, off, -1)
-
-    def _host_off(self, layer: int, rows: torch.Tensor, head: torch.Tensor | int = 0) -> torch.Tensor:
-        hk, d = self.layout.num_kv_heads, self.layout.head_dim
-        if self.head_major:
-            off = ((layer * self.host_slots + rows) * hk + head) * d
-        else:
-            off = (layer * self.host_slots + rows) * hk * d
-        return torch.where(rows >= 0, off, -1)
 
     def _store(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.layout.dtype)
@@ -229,27 +213,6 @@ class HierarchicalKVStore(KVStore):
                 self.dev_alloc[layer].release(ids)
         self.dev_table[:, request.slot] = -1
 
-    def _alloc_host(self, request: Request, tokens: int) -> None:
-        have = self._host_pages.get(request.slot)
-        n = _cdiv(tokens, self.page_size) - (0 if have is None else have.numel())
-        if n <= 0:
-            return
-        ids = self.host_alloc.alloc(n, self.page_size, f"request {request.rid!r}")
-        have = ids[:0] if have is None else have
-        self.host_table[request.slot, have.numel() : have.numel() + n] = ids.to(torch.int32).to(self.device)
-        self._host_pages[request.slot] = torch.cat([have, ids])
-
-    def _free_host(self, request: Request) -> None:
-        ids = self._host_pages.pop(request.slot, None)
-        if ids is not None:
-            self.host_alloc.release(ids)
-        self.host_table[request.slot] = -1
-
-    def _reset_maps(self, request: Request) -> None:
-        self.l2s[:, request.slot] = -1
-        self.s2l[:, request.slot] = -1
-        self.last_used[:, request.slot] = -1
-
     def _device_tokens_for(self, request: Request, tokens: int) -> dict[str, int]:
         return {_RESIDENT: tokens, _BUFFERED: self.buffer_tokens}
 
@@ -257,13 +220,13 @@ class HierarchicalKVStore(KVStore):
         """Reserve host pages (sparse requests) and device pages for the prompt; all or nothing."""
         layers = list(range(self.layout.num_layers))
         if self._keeps_host(request):
-            self._alloc_host(request, request.prompt_len)
+            self.host_pool.reserve(request, request.prompt_len)
         try:
             self._alloc_device(request, layers, self._device_tokens_for(request, request.prompt_len))
         except CapacityError:
-            self._free_host(request)
+            self.host_pool.free(request)
             raise
-        self._reset_maps(request)
+        self.maps.reset(request.slot)
 
     def grow(self, batch: Batch) -> None:
         """Pages for this step's new tokens (only at page boundaries); all or nothing."""
@@ -279,35 +242,21 @@ class HierarchicalKVStore(KVStore):
                 self.dev_alloc[layer].alloc(need, self.page_size, f"{need} requests")  # raises
         for r in starting:
             if self._keeps_host(r):
-                self._alloc_host(r, r.seq_len)
+                self.host_pool.reserve(r, r.seq_len)
             self._alloc_device(r, list(range(self.layout.num_layers)), self._device_tokens_for(r, r.seq_len))
 
     def release(self, request: Request) -> None:
         self._sync_writes()
         self._free_device(request)
-        self._free_host(request)
-        self._reset_maps(request)
+        self.host_pool.free(request)
+        self.maps.reset(request.slot)
         self._retracted.discard(request.slot)
 
     # -- prefill ----------------------------------------------------------------------------
-    def _initial_units(self, seq_len: int) -> torch.Tensor:
-        """Units a fresh buffer holds: the sink, the recent window and the newest unit."""
-        u = self.unit
-        sink = set(range(_cdiv(self.sink_tokens, u)))
-        newest = (seq_len - 1) // u
-        recent = set(range(min(max(0, seq_len - self.recent_tokens) // u, newest), newest + 1))
-        units = sorted(x for x in sink | recent if x * u < seq_len)
-        if len(units) > self.buffer_units:
-            raise ValueError(
-                f"sink + recent window ({len(units)} units of {u}) exceed device_buffer_tokens "
-                f"({self.buffer_tokens})"
-            )
-        return torch.tensor(units, dtype=torch.long, device=self.device)
-
     def _fill_buffer(self, layer: int, request: Request, rows: list[torch.Tensor] | None) -> None:
         """Map the initial units of a buffered (request, layer) to buffer units 0..m-1 and fill
         them, from `rows` (the prompt's K/V, prefill) or from the host (resume)."""
-        units = self._initial_units(request.seq_len)
+        units = self.maps.initial_units(request.seq_len)
         m = units.numel()
         r = request.slot
         bu = torch.arange(m, device=self.device)
@@ -330,7 +279,7 @@ class HierarchicalKVStore(KVStore):
         sid = torch.tensor([request.slot], device=self.device)
         positions = torch.arange(n, device=self.device).unsqueeze(0)
         if self._keeps_host(request):  # offload the whole prompt to the host
-            host_off = self._host_off(layer, self._host_rows(sid, positions)[0], 0)
+            host_off = self.host_pool.offsets(layer, self.host_pool.rows(sid, positions)[0], 0)
             for buf, x in zip(self.host, rows):
                 src = x.contiguous()
                 src_off = torch.arange(n, device=src.device) * self.layout.num_kv_heads * self.layout.head_dim
@@ -347,35 +296,6 @@ class HierarchicalKVStore(KVStore):
             torch.cuda.current_stream(self.device).wait_event(self._writes_done)
             self._writes_done = None
         self.clock += 1
-
-    def _victims(self, layer: int, rows: torch.Tensor, seq_lens: torch.Tensor, protect: torch.Tensor, count: int) -> torch.Tensor:
-        """`count` buffer units per stream in eviction order: free units first, then least
-        recently used; never a protected unit or one holding a pinned (sink, recent, newest)
-        unit. rows: [B] state rows; protect: bool [B, S, buffer_units]. -> int64 [B, S, count]."""
-        owner = self.s2l[layer, rows, :, : self.buffer_units].long()  # [B, S, Ub]
-        lens = seq_lens.long().view(-1, 1, 1)
-        u = self.unit
-        pinned = (owner >= 0) & (
-            (owner * u < self.sink_tokens)
-            | (owner >= (lens - self.recent_tokens).clamp(min=0) // u)
-            | (owner >= (lens - 1) // u)
-        )
-        age = torch.where(owner < 0, -1, self.last_used[layer, rows, :, : self.buffer_units])
-        # (age, unit) packed in one key: ties go to the lower unit, as in the fused kernel
-        key = ((age + 1) << 20) | torch.arange(self.buffer_units, device=self.device)
-        key = key.masked_fill(pinned | protect, torch.iinfo(torch.int64).max)
-        return key.topk(count, dim=-1, largest=False).indices
-
-    def _assign(self, layer: int, rows: torch.Tensor, units: torch.Tensor, take: torch.Tensor, victims: torch.Tensor) -> None:
-        """Map logical `units` [B, S, W] to buffer units `victims` where `take`, evicting the
-        victims' old units; masked entries write to the trash columns."""
-        b, s, w = units.shape
-        ri = rows.view(-1, 1, 1).expand(b, s, w)
-        hi = torch.arange(s, device=self.device).view(1, -1, 1).expand(b, s, w)
-        old = self.s2l[layer, ri, hi, victims].long()
-        self.l2s[layer, ri, hi, torch.where(take & (old >= 0), old, self._trash_l)] = self._minus_one
-        self.l2s[layer, ri, hi, torch.where(take, units, self._trash_l)] = victims.to(torch.int32)
-        self.s2l[layer, ri, hi, torch.where(take, victims, self._trash_s)] = units.to(torch.int32)
 
     def _row_groups(self, layer: int, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(resident rows, buffered rows) of a batch in a layer, as index tensors or None."""
@@ -403,8 +323,8 @@ class HierarchicalKVStore(KVStore):
         heads = torch.arange(self.streams, device=self.device).view(1, -1)
         existing = self.l2s[layer, rows.view(-1, 1), heads, unit[..., 0]].long().unsqueeze(-1)
         nothing = torch.zeros(rows.numel(), self.streams, self.buffer_units, dtype=torch.bool, device=self.device)
-        victim = self._victims(layer, rows, batch.seq_lens[buffered], nothing, 1)
-        self._assign(layer, rows, unit, fresh, victim)
+        victim = self.maps.victims(layer, rows, batch.seq_lens[buffered], nothing, 1)
+        self.maps.assign(layer, rows, unit, fresh, victim)
         bu = torch.where(fresh, victim, existing)[..., 0]  # [n, S]
         self.last_used[layer, rows.view(-1, 1), heads, bu] = self.clock
         slots = self._phys(layer, rows, bu * self.unit + (p % self.unit).view(-1, 1))  # [n, S]
@@ -419,9 +339,9 @@ class HierarchicalKVStore(KVStore):
             return
         heads = torch.arange(self.streams, device=self.device).view(1, -1) if self.head_major else 0
         pos = batch.seq_lens[sel].long().unsqueeze(1) - 1
-        host_rows = self._host_rows(batch.slot_ids[sel], pos).expand(-1, self.streams)
+        host_rows = self.host_pool.rows(batch.slot_ids[sel], pos).expand(-1, self.streams)
         host_rows = torch.where(batch.sparse_mask[sel].view(-1, 1), host_rows, -1)
-        host_off = self._host_off(layer, host_rows, heads)
+        host_off = self.host_pool.offsets(layer, host_rows, heads)
         dev_off = torch.where(host_off >= 0, self._dev_off(layer, slots, heads), -1)
         self.rows_out[layer] += (host_off >= 0).sum()
         self._pending.append((layer, dev_off.flatten(), host_off.flatten()))
@@ -485,14 +405,14 @@ class HierarchicalKVStore(KVStore):
         protect = torch.zeros(b, s, self.buffer_units + 1, dtype=torch.bool, device=self.device)
         protect.scatter_(2, torch.where(hit, cur, self.buffer_units), True)
         wu = units.shape[-1]
-        victims = self._victims(layer, rows, batch.seq_lens, protect[..., : self.buffer_units], min(wu, self.buffer_units))
+        victims = self.maps.victims(layer, rows, batch.seq_lens, protect[..., : self.buffer_units], min(wu, self.buffer_units))
         if wu > victims.shape[-1]:
-            victims = torch.nn.functional.pad(victims, (0, wu - victims.shape[-1]), value=self._trash_s)
+            victims = torch.nn.functional.pad(victims, (0, wu - victims.shape[-1]), value=self.buffer_units)
         rank = (miss.long().cumsum(-1) - 1).clamp(min=0)
         victim = victims.gather(-1, rank)
-        self._assign(layer, rows, units, miss, victim)
+        self.maps.assign(layer, rows, units, miss, victim)
         bu = torch.where(hit, cur, torch.where(miss, victim, -1))  # [B, S, Wu]
-        self.last_used[layer, ri, hi, torch.where(valid, bu, self._trash_s)] = self.clock
+        self.last_used[layer, ri, hi, torch.where(valid, bu, self.buffer_units)] = self.clock
         # token-level positions
         offs = torch.arange(u, device=self.device)
         tok_bu = (bu.unsqueeze(-1) * u + offs).flatten(-2)[..., :w]
@@ -553,8 +473,8 @@ class HierarchicalKVStore(KVStore):
             tokens = tokens.unsqueeze(1).expand(-1, self.streams, -1)
             slots = slots.unsqueeze(1).expand(-1, self.streams, -1)
         heads = torch.arange(self.streams, device=self.device).view(1, -1, 1) if self.head_major else 0
-        host_rows = self._host_rows(rows, tokens)
-        src = self._host_off(layer, host_rows, heads)
+        host_rows = self.host_pool.rows(rows, tokens)
+        src = self.host_pool.offsets(layer, host_rows, heads)
         dst = self._dev_off(layer, slots, heads)
         src = torch.where(dst >= 0, src, -1).flatten()
         dst = dst.flatten()
@@ -582,19 +502,19 @@ class HierarchicalKVStore(KVStore):
         """Preempt: free the request's device memory, keep (or make) its host copy."""
         self._sync_writes()
         if not self._keeps_host(request):  # resident-only requests get a host copy first
-            self._alloc_host(request, request.seq_len)
+            self.host_pool.reserve(request, request.seq_len)
             sid = torch.tensor([request.slot], device=self.device)
             tokens = torch.arange(request.seq_len, device=self.device).unsqueeze(0)
-            host_rows = self._host_rows(sid, tokens)
+            host_rows = self.host_pool.rows(sid, tokens)
             for layer in range(self.layout.num_layers):
                 slots = self._phys(layer, sid, tokens)
                 for h in range(self.streams):
                     src = self._dev_off(layer, slots, h).flatten()
-                    dst = self._host_off(layer, host_rows, h).flatten()
+                    dst = self.host_pool.offsets(layer, host_rows, h).flatten()
                     for dev_buf, host_buf in zip(self.dev, self.host):
                         copy_rows(dev_buf, host_buf, src, dst, self.row_elems)
         self._free_device(request)
-        self._reset_maps(request)
+        self.maps.reset(request.slot)
         self._retracted.add(request.slot)
 
     def resume(self, request: Request) -> None:
@@ -613,7 +533,7 @@ class HierarchicalKVStore(KVStore):
         if not self._keeps_host(request):
             # later writes to these host pages are queued after this copy on the same
             # stream (prefill) or on the side stream, which waits for it (end_step)
-            self._free_host(request)
+            self.host_pool.free(request)
         self._retracted.discard(request.slot)
 
     # -- views and accounting ---------------------------------------------------------------
@@ -635,7 +555,7 @@ class HierarchicalKVStore(KVStore):
         sid = torch.tensor([request.slot], device=self.device)
         tokens = torch.arange(request.seq_len, device=self.device).unsqueeze(0)
         if self.mode(request, layer) == _BUFFERED or request.slot in self._retracted:
-            rows = self._host_rows(sid, tokens)[0].cpu()
+            rows = self.host_pool.rows(sid, tokens)[0].cpu()
             return [buf[layer][rows] for buf in self.host]
         slots = self._phys(layer, sid, tokens)[0]
         if self.head_major:
@@ -648,8 +568,7 @@ class HierarchicalKVStore(KVStore):
         return pages * self.page_size // self.layout.num_layers
 
     def host_tokens(self, request: Request) -> int:
-        ids = self._host_pages.get(request.slot)
-        return 0 if ids is None else ids.numel() * self.page_size
+        return self.host_pool.tokens(request)
 
     def used_tokens(self) -> int:
         return sum(a.used for a in self.dev_alloc) * self.page_size // self.layout.num_layers

@@ -1,0 +1,80 @@
+"""The host tier of the hierarchical store: every token of every sparse request, all layers."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+from ..batch import Request
+from .layout import KVLayout
+from .pages import PageAllocator
+
+
+class HostPool:
+    """K/V (or latent) rows token-major, [layers, slots, kv_heads, dim] per stored tensor,
+    pinned on CUDA machines so that kernels read and write them directly; handed out in pages
+    of `page_size` tokens, one page table row per request."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        page_size: int,
+        max_requests: int,
+        max_pages: int,
+        capacity_tokens: int,
+        pin: bool,
+        device: torch.device,
+    ) -> None:
+        self.layout = layout
+        self.page_size = page_size
+        self.device = device
+        pages = _cdiv(capacity_tokens, page_size)
+        self.host_slots = pages * page_size
+        shape = (layout.num_layers, self.host_slots, layout.num_kv_heads, layout.head_dim)
+        self.tensors = [
+            torch.zeros(shape, dtype=layout.storage_dtype, pin_memory=pin) for _ in range(layout.tensors_per_token)
+        ]
+        self.host_alloc = PageAllocator(pages, "host KV pool")
+        self.host_table = torch.full((max_requests, max_pages), -1, dtype=torch.int32, device=device)
+        self._host_pages: dict[int, torch.Tensor] = {}
+        self.head_major = False  # set by the store: per-KV-head streams address one head's row
+
+    def tokens(self, request: Request) -> int:
+        ids = self._host_pages.get(request.slot)
+        return 0 if ids is None else ids.numel() * self.page_size
+
+    def reserve(self, request: Request, tokens: int) -> None:
+        have = self._host_pages.get(request.slot)
+        n = _cdiv(tokens, self.page_size) - (0 if have is None else have.numel())
+        if n <= 0:
+            return
+        ids = self.host_alloc.alloc(n, self.page_size, f"request {request.rid!r}")
+        have = ids[:0] if have is None else have
+        self.host_table[request.slot, have.numel() : have.numel() + n] = ids.to(torch.int32).to(self.device)
+        self._host_pages[request.slot] = torch.cat([have, ids])
+
+    def free(self, request: Request) -> None:
+        ids = self._host_pages.pop(request.slot, None)
+        if ids is not None:
+            self.host_alloc.release(ids)
+        self.host_table[request.slot] = -1
+
+    def rows(self, slot_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Host slots of logical tokens. slot_ids: [B]; tokens: [B, ...]; -1 kept."""
+        p = self.page_size
+        flat = tokens.reshape(tokens.shape[0], -1).long()
+        table = self.host_table[slot_ids.long()]
+        rows = table.gather(1, flat.clamp(min=0) // p).long() * p + flat.clamp(min=0) % p
+        return torch.where(flat >= 0, rows, -1).reshape(tokens.shape)
+
+    def offsets(self, layer: int, rows: torch.Tensor, head: torch.Tensor | int = 0) -> torch.Tensor:
+        hk, d = self.layout.num_kv_heads, self.layout.head_dim
+        if self.head_major:
+            off = ((layer * self.host_slots + rows) * hk + head) * d
+        else:
+            off = (layer * self.host_slots + rows) * hk * d
+        return torch.where(rows >= 0, off, -1)
