@@ -1,4 +1,5 @@
-"""topk_selection and reduce_groups: the scoring base's selection rules."""
+"""topk_selection and reduce_groups: the scoring base's selection rules, against direct
+per-row Python computations."""
 
 from __future__ import annotations
 
@@ -10,17 +11,37 @@ from hypothesis import strategies as st
 from sparse_framework.algorithms.base import reduce_groups, topk_selection
 
 
-def expected_units(scores: torch.Tensor, length: int, unit: int, budget: int, sink: int, recent: int) -> set[int]:
-    """Direct per-row computation: forced units ∪ best `budget` of the remaining valid units."""
+def forced_tokens(length: int, sink: int, recent: int) -> set[int]:
+    """Tokens every selection must hold: the sinks, the recent window, the newest token."""
+    return set(range(min(sink, length))) | set(range(max(0, length - recent), length)) | {length - 1}
+
+
+def expected_units(scores: list[float], length: int, unit: int, budget: int, sink: int, recent: int) -> set[int]:
+    """Direct per-row computation: units holding a forced token, plus the `budget` best-scoring
+    of the remaining valid units (scores are distinct, so the set is unique)."""
     n_valid = -(-length // unit)
-    forced = {u for u in range(n_valid) if u * unit < sink}
-    forced |= {u for u in range(n_valid) if u >= max(0, length - recent) // unit}
-    forced.add((length - 1) // unit)
-    rest = sorted((u for u in range(n_valid) if u not in forced), key=lambda u: -float(scores[u]))
+    forced = {t // unit for t in forced_tokens(length, sink, recent)}
+    rest = sorted((u for u in range(n_valid) if u not in forced), key=lambda u: -scores[u])
     return forced | set(rest[:budget])
 
 
-@settings(max_examples=60, deadline=None)
+def width_units_for(unit: int, budget: int, sink: int, recent: int) -> int:
+    """The framework's static width in units: sink units + budget + recent units + 1."""
+    return -(-sink // unit) + budget + -(-recent // unit) + 1
+
+
+def poison_invalid(scores: torch.Tensor, lens: list[int], unit: int, gen: torch.Generator) -> torch.Tensor:
+    """Units at or past a request's length may hold anything: make them +inf, NaN or huge."""
+    out = scores.clone()
+    junk = torch.tensor([float("inf"), float("nan"), 1e30, float("-inf")])
+    for b, length in enumerate(lens):
+        n_valid = -(-length // unit)
+        tail = out[b, :, n_valid:]
+        tail.copy_(junk[torch.randint(0, 4, tail.shape, generator=gen)])
+    return out
+
+
+@settings(max_examples=80, deadline=None)
 @given(
     unit=st.sampled_from([1, 2, 4]),
     lens=st.lists(st.integers(1, 60), min_size=1, max_size=3),
@@ -34,25 +55,64 @@ def test_selection_rules(unit, lens, heads, budget, sink, recent, seed) -> None:
     g = torch.Generator().manual_seed(seed)
     n_units = -(-max(lens) // unit)
     scores = torch.randperm(len(lens) * heads * n_units, generator=g).float().view(len(lens), heads, n_units)
-    width_units = -(-sink // unit) + budget + -(-recent // unit) + 1
+    scores = poison_invalid(scores, lens, unit, g)
+    width_units = width_units_for(unit, budget, sink, recent)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
     sel = topk_selection(
-        scores, torch.tensor(lens, dtype=torch.int32), unit=unit, budget_units=budget,
+        scores, seq_lens, unit=unit, budget_units=budget,
         sink_tokens=sink, recent_tokens=recent, width_units=width_units,
     )
     assert sel.indices.dtype == torch.int32 and sel.lengths.dtype == torch.int32
     assert sel.indices.shape == (len(lens), heads, min(width_units, n_units) * unit)
+    assert sel.lengths.shape == (len(lens), heads)
     assert sel.page_size == unit
-    sel.validate(torch.tensor(lens))  # ascending, -1 padded, inside [0, len)
+    sel.validate(seq_lens)  # the contract's own check
     for b, length in enumerate(lens):
         for h in range(heads):
-            toks = sel.indices[b, h, : sel.lengths[b, h]].tolist()
+            n = int(sel.lengths[b, h])
+            row = sel.indices[b, h].tolist()
+            toks = row[:n]
+            # int32, ascending, inside [0, len), -1 after lengths: checked directly too
+            assert toks == sorted(set(toks)) and all(0 <= t < length for t in toks)
+            assert row[n:] == [-1] * (len(row) - n)
+            # forced tokens, token by token
+            assert forced_tokens(length, sink, recent) <= set(toks)
+            # the selected units are exactly forced ∪ best `budget` of the rest
             units = {t // unit for t in toks}
-            assert units == expected_units(scores[b, h], length, unit, budget, sink, recent)
+            assert units == expected_units(scores[b, h].tolist(), length, unit, budget, sink, recent)
             # whole units: every token of a kept unit below the length is there
             assert toks == [t for u in sorted(units) for t in range(u * unit, min((u + 1) * unit, length))]
 
 
-def test_budget_covering_everything_selects_every_token() -> None:
+@settings(max_examples=40, deadline=None)
+@given(
+    unit=st.sampled_from([1, 2, 4, 8]),
+    lens=st.lists(st.integers(1, 50), min_size=1, max_size=3),
+    heads=st.sampled_from([1, 2, 4]),
+    extra=st.integers(0, 3),
+    sink=st.integers(0, 6),
+    recent=st.integers(0, 9),
+    seed=st.integers(0, 2**16),
+)
+def test_budget_covering_every_unit_selects_every_token(unit, lens, heads, extra, sink, recent, seed) -> None:
+    g = torch.Generator().manual_seed(seed)
+    n_units = -(-max(lens) // unit)
+    scores = torch.randn(len(lens), heads, n_units, generator=g)
+    odd = torch.rand(scores.shape, generator=g) < 0.3  # valid units may score ±inf or NaN too
+    scores[odd] = torch.tensor([float("inf"), float("-inf"), float("nan")])[torch.randint(0, 3, (int(odd.sum()),), generator=g)]
+    scores = poison_invalid(scores, lens, unit, g)
+    budget = n_units + extra
+    sel = topk_selection(scores, torch.tensor(lens, dtype=torch.int32), unit=unit, budget_units=budget,
+                         sink_tokens=sink, recent_tokens=recent,
+                         width_units=width_units_for(unit, budget, sink, recent))
+    assert sel.indices.shape[-1] == n_units * unit
+    for b, length in enumerate(lens):
+        assert sel.lengths[b].tolist() == [length] * heads
+        for h in range(heads):
+            assert sel.indices[b, h].tolist() == list(range(length)) + [-1] * (n_units * unit - length)
+
+
+def test_budget_covering_everything_example() -> None:
     scores = torch.randn(2, 1, 10)
     sel = topk_selection(scores, torch.tensor([37, 9]), unit=4, budget_units=10, sink_tokens=0,
                          recent_tokens=0, width_units=11)
@@ -61,17 +121,60 @@ def test_budget_covering_everything_selects_every_token() -> None:
     assert sel.indices[1, 0, :9].tolist() == list(range(9)) and bool((sel.indices[1, 0, 9:] == -1).all())
 
 
-@pytest.mark.parametrize("how", ["max", "sum", "mean"])
-def test_reduce_groups_matches_a_loop(how) -> None:
-    x = torch.randn(3, 8, 5)
-    got = reduce_groups(x, 2, how)
-    for b in range(3):
-        for h in range(2):
-            group = x[b, h * 4 : (h + 1) * 4]
-            want = {"max": group.amax(0), "sum": group.sum(0), "mean": group.mean(0)}[how]
-            assert torch.allclose(got[b, h], want)
+@settings(max_examples=30, deadline=None)
+@given(
+    b=st.integers(1, 3),
+    hkv=st.sampled_from([1, 2, 4]),
+    group=st.sampled_from([1, 2, 3, 4]),
+    n=st.integers(1, 9),
+    how=st.sampled_from(["max", "sum", "mean"]),
+    seed=st.integers(0, 2**16),
+)
+def test_reduce_groups_matches_a_loop(b, hkv, group, n, how, seed) -> None:
+    x = torch.randn(b, hkv * group, n, generator=torch.Generator().manual_seed(seed))
+    got = reduce_groups(x, hkv, how)
+    assert got.shape == (b, hkv, n)
+    for i in range(b):
+        for h in range(hkv):
+            for u in range(n):
+                vals = [float(x[i, h * group + j, u]) for j in range(group)]
+                want = {"max": max(vals), "sum": sum(vals), "mean": sum(vals) / group}[how]
+                assert abs(float(got[i, h, u]) - want) <= 1e-5 * (1 + abs(want))
 
 
-def test_reduce_groups_rejects_unknown_reduction() -> None:
-    with pytest.raises(ValueError, match="gqa_reduce must be one of max, sum, mean; got 'min'"):
-        reduce_groups(torch.zeros(1, 2, 3), 1, "min")
+@pytest.mark.parametrize("how", ["min", "MAX", "", "median"])
+def test_reduce_groups_rejects_unknown_reduction(how) -> None:
+    with pytest.raises(ValueError, match=f"gqa_reduce must be one of max, sum, mean; got {how!r}"):
+        reduce_groups(torch.zeros(1, 2, 3), 1, how)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    unit=st.sampled_from([1, 2, 4]),
+    lens=st.lists(st.integers(2, 40), min_size=1, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_non_finite_scores_of_valid_units_still_compete(unit, lens, seed) -> None:
+    """Scores of valid units are whatever an algorithm computed, -inf and NaN included: with a
+    budget covering every unit all tokens are selected, and a budget of one unit keeps the
+    best finite-scored unit, never wasting the slot on a NaN."""
+    g = torch.Generator().manual_seed(seed)
+    n_units = -(-max(lens) // unit)
+    scores = torch.randn(len(lens), 1, n_units, generator=g)
+    scores[..., 0] = float("-inf")
+    scores[..., 1 % n_units] = float("nan")
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    full = topk_selection(scores, seq_lens, unit=unit, budget_units=n_units, sink_tokens=0,
+                          recent_tokens=0, width_units=n_units + 1)
+    assert full.lengths[:, 0].tolist() == lens
+    one = topk_selection(scores, seq_lens, unit=unit, budget_units=1, sink_tokens=0,
+                         recent_tokens=0, width_units=2)
+    for b, length in enumerate(lens):
+        last = (length - 1) // unit
+        candidates = [u for u in range(2, last) if u < n_units]
+        units = {t // unit for t in one.indices[b, 0, : one.lengths[b, 0]].tolist()}
+        if candidates:  # a finite-scored eligible unit exists: it must win the one slot
+            best = max(candidates, key=lambda u: float(scores[b, 0, u]))
+            assert units == {best, last}
+        else:
+            assert len(units) == 2 or last < 2

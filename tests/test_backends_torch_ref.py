@@ -1,4 +1,8 @@
-"""torch_ref paged decode attention vs a plain float64 dense attention."""
+"""torch_ref paged decode attention vs a plain float64 dense attention.
+
+The dense reference is written here from the definition, softmax(q·kᵀ·scale)·v per query head
+with GQA (query head j reads KV head j // (Hq // Hk)), in float64, by a loop over heads.
+"""
 
 from __future__ import annotations
 
@@ -12,28 +16,62 @@ from sparse_framework.adaptors.flash_attention import FlashAttentionMetadata
 from sparse_framework.backends.torch_ref import TorchRefBackend, paged_attention
 
 
-def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [Hq, D], k [L, Hk, D], v [L, Hk, Dv] -> [Hq, Dv] in float64, by a loop over heads."""
+def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """q [Hq, D], k [L, Hk, D], v [L, Hk, Dv] -> [Hq, Dv] in float64, by a loop over heads.
+    An empty sequence (L = 0) gives zeros."""
     hq, hk = q.shape[0], k.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if k.shape[0] == 0:
+        return torch.zeros(hq, v.shape[-1], dtype=torch.float64)
     out = []
     for h in range(hq):
         kh, vh = k[:, h // (hq // hk)].double(), v[:, h // (hq // hk)].double()
-        p = (kh @ q[h].double() / math.sqrt(q.shape[-1])).softmax(0)
+        p = (kh @ q[h].double() * scale).softmax(0)
         out.append(p @ vh)
     return torch.stack(out)
 
 
-def paged(seqs: list[tuple[torch.Tensor, torch.Tensor]], page: int, gen: torch.Generator, garbage: bool):
-    """Scatter each sequence's K/V over randomly permuted pages of one cache.
-    Returns (k_cache, v_cache, page_table, cache_seqlens); unused pages are NaN."""
+GARBAGE = ("zeros", "in_range", "wild")
+
+
+def garbage_ids(mode: str, shape: tuple[int, ...], total: int, gen: torch.Generator) -> torch.Tensor:
+    """Page ids for table entries past a sequence's pages: zeros, random valid ids (which
+    may point at other sequences' pages or at NaN pages), or wild ids (negative, huge)."""
+    if mode == "zeros":
+        return torch.zeros(shape, dtype=torch.long)
+    if mode == "in_range":
+        return torch.randint(0, total, shape, generator=gen)
+    wild = torch.tensor([-1, -(2**20), total, total + 7, 2**30])
+    return wild[torch.randint(0, wild.numel(), shape, generator=gen)]
+
+
+def paged(
+    seqs: list[tuple[torch.Tensor, torch.Tensor]],
+    page: int,
+    gen: torch.Generator,
+    garbage: str = "zeros",
+    fill: float = float("nan"),
+    spare_pages: int = 2,
+    spare_width: int = 2,
+    spare_first: bool = False,
+):
+    """Scatter each sequence's K/V over randomly permuted physical pages of one cache
+    [num_pages, page, Hk, D]. Returns (k_cache, v_cache, page_table int32, cache_seqlens int32).
+    Everything not holding a token (spare pages, the tail of a partial last page) is `fill`;
+    table entries past each sequence's pages are `garbage` ids. `spare_first` makes physical
+    page 0 a spare (all `fill`): the first row of the cache is where a gather that clamps
+    unused entries to 0 would read."""
     hk, d, dv = seqs[0][0].shape[1], seqs[0][0].shape[2], seqs[0][1].shape[2]
     counts = [-(-k.shape[0] // page) for k, _ in seqs]
-    total = sum(counts) + 2
+    total = sum(counts) + spare_pages
     order = torch.randperm(total, generator=gen)
-    k_cache = torch.full((total, page, hk, d), float("nan"))
-    v_cache = torch.full((total, page, hk, dv), float("nan"))
-    width = max(counts) + 2
-    table = torch.randint(0, total, (len(seqs), width), generator=gen) if garbage else torch.zeros(len(seqs), width, dtype=torch.long)
+    if spare_first and spare_pages:
+        zero = int((order == 0).nonzero())
+        order[zero], order[-1] = order[-1].clone(), 0
+    k_cache = torch.full((total, page, hk, d), fill)
+    v_cache = torch.full((total, page, hk, dv), fill)
+    width = max(counts) + spare_width
+    table = garbage_ids(garbage, (len(seqs), width), total, gen)
     start = 0
     for i, ((k, v), n) in enumerate(zip(seqs, counts)):
         ids = order[start : start + n]
@@ -54,69 +92,181 @@ def paged(seqs: list[tuple[torch.Tensor, torch.Tensor]], page: int, gen: torch.G
     group=st.sampled_from([1, 2, 4]),
     d=st.sampled_from([4, 8, 16]),
     lens=st.lists(st.integers(1, 40), min_size=1, max_size=3),
-    garbage=st.booleans(),
+    garbage=st.sampled_from(GARBAGE),
+    spare_first=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_paged_equals_dense_and_ignores_unused_entries(page, hk, group, d, lens, garbage, seed) -> None:
+def test_paged_equals_dense_over_the_sequence(page, hk, group, d, lens, garbage, spare_first, seed) -> None:
+    """(a) A page table listing every page of each sequence (physical pages permuted, last
+    page partial) gives dense attention over the tokens in logical order — through both
+    `paged_attention` (explicit scale, float32 out) and `TorchRefBackend.run` (default scale)."""
     g = torch.Generator().manual_seed(seed)
     seqs = [(torch.randn(n, hk, d, generator=g), torch.randn(n, hk, d, generator=g)) for n in lens]
     q = torch.randn(len(lens), hk * group, d, generator=g)
-    k_cache, v_cache, table, seqlens = paged(seqs, page, g, garbage)
+    k_cache, v_cache, table, seqlens = paged(seqs, page, g, garbage, spare_first=spare_first)
+    scale = 0.3 + float(torch.rand((), generator=g))
+    raw = paged_attention(q, k_cache, v_cache, table, seqlens, scale)
+    assert raw.dtype == torch.float32 and raw.shape == (len(lens), hk * group, d)
     meta = FlashAttentionMetadata(table, seqlens, page, heads_folded=False)
     out = TorchRefBackend().run(q, k_cache, v_cache, meta)
-    assert out.dtype == q.dtype and not out.isnan().any()
+    assert out.dtype == q.dtype and out.shape == q.shape
+    scaled = TorchRefBackend().run(q, k_cache, v_cache, meta, scale=scale)
+    assert not raw.isnan().any() and not out.isnan().any()
+    assert torch.equal(scaled, raw)  # run = paged_attention in q's dtype (float32 here)
     for i, (k, v) in enumerate(seqs):
+        assert torch.allclose(raw[i].double(), dense(q[i], k, v, scale), atol=1e-5, rtol=0)
         assert torch.allclose(out[i].double(), dense(q[i], k, v), atol=1e-5, rtol=0)
 
 
-@settings(max_examples=25, deadline=None)
-@given(hk=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 3]), page=st.sampled_from([1, 2, 4]), seed=st.integers(0, 999))
-def test_folded_heads_attend_to_their_own_tokens(hk, group, page, seed) -> None:
-    """Head-major cache [Hk * pages, P, 1, D]: folded sequence b*Hk+h = request b, KV head h,
-    over its own subset of tokens."""
+@settings(max_examples=30, deadline=None)
+@given(
+    page=st.integers(1, 8),
+    hk=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2]),
+    lens=st.lists(st.integers(1, 30), min_size=1, max_size=3),
+    modes=st.tuples(st.sampled_from(GARBAGE), st.sampled_from(GARBAGE)),
+    spare_first=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_entries_past_the_sequence_are_never_read(page, hk, group, lens, modes, spare_first, seed) -> None:
+    """(b) The same sequences laid out identically, once with NaN in every unused row and
+    garbage table ids past ceil(len / page), once with other garbage and random unused rows:
+    the outputs are bit-identical and finite."""
+    d = 8
     g = torch.Generator().manual_seed(seed)
-    b, n, d = 2, 24, 8
+    seqs = [(torch.randn(n, hk, d, generator=g), torch.randn(n, hk, d, generator=g)) for n in lens]
+    q = torch.randn(len(lens), hk * group, d, generator=g)
+    outs = []
+    for mode, fill in zip(modes, (float("nan"), 1e4)):
+        layout = torch.Generator().manual_seed(seed)  # same physical permutation both times
+        k_cache, v_cache, table, seqlens = paged(seqs, page, layout, "zeros", fill=fill, spare_first=spare_first)
+        used = -(-seqlens.long() // page)
+        past = torch.arange(table.shape[1]) >= used.unsqueeze(1)
+        junk = garbage_ids(mode, tuple(table.shape), k_cache.shape[0], g).to(torch.int32)
+        table = torch.where(past, junk, table)
+        meta = FlashAttentionMetadata(table, seqlens, page, heads_folded=False)
+        outs.append(TorchRefBackend().run(q, k_cache, v_cache, meta))
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[0], outs[1])
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    b=st.integers(1, 3),
+    hk=st.sampled_from([1, 2, 4]),
+    group=st.sampled_from([1, 2, 3]),
+    page=st.sampled_from([1, 2, 4]),
+    seed=st.integers(0, 2**16),
+)
+def test_folded_heads_attend_to_their_own_tokens(b, hk, group, page, seed) -> None:
+    """(c) Head-major cache [Hk * num_pages, P, 1, D] with heads_folded metadata: folded
+    sequence b*Hk + h (request b, KV head h, with its G query heads) attends to its own subset
+    of pages of its own head, in table order, the last one possibly partial."""
+    g = torch.Generator().manual_seed(seed)
+    d, pages_per_seq = 8, 6
+    n = pages_per_seq * page
     k = torch.randn(b, n, hk, d, generator=g)
     v = torch.randn(b, n, hk, d, generator=g)
     q = torch.randn(b, hk * group, d, generator=g)
-    pages_per_seq = n // page
-    num_pages = b * pages_per_seq  # per head
-    kc = torch.empty(hk, num_pages, page, 1, d)
-    vc = torch.empty(hk, num_pages, page, 1, d)
+    num_pages = b * pages_per_seq + 1  # per head; one spare NaN page per head
+    perm = torch.randperm(num_pages, generator=g)  # physical page of (request, logical page)
+    kc = torch.full((hk, num_pages, page, 1, d), float("nan"))
+    vc = torch.full((hk, num_pages, page, 1, d), float("nan"))
     for bi in range(b):
         for p in range(pages_per_seq):
-            kc[:, bi * pages_per_seq + p, :, 0] = k[bi, p * page : (p + 1) * page].transpose(0, 1)
-            vc[:, bi * pages_per_seq + p, :, 0] = v[bi, p * page : (p + 1) * page].transpose(0, 1)
-    table = torch.zeros(b * hk, pages_per_seq, dtype=torch.int32)
+            phys = int(perm[bi * pages_per_seq + p])
+            kc[:, phys, :, 0] = k[bi, p * page : (p + 1) * page].transpose(0, 1)
+            vc[:, phys, :, 0] = v[bi, p * page : (p + 1) * page].transpose(0, 1)
+    table = torch.randint(-5, 10**6, (b * hk, pages_per_seq + 1), generator=g, dtype=torch.int32)
     seqlens = torch.zeros(b * hk, dtype=torch.int32)
     chosen = {}
     for bi in range(b):
         for h in range(hk):
-            keep = sorted(torch.randperm(pages_per_seq, generator=g)[: 1 + (bi + h) % pages_per_seq].tolist())
-            chosen[bi, h] = keep
-            table[bi * hk + h, : len(keep)] = torch.tensor([h * num_pages + bi * pages_per_seq + p for p in keep])
-            seqlens[bi * hk + h] = len(keep) * page
+            count = int(torch.randint(1, pages_per_seq + 1, (1,), generator=g))
+            keep = sorted(torch.randperm(pages_per_seq, generator=g)[:count].tolist())
+            tail = int(torch.randint(1, page + 1, (1,), generator=g))  # tokens used of the last page
+            toks = torch.cat([torch.arange(p * page, (p + 1) * page) for p in keep])[: (count - 1) * page + tail]
+            chosen[bi, h] = toks
+            phys = [h * num_pages + int(perm[bi * pages_per_seq + p]) for p in keep]
+            table[bi * hk + h, :count] = torch.tensor(phys, dtype=torch.int32)
+            seqlens[bi * hk + h] = toks.numel()
     meta = FlashAttentionMetadata(table, seqlens, page, heads_folded=True)
     out = TorchRefBackend().run(q, kc.reshape(-1, page, 1, d), vc.reshape(-1, page, 1, d), meta)
+    assert out.shape == (b, hk * group, d) and not out.isnan().any()
     for bi in range(b):
         for h in range(hk):
-            toks = torch.cat([torch.arange(p * page, (p + 1) * page) for p in chosen[bi, h]])
-            want = dense(q[bi, h * group : (h + 1) * group], k[bi, toks, h : h + 1], v[bi, toks, h : h + 1])
-            assert torch.allclose(out[bi, h * group : (h + 1) * group].double(), want, atol=1e-5)
+            toks = chosen[bi, h]
+            heads = slice(h * group, (h + 1) * group)
+            want = dense(q[bi, heads], k[bi, toks, h : h + 1], v[bi, toks, h : h + 1])
+            assert torch.allclose(out[bi, heads].double(), want, atol=1e-5, rtol=0)
 
 
-def test_bf16_output_follows_q_and_zero_length_gives_zeros() -> None:
-    g = torch.Generator().manual_seed(0)
-    k, v = torch.randn(10, 2, 8, generator=g), torch.randn(10, 2, 8, generator=g)
-    q = torch.randn(2, 4, 8, generator=g)
-    kc, vc = k.view(10, 1, 2, 8), v.view(10, 1, 2, 8)
-    table = torch.arange(10, dtype=torch.int32).repeat(2, 1)
-    meta = FlashAttentionMetadata(table, torch.tensor([10, 0], dtype=torch.int32), 1, False)
-    out32 = TorchRefBackend().run(q, kc, vc, meta)
-    assert bool((out32[1] == 0).all())
-    out16 = TorchRefBackend().run(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), meta)
-    assert out16.dtype == torch.bfloat16
-    assert torch.allclose(out16.float(), out32, atol=3e-2)
+@settings(max_examples=20, deadline=None)
+@given(
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    page=st.integers(1, 4),
+    hk=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2]),
+    lens=st.lists(st.integers(1, 24), min_size=1, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_low_precision_output_follows_q_and_is_close_to_float32(dtype, page, hk, group, lens, seed) -> None:
+    """(d) bf16/fp16 q and caches: output in q's dtype, close to the float32 result over the
+    same (rounded) inputs (float32 accumulation inside, one rounding at the end)."""
+    d = 8
+    g = torch.Generator().manual_seed(seed)
+    seqs = [(torch.randn(n, hk, d, generator=g), torch.randn(n, hk, d, generator=g)) for n in lens]
+    q = torch.randn(len(lens), hk * group, d, generator=g).to(dtype)
+    k_cache, v_cache, table, seqlens = paged(seqs, page, g, "in_range")
+    meta = FlashAttentionMetadata(table, seqlens, page, heads_folded=False)
+    low = TorchRefBackend().run(q, k_cache.to(dtype), v_cache.to(dtype), meta)
+    assert low.dtype == dtype
+    ref = TorchRefBackend().run(q.float(), k_cache.to(dtype).float(), v_cache.to(dtype).float(), meta)
+    assert ref.dtype == torch.float32
+    eps = torch.finfo(dtype).eps
+    assert torch.allclose(low.float(), ref, atol=2 * eps, rtol=2 * eps)
+    for i, (k, v) in enumerate(seqs):  # and close to dense over the rounded inputs
+        want = dense(q[i], k.to(dtype), v.to(dtype))
+        assert torch.allclose(low[i].double(), want, atol=4 * eps, rtol=4 * eps)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    page=st.integers(1, 4),
+    hk=st.sampled_from([1, 2]),
+    lens=st.lists(st.integers(0, 12), min_size=1, max_size=4).filter(lambda ls: 0 in ls),
+    folded=st.booleans(),
+    spare_first=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_zero_length_sequences_give_zeros(page, hk, lens, folded, spare_first, seed) -> None:
+    """(e) A sequence of length 0 gives exact zeros (not NaN), even when its table row points
+    at NaN pages; the other rows of the batch are unaffected."""
+    d, group = 4, 2
+    g = torch.Generator().manual_seed(seed)
+    seqs = [(torch.randn(n, hk, d, generator=g), torch.randn(n, hk, d, generator=g)) for n in lens]
+    q = torch.randn(len(lens), hk * group, d, generator=g)
+    nonempty = [s if s[0].shape[0] else (torch.zeros(1, hk, d), torch.zeros(1, hk, d)) for s in seqs]
+    k_cache, v_cache, table, _ = paged(nonempty, page, g, "zeros", spare_pages=1, spare_first=spare_first)
+    nan_page = int(torch.isnan(k_cache.flatten(1)).all(1).nonzero()[0])
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    for i, n in enumerate(lens):
+        if n == 0:
+            table[i] = nan_page
+    if folded:  # one KV head: the folded and plain views coincide; fold the batch as (b, 1)
+        k_cache, v_cache = k_cache[:, :, :1], v_cache[:, :, :1]
+        seqs = [(k[:, :1], v[:, :1]) for k, v in seqs]
+        q = q[:, :group]
+    meta = FlashAttentionMetadata(table, seqlens, page, heads_folded=folded)
+    out = TorchRefBackend().run(q, k_cache, v_cache, meta)
+    assert not out.isnan().any()
+    for i, (k, v) in enumerate(seqs):
+        if lens[i] == 0:
+            assert bool((out[i] == 0).all())
+        else:
+            assert torch.allclose(out[i].double(), dense(q[i], k, v), atol=1e-5, rtol=0)
+    raw = paged_attention(q, k_cache, v_cache, table, seqlens, 0.5)
+    assert bool((raw[seqlens == 0] == 0).all())
 
 
 def test_mla_value_is_a_prefix_of_the_latent() -> None:

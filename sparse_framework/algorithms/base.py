@@ -110,8 +110,9 @@ class SparseAlgorithm(ABC):
     def select(self, layer: int, queries: torch.Tensor, batch: Batch) -> Selection:
         """Choose tokens for this step. queries: [batch, num_q_heads, head_dim].
 
-        Returns a Selection of width `max_selected_tokens` with 1 (per request) or
-        num_kv_heads (per KV head) rows per request. It must contain the sink tokens, the
+        Returns a Selection with 1 (per request) or num_kv_heads (per KV head) rows per
+        request, at most `max_selected_tokens` wide (ScoringAlgorithm: min(that, the batch's
+        longest sequence rounded up to a unit)). It must contain the sink tokens, the
         recent window and the newest token (the store pins them in the device buffer, and
         the buffer is sized for selections that include them); ScoringAlgorithm does this.
         """
@@ -168,7 +169,7 @@ def topk_selection(
 
     scores: float32 [B, H, n_units]; seq_lens: int [B]. A unit is kept if it holds a sink
     token, a token of the recent window or the newest token, or is among the `budget_units`
-    best-scoring remaining valid units. Output width is `width_units * unit` (static).
+    best-scoring remaining valid units. Output width is min(width_units, n_units) * unit.
     """
     b, h, n_units = scores.shape
     device = scores.device
