@@ -113,7 +113,7 @@ def bench(kind: str, batch: int, fraction: float, args: argparse.Namespace) -> d
     n = batch * miss
     host_rows = torch.randint(0, store.host_slots, (max(n, 1),), device="cuda")[:n]
     dev_rows = torch.randperm(store.device_slots, device="cuda")[:n]
-    src = store._host_off(0, host_rows)
+    src = store.host_pool.offsets(0, host_rows)
     dst = store._dev_off(0, dev_rows)
 
     def kernel(i: int) -> None:
@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--json", help="write results to this JSON file")
     parser.add_argument("--sweep-kernel", action="store_true", help="only tune the copy kernel's launch parameters")
-    parser.add_argument("--place-warps", default=None, help="comma list: warps of the placing kernel to compare")
+    parser.add_argument("--copy-shapes", default=None,
+                        help="compare launch shapes of the copy kernel: 'programs:cols:warps,...'")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("swap_in.py needs a CUDA device", file=sys.stderr)
@@ -185,18 +186,18 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(sweep, f, indent=2)
         return 0
     results = []
-    if args.place_warps:
+    if args.copy_shapes:
         import sparse_framework.kv_store.hierarchical as hier
 
-        for warps in [int(x) for x in args.place_warps.split(",")]:
-            hier.PLACE_WARPS = warps
+        for shape in args.copy_shapes.split(","):
+            hier.COPY_PROGRAMS, hier.COPY_COLS, hier.COPY_WARPS = (int(x) for x in shape.split(":"))
             for kind in args.layouts.split(","):
                 for batch in [int(x) for x in args.batches.split(",")]:
                     for fraction in [float(x) for x in args.misses.split(",")]:
                         r = bench(kind, batch, fraction, args)
                         gc.collect()
                         torch.cuda.empty_cache()
-                        print(f"warps={warps} {kind} B={batch} miss={fraction}: graph {r['graph_us']:.1f}us "
+                        print(f"copy {shape} {kind} B={batch} miss={fraction}: graph {r['graph_us']:.1f}us "
                               f"{r['graph_gbps']:.1f}GB/s eager {r['eager_us']:.1f}us", flush=True)
         return 0
     for kind in args.layouts.split(","):

@@ -7,9 +7,10 @@ buffer units — free first, then least recently used, never a pinned one (sink,
 window, newest) — by one in-register sort of packed (age, unit) keys; the j-th miss takes
 the j-th victim; evict, remap, stamp. Writes each selected unit's buffer unit and miss flag.
 
-`place_and_copy_kernel`, one program per selected token: the token's device slot (through
-the device page table) for the adaptor, and, for a miss, the host row (through the host
-page table) copied into that slot straight from pinned host memory.
+The same kernel then writes every selected token's device slot (for the adaptor) and appends
+the missed tokens to a compacted to-do list. `copy_missing_kernel`, a fixed grid walking
+that list, copies each missed row into its slot straight from pinned host memory, so a step
+without misses costs one load per copy program.
 """
 
 from __future__ import annotations
@@ -29,13 +30,16 @@ def plan_residency_kernel(
     s2l_ptr,  # int32 [R, S, UB + 1]
     used_ptr,  # int64 [R, S, UB + 1]
     clock_ptr,  # int64 []
-    bu_ptr,  # out int32 [B, S, WU]
-    miss_ptr,  # out int8 [B, S, WU]
+    dev_table_ptr,  # int32 [R, TP_DEV] (this layer)
+    slots_ptr,  # out int32 [B, S, W]: device slot of every selected token, -1 padded
+    todo_ptr,  # out int64 [B * S * W]: flat entries (stream * W + i) of missed tokens, compacted
+    n_todo_ptr,  # int32 [1], zeroed by the caller: entries in todo
     scratch_ptr,  # int64 [B * S, BLOCK_B]
     count_ptr,  # int64 [3]: hits, misses (tokens), rows copied
-    S, W, WU, MAXU, UB, U, SINK, RECENT,
+    S, W, WU, MAXU, UB, U, P, TP_DEV, SINK, RECENT,
     BLOCK_W: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    BLOCK_U: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // S
@@ -98,53 +102,62 @@ def plan_residency_kernel(
         tl.store(s2l + victim, unit, mask=miss)
         tl.store(used + victim, clock, mask=miss)
         bu = tl.where(miss, victim, bu)
-    tl.store(bu_ptr + pid * WU + w, bu, mask=w < WU)
-    tl.store(miss_ptr + pid * WU + w, miss.to(tl.int8), mask=w < WU)
+    # every selected token's slot: unit w's tokens are entries w*U .. w*U+U-1 of the row
+    o = tl.arange(0, BLOCK_U)
+    entry = w[:, None] * U + o[None, :]
+    in_sel = (w[:, None] < WU) & (o[None, :] < U) & (entry < W)
+    tok = tl.load(idx_ptr + pid * W + entry, mask=in_sel, other=-1)
+    placed = (tok >= 0) & (bu[:, None] >= 0) & (bu[:, None] < UB)
+    pos = bu[:, None] * U + o[None, :]
+    page = tl.load(dev_table_ptr + r * TP_DEV + pos // P, mask=placed, other=-1).to(tl.int64)
+    slot = tl.where(page >= 0, page * P + pos % P, -1)
+    tl.store(slots_ptr + pid * W + entry, slot.to(tl.int32), mask=in_sel)
+    # append this stream's missed tokens to the compacted to-do list of the copy kernel
+    todo = miss[:, None] & (slot >= 0)
+    n_todo = tl.sum(tl.sum(todo.to(tl.int32), axis=1), axis=0)
+    if n_todo > 0:
+        base = tl.atomic_add(n_todo_ptr, n_todo)
+        flat = tl.reshape(todo.to(tl.int32), [BLOCK_W * BLOCK_U])
+        rank = tl.cumsum(flat, axis=0) - 1
+        where = tl.reshape(pid * W + entry, [BLOCK_W * BLOCK_U]).to(tl.int64)
+        tl.store(todo_ptr + base + rank, where, mask=flat != 0)
 
 
 @triton.jit
-def place_and_copy_kernel(
+def copy_missing_kernel(
+    todo_ptr,  # int64 [B * S * W] flat entries of missed tokens
+    n_todo_ptr,  # int32 [1]
     idx_ptr,  # int32 [B, S, W]
-    bu_ptr,  # int32 [B, S, WU]
-    miss_ptr,  # int8 [B, S, WU]
+    slots_ptr,  # int32 [B, S, W]
     rows_ptr,  # int64 [B]
-    dev_table_ptr,  # int32 [R, TP_DEV] (this layer)
     host_table_ptr,  # int32 [R, TP_HOST]
-    slots_ptr,  # out int32 [B, S, W]
     host0, dev0, host1, dev1,  # K and V (or the latent twice)
-    S, W, WU, UB, U, P, TP_DEV, TP_HOST, HOST_BASE, DEV_BASE, HOST_SLOTS, DEV_SLOTS, HK,
+    S, W, P, TP_HOST, HOST_BASE, DEV_BASE, DEV_SLOTS, HK,
     HEAD_MAJOR: tl.constexpr,
     TWO: tl.constexpr,
     ROW: tl.constexpr,
     COLS: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    stream = pid // W
-    i = pid % W
-    b = stream // S
-    h = stream % S
-    t = tl.load(idx_ptr + pid)
-    if t < 0:
-        tl.store(slots_ptr + pid, -1)
-    else:
+    """A fixed grid walks the to-do list: nothing to do costs one load per program."""
+    n = tl.load(n_todo_ptr)
+    for k in range(tl.program_id(0), n, tl.num_programs(0)):
+        e = tl.load(todo_ptr + k)
+        stream = e // W
+        b = stream // S
+        h = stream % S
+        t = tl.load(idx_ptr + e).to(tl.int64)
+        slot = tl.load(slots_ptr + e).to(tl.int64)
         r = tl.load(rows_ptr + b)
-        bu = tl.load(bu_ptr + stream * WU + i // U)
-        pos = bu * U + t % U
-        page = tl.load(dev_table_ptr + r * TP_DEV + pos // P, mask=bu < UB, other=-1).to(tl.int64)
-        slot = tl.where(page >= 0, page * P + pos % P, -1)
-        tl.store(slots_ptr + pid, slot.to(tl.int32))
-        if (tl.load(miss_ptr + stream * WU + i // U) != 0) & (slot >= 0):
-            hpage = tl.load(host_table_ptr + r * TP_HOST + t // P).to(tl.int64)
-            hrow = hpage * P + t % P
-            if HEAD_MAJOR:
-                src = HOST_BASE + (hrow * HK + h) * ROW
-                dst = DEV_BASE + (h * DEV_SLOTS + slot) * ROW
-            else:
-                src = HOST_BASE + hrow * ROW
-                dst = DEV_BASE + slot * ROW
-            for start in range(0, ROW, COLS):
-                cols = start + tl.arange(0, COLS)
-                m = cols < ROW
-                tl.store(dev0 + dst + cols, tl.load(host0 + src + cols, mask=m), mask=m)
-                if TWO:
-                    tl.store(dev1 + dst + cols, tl.load(host1 + src + cols, mask=m), mask=m)
+        hrow = tl.load(host_table_ptr + r * TP_HOST + t // P).to(tl.int64) * P + t % P
+        if HEAD_MAJOR:
+            src = HOST_BASE + (hrow * HK + h) * ROW
+            dst = DEV_BASE + (h * DEV_SLOTS + slot) * ROW
+        else:
+            src = HOST_BASE + hrow * ROW
+            dst = DEV_BASE + slot * ROW
+        for start in range(0, ROW, COLS):
+            cols = start + tl.arange(0, COLS)
+            m = cols < ROW
+            tl.store(dev0 + dst + cols, tl.load(host0 + src + cols, mask=m), mask=m)
+            if TWO:
+                tl.store(dev1 + dst + cols, tl.load(host1 + src + cols, mask=m), mask=m)

@@ -36,7 +36,8 @@ from .pages import PageAllocator
 from .slot_maps import SlotMaps
 
 _RESIDENT, _BUFFERED = "resident", "buffered"
-PLACE_WARPS = 2  # warps per token program of place_and_copy_kernel (benchmarks/swap_in.py --place-warps)
+# launch shape of copy_missing_kernel (benchmarks/swap_in.py --copy-shapes)
+COPY_PROGRAMS, COPY_COLS, COPY_WARPS = 2048, 1024, 8
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -430,37 +431,38 @@ class HierarchicalKVStore(KVStore):
 
     def _ensure_resident_fused(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
         """`ensure_resident` in two kernel launches (kernels/residency.py)."""
-        from ..kernels.residency import place_and_copy_kernel, plan_residency_kernel
+        from ..kernels.residency import copy_missing_kernel, plan_residency_kernel
         from .copy import _as_kernel_arg
 
         idx = selection.indices.contiguous()
         b, s, w = idx.shape
         u = self.unit
         wu = -(-w // u)
-        bu = torch.empty((b, s, wu), dtype=torch.int32, device=self.device)
-        miss = torch.empty((b, s, wu), dtype=torch.int8, device=self.device)
         block_b = _pow2(self.buffer_units)
         scratch = torch.empty((b * s, block_b), dtype=torch.int64, device=self.device)
+        slots = torch.empty_like(idx)
+        todo = torch.empty(b * s * w, dtype=torch.int64, device=self.device)
+        n_todo = torch.zeros(1, dtype=torch.int32, device=self.device)
         start = self._timer() if self.timing else None
         plan_residency_kernel[(b * s,)](
             idx, batch.slot_ids, batch.seq_lens, self.l2s[layer], self.s2l[layer], self.last_used[layer],
-            self.clock, bu, miss, scratch, self.counts[layer],
-            s, w, wu, self.max_units, self.buffer_units, u, self.sink_tokens, self.recent_tokens,
-            BLOCK_W=_pow2(wu), BLOCK_B=block_b, num_warps=8 if block_b <= 2048 else 16,
+            self.clock, self.dev_table[layer], slots, todo, n_todo, scratch, self.counts[layer],
+            s, w, wu, self.max_units, self.buffer_units, u, self.page_size, self.dev_table.shape[-1],
+            self.sink_tokens, self.recent_tokens,
+            BLOCK_W=_pow2(wu), BLOCK_B=block_b, BLOCK_U=_pow2(u), num_warps=8 if block_b <= 2048 else 16,
         )
-        slots = torch.empty_like(idx)
         host = [_as_kernel_arg(t) for t in self.host]
         dev = self.dev
         two = len(dev) == 2
-        row = self.row_elems
         per_layer = self.layout.num_kv_heads * self.layout.head_dim
-        place_and_copy_kernel[(b * s * w,)](
-            idx, bu, miss, batch.slot_ids, self.dev_table[layer], self.host_table, slots,
+        copy_missing_kernel[(COPY_PROGRAMS,)](
+            todo, n_todo, idx, slots, batch.slot_ids, self.host_table,
             host[0], dev[0], host[1] if two else host[0], dev[1] if two else dev[0],
-            s, w, wu, self.buffer_units, u, self.page_size, self.dev_table.shape[-1], self.host_table.shape[-1],
+            s, w, self.page_size, self.host_table.shape[-1],
             layer * self.host_slots * per_layer, layer * self.device_slots * per_layer,
-            self.host_slots, self.device_slots, self.layout.num_kv_heads,
-            HEAD_MAJOR=self.head_major, TWO=two, ROW=row, COLS=min(128, _pow2(row)), num_warps=PLACE_WARPS,
+            self.device_slots, self.layout.num_kv_heads,
+            HEAD_MAJOR=self.head_major, TWO=two, ROW=self.row_elems, COLS=min(COPY_COLS, _pow2(self.row_elems)),
+            num_warps=COPY_WARPS,
         )
         if start is not None:
             self._stop_timer(layer, start)
