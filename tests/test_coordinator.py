@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparse_framework import Batch, CapacityError, ConfigError, KVLayout, Request
+from sparse_framework import Batch, CapacityError, ConfigError, KVLayout, Request, registry
 from sparse_framework.coordinator import SparseCoordinator
 from helpers import SMALL_QUEST
 
@@ -158,6 +158,7 @@ def test_dense_layers_attend_to_everything() -> None:
     assert torch.allclose(out1.double(), ref1, atol=1e-5)
 
 
+@pytest.mark.parametrize("algorithm", registry.names("algorithm"))
 @settings(max_examples=15, deadline=None)
 @given(
     kv_heads=st.sampled_from([1, 2]),
@@ -167,8 +168,10 @@ def test_dense_layers_attend_to_everything() -> None:
     steps=st.integers(1, 4),
     seed=st.integers(0, 2**16),
 )
-def test_budget_covering_the_context_equals_dense(kv_heads, group, page_size, lens, steps, seed) -> None:
-    coord = make({"top_k": 128, "page_size": page_size, "sink_tokens": 0, "recent_tokens": 0}, kv_heads=kv_heads)
+def test_budget_covering_the_context_equals_dense(algorithm, kv_heads, group, page_size, lens, steps, seed) -> None:
+    """Every registered algorithm, with a budget covering the context, equals dense attention."""
+    cfg = {"algorithm": algorithm, "top_k": 128, "page_size": page_size, "sink_tokens": 0, "recent_tokens": 0}
+    coord = make(cfg, kv_heads=kv_heads)
     drv = Driver(coord, q_heads=kv_heads * group, seed=seed)
     reqs = [Request(f"r{i}", n) for i, n in enumerate(lens)]
     drv.prefill(reqs)

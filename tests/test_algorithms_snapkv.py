@@ -1,0 +1,105 @@
+"""SnapKV (retrievable): votes vs a direct float64 re-computation, and the selection rules."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparse_framework import Batch, ConfigError, KVLayout, Request, load_config
+from sparse_framework.algorithms.snapkv import SnapKV, SnapKVOptions, snapkv_votes
+
+
+def direct_votes(keys, queries, window, kernel, pooling, how):
+    """Per query head, by loops: causal softmax of the window queries, summed over the window
+    on the keys before it, pooled with zero padding (average counts the padding), reduced."""
+    n, hkv, d = keys.shape
+    hq = queries.shape[1]
+    w = min(window, n)
+    prefix = n - w
+    per_head = torch.zeros(hq, prefix, dtype=torch.float64)
+    for j in range(hq):
+        k = keys[:, j // (hq // hkv)].double()
+        for i in range(w):
+            t = n - w + i
+            p = (k[: t + 1] @ queries[t, j].double() / math.sqrt(d)).softmax(0)
+            per_head[j] += p[:prefix]
+    pooled = torch.zeros_like(per_head)
+    half = kernel // 2
+    for x in range(prefix):
+        lo, hi = x - half, x + half + 1
+        window_vals = [per_head[:, y] if 0 <= y < prefix else torch.zeros(hq, dtype=torch.float64) for y in range(lo, hi)]
+        stack = torch.stack(window_vals, dim=1)
+        if pooling == "max":
+            inside = torch.stack([per_head[:, y] for y in range(max(lo, 0), min(hi, prefix))], dim=1)
+            pooled[:, x] = inside.amax(1)
+        else:
+            pooled[:, x] = stack.sum(1) / kernel
+    grouped = pooled.view(hkv, hq // hkv, prefix)
+    return {"max": grouped.amax(1), "sum": grouped.sum(1), "mean": grouped.mean(1)}[how]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    n=st.integers(1, 40), window=st.integers(1, 12), kernel=st.sampled_from([1, 3, 5, 7]),
+    pooling=st.sampled_from(["max", "avg"]), how=st.sampled_from(["max", "sum", "mean"]),
+    hkv=st.sampled_from([1, 2]), group=st.sampled_from([1, 3]), seed=st.integers(0, 9999),
+)
+def test_votes_match_a_direct_computation(n, window, kernel, pooling, how, hkv, group, seed) -> None:
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(n, hkv, 8, generator=g)
+    queries = torch.randn(n, hkv * group, 8, generator=g)
+    opts = SnapKVOptions(window=window, kernel_size=kernel, pooling=pooling, gqa_reduce=how)
+    got = snapkv_votes(keys, queries, opts)
+    want = direct_votes(keys, queries, window, kernel, pooling, how)
+    assert got.shape == want.shape == (hkv, max(0, n - window))
+    assert torch.allclose(got.double(), want, atol=1e-5)
+
+
+def make(top_k: int, window: int = 4) -> SnapKV:
+    cfg = load_config({"algorithm": "snapkv", "top_k": top_k, "sink_tokens": 0, "recent_tokens": 0,
+                       "device_buffer_tokens": 512, "min_sparse_prompt_len": 0,
+                       "extra": {"window": window, "kernel_size": 3}})
+    return SnapKV(cfg, KVLayout(num_layers=1, num_kv_heads=2, head_dim=8), max_requests=2, max_seq_len=128)
+
+
+def batch_of(reqs: list[Request]) -> Batch:
+    b = Batch(reqs)
+    b.seq_lens = torch.tensor([r.seq_len for r in reqs], dtype=torch.int32)
+    b.slot_ids = torch.tensor([r.slot for r in reqs])
+    b.max_seq_len = max(r.seq_len for r in reqs)
+    return b
+
+
+def test_selection_keeps_window_and_decode_tokens_then_the_best_voted() -> None:
+    g = torch.Generator().manual_seed(0)
+    algo = make(top_k=12, window=4)
+    keys, queries = torch.randn(40, 2, 8, generator=g), torch.randn(40, 4, 8, generator=g)
+    r = Request("a", 40, seq_len=43, slot=1)  # 3 decode tokens so far
+    algo.build(0, r, keys, queries)
+    sel = algo.select(0, torch.randn(1, 4, 8, generator=g), batch_of([r]))
+    votes = snapkv_votes(keys, queries, algo.options)  # type: ignore[arg-type]
+    for h in range(2):
+        chosen = set(sel.indices[0, h, : sel.lengths[0, h]].tolist())
+        assert set(range(36, 43)) <= chosen  # the window (36..39) and the decode tokens (40..42)
+        # the newest token (42) is always kept outside the budget; the other six window and
+        # decode tokens take 6 of the 12 budget slots, the best-voted prompt positions the rest
+        best = set(votes[h].topk(12 - 6).indices.tolist())
+        assert chosen == set(range(36, 43)) | best
+
+
+def test_budget_covering_the_context_selects_everything_and_bad_options_fail() -> None:
+    algo = make(top_k=64)
+    r = Request("a", 30, seq_len=30, slot=0)
+    algo.build(0, r, torch.randn(30, 2, 8), torch.randn(30, 4, 8))
+    sel = algo.select(0, torch.randn(1, 4, 8), batch_of([r]))
+    assert sel.lengths.tolist() == [[30, 30]]
+    with pytest.raises(ConfigError, match="`extra.kernel_size` = 4: kernel_size must be odd"):
+        load_config({"algorithm": "snapkv", "extra": {"kernel_size": 4}})
+    with pytest.raises(ConfigError, match="`extra.pooling` = 'median'"):
+        load_config({"algorithm": "snapkv", "extra": {"pooling": "median"}})
+    with pytest.raises(ValueError, match="needs the prompt's queries"):
+        algo.build(0, r, torch.randn(30, 2, 8))
