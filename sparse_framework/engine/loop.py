@@ -33,7 +33,7 @@ class RequestResult:
     kv_read_fraction: float  # tokens attended / tokens in context
     device_kv_fraction: float  # device bytes held / dense device bytes
     ms_per_step: float  # whole batch, coordinator + attention, reference excluded
-    hit_rate: float | None  # device-buffer hits / selected tokens of buffered rows (whole batch)
+    hit_rate: float | None  # device-buffer hits / selected tokens of the batch's buffered rows (None: dense)
     swap_in_kib_per_step: float  # host -> device KiB per decode step (whole batch, all layers)
     config: dict = field(default_factory=dict)
 
@@ -143,7 +143,7 @@ def run_experiment(
                 kv_read_fraction=t.read / t.n,
                 device_kv_fraction=device_tokens / r.seq_len,
                 ms_per_step=1000 * step_seconds / workload.decode_steps,
-                hit_rate=hits / (hits + misses) if hits + misses else None,
+                hit_rate=hits / (hits + misses) if hits + misses and not r.dense else None,
                 swap_in_kib_per_step=swapped,
                 config=config.model_dump(),
             )
