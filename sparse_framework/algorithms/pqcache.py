@@ -1,0 +1,129 @@
+"""PQCache (Zhang et al., SIGMOD 2025): product-quantised keys score the tokens.
+
+Per layer, request and KV head the prompt's keys are split into `subvectors` sub-vectors and
+each sub-space is clustered by Euclidean k-means into 2**`bits` centroids (random initial
+points from the data, `iterations` Lloyd steps; the original runs scikit-learn on the CPU
+while prefill runs, with 2 sub-vectors and 6 bits). Every prompt token keeps its codes; decode
+keys are encoded against the prefill codebooks as they arrive. At decode a query head's score
+of token t is Σ_m q_m · centroid_m[code_m(t)] (a q·centroid table per sub-space), and the
+group's scores are summed per KV head as the original code does (`gqa_reduce`). Sink and
+recent tokens come from the framework config (the original keeps 32 sink tokens and half the
+budget as recent: set `sink_tokens` / `recent_tokens` to match).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..batch import Batch, Request
+from ..errors import ConfigError
+from .base import ScoringAlgorithm, reduce_groups
+
+
+class PQCacheOptions(BaseModel):
+    """PQCache's extra-config (defaults from the original code)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    subvectors: int = Field(2, ge=1, description="sub-vectors per head (must divide head_dim)")
+    bits: int = Field(6, ge=1, le=8, description="bits per code: 2**bits centroids per sub-space")
+    iterations: int = Field(20, ge=1, le=300, description="k-means (Lloyd) iterations")
+    seed: int = Field(0, description="seed of the k-means initial points")
+    gqa_reduce: Literal["max", "sum", "mean"] = Field("sum", description="how a GQA group's scores combine")
+
+
+def kmeans(x: torch.Tensor, k: int, iterations: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched Lloyd k-means. x: float32 [G, N, d] -> (centroids [G, k, d], codes int64 [G, N]).
+
+    Initial centroids are k distinct random points of each group (repeated when N < k); an
+    empty cluster keeps its centroid. Codes are the nearest centroids after the last update."""
+    g, n, d = x.shape
+    pick = torch.stack([torch.randperm(n, generator=gen)[: min(k, n)] for _ in range(g)])
+    if n < k:
+        pick = pick.repeat(1, -(-k // n))[:, :k]
+    centroids = x.gather(1, pick.to(x.device).unsqueeze(-1).expand(-1, -1, d)).clone()
+    for _ in range(iterations):
+        codes = torch.cdist(x, centroids).argmin(-1)  # [G, N]
+        sums = torch.zeros_like(centroids).scatter_add_(1, codes.unsqueeze(-1).expand(-1, -1, d), x)
+        counts = torch.zeros(g, k, device=x.device).scatter_add_(1, codes, torch.ones_like(codes, dtype=x.dtype))
+        centroids = torch.where(counts.unsqueeze(-1) > 0, sums / counts.clamp(min=1).unsqueeze(-1), centroids)
+    return centroids, torch.cdist(x, centroids).argmin(-1)
+
+
+class PQCache(ScoringAlgorithm):
+    """Token-granular, per KV head. Codebooks [layers, R, Hkv, M, K, d] and codes
+    [layers, R, Hkv, max_seq_len, M] (uint8) on the KV device."""
+
+    Config = PQCacheOptions
+    granularity = "token"
+    per_kv_head = True
+
+    @classmethod
+    def representation_bytes_per_token(cls, layout, config) -> float:  # type: ignore[no-untyped-def]
+        """One byte per sub-vector code and KV head (the codebooks are per request)."""
+        return float(layout.num_kv_heads * config.extra_config.subvectors)
+
+    def __init__(self, config, layout, max_requests, max_seq_len) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(config, layout, max_requests, max_seq_len)
+        m = self.options.subvectors
+        if layout.head_dim % m:
+            raise ConfigError(
+                f"`extra.subvectors` = {m} must divide head_dim ({layout.head_dim}) for algorithm 'pqcache'"
+            )
+        self.k = 2**self.options.bits
+        self.sub = layout.head_dim // m
+        hk = layout.num_kv_heads
+        self.codebooks = torch.zeros(
+            (layout.num_layers, max_requests, hk, m, self.k, self.sub), dtype=torch.float32, device=layout.device
+        )
+        self.codes = torch.zeros(
+            (layout.num_layers, max_requests, hk, max_seq_len, m), dtype=torch.uint8, device=layout.device
+        )
+        self.gen = torch.Generator().manual_seed(self.options.seed)
+
+    def _split(self, keys: torch.Tensor) -> torch.Tensor:
+        """[N, Hkv, D] -> [Hkv * M, N, d]."""
+        n, hk, _ = keys.shape
+        return keys.float().view(n, hk, self.options.subvectors, self.sub).permute(1, 2, 0, 3).reshape(-1, n, self.sub)
+
+    def build(self, layer: int, request: Request, keys: torch.Tensor, queries: torch.Tensor | None = None) -> None:
+        n, hk, _ = keys.shape
+        m = self.options.subvectors
+        centroids, codes = kmeans(self._split(keys), self.k, self.options.iterations, self.gen)
+        self.codebooks[layer, request.slot] = centroids.view(hk, m, self.k, self.sub)
+        self.codes[layer, request.slot, :, :n] = codes.view(hk, m, n).transpose(1, 2).to(torch.uint8)
+
+    def encode(self, layer: int, slot_ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Nearest-centroid codes of keys [B, Hkv, D] against each request's codebooks ->
+        uint8 [B, Hkv, M]."""
+        b, hk, _ = keys.shape
+        m = self.options.subvectors
+        x = keys.float().view(b, hk, m, 1, self.sub)
+        books = self.codebooks[layer, slot_ids]  # [B, Hkv, M, K, d]
+        return (x - books).square().sum(-1).argmin(-1).to(torch.uint8)
+
+    def append(self, layer: int, batch: Batch, keys: torch.Tensor) -> None:
+        assert batch.seq_lens is not None and batch.slot_ids is not None
+        pos = batch.seq_lens.long() - 1
+        heads = torch.arange(self.layout.num_kv_heads, device=keys.device)
+        codes = self.encode(layer, batch.slot_ids, keys)
+        self.codes[layer, batch.slot_ids.view(-1, 1), heads.view(1, -1), pos.view(-1, 1)] = codes
+
+    def score(self, layer: int, queries: torch.Tensor, batch: Batch) -> torch.Tensor:
+        assert batch.slot_ids is not None
+        b, hq, _ = queries.shape
+        hk, m = self.layout.num_kv_heads, self.options.subvectors
+        n = batch.max_seq_len
+        books = self.codebooks[layer, batch.slot_ids]  # [B, Hkv, M, K, d]
+        q = queries.float().view(b, hk, hq // hk, m, self.sub)
+        table = torch.einsum("bhgmd,bhmkd->bhgmk", q, books)  # q·centroid per sub-space
+        codes = self.codes[layer, batch.slot_ids, :, :n].long()  # [B, Hkv, n, M]
+        idx = codes.permute(0, 1, 3, 2).unsqueeze(2).expand(-1, -1, hq // hk, -1, -1)  # [B, Hkv, G, M, n]
+        per_head = table.gather(-1, idx).sum(3)  # [B, Hkv, G, n]
+        return reduce_groups(per_head.flatten(1, 2), hk, self.options.gqa_reduce)
+
+    def release(self, request: Request) -> None:
+        """Nothing to free: the pooled rows of `request.slot` are overwritten on reuse."""
