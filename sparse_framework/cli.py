@@ -133,6 +133,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     configs = [load_config(c) for c in args.config] if args.config else [load_config(c) for c in DEFAULT_CONFIGS]
     workload = _workload(args)
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise SparseFrameworkError(f"--json {args.json!r}: the directory {str(Path(args.json).resolve().parent)!r} does not exist")
     results: list[RequestResult] = []
     total = len(configs) * workload.decode_steps
     with Progress(
@@ -205,6 +207,8 @@ def _plan(args: argparse.Namespace) -> int:
                           f"{p.gain:.2f}x", f"{p.kv_only_gain:.2f}x")
     console.print(table)
     if args.json:
+        if not Path(args.json).resolve().parent.is_dir():
+            raise SparseFrameworkError(f"--json {args.json!r}: the directory does not exist")
         Path(args.json).write_text(json.dumps(plans, indent=2))
         console.print(f"plan written to {args.json}")
     return 0

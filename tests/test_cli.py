@@ -44,6 +44,8 @@ def test_run_takes_a_config_file_and_several_configs(tmp_path, capsys) -> None:
         (["--workload", '{"num_q_heads": 3}'], "must be a multiple of num_kv_heads"),
         (["--workload", '{"heads": 3}'], "`heads`: unknown option"),
         (["--dtype", "int4"], "dtype must be one of"),
+        (["--device", "foo"], "device must be a torch device such as 'cpu'"),
+        (["--json", "/nonexistent/dir/x.json"], "does not exist"),
     ],
 )
 def test_run_bad_input_exits_2_with_a_clear_message(args, message, capsys) -> None:
@@ -98,3 +100,9 @@ def test_plan_prints_resident_vs_hierarchical(tmp_path, capsys) -> None:
 def test_plan_bad_input(args, message, capsys) -> None:
     assert main(["plan", *args]) == 2
     assert message in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_run_on_cuda_without_cuda_is_a_clear_error(capsys) -> None:
+    assert main(["run", "--device", "cuda", "--no-progress"]) == 2
+    assert "CUDA is not available here" in " ".join(capsys.readouterr().out.split())

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from sparse_framework import CapacityError
 from sparse_framework.kv_store.copy import copy_rows
-from sparse_framework.kv_store.pages import PageAllocator
+from sparse_framework.kv_store.pages import PageAllocator, allocate_pool
 
 
 def test_allocator_bulk_alloc_release_and_exhaustion() -> None:
@@ -90,3 +90,8 @@ def test_triton_path_needs_cuda_or_the_interpreter() -> None:
         pytest.skip("interpreter active")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         copy_rows(torch.zeros(4), torch.zeros(4), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 1, impl="triton")
+
+
+def test_a_pool_too_large_to_allocate_is_a_capacity_error() -> None:
+    with pytest.raises(CapacityError, match=r"cannot allocate the device KV pool .* set device_capacity_tokens"):
+        allocate_pool((2**40, 2**20), torch.float32, torch.device("cpu"), "device KV pool", "device_capacity_tokens")

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ..kv_store.layout import check_device
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -40,6 +42,12 @@ class WorkloadConfig(BaseModel):
         if any(c < 1 for c in contexts):
             raise ValueError(f"every context length must be >= 1, got {contexts}")
         return contexts
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, name: str) -> str:
+        check_device(name)
+        return name
 
     @field_validator("dtype")
     @classmethod

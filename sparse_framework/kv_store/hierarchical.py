@@ -32,7 +32,7 @@ from .base import KVStore
 from .copy import copy_rows
 from .host_pool import HostPool
 from .layout import KVLayout
-from .pages import PageAllocator
+from .pages import PageAllocator, allocate_pool
 from .slot_maps import SlotMaps
 
 _RESIDENT, _BUFFERED = "resident", "buffered"
@@ -97,7 +97,7 @@ class HierarchicalKVStore(KVStore):
         )
         self.device_slots = dev_pages * page_size
         shape = (L, hk, self.device_slots, d) if per_kv_head else (L, self.device_slots, hk, d)
-        self.dev = [torch.zeros(shape, dtype=store_dtype, device=dev) for _ in range(layout.tensors_per_token)]
+        self.dev = [allocate_pool(shape, store_dtype, dev, "device KV pool", "device_capacity_tokens") for _ in range(layout.tensors_per_token)]
         self.dev_alloc = [PageAllocator(dev_pages, f"device KV pool (layer {i})") for i in range(L)]
         self.dev_table = torch.full((L, max_requests, table_pages), -1, dtype=torch.int32, device=dev)
         self._dev_pages: dict[tuple[int, int], torch.Tensor] = {}
@@ -600,3 +600,4 @@ class HierarchicalKVStore(KVStore):
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+

@@ -10,7 +10,7 @@ def _cdiv(a: int, b: int) -> int:
 
 from ..batch import Request
 from .layout import KVLayout
-from .pages import PageAllocator
+from .pages import PageAllocator, allocate_pool
 
 
 class HostPool:
@@ -36,7 +36,8 @@ class HostPool:
         self.host_slots = pages * page_size
         shape = (layout.num_layers, self.host_slots, layout.num_kv_heads, layout.head_dim)
         self.tensors = [
-            torch.zeros(shape, dtype=layout.storage_dtype, pin_memory=pin) for _ in range(layout.tensors_per_token)
+            allocate_pool(shape, layout.storage_dtype, torch.device("cpu"), "host KV pool", "host_capacity_tokens", pin)
+            for _ in range(layout.tensors_per_token)
         ]
         self.host_alloc = PageAllocator(pages, "host KV pool")
         self.host_table = torch.full((max_requests, max_pages), -1, dtype=torch.int32, device=device)

@@ -12,6 +12,23 @@ FP8_DTYPES = tuple(
 )
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """The torch device named, or ValueError saying what is wrong (unknown name, or CUDA
+    asked for where this torch build or machine has none)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch device such as 'cpu', 'cuda' or 'cuda:1', got {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device {str(device)!r} asked for, but CUDA is not available here "
+            f"(torch {torch.__version__}); use 'cpu'"
+        )
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    return dev
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """Per layer and token: what is cached.
@@ -37,6 +54,7 @@ class KVLayout:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ValueError(f"KVLayout.dtype must be a floating torch.dtype, got {self.dtype!r}")
+        check_device(self.device)
         if self.kind not in ("mha", "mla"):
             raise ValueError(f"KVLayout.kind must be 'mha' or 'mla', got {self.kind!r}")
         if self.kind == "mla":

@@ -46,3 +46,15 @@ class PageAllocator:
             raise RuntimeError(f"{self.what}: releasing {n} pages would exceed the pool")
         self._stack[self._top : self._top + n] = ids.flatten().flip(0).to(torch.int64).cpu()
         self._top += n
+
+
+def allocate_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, what: str, knob: str, pin: bool = False) -> torch.Tensor:
+    """torch.zeros, with a CapacityError that says how big the pool was and what sizes it."""
+    try:
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+    except (RuntimeError, torch.OutOfMemoryError) as exc:
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        raise CapacityError(
+            f"cannot allocate the {what} ({size / 2**30:.1f} GiB on {device}): {str(exc).splitlines()[0]}; "
+            f"lower max_requests / max_seq_len or set {knob}"
+        ) from None
