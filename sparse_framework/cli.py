@@ -133,8 +133,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     configs = [load_config(c) for c in args.config] if args.config else [load_config(c) for c in DEFAULT_CONFIGS]
     workload = _workload(args)
-    if args.json and not Path(args.json).resolve().parent.is_dir():
-        raise SparseFrameworkError(f"--json {args.json!r}: the directory {str(Path(args.json).resolve().parent)!r} does not exist")
+    if args.json:
+        _check_parent(args.json, "--json")
     results: list[RequestResult] = []
     total = len(configs) * workload.decode_steps
     with Progress(
@@ -190,6 +190,8 @@ def _plan(args: argparse.Namespace) -> int:
     configs = [base]
     if smallest < base.device_buffer_tokens:
         configs.append(base.model_copy(update={"device_buffer_tokens": smallest}))
+    if args.gpu_gb <= 0 or args.host_gb <= 0:
+        raise SparseFrameworkError(f"--gpu-gb and --host-gb must be > 0, got {args.gpu_gb:g} and {args.host_gb:g}")
     gpu, host = int(args.gpu_gb * 2**30), int(args.host_gb * 2**30)
     table = Table(title=f"{name}: {layout.num_layers} layers, {layout.bytes_per_token_per_layer} B/token/layer, "
                         f"{args.gpu_gb:g} GiB device, {args.host_gb:g} GiB host, {base.algorithm} top_k={base.top_k}")
@@ -207,11 +209,16 @@ def _plan(args: argparse.Namespace) -> int:
                           f"{p.gain:.2f}x", f"{p.kv_only_gain:.2f}x")
     console.print(table)
     if args.json:
-        if not Path(args.json).resolve().parent.is_dir():
-            raise SparseFrameworkError(f"--json {args.json!r}: the directory does not exist")
+        _check_parent(args.json, "--json")
         Path(args.json).write_text(json.dumps(plans, indent=2))
         console.print(f"plan written to {args.json}")
     return 0
+
+
+def _check_parent(path: str, flag: str) -> None:
+    parent = Path(path).resolve().parent
+    if not parent.is_dir():
+        raise SparseFrameworkError(f"{flag} {path!r}: the directory {str(parent)!r} does not exist")
 
 
 def _mib(n: int) -> str:
@@ -231,6 +238,7 @@ def _int_list(text: str, flag: str) -> list[int]:
 def _schema(args: argparse.Namespace) -> int:
     text = json.dumps(config_schema(), indent=2)
     if args.output:
+        _check_parent(args.output, "--output")
         Path(args.output).write_text(text + "\n")
     else:
         print(text)

@@ -94,6 +94,8 @@ def test_plan_prints_resident_vs_hierarchical(tmp_path, capsys) -> None:
         (["--layout", '{"num_layers": 2}'], "invalid --layout"),
         (["--layout", '{"num_layers": 2, "num_kv_heads": 1, "head_dim": 8, "dtype": "int8"}'], "--layout dtype must be one of"),
         (["--context", "0"], "--context needs positive integers"),
+        (["--gpu-gb", "-1"], "--gpu-gb and --host-gb must be > 0"),
+        (["--json", "/nonexistent/dir/p.json"], "does not exist"),
         (["--config", '{"top_k": "many"}'], "`top_k` = 'many'"),
     ],
 )
@@ -106,3 +108,8 @@ def test_plan_bad_input(args, message, capsys) -> None:
 def test_run_on_cuda_without_cuda_is_a_clear_error(capsys) -> None:
     assert main(["run", "--device", "cuda", "--no-progress"]) == 2
     assert "CUDA is not available here" in " ".join(capsys.readouterr().out.split())
+
+
+def test_schema_into_a_missing_directory_is_a_clear_error(capsys) -> None:
+    assert main(["schema", "--output", "/nonexistent/dir/s.json"]) == 2
+    assert "does not exist" in capsys.readouterr().out
