@@ -32,7 +32,7 @@ class RequestResult:
     needle_hit_rate: float | None
     kv_read_fraction: float  # tokens attended / tokens in context
     device_kv_fraction: float  # device bytes held / dense device bytes
-    ms_per_step: float  # whole batch, coordinator + attention, reference excluded
+    ms_per_step: float  # whole batch, coordinator + attention, reference and first (warm-up) step excluded
     hit_rate: float | None  # device-buffer hits / selected tokens of the batch's buffered rows (None: dense)
     swap_in_kib_per_step: float  # host -> device KiB per decode step (whole batch, all layers)
     config: dict = field(default_factory=dict)
@@ -85,7 +85,8 @@ def run_experiment(
 
     tallies = [_Tally() for _ in requests]
     step_seconds = 0.0
-    for _ in range(workload.decode_steps):
+    timed_steps = max(1, workload.decode_steps - 1)  # the first step warms up (kernel compilation)
+    for step in range(workload.decode_steps):
         batch = Batch(requests)
         inputs = [gen.decode_inputs(data, layer) for layer in range(layout.num_layers)]
         for layer, (_, k, v) in enumerate(inputs):
@@ -103,9 +104,10 @@ def run_experiment(
             outputs.append(out)
             selections.append(meta.selection)
         coord.forward_end(batch)
-        if layout.device != "cpu" and torch.cuda.is_available():
+        if torch.device(layout.device).type == "cuda":
             torch.cuda.synchronize()
-        step_seconds += time.perf_counter() - start
+        if step > 0 or workload.decode_steps == 1:
+            step_seconds += time.perf_counter() - start
         for layer, (q, _, _) in enumerate(inputs):
             sel = selections[layer]
             for i, r in enumerate(requests):
@@ -142,7 +144,7 @@ def run_experiment(
                 needle_hit_rate=t.hits / t.needles if t.needles else None,
                 kv_read_fraction=t.read / t.n,
                 device_kv_fraction=device_tokens / r.seq_len,
-                ms_per_step=1000 * step_seconds / workload.decode_steps,
+                ms_per_step=1000 * step_seconds / timed_steps,
                 hit_rate=hits / (hits + misses) if hits + misses and not r.dense else None,
                 swap_in_kib_per_step=swapped,
                 config=config.model_dump(),
