@@ -1,4 +1,9 @@
-"""Shared test fixtures-as-constants."""
+"""Shared test constants and helpers."""
+
+import torch
+
+from sparse_framework import Batch, Request
+
 
 # A Quest config small enough for CPU tests: 8 pages of 4 tokens per selection, plus one sink
 # page and the recent window, in a 256-token device buffer; every prompt decodes sparsely.
@@ -11,3 +16,12 @@ SMALL_QUEST = {
     "min_sparse_prompt_len": 0,
     "device_buffer_tokens": 256,
 }
+
+
+def batch_of(reqs: list[Request]) -> Batch:
+    """The step tensors forward_begin would fill in, for algorithm tests without a coordinator."""
+    b = Batch(reqs)
+    b.seq_lens = torch.tensor([r.seq_len for r in reqs], dtype=torch.int32)
+    b.slot_ids = torch.tensor([r.slot for r in reqs], dtype=torch.int64)
+    b.max_seq_len = max(r.seq_len for r in reqs)
+    return b

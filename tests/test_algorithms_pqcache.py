@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import SMALL_QUEST
-from sparse_framework import Batch, ConfigError, KVLayout, Request, load_config
+from helpers import SMALL_QUEST, batch_of
+from sparse_framework import ConfigError, KVLayout, Request, load_config
 from sparse_framework.algorithms.pqcache import PQCache, kmeans
 from sparse_framework.coordinator import SparseCoordinator
 
@@ -18,13 +18,6 @@ def make(bits: int = 6, subvectors: int = 2, how: str = "sum", iterations: int =
                        "extra": {"bits": bits, "subvectors": subvectors, "gqa_reduce": how, "iterations": iterations}})
     return PQCache(cfg, KVLayout(num_layers=2, num_kv_heads=hk, head_dim=8), max_requests=2, max_seq_len=200)
 
-
-def batch_of(reqs: list[Request]) -> Batch:
-    b = Batch(reqs)
-    b.seq_lens = torch.tensor([r.seq_len for r in reqs], dtype=torch.int32)
-    b.slot_ids = torch.tensor([r.slot for r in reqs])
-    b.max_seq_len = max(r.seq_len for r in reqs)
-    return b
 
 
 def objective(x: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor) -> float:

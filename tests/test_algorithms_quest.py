@@ -8,8 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparse_framework import Batch, ConfigError, KVLayout, Request, load_config
+from sparse_framework import ConfigError, KVLayout, Request, load_config
 from sparse_framework.algorithms.quest import Quest
+from helpers import batch_of
 
 MAX_REQUESTS, MAX_SEQ_LEN, LAYERS = 3, 128, 2
 
@@ -22,14 +23,6 @@ def make(page: int, how: str = "max", top_k: int = 8, sink: int = 0, recent: int
     layout = KVLayout(num_layers=LAYERS, num_kv_heads=hk, head_dim=d, dtype=dtype)
     return Quest(cfg, layout, max_requests=MAX_REQUESTS, max_seq_len=MAX_SEQ_LEN)
 
-
-def batch_of(reqs: list[Request]) -> Batch:
-    """What forward_begin would fill in (no coordinator here)."""
-    b = Batch(reqs)
-    b.seq_lens = torch.tensor([r.seq_len for r in reqs], dtype=torch.int32)
-    b.slot_ids = torch.tensor([r.slot for r in reqs], dtype=torch.int64)
-    b.max_seq_len = max(r.seq_len for r in reqs)
-    return b
 
 
 def requests(lens: list[int], gen: torch.Generator) -> list[Request]:

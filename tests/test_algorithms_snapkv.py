@@ -9,8 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparse_framework import Batch, ConfigError, KVLayout, Request, load_config
+from sparse_framework import ConfigError, KVLayout, Request, load_config
 from sparse_framework.algorithms.snapkv import SnapKV, SnapKVOptions, snapkv_votes
+from helpers import batch_of
 
 
 def direct_votes(keys, queries, window, kernel, pooling, how):
@@ -65,13 +66,6 @@ def make(top_k: int, window: int = 4) -> SnapKV:
                        "extra": {"window": window, "kernel_size": 3}})
     return SnapKV(cfg, KVLayout(num_layers=1, num_kv_heads=2, head_dim=8), max_requests=2, max_seq_len=128)
 
-
-def batch_of(reqs: list[Request]) -> Batch:
-    b = Batch(reqs)
-    b.seq_lens = torch.tensor([r.seq_len for r in reqs], dtype=torch.int32)
-    b.slot_ids = torch.tensor([r.slot for r in reqs])
-    b.max_seq_len = max(r.seq_len for r in reqs)
-    return b
 
 
 def test_selection_keeps_window_and_decode_tokens_then_the_best_voted() -> None:
