@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from .pages import pow2
+
 
 class _HostPointer:
     """Hands Triton the device-visible address of pinned host memory (UVA), which Triton
@@ -73,7 +75,7 @@ def copy_rows(
     if n == 0:
         return
     rows_per_program, cols, warps = TUNING
-    cols = min(cols, 1 << max(0, (row - 1).bit_length()))
+    cols = min(cols, pow2(row))
     grid = (-(-n // rows_per_program),)
     copy_rows_kernel[grid](
         _as_kernel_arg(src), _as_kernel_arg(dst), src_off, dst_off, n,

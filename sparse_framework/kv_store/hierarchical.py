@@ -22,6 +22,7 @@ them, so no step reads a host row before its copy completed.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -32,16 +33,13 @@ from .base import KVStore
 from .copy import copy_rows
 from .host_pool import HostPool
 from .layout import KVLayout
-from .pages import PageAllocator, allocate_pool
+from .pages import PageAllocator, allocate_pool, cdiv, paged_slots, pow2
 from .slot_maps import SlotMaps
 
 _RESIDENT, _BUFFERED = "resident", "buffered"
 # launch shape of copy_missing_kernel (benchmarks/swap_in.py --copy-shapes)
 COPY_PROGRAMS, COPY_COLS, COPY_WARPS = 2048, 1024, 8
 
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class HierarchicalKVStore(KVStore):
@@ -73,7 +71,7 @@ class HierarchicalKVStore(KVStore):
         self.unit = unit
         self.head_major = per_kv_head
         self.streams = layout.num_kv_heads if per_kv_head else 1
-        self.buffer_tokens = _cdiv(device_buffer_tokens, page_size) * page_size
+        self.buffer_tokens = cdiv(device_buffer_tokens, page_size) * page_size
         self.buffer_units = self.buffer_tokens // unit
         self.sink_tokens, self.recent_tokens = sink_tokens, recent_tokens
         self.dense_layers = frozenset(dense_layers)
@@ -84,8 +82,8 @@ class HierarchicalKVStore(KVStore):
         # "torch": the same algorithm in torch ops, the reference.
         self.impl = impl if impl != "auto" else ("triton" if torch.device(layout.device).type == "cuda" else "torch")
         self.max_requests, self.max_seq_len = max_requests, max_seq_len
-        self.max_pages = _cdiv(max_seq_len, page_size)
-        self.max_units = _cdiv(max_seq_len, unit)
+        self.max_pages = cdiv(max_seq_len, page_size)
+        self.max_units = cdiv(max_seq_len, unit)
         L, hk, d = layout.num_layers, layout.num_kv_heads, layout.head_dim
         dev = torch.device(layout.device)
         self.device = dev
@@ -93,7 +91,7 @@ class HierarchicalKVStore(KVStore):
 
         table_pages = max(self.max_pages, self.buffer_tokens // page_size)
         dev_pages = (
-            _cdiv(device_capacity_tokens, page_size) if device_capacity_tokens else max_requests * table_pages
+            cdiv(device_capacity_tokens, page_size) if device_capacity_tokens else max_requests * table_pages
         )
         self.device_slots = dev_pages * page_size
         shape = (L, hk, self.device_slots, d) if per_kv_head else (L, self.device_slots, hk, d)
@@ -107,9 +105,8 @@ class HierarchicalKVStore(KVStore):
         pin = dev.type == "cuda" if pin_memory is None else pin_memory
         self.host_pool = HostPool(
             layout, page_size=page_size, max_requests=max_requests, max_pages=self.max_pages,
-            capacity_tokens=host_capacity_tokens, pin=pin, device=dev,
+            capacity_tokens=host_capacity_tokens, pin=pin, device=dev, head_major=per_kv_head,
         )
-        self.host_pool.head_major = per_kv_head
         self.host, self.host_slots = self.host_pool.tensors, self.host_pool.host_slots
         self.host_alloc, self.host_table = self.host_pool.host_alloc, self.host_pool.host_table
 
@@ -154,11 +151,7 @@ class HierarchicalKVStore(KVStore):
     def _phys(self, layer: int, slot_ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Device slots of positions (logical tokens of a resident layer, or buffer positions
         of a buffered one). slot_ids: [B]; pos: [B, ...] int, -1 kept. Returns int64."""
-        p = self.page_size
-        flat = pos.reshape(pos.shape[0], -1).long()
-        table = self.dev_table[layer, slot_ids.long()]
-        phys = table.gather(1, flat.clamp(min=0) // p).long() * p + flat.clamp(min=0) % p
-        return torch.where(flat >= 0, phys, -1).reshape(pos.shape)
+        return paged_slots(self.dev_table[layer, slot_ids.long()], pos, self.page_size)
 
     def _dev_off(self, layer: int, slots: torch.Tensor, head: torch.Tensor | int = 0) -> torch.Tensor:
         """Flat element offsets of a stream's row at device slots (-1 kept)."""
@@ -194,7 +187,7 @@ class HierarchicalKVStore(KVStore):
         needs = {}
         for layer in layers:
             have = self._dev_pages.get((layer, request.slot))
-            want = _cdiv(tokens_for[self.mode(request, layer)], self.page_size)
+            want = cdiv(tokens_for[self.mode(request, layer)], self.page_size)
             n = want - (0 if have is None else have.numel())
             if n > 0:
                 needs[layer] = n
@@ -293,9 +286,7 @@ class HierarchicalKVStore(KVStore):
     # -- decode -----------------------------------------------------------------------------
     def begin_step(self, batch: Batch) -> None:
         """Wait (on the GPU) for last step's host writes; advance the recency clock."""
-        if self._writes_done is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._writes_done)
-            self._writes_done = None
+        self._sync_writes()
         self.clock += 1
 
     def _row_groups(self, layer: int, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -354,14 +345,13 @@ class HierarchicalKVStore(KVStore):
         src_off = torch.cat([p[1] for p in self._pending])
         dst_off = torch.cat([p[2] for p in self._pending])
         self._pending.clear()
+        if self._side is not None:
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext():
+            for dev_buf, host_buf in zip(self.dev, self.host):
+                copy_rows(dev_buf, host_buf, src_off, dst_off, self.row_elems)
         if self._side is None:
-            for dev_buf, host_buf in zip(self.dev, self.host):
-                copy_rows(dev_buf, host_buf, src_off, dst_off, self.row_elems)
             return
-        self._side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._side):
-            for dev_buf, host_buf in zip(self.dev, self.host):
-                copy_rows(dev_buf, host_buf, src_off, dst_off, self.row_elems)
         src_off.record_stream(self._side)
         dst_off.record_stream(self._side)
         self._writes_done = torch.cuda.Event()
@@ -438,7 +428,7 @@ class HierarchicalKVStore(KVStore):
         b, s, w = idx.shape
         u = self.unit
         wu = -(-w // u)
-        block_b = _pow2(self.buffer_units)
+        block_b = pow2(self.buffer_units)
         scratch = torch.empty((b * s, block_b), dtype=torch.int64, device=self.device)
         slots = torch.empty_like(idx)
         todo = torch.empty(b * s * w, dtype=torch.int64, device=self.device)
@@ -449,7 +439,7 @@ class HierarchicalKVStore(KVStore):
             self.clock, self.dev_table[layer], slots, todo, n_todo, scratch, self.counts[layer],
             s, w, wu, self.max_units, self.buffer_units, u, self.page_size, self.dev_table.shape[-1],
             self.sink_tokens, self.recent_tokens,
-            BLOCK_W=_pow2(wu), BLOCK_B=block_b, BLOCK_U=_pow2(u), num_warps=8 if block_b <= 2048 else 16,
+            BLOCK_W=pow2(wu), BLOCK_B=block_b, BLOCK_U=pow2(u), num_warps=8 if block_b <= 2048 else 16,
         )
         host = [_as_kernel_arg(t) for t in self.host]
         dev = self.dev
@@ -461,7 +451,7 @@ class HierarchicalKVStore(KVStore):
             s, w, self.page_size, self.host_table.shape[-1],
             layer * self.host_slots * per_layer, layer * self.device_slots * per_layer,
             self.device_slots, self.layout.num_kv_heads,
-            HEAD_MAJOR=self.head_major, TWO=two, ROW=self.row_elems, COLS=min(COPY_COLS, _pow2(self.row_elems)),
+            HEAD_MAJOR=self.head_major, TWO=two, ROW=self.row_elems, COLS=min(COPY_COLS, pow2(self.row_elems)),
             num_warps=COPY_WARPS,
         )
         if start is not None:
@@ -597,7 +587,4 @@ class HierarchicalKVStore(KVStore):
             for layer in range(self.layout.num_layers)
         ]
 
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 

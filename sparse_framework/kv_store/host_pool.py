@@ -5,12 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
 from ..batch import Request
 from .layout import KVLayout
-from .pages import PageAllocator, allocate_pool
+from .pages import PageAllocator, allocate_pool, cdiv, paged_slots
 
 
 class HostPool:
@@ -28,11 +25,12 @@ class HostPool:
         capacity_tokens: int,
         pin: bool,
         device: torch.device,
+        head_major: bool = False,
     ) -> None:
         self.layout = layout
         self.page_size = page_size
         self.device = device
-        pages = _cdiv(capacity_tokens, page_size)
+        pages = cdiv(capacity_tokens, page_size)
         self.host_slots = pages * page_size
         shape = (layout.num_layers, self.host_slots, layout.num_kv_heads, layout.head_dim)
         self.tensors = [
@@ -42,7 +40,7 @@ class HostPool:
         self.host_alloc = PageAllocator(pages, "host KV pool")
         self.host_table = torch.full((max_requests, max_pages), -1, dtype=torch.int32, device=device)
         self._host_pages: dict[int, torch.Tensor] = {}
-        self.head_major = False  # set by the store: per-KV-head streams address one head's row
+        self.head_major = head_major  # per-KV-head streams address one head's part of a row
 
     def tokens(self, request: Request) -> int:
         ids = self._host_pages.get(request.slot)
@@ -50,7 +48,7 @@ class HostPool:
 
     def reserve(self, request: Request, tokens: int) -> None:
         have = self._host_pages.get(request.slot)
-        n = _cdiv(tokens, self.page_size) - (0 if have is None else have.numel())
+        n = cdiv(tokens, self.page_size) - (0 if have is None else have.numel())
         if n <= 0:
             return
         ids = self.host_alloc.alloc(n, self.page_size, f"request {request.rid!r}")
@@ -66,11 +64,7 @@ class HostPool:
 
     def rows(self, slot_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Host slots of logical tokens. slot_ids: [B]; tokens: [B, ...]; -1 kept."""
-        p = self.page_size
-        flat = tokens.reshape(tokens.shape[0], -1).long()
-        table = self.host_table[slot_ids.long()]
-        rows = table.gather(1, flat.clamp(min=0) // p).long() * p + flat.clamp(min=0) % p
-        return torch.where(flat >= 0, rows, -1).reshape(tokens.shape)
+        return paged_slots(self.host_table[slot_ids.long()], tokens, self.page_size)
 
     def offsets(self, layer: int, rows: torch.Tensor, head: torch.Tensor | int = 0) -> torch.Tensor:
         hk, d = self.layout.num_kv_heads, self.layout.head_dim

@@ -11,6 +11,25 @@ import torch
 from ..errors import CapacityError
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for non-negative ints."""
+    return -(-a // b)
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (>= 1)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def paged_slots(table: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Slots of positions through per-row page tables: table [B, pages] int32; pos [B, ...]
+    (-1 kept). Slot = table[b, pos // page_size] * page_size + pos % page_size, int64."""
+    flat = pos.reshape(pos.shape[0], -1).long()
+    safe = flat.clamp(min=0)
+    slots = table.gather(1, safe // page_size).long() * page_size + safe % page_size
+    return torch.where(flat >= 0, slots, -1).reshape(pos.shape)
+
+
 class PageAllocator:
     """Free-page stack over ids 0..num_pages-1 (host-side bookkeeping, int64 CPU tensor)."""
 

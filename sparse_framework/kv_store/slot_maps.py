@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .pages import cdiv
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class SlotMaps:
@@ -50,7 +49,7 @@ class SlotMaps:
     def initial_units(self, seq_len: int) -> torch.Tensor:
         """Units a fresh buffer holds: the sink, the recent window and the newest unit."""
         u = self.unit
-        sink = set(range(_cdiv(self.sink_tokens, u)))
+        sink = set(range(cdiv(self.sink_tokens, u)))
         newest = (seq_len - 1) // u
         recent = set(range(min(max(0, seq_len - self.recent_tokens) // u, newest), newest + 1))
         units = sorted(x for x in sink | recent if x * u < seq_len)
