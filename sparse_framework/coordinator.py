@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
+from .algorithms.base import Inputs, dense_layer_set
 from .batch import Batch, Request, Selection
 from .config import SparseConfig, load_config
-from .errors import ConfigError
-from .errors import CapacityError
+from .errors import CapacityError, ConfigError
 from .kv_store.hierarchical import HierarchicalKVStore
 from .kv_store.layout import KVLayout
 
@@ -82,6 +82,7 @@ class SparseCoordinator:
         backend_cls = self.config.backend_class
         backend_cls.check_layout(layout)
         algorithm_cls = self.config.algorithm_class
+        self.dense_layers = dense_layer_set(self.config, layout.num_layers)
         self.algorithm = algorithm_cls(self.config, layout, max_requests, max_seq_len)
         self.adaptor = self.config.adaptor_class()
         self.backend = backend_cls()
@@ -92,9 +93,9 @@ class SparseCoordinator:
             device_buffer_tokens=cfg.device_buffer_tokens,
             sink_tokens=cfg.sink_tokens,
             recent_tokens=cfg.recent_tokens,
-            dense_layers=cfg.dense_layers,
+            dense_layers=self.dense_layers,
             unit=self.algorithm.unit,
-            per_kv_head=algorithm_cls.per_kv_head,
+            per_kv_head=self.algorithm.per_kv_head,
             max_requests=max_requests,
             max_seq_len=max_seq_len,
             device_capacity_tokens=device_capacity_tokens,
@@ -102,7 +103,7 @@ class SparseCoordinator:
             resident_only=cfg.store == "resident",
         )
         self.max_seq_len = max_seq_len
-        self._heads = layout.num_kv_heads if algorithm_cls.per_kv_head else 1
+        self._heads = layout.num_kv_heads if self.algorithm.per_kv_head else 1
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self.requests: dict[str, Request] = {}
         self.retracted: set[str] = set()
@@ -200,16 +201,25 @@ class SparseCoordinator:
         batch.pending.clear()
 
     def attention_begin(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, batch: Batch
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor | None,
+        batch: Batch,
+        inputs: Inputs | None = None,
     ) -> AttentionMetadata:
         """Store this step's K/V; for decode select, make resident and plan.
 
         Decode: q [batch, q_heads, dim], k/v [batch, kv_heads, dim]. Prefill: packed
         q [Σ prompt_len, q_heads, dim], k/v [Σ prompt_len, kv_heads, dim]. MLA: k is the
-        latent [tokens, 1, 576] and v is None.
+        latent [tokens, 1, 576] and v is None. inputs: the extra tensors the algorithm
+        declares in `algorithm.prefill_inputs` / `decode_inputs` (e.g. DSA's indexer queries, weights and
+        keys), rows aligned with q's.
         """
         self._check_inputs(layer, q, k, v, batch)
-        batch.pending[layer] = {"q": q, "k": k, "v": v}
+        inputs = self._check_model_inputs(q.shape[0], inputs, batch.is_prefill)
+        batch.pending[layer] = {"q": q, "k": k, "v": v, "inputs": inputs}
         if batch.is_prefill:
             offset = 0
             for r in batch.requests:
@@ -219,7 +229,7 @@ class SparseCoordinator:
             v_rows = k[..., : self.layout.v_head_dim] if v is None else v
             return AttentionMetadata(layer, True, plan=batch.query_lens, k_cache=k, v_cache=v_rows)
         self.store.write_decode(layer, batch, k, v)
-        selection, slots = self._select_and_place(layer, q, batch)
+        selection, slots = self._select_and_place(layer, q, batch, inputs)
         plan = self.adaptor.plan(slots, selection.lengths, page_size=selection.page_size, num_slots=self.store.num_slots)
         k_cache, v_cache = self.store.paged_view(layer, selection.page_size)
         return AttentionMetadata(layer, False, selection, slots, plan, k_cache, v_cache)
@@ -236,7 +246,7 @@ class SparseCoordinator:
         the layer's attention output (None when the engine did not compute it); built-in
         algorithms do not read it."""
         pending = batch.pending.pop(layer)
-        if layer in self.config.dense_layers:
+        if layer in self.dense_layers:
             return
         if batch.is_prefill:
             offset = 0
@@ -244,24 +254,27 @@ class SparseCoordinator:
                 if not r.dense:
                     rows = slice(offset, offset + r.prompt_len)
                     queries = pending["q"][rows] if self.algorithm.needs_prefill_queries else None
-                    self.algorithm.build(layer, r, pending["k"][rows], queries)
+                    inputs = {name: t[rows] for name, t in pending["inputs"].items()}
+                    self.algorithm.build(layer, r, pending["k"][rows], queries, inputs=inputs)
                 offset += r.prompt_len
             return
         sub = batch.sparse_batch
         if sub is not None:
-            keys = pending["k"] if sub is batch else pending["k"][batch.sparse_rows]
-            self.algorithm.append(layer, sub, keys)
+            keys, inputs = _rows(batch, pending["k"]), {n: _rows(batch, t) for n, t in pending["inputs"].items()}
+            self.algorithm.append(layer, sub, keys, inputs=inputs)
 
     # -- helpers --------------------------------------------------------------------------
-    def _select_and_place(self, layer: int, q: torch.Tensor, batch: Batch) -> tuple[Selection, torch.Tensor]:
+    def _select_and_place(
+        self, layer: int, q: torch.Tensor, batch: Batch, inputs: Inputs
+    ) -> tuple[Selection, torch.Tensor]:
         """Selection and device slots for every row: the algorithm's choice, made resident,
         for sparse requests in sparse layers; every token for the others."""
         sub = batch.sparse_batch
-        if layer in self.config.dense_layers or sub is None:
+        if layer in self.dense_layers or sub is None:
             everything = _dense_selection(batch, self._heads, self.store.page_size)
             return everything, self.store.resident_slots(layer, batch, everything)
-        queries = q if sub is batch else q[batch.sparse_rows]
-        chosen = self.algorithm.select(layer, queries, sub)
+        step_inputs = {name: _rows(batch, t) for name, t in inputs.items()}
+        chosen = self.algorithm.select(layer, _rows(batch, q), sub, inputs=step_inputs)
         slots = self.store.ensure_resident(layer, sub, chosen)
         if sub is batch:
             return chosen, slots
@@ -280,6 +293,31 @@ class SparseCoordinator:
             all_slots[rows, :, :w] = sl
             lengths[rows] = sel.lengths
         return Selection(indices, lengths, chosen.page_size), all_slots
+
+    def _check_model_inputs(self, tokens: int, inputs: Inputs | None, prefill: bool) -> Inputs:
+        """The algorithm's declared extra inputs of this phase, each [tokens, *shape]; inputs
+        it declares for the other phase only are accepted (and checked) too."""
+        algo = self.algorithm
+        want = algo.prefill_inputs if prefill else algo.decode_inputs
+        known = {**algo.prefill_inputs, **algo.decode_inputs}
+        given = dict(inputs or {})
+        name = self.config.algorithm
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            allowed = ", ".join(known) or "none"
+            raise ValueError(f"algorithm {name!r} takes no input(s) {unknown}; it takes: {allowed}")
+        missing = [n for n in want if n not in given]
+        if missing:
+            shapes = ", ".join(f"{n} [tokens, {', '.join(map(str, want[n]))}]" for n in missing)
+            raise ValueError(f"algorithm {name!r} needs the model input(s) {shapes}; pass them as inputs={{...}}")
+        for n, t in given.items():
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (tokens, *known[n]):
+                got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                shape = ", ".join(map(str, (tokens, *known[n])))
+                raise ValueError(f"input {n!r} of algorithm {name!r} must be [{shape}], got {got}")
+            if t.device.type != torch.device(self.layout.device).type:
+                raise ValueError(f"input {n!r} is on {t.device}, the KV layout on {self.layout.device}")
+        return given
 
     def _check_inputs(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, batch: Batch) -> None:
         lay = self.layout
@@ -303,6 +341,11 @@ class SparseCoordinator:
                 f"q must be [{tokens}, num_q_heads, {lay.head_dim}] with num_q_heads a multiple of "
                 f"{lay.num_kv_heads} KV heads, got {list(q.shape)}"
             )
+
+
+def _rows(batch: Batch, t: torch.Tensor) -> torch.Tensor:
+    """The sparse requests' rows of a decode-step tensor (all of it when all are sparse)."""
+    return t if batch.sparse_batch is batch else t[batch.sparse_rows]
 
 
 def _dense_selection(batch: Batch, heads: int, page_size: int) -> Selection:

@@ -6,7 +6,7 @@ from sparse_framework import Batch, Request
 
 
 # A Quest config small enough for CPU tests: 8 pages of 4 tokens per selection, plus one sink
-# page and the recent window, in a 256-token device buffer; every prompt decodes sparsely.
+# page and the recent window, in a 256-token device buffer; every prompt and layer decodes sparsely.
 SMALL_QUEST = {
     "algorithm": "quest",
     "top_k": 32,
@@ -15,6 +15,7 @@ SMALL_QUEST = {
     "recent_tokens": 8,
     "min_sparse_prompt_len": 0,
     "device_buffer_tokens": 256,
+    "extra": {"dense_first_layers": 0},
 }
 
 

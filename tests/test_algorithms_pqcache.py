@@ -37,17 +37,21 @@ def test_kmeans_codes_are_nearest_and_lloyd_never_gets_worse() -> None:
 @settings(max_examples=20, deadline=None)
 @given(n=st.integers(1, 40), how=st.sampled_from(["sum", "max", "mean"]), group=st.sampled_from([1, 2]), seed=st.integers(0, 999))
 def test_with_a_centroid_per_key_the_scores_are_exact(n, how, group, seed) -> None:
-    """n <= 2**bits distinct keys: each is its own centroid, so PQ scores equal q·k."""
+    """n <= 2**bits distinct keys: each is its own centroid, so PQ logits equal q·k, and the
+    scores are the group's reduced softmax(q·k / √d) over the n stored tokens (the token
+    being decoded, n, is not stored yet)."""
     g = torch.Generator().manual_seed(seed)
     algo = make(bits=6, how=how)
     keys = torch.randn(n, 2, 8, generator=g)
     r = Request("a", n, seq_len=n, slot=1)
     algo.build(0, r, keys)
+    r.seq_len += 1
     q = torch.randn(1, 2 * group, 8, generator=g)
-    got = algo.score(0, q, batch_of([r]))[0]
-    exact = torch.stack([keys[:, j // group] @ q[0, j] for j in range(2 * group)]).view(2, group, n)
+    got = algo.score(0, q, batch_of([r]))[0, :, :n]
+    exact = torch.stack([(keys[:, j // group] @ q[0, j] / 8**0.5).softmax(0) for j in range(2 * group)])
+    exact = exact.view(2, group, n)
     want = {"sum": exact.sum(1), "max": exact.amax(1), "mean": exact.mean(1)}[how]
-    assert torch.allclose(got, want, atol=1e-4)
+    assert torch.allclose(got, want, atol=1e-5)
 
 
 def test_scores_and_appended_codes_match_a_direct_computation() -> None:
@@ -69,15 +73,20 @@ def test_scores_and_appended_codes_match_a_direct_computation() -> None:
                 want = torch.stack([(books[h, m] - sub[m]).square().sum(-1).argmin() for m in range(4)])
                 assert algo.codes[1, r.slot, h, r.seq_len - 1].long().tolist() == want.tolist()
     q = torch.randn(2, 4, 8, generator=g)
+    for r in reqs:  # the next step: its token is not encoded yet
+        r.seq_len += 1
     scores = algo.score(1, q, batch_of(reqs))
     for i, r in enumerate(reqs):
         books, codes = algo.codebooks[1, r.slot], algo.codes[1, r.slot].long()
+        n = r.seq_len - 1
         for h in range(2):
-            for t in range(r.seq_len):
-                total = 0.0
-                for j in (2 * h, 2 * h + 1):
-                    total += sum(float(q[i, j, 2 * m : 2 * m + 2] @ books[h, m, codes[h, t, m]]) for m in range(4))
-                assert abs(float(scores[i, h, t]) - total) < 1e-4
+            total = torch.zeros(n, dtype=torch.float64)
+            for j in (2 * h, 2 * h + 1):  # the group's summed per-head softmax of the PQ logits
+                logits = torch.tensor([
+                    sum(float(q[i, j, 2 * m : 2 * m + 2] @ books[h, m, codes[h, t, m]]) for m in range(4)) for t in range(n)
+                ], dtype=torch.float64)
+                total += (logits / 8**0.5).softmax(0)
+            assert torch.allclose(scores[i, h, :n].double(), total, atol=1e-5)
 
 
 def test_bad_options_are_config_errors() -> None:

@@ -16,10 +16,10 @@ MAX_REQUESTS, MAX_SEQ_LEN, LAYERS = 3, 128, 2
 
 
 def make(page: int, how: str = "max", top_k: int = 8, sink: int = 0, recent: int = 0, hk: int = 2,
-         d: int = 6, dtype: torch.dtype = torch.float32) -> Quest:
+         d: int = 6, dtype: torch.dtype = torch.float32, min_pages: int = 0) -> Quest:
     cfg = load_config({"algorithm": "quest", "top_k": max(top_k, page), "page_size": page, "sink_tokens": sink,
                        "recent_tokens": recent, "device_buffer_tokens": 4096, "min_sparse_prompt_len": 0,
-                       "extra": {"gqa_reduce": how}})
+                       "extra": {"gqa_reduce": how, "min_pages": min_pages}})
     layout = KVLayout(num_layers=LAYERS, num_kv_heads=hk, head_dim=d, dtype=dtype)
     return Quest(cfg, layout, max_requests=MAX_REQUESTS, max_seq_len=MAX_SEQ_LEN)
 
@@ -182,18 +182,21 @@ def forced_pages(length: int, page: int, sink: int, recent: int) -> set[int]:
     hk=st.sampled_from([1, 2]),
     group=st.sampled_from([1, 2]),
     budget=st.integers(1, 6),
+    min_pages=st.integers(0, 4),
     sink=st.integers(0, 9),
     recent=st.integers(0, 12),
     lens=st.lists(st.integers(1, 60), min_size=1, max_size=MAX_REQUESTS),
     seed=st.integers(0, 2**16),
 )
-def test_select_keeps_the_best_pages_plus_sink_recent_and_last(how, page, hk, group, budget, sink, recent, lens, seed) -> None:
+def test_select_keeps_the_best_pages_plus_sink_recent_and_last(
+    how, page, hk, group, budget, min_pages, sink, recent, lens, seed
+) -> None:
     """Per request and KV head: the sink pages, the recent window's pages and the last page,
-    plus the `top_k // page` best pages of the rest by the directly computed score (near-ties
-    within 1e-4 may go either way), as whole pages, ascending, -1 padded."""
+    plus the max(min_pages, top_k // page) best pages of the rest by the directly computed
+    score (near-ties within 1e-4 may go either way), as whole pages, ascending, -1 padded."""
     g = torch.Generator().manual_seed(seed)
     d = 6
-    quest = make(page, how, top_k=budget * page, sink=sink, recent=recent, hk=hk, d=d)
+    quest = make(page, how, top_k=budget * page, sink=sink, recent=recent, hk=hk, d=d, min_pages=min_pages)
     reqs = requests(lens, g)
     keys = [torch.randn(n, hk, d, generator=g) for n in lens]
     for r, k in zip(reqs, keys):
@@ -217,7 +220,7 @@ def test_select_keeps_the_best_pages_plus_sink_recent_and_last(how, page, hk, gr
             assert forced <= pages
             chosen = pages - forced
             rest = set(range(n_pages)) - forced
-            assert chosen <= rest and len(chosen) == min(budget, len(rest))
+            assert chosen <= rest and len(chosen) == min(max(min_pages, budget), len(rest))
             if chosen and rest - chosen:
                 worst_chosen = min(float(want[h, p]) for p in chosen)
                 best_left = max(float(want[h, p]) for p in rest - chosen)

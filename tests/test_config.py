@@ -219,8 +219,8 @@ def valid_configs(draw):
     top_k = draw(st.integers(page, 4096))
     sink = draw(st.integers(0, 256))
     recent = draw(st.integers(0, 256))
-    # the widest selection of a page-granular algorithm, in whole pages
-    need = (-(-sink // page) + top_k // page + -(-recent // page) + 1) * page
+    # the widest selection of Quest, in whole pages (at least min_pages = 3 budget pages)
+    need = (-(-sink // page) + max(3, top_k // page) + -(-recent // page) + 1) * page
     buffer = need + draw(st.integers(0, 1024))
     return {
         "algorithm": "quest",

@@ -37,6 +37,12 @@ class Driver:
     def randn(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=self.gen).to(self.coord.layout.device)
 
+    def model_inputs(self, tokens: int, prefill: bool) -> dict[str, torch.Tensor]:
+        """Random values for the extra inputs the algorithm declares (e.g. DSA's indexer)."""
+        algo = self.coord.algorithm
+        specs = algo.prefill_inputs if prefill else algo.decode_inputs
+        return {name: self.randn(tokens, *shape) for name, shape in specs.items()}
+
     def prefill(self, requests: list[Request]) -> None:
         lay = self.coord.layout
         for r in requests:
@@ -48,7 +54,7 @@ class Driver:
             q = self.randn(n, self.q_heads, lay.head_dim)
             k = self.randn(n, lay.num_kv_heads, lay.head_dim)
             v = self.randn(n, lay.num_kv_heads, lay.head_dim)
-            meta = self.coord.attention_begin(layer, q, k, v, batch)
+            meta = self.coord.attention_begin(layer, q, k, v, batch, self.model_inputs(n, prefill=True))
             out = self.coord.attend(layer, q, meta)
             self.coord.attention_end(layer, out, batch)
             offset = 0
@@ -69,7 +75,7 @@ class Driver:
             q = self.randn(b, self.q_heads, lay.head_dim)
             k = self.randn(b, lay.num_kv_heads, lay.head_dim)
             v = self.randn(b, lay.num_kv_heads, lay.head_dim)
-            meta = self.coord.attention_begin(layer, q, k, v, batch)
+            meta = self.coord.attention_begin(layer, q, k, v, batch, self.model_inputs(b, prefill=False))
             meta.selection.validate(batch.seq_lens)
             out = self.coord.attend(layer, q, meta)
             self.coord.attention_end(layer, out, batch)
@@ -107,7 +113,10 @@ class Driver:
 
 def make(config: dict | None = None, *, layers: int = 2, kv_heads: int = 2, head_dim: int = 8, device: str = "cpu", **kw) -> SparseCoordinator:
     layout = KVLayout(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, device=device)
-    return SparseCoordinator({**BASE, **(config or {})}, layout, **{"max_requests": 4, "max_seq_len": 512, **kw})
+    cfg = {**BASE, **(config or {})}
+    if cfg["algorithm"] != "quest" and "extra" not in (config or {}):
+        del cfg["extra"]  # BASE's extra is Quest's
+    return SparseCoordinator(cfg, layout, **{"max_requests": 4, "max_seq_len": 512, **kw})
 
 
 def test_lifecycle_leaves_nothing_allocated() -> None:
@@ -158,7 +167,14 @@ def test_dense_layers_attend_to_everything() -> None:
     assert torch.allclose(out1.double(), ref1, atol=1e-5)
 
 
-@pytest.mark.parametrize("algorithm", registry.names("algorithm"))
+VARIANTS = [(name, {}) for name in registry.names("algorithm")] + [
+    ("quest", {"dense_first_layers": 0}),  # its default keeps both layers here dense
+    ("dsa", {"source": "keys"}),
+    ("dsa", {"key_dtype": "bfloat16"}),
+]
+
+
+@pytest.mark.parametrize("algorithm, extra", VARIANTS)
 @settings(max_examples=15, deadline=None)
 @given(
     kv_heads=st.sampled_from([1, 2]),
@@ -168,9 +184,10 @@ def test_dense_layers_attend_to_everything() -> None:
     steps=st.integers(1, 4),
     seed=st.integers(0, 2**16),
 )
-def test_budget_covering_the_context_equals_dense(algorithm, kv_heads, group, page_size, lens, steps, seed) -> None:
+def test_budget_covering_the_context_equals_dense(algorithm, extra, kv_heads, group, page_size, lens, steps, seed) -> None:
     """Every registered algorithm, with a budget covering the context, equals dense attention."""
-    cfg = {"algorithm": algorithm, "top_k": 128, "page_size": page_size, "sink_tokens": 0, "recent_tokens": 0}
+    cfg = {"algorithm": algorithm, "top_k": 128, "page_size": page_size, "sink_tokens": 0, "recent_tokens": 0,
+           "extra": extra}
     coord = make(cfg, kv_heads=kv_heads)
     drv = Driver(coord, q_heads=kv_heads * group, seed=seed)
     reqs = [Request(f"r{i}", n) for i, n in enumerate(lens)]

@@ -25,7 +25,8 @@ SMALL = {"contexts": [40, 300], "decode_steps": 3, "num_layers": 2, "num_q_heads
 
 def quest(**kw) -> object:
     return load_config({"algorithm": "quest", "top_k": 32, "page_size": 8, "sink_tokens": 8, "recent_tokens": 8,
-                        "min_sparse_prompt_len": 100, "device_buffer_tokens": 256, **kw})
+                        "min_sparse_prompt_len": 100, "device_buffer_tokens": 256,
+                        "extra": {"dense_first_layers": 0}, **kw})
 
 
 def test_dense_requests_match_dense_and_sparse_ones_read_less() -> None:

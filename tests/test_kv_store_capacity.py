@@ -13,7 +13,7 @@ GiB = 2**30
 
 def test_llama_16k_top2048_matches_the_hand_computation() -> None:
     layout = PRESETS["llama-3-8b"]
-    cfg = load_config({"top_k": 2048, "device_buffer_tokens": 2144})
+    cfg = load_config({"top_k": 2048, "device_buffer_tokens": 2144, "extra": {"dense_first_layers": 0}})
     plan = plan_capacity(layout, 60 * GiB, 1024 * GiB, 16384, cfg)
     per_layer = 2 * 8 * 128 * 2  # K + V, 8 heads x 128 dims, bf16
     assert plan.resident_device_bytes == 32 * 16384 * per_layer
@@ -36,9 +36,13 @@ def test_host_memory_can_be_the_limit() -> None:
 
 def test_dense_layers_cost_full_context_and_short_contexts_cap_the_buffer() -> None:
     layout = KVLayout(num_layers=4, num_kv_heads=1, head_dim=8, dtype=torch.float16)
-    cfg = load_config({"top_k": 64, "page_size": 8, "device_buffer_tokens": 256, "dense_layers": [0]})
+    cfg = load_config({"top_k": 64, "page_size": 8, "device_buffer_tokens": 256, "dense_layers": [0],
+                       "extra": {"dense_first_layers": 0}})
     plan = plan_capacity(layout, GiB, GiB, 1000, cfg)
     per_layer = 2 * 8 * 2
     assert plan.buffer_kv_bytes == 3 * 256 * per_layer + 1 * 1000 * per_layer
+    # Quest's own recipe adds its first two layers: config [0] and recipe {0, 1} -> 2 dense layers
+    recipe = plan_capacity(layout, GiB, GiB, 1000, load_config({**cfg.model_dump(), "extra": {}}))
+    assert recipe.buffer_kv_bytes == 2 * 256 * per_layer + 2 * 1000 * per_layer
     short = plan_capacity(layout, GiB, GiB, 100, cfg)
     assert short.device_buffer_tokens == 104  # never more than the (page-rounded) context

@@ -29,7 +29,7 @@ from helpers import SMALL_QUEST
 TOY_PLUGIN_SRC = Path(__file__).parent / "plugins" / "toy_plugin"
 ALGO_GROUP = "sparse_framework.algorithms"
 
-SMALL = {k: v for k, v in SMALL_QUEST.items() if k != "algorithm"}
+SMALL = {k: v for k, v in SMALL_QUEST.items() if k not in ("algorithm", "extra")}
 
 
 @pytest.fixture(autouse=True)

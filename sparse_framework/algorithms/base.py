@@ -11,6 +11,8 @@ slot maps or a backend's metadata.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
@@ -21,6 +23,12 @@ from ..kv_store.layout import KVLayout
 
 if TYPE_CHECKING:
     from ..config import SparseConfig
+
+Inputs = Mapping[str, torch.Tensor]
+"""Extra per-token tensors from the model, by name (e.g. DeepSeek's indexer queries and keys):
+the engine passes them to `attention_begin(..., inputs=...)`; rows follow q's rows."""
+
+NO_INPUTS: Inputs = MappingProxyType({})
 
 
 class NoOptions(BaseModel):
@@ -37,6 +45,11 @@ class SparseAlgorithm(ABC):
       granularity  "page" (selects whole pages of `config.page_size`) or "token".
       per_kv_head  True: one selection per KV head; False: one per request.
       needs_prefill_queries  True when `build` needs the prompt's queries (SnapKV-like).
+
+    `self.prefill_inputs` / `self.decode_inputs` (set in __init__, may depend on the options)
+    name the extra tensors the model must pass to attention_begin at prefill / decode, each
+    with its shape after the token dimension; the coordinator checks them and hands them to
+    build / append / select as `inputs`, sliced to the rows each call sees.
     """
 
     Config: ClassVar[type[BaseModel]] = NoOptions
@@ -52,6 +65,8 @@ class SparseAlgorithm(ABC):
         self.layout = layout
         self.max_requests = max_requests
         self.max_seq_len = max_seq_len
+        self.prefill_inputs: dict[str, tuple[int, ...]] = {}
+        self.decode_inputs: dict[str, tuple[int, ...]] = {}
 
     @property
     def unit(self) -> int:
@@ -71,9 +86,19 @@ class SparseAlgorithm(ABC):
         if config.device_buffer_tokens < need:
             raise ValueError(
                 f"device_buffer_tokens ({config.device_buffer_tokens}) is smaller than the "
-                f"largest selection ({need} tokens = sink + top_k + recent, rounded to whole "
+                f"largest selection ({need} tokens = sink + budget + recent, rounded to whole "
                 f"units); raise device_buffer_tokens to at least {need}"
             )
+
+    @classmethod
+    def budget_units(cls, config: SparseConfig) -> int:
+        """Units the top-k keeps besides the forced ones (sink, recent, newest): top_k // unit."""
+        return config.top_k // (config.page_size if cls.granularity == "page" else 1)
+
+    @classmethod
+    def own_dense_layers(cls, config: SparseConfig, num_layers: int) -> set[int]:
+        """Layers the algorithm's recipe keeps dense, on top of `config.dense_layers`."""
+        return set()
 
     @classmethod
     def representation_bytes_per_token(cls, layout: KVLayout, config: SparseConfig) -> float:
@@ -83,9 +108,8 @@ class SparseAlgorithm(ABC):
     @classmethod
     def max_selected_tokens(cls, config: SparseConfig) -> int:
         """Upper bound of a selection's length: the static width of `Selection.indices`."""
-        return _max_units(config, config.page_size if cls.granularity == "page" else 1) * (
-            config.page_size if cls.granularity == "page" else 1
-        )
+        unit = config.page_size if cls.granularity == "page" else 1
+        return _max_units(config, unit, cls.budget_units(config)) * unit
 
     @abstractmethod
     def build(
@@ -94,21 +118,26 @@ class SparseAlgorithm(ABC):
         request: Request,
         keys: torch.Tensor,
         queries: torch.Tensor | None = None,
+        *,
+        inputs: Inputs = NO_INPUTS,
     ) -> None:
         """Make the representation of a prompt at prefill.
 
         keys: [prompt_len, num_kv_heads, head_dim]; queries: [prompt_len, num_q_heads,
-        head_dim] (given when `needs_prefill_queries`), both in the KV dtype.
+        head_dim] (given when `needs_prefill_queries`), both in the KV dtype; inputs: the
+        prompt's rows of each `prefill_inputs` tensor.
         """
 
     @abstractmethod
-    def append(self, layer: int, batch: Batch, keys: torch.Tensor) -> None:
+    def append(self, layer: int, batch: Batch, keys: torch.Tensor, *, inputs: Inputs = NO_INPUTS) -> None:
         """Update the representations with this decode step's keys: [batch, kv_heads, dim],
-        row i at position `batch.seq_lens[i] - 1` of request i."""
+        row i at position `batch.seq_lens[i] - 1` of request i (inputs: one row each)."""
 
     @abstractmethod
-    def select(self, layer: int, queries: torch.Tensor, batch: Batch) -> Selection:
-        """Choose tokens for this step. queries: [batch, num_q_heads, head_dim].
+    def select(self, layer: int, queries: torch.Tensor, batch: Batch, *, inputs: Inputs = NO_INPUTS) -> Selection:
+        """Choose tokens for this step. queries: [batch, num_q_heads, head_dim]; inputs:
+        this step's `decode_inputs`, one row per request. Runs before `append` of the same
+        step, so the newest token is not in the representation yet (it is always selected).
 
         Returns a Selection with 1 (per request) or num_kv_heads (per KV head) rows per
         request, at most `max_selected_tokens` wide (ScoringAlgorithm: min(that, the batch's
@@ -122,10 +151,10 @@ class SparseAlgorithm(ABC):
         """Forget a finished request's representations."""
 
 
-def _max_units(config: SparseConfig, unit: int) -> int:
+def _max_units(config: SparseConfig, unit: int, budget_units: int) -> int:
     sink_units = -(-config.sink_tokens // unit)
     recent_units = -(-config.recent_tokens // unit) + 1  # a misaligned window spans one more
-    return sink_units + config.top_k // unit + recent_units
+    return sink_units + budget_units + recent_units
 
 
 class ScoringAlgorithm(SparseAlgorithm):
@@ -136,22 +165,22 @@ class ScoringAlgorithm(SparseAlgorithm):
     """
 
     @abstractmethod
-    def score(self, layer: int, queries: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def score(self, layer: int, queries: torch.Tensor, batch: Batch, *, inputs: Inputs = NO_INPUTS) -> torch.Tensor:
         """float32 [batch, heads, n_units] (heads = num_kv_heads if per_kv_head else 1),
         where n_units covers the longest sequence of the batch. Entries of units at or
         beyond a request's length are ignored (any value)."""
 
-    def select(self, layer: int, queries: torch.Tensor, batch: Batch) -> Selection:
+    def select(self, layer: int, queries: torch.Tensor, batch: Batch, *, inputs: Inputs = NO_INPUTS) -> Selection:
         assert batch.seq_lens is not None, "forward_begin fills seq_lens"
-        scores = self.score(layer, queries, batch).float()
+        scores = self.score(layer, queries, batch, inputs=inputs).float()
         return topk_selection(
             scores,
             batch.seq_lens,
             unit=self.unit,
-            budget_units=self.config.top_k // self.unit,
+            budget_units=self.budget_units(self.config),
             sink_tokens=self.config.sink_tokens,
             recent_tokens=self.config.recent_tokens,
-            width_units=_max_units(self.config, self.unit),
+            width_units=_max_units(self.config, self.unit, self.budget_units(self.config)),
         )
 
 
@@ -191,9 +220,12 @@ def topk_selection(
         top_ids = ranked.topk(k, dim=-1).indices
         keep |= torch.zeros_like(keep).scatter_(-1, top_ids, eligible.gather(-1, top_ids))
     width = min(width_units, n_units)
-    # kept unit ids first, ascending; then padding (n_units sorts last)
-    order = torch.where(keep, ids.expand(b, h, n_units), n_units)
-    units = order.sort(dim=-1).values[..., :width]
+    # kept unit ids, ascending, compacted by a prefix sum (O(n), no sort of every unit); the
+    # rest go to a spill column that is cut off; padding is n_units
+    slot = torch.where(keep, keep.cumsum(-1) - 1, width).clamp(max=width)
+    units = torch.full((b, h, width + 1), n_units, dtype=torch.long, device=device)
+    units.scatter_(-1, slot, ids.expand(b, h, n_units))
+    units = units[..., :width]
     offsets = torch.arange(unit, device=device)
     tokens = (units.unsqueeze(-1) * unit + offsets).flatten(-2)  # [B, H, width*unit]
     ok = (units.unsqueeze(-1) < n_units).expand(-1, -1, -1, unit).flatten(-2) & (tokens < lens)
@@ -213,3 +245,19 @@ def reduce_groups(scores: torch.Tensor, num_kv_heads: int, how: str) -> torch.Te
     if how == "mean":
         return grouped.mean(dim=2)
     raise ValueError(f"gqa_reduce must be one of max, sum, mean; got {how!r}")
+
+
+def resolve_impl(impl: str, device: str | torch.device) -> str:
+    """An algorithm's scoring implementation: "auto" is Triton on CUDA and torch elsewhere
+    (Triton on the CPU only runs under its slow interpreter)."""
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"impl must be one of auto, torch, triton; got {impl!r}")
+    if impl != "auto":
+        return impl
+    return "triton" if torch.device(device).type == "cuda" else "torch"
+
+
+def dense_layer_set(config: SparseConfig, num_layers: int) -> frozenset[int]:
+    """Every layer that attends densely: `config.dense_layers` and the algorithm's own."""
+    own = config.algorithm_class.own_dense_layers(config, num_layers)
+    return frozenset(layer for layer in {*config.dense_layers, *own} if layer < num_layers)

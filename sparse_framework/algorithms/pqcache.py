@@ -4,15 +4,20 @@ Per layer, request and KV head the prompt's keys are split into `subvectors` sub
 each sub-space is clustered by Euclidean k-means into 2**`bits` centroids (random initial
 points from the data, `iterations` Lloyd steps; the original runs scikit-learn on the CPU
 while prefill runs, with 2 sub-vectors and 6 bits). Every prompt token keeps its codes; decode
-keys are encoded against the prefill codebooks as they arrive. At decode a query head's score
-of token t is Σ_m q_m · centroid_m[code_m(t)] (a q·centroid table per sub-space), and the
-group's scores are summed per KV head as the original code does (`gqa_reduce`). Sink and
+keys are encoded against the prefill codebooks as they arrive. At decode a query head's
+approximate logit of token t is Σ_m q_m · centroid_m[code_m(t)] (a q·centroid table per
+sub-space); as in the original, each query head turns its logits into probabilities
+(softmax of logit / √head_dim over the stored tokens — the original's candidates leave out
+its sink and recent tokens) and the group's probabilities are summed per KV head
+(`gqa_reduce`). The original's k-means iteration count is picked at run time (3-300) by a
+timing model of its hardware; here it is fixed by `iterations` (default 20). Sink and
 recent tokens come from the framework config (the original keeps 32 sink tokens and half the
 budget as recent: set `sink_tokens` / `recent_tokens` to match).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -20,7 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..batch import Batch, Request
 from ..errors import ConfigError
-from .base import ScoringAlgorithm, reduce_groups
+from ..kernels.scoring import pqcache_scores_torch, pqcache_scores_triton
+from .base import NO_INPUTS, Inputs, ScoringAlgorithm, reduce_groups, resolve_impl
 
 
 class PQCacheOptions(BaseModel):
@@ -32,7 +38,10 @@ class PQCacheOptions(BaseModel):
     bits: int = Field(6, ge=1, le=8, description="bits per code: 2**bits centroids per sub-space")
     iterations: int = Field(20, ge=1, le=300, description="k-means (Lloyd) iterations")
     seed: int = Field(0, description="seed of the k-means initial points")
-    gqa_reduce: Literal["max", "sum", "mean"] = Field("sum", description="how a GQA group's scores combine")
+    gqa_reduce: Literal["max", "sum", "mean"] = Field(
+        "sum", description="how a GQA group's per-head probabilities combine (the original sums)"
+    )
+    impl: Literal["auto", "torch", "triton"] = Field("auto", description="scoring kernel: auto = triton on CUDA")
 
 
 def kmeans(x: torch.Tensor, k: int, iterations: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,6 +60,17 @@ def kmeans(x: torch.Tensor, k: int, iterations: int, gen: torch.Generator) -> tu
         counts = torch.zeros(g, k, device=x.device).scatter_add_(1, codes, torch.ones_like(codes, dtype=x.dtype))
         centroids = torch.where(counts.unsqueeze(-1) > 0, sums / counts.clamp(min=1).unsqueeze(-1), centroids)
     return centroids, torch.cdist(x, centroids).argmin(-1)
+
+
+def group_probabilities(logits: torch.Tensor, seq_lens: torch.Tensor, head_dim: int, how: str) -> torch.Tensor:
+    """As the original: each query head's softmax of its approximate logits / √head_dim over
+    the stored tokens (positions < seq_len - 1: the newest is encoded after select), then the
+    group's probabilities combined. logits [B, Hkv, G, n] -> [B, Hkv, n]."""
+    b, hk, g, n = logits.shape
+    stored = torch.arange(n, device=logits.device).view(1, -1) < (seq_lens.long() - 1).view(-1, 1)
+    scaled = (logits / math.sqrt(head_dim)).masked_fill(~stored[:, None, None], float("-inf"))
+    probs = scaled.softmax(-1).nan_to_num(0.0)
+    return reduce_groups(probs.view(b, hk * g, n), hk, how)
 
 
 class PQCache(ScoringAlgorithm):
@@ -83,13 +103,16 @@ class PQCache(ScoringAlgorithm):
             (layout.num_layers, max_requests, hk, max_seq_len, m), dtype=torch.uint8, device=layout.device
         )
         self.gen = torch.Generator().manual_seed(self.options.seed)
+        self.impl = resolve_impl(self.options.impl, layout.device)
 
     def _split(self, keys: torch.Tensor) -> torch.Tensor:
         """[N, Hkv, D] -> [Hkv * M, N, d]."""
         n, hk, _ = keys.shape
         return keys.float().view(n, hk, self.options.subvectors, self.sub).permute(1, 2, 0, 3).reshape(-1, n, self.sub)
 
-    def build(self, layer: int, request: Request, keys: torch.Tensor, queries: torch.Tensor | None = None) -> None:
+    def build(
+        self, layer: int, request: Request, keys: torch.Tensor, queries: torch.Tensor | None = None, *, inputs: Inputs = NO_INPUTS
+    ) -> None:
         n, hk, _ = keys.shape
         m = self.options.subvectors
         centroids, codes = kmeans(self._split(keys), self.k, self.options.iterations, self.gen)
@@ -105,25 +128,21 @@ class PQCache(ScoringAlgorithm):
         books = self.codebooks[layer, slot_ids]  # [B, Hkv, M, K, d]
         return (x - books).square().sum(-1).argmin(-1).to(torch.uint8)
 
-    def append(self, layer: int, batch: Batch, keys: torch.Tensor) -> None:
+    def append(self, layer: int, batch: Batch, keys: torch.Tensor, *, inputs: Inputs = NO_INPUTS) -> None:
         assert batch.seq_lens is not None and batch.slot_ids is not None
         pos = batch.seq_lens.long() - 1
         heads = torch.arange(self.layout.num_kv_heads, device=keys.device)
         codes = self.encode(layer, batch.slot_ids, keys)
         self.codes[layer, batch.slot_ids.view(-1, 1), heads.view(1, -1), pos.view(-1, 1)] = codes
 
-    def score(self, layer: int, queries: torch.Tensor, batch: Batch) -> torch.Tensor:
-        assert batch.slot_ids is not None
-        b, hq, _ = queries.shape
-        hk, m = self.layout.num_kv_heads, self.options.subvectors
+    def score(
+        self, layer: int, queries: torch.Tensor, batch: Batch, *, inputs: Inputs = NO_INPUTS
+    ) -> torch.Tensor:
+        assert batch.slot_ids is not None and batch.seq_lens is not None
         n = batch.max_seq_len
-        books = self.codebooks[layer, batch.slot_ids]  # [B, Hkv, M, K, d]
-        q = queries.float().view(b, hk, hq // hk, m, self.sub)
-        table = torch.einsum("bhgmd,bhmkd->bhgmk", q, books)  # q·centroid per sub-space
-        codes = self.codes[layer, batch.slot_ids, :, :n].long()  # [B, Hkv, n, M]
-        idx = codes.permute(0, 1, 3, 2).unsqueeze(2).expand(-1, -1, hq // hk, -1, -1)  # [B, Hkv, G, M, n]
-        per_head = table.gather(-1, idx).sum(3)  # [B, Hkv, G, n]
-        return reduce_groups(per_head.flatten(1, 2), hk, self.options.gqa_reduce)
+        score = pqcache_scores_triton if self.impl == "triton" else pqcache_scores_torch
+        approx = score(queries, self.codebooks[layer], self.codes[layer], batch.slot_ids, n, "none")  # [B, Hkv, G, n]
+        return group_probabilities(approx, batch.seq_lens, self.layout.head_dim, self.options.gqa_reduce)
 
     def release(self, request: Request) -> None:
         """Nothing to free: the pooled rows of `request.slot` are overwritten on reuse."""

@@ -9,8 +9,12 @@ max of the group's upper bounds is still an upper bound for every head of the gr
 property Quest's criticality estimate rests on.
 
 Facts from the original code kept here: pages start at position 0 (the last one may be
-partial and is always kept, as its decode kernel does); prefill runs dense; the paper keeps
-the first two layers dense (set `dense_layers: [0, 1]`) with page size 16.
+partial and is always kept, as its decode kernel does); prefill runs dense; the first
+`dense_first_layers` layers (2 in the original) attend densely; the top-k keeps
+max(`min_pages`, top_k // page_size) pages (its evaluation code's `max(3, budget // 16)`),
+with page size 16 in every published run. Differences: the original kernel counts the last
+page inside the budget, and keeps no sink or recent pages (set sink_tokens / recent_tokens
+to 0 to match); its evaluation path (not its kernel) does not force the last page either.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..batch import Batch, Request
-from .base import ScoringAlgorithm, reduce_groups
+from ..kernels.scoring import quest_scores_torch, quest_scores_triton
+from .base import NO_INPUTS, Inputs, ScoringAlgorithm, resolve_impl
 
 
 class QuestOptions(BaseModel):
@@ -32,6 +37,11 @@ class QuestOptions(BaseModel):
     gqa_reduce: Literal["max", "sum", "mean"] = Field(
         "max", description="how a GQA group's per-query-head page bounds combine per KV head"
     )
+    min_pages: int = Field(3, ge=0, description="pages the top-k keeps at least (the original: 3)")
+    dense_first_layers: int = Field(
+        2, ge=0, description="the first layers attend densely (the original: 2; a per-layer list goes in dense_layers)"
+    )
+    impl: Literal["auto", "torch", "triton"] = Field("auto", description="scoring kernel: auto = triton on CUDA")
 
 
 class Quest(ScoringAlgorithm):
@@ -40,6 +50,14 @@ class Quest(ScoringAlgorithm):
     Config = QuestOptions
     granularity = "page"
     per_kv_head = True
+
+    @classmethod
+    def budget_units(cls, config) -> int:  # type: ignore[no-untyped-def]
+        return max(config.extra_config.min_pages, config.top_k // config.page_size)
+
+    @classmethod
+    def own_dense_layers(cls, config, num_layers: int) -> set[int]:  # type: ignore[no-untyped-def]
+        return set(range(min(config.extra_config.dense_first_layers, num_layers)))
 
     @classmethod
     def representation_bytes_per_token(cls, layout, config) -> float:  # type: ignore[no-untyped-def]
@@ -53,8 +71,11 @@ class Quest(ScoringAlgorithm):
         shape = (layout.num_layers, max_requests, layout.num_kv_heads, self.max_pages, layout.head_dim)
         self.page_min = torch.empty(shape, dtype=layout.dtype, device=layout.device)
         self.page_max = torch.empty(shape, dtype=layout.dtype, device=layout.device)
+        self.impl = resolve_impl(self.options.impl, layout.device)
 
-    def build(self, layer: int, request: Request, keys: torch.Tensor, queries=None) -> None:  # type: ignore[no-untyped-def]
+    def build(
+        self, layer: int, request: Request, keys: torch.Tensor, queries: torch.Tensor | None = None, *, inputs: Inputs = NO_INPUTS
+    ) -> None:
         p = self.config.page_size
         n = keys.shape[0]
         n_pages = -(-n // p)
@@ -66,7 +87,7 @@ class Quest(ScoringAlgorithm):
         self.page_min[layer, request.slot, :, :n_pages] = lo.view(shape).amin(dim=2)
         self.page_max[layer, request.slot, :, :n_pages] = hi.view(shape).amax(dim=2)
 
-    def append(self, layer: int, batch: Batch, keys: torch.Tensor) -> None:
+    def append(self, layer: int, batch: Batch, keys: torch.Tensor, *, inputs: Inputs = NO_INPUTS) -> None:
         assert batch.seq_lens is not None and batch.slot_ids is not None
         pos = batch.seq_lens.long() - 1
         page = pos // self.config.page_size
@@ -77,16 +98,13 @@ class Quest(ScoringAlgorithm):
         self.page_min[layer, rows, :, page] = torch.where(fresh, keys, torch.minimum(cur_min, keys))
         self.page_max[layer, rows, :, page] = torch.where(fresh, keys, torch.maximum(cur_max, keys))
 
-    def score(self, layer: int, queries: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def score(
+        self, layer: int, queries: torch.Tensor, batch: Batch, *, inputs: Inputs = NO_INPUTS
+    ) -> torch.Tensor:
         assert batch.seq_lens is not None and batch.slot_ids is not None
         n_pages = -(-batch.max_seq_len // self.config.page_size)
-        lo = self.page_min[layer, batch.slot_ids, :, :n_pages].float()  # [B, Hkv, P, D]
-        hi = self.page_max[layer, batch.slot_ids, :, :n_pages].float()
-        b, hq, d = queries.shape
-        hkv = self.layout.num_kv_heads
-        q = queries.float().view(b, hkv, hq // hkv, 1, d)  # [B, Hkv, G, 1, D]
-        bound = torch.maximum(q * lo.unsqueeze(2), q * hi.unsqueeze(2)).sum(-1)  # [B, Hkv, G, P]
-        return reduce_groups(bound.flatten(1, 2), hkv, self.options.gqa_reduce)
+        score = quest_scores_triton if self.impl == "triton" else quest_scores_torch
+        return score(queries, self.page_min[layer], self.page_max[layer], batch.slot_ids, n_pages, self.options.gqa_reduce)
 
     def release(self, request: Request) -> None:
         """Nothing to free: the pooled rows of `request.slot` are overwritten on reuse."""

@@ -15,14 +15,14 @@ so far (scored +inf, so they are kept first), within the budget, plus sink and r
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..batch import Batch, Request
-from .base import ScoringAlgorithm, reduce_groups
+from ..kernels.scoring import snapkv_window_mass_torch, snapkv_window_mass_triton
+from .base import NO_INPUTS, Inputs, ScoringAlgorithm, reduce_groups, resolve_impl
 
 
 class SnapKVOptions(BaseModel):
@@ -34,6 +34,7 @@ class SnapKVOptions(BaseModel):
     kernel_size: int = Field(7, ge=1, description="pooling kernel over positions (odd)")
     pooling: Literal["max", "avg"] = Field("max", description="max- or average-pooling of the votes")
     gqa_reduce: Literal["max", "sum", "mean"] = Field("mean", description="how a GQA group's votes combine")
+    impl: Literal["auto", "torch", "triton"] = Field("auto", description="vote kernel: auto = triton on CUDA")
 
     @field_validator("kernel_size")
     @classmethod
@@ -43,19 +44,13 @@ class SnapKVOptions(BaseModel):
         return k
 
 
-def snapkv_votes(keys: torch.Tensor, queries: torch.Tensor, options: SnapKVOptions) -> torch.Tensor:
+def snapkv_votes(keys: torch.Tensor, queries: torch.Tensor, options: SnapKVOptions, impl: str = "torch") -> torch.Tensor:
     """Pooled votes of one prompt: keys [L, Hkv, D], queries [L, Hq, D] -> float32
     [Hkv, L - window] (empty when the prompt is no longer than the window)."""
-    n, hkv, d = keys.shape
+    n, hkv, _ = keys.shape
     w = min(options.window, n)
-    group = queries.shape[1] // hkv
-    q = queries[n - w :].float().transpose(0, 1)  # [Hq, w, D]
-    k = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
-    scores = q @ k.transpose(1, 2) / math.sqrt(d)  # [Hq, w, n]
-    pos = torch.arange(n, device=keys.device)
-    seen = pos.view(1, -1) <= (n - w + torch.arange(w, device=keys.device)).view(-1, 1)  # causal
-    probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)
-    votes = probs[:, :, : n - w].sum(1)  # [Hq, n - w]
+    mass = snapkv_window_mass_triton if impl == "triton" else snapkv_window_mass_torch
+    votes = mass(queries[n - w :], keys)  # [Hq, n - w]
     if votes.shape[-1]:
         pool = torch.nn.functional.max_pool1d if options.pooling == "max" else torch.nn.functional.avg_pool1d
         votes = pool(votes.unsqueeze(1), options.kernel_size, stride=1, padding=options.kernel_size // 2).squeeze(1)
@@ -81,19 +76,24 @@ class SnapKV(ScoringAlgorithm):
         shape = (layout.num_layers, max_requests, layout.num_kv_heads, max_seq_len)
         self.votes = torch.zeros(shape, dtype=torch.float32, device=layout.device)
         self.window_start = torch.zeros(layout.num_layers, max_requests, dtype=torch.long, device=layout.device)
+        self.impl = resolve_impl(self.options.impl, layout.device)
 
-    def build(self, layer: int, request: Request, keys: torch.Tensor, queries: torch.Tensor | None = None) -> None:
+    def build(
+        self, layer: int, request: Request, keys: torch.Tensor, queries: torch.Tensor | None = None, *, inputs: Inputs = NO_INPUTS
+    ) -> None:
         if queries is None:
             raise ValueError("SnapKV needs the prompt's queries at prefill (needs_prefill_queries)")
-        votes = snapkv_votes(keys, queries, self.options)  # type: ignore[arg-type]
+        votes = snapkv_votes(keys, queries, self.options, self.impl)  # type: ignore[arg-type]
         self.votes[layer, request.slot, :, : votes.shape[-1]] = votes
         self.window_start[layer, request.slot] = votes.shape[-1]
 
-    def append(self, layer: int, batch: Batch, keys: torch.Tensor) -> None:
+    def append(self, layer: int, batch: Batch, keys: torch.Tensor, *, inputs: Inputs = NO_INPUTS) -> None:
         """Decode tokens need no representation: every position from the window on scores
         +inf in `score`."""
 
-    def score(self, layer: int, queries: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def score(
+        self, layer: int, queries: torch.Tensor, batch: Batch, *, inputs: Inputs = NO_INPUTS
+    ) -> torch.Tensor:
         assert batch.slot_ids is not None
         n = batch.max_seq_len
         votes = self.votes[layer, batch.slot_ids, :, :n]  # [B, Hkv, n]

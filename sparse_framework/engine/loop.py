@@ -78,7 +78,8 @@ def run_experiment(
         coord.forward_begin(batch)
         for layer in range(layout.num_layers):
             q, k, v = (t.to(dtype) for t in (d.prompt_queries[layer], d.keys[layer], d.values[layer]))
-            coord.attention_begin(layer, q, k, v, batch)
+            extra = gen.model_inputs(config.algorithm, coord.algorithm.prefill_inputs, d.keys[layer], d.prompt_queries[layer])
+            coord.attention_begin(layer, q, k, v, batch, extra)
             # a synthetic prompt feeds no next layer, so its prefill output is not computed
             coord.attention_end(layer, None, batch)
         coord.forward_end(batch)
@@ -89,6 +90,7 @@ def run_experiment(
     for step in range(workload.decode_steps):
         batch = Batch(requests)
         inputs = [gen.decode_inputs(data, layer) for layer in range(layout.num_layers)]
+        extras = [gen.model_inputs(config.algorithm, coord.algorithm.decode_inputs, k, q) for q, k, _ in inputs]
         for layer, (_, k, v) in enumerate(inputs):
             for i in range(len(requests)):
                 ref_k[i][layer] = torch.cat([ref_k[i][layer], k[i : i + 1].to(dtype).float()])
@@ -98,7 +100,7 @@ def run_experiment(
         coord.forward_begin(batch)
         for layer, (q, k, v) in enumerate(inputs):
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-            meta = coord.attention_begin(layer, q, k, v, batch)
+            meta = coord.attention_begin(layer, q, k, v, batch, extras[layer])
             out = coord.attend(layer, q, meta)
             coord.attention_end(layer, out, batch)
             outputs.append(out)

@@ -119,6 +119,48 @@ class SyntheticWorkload:
             data.directions.append(direction)
         return data
 
+    def model_inputs(
+        self, algorithm: str, specs: dict[str, tuple[int, ...]], keys: torch.Tensor, queries: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
+        """Synthetic values of the extra inputs an algorithm declares (name -> shape after
+        the token dimension), for rows of keys [T, kv_heads, dim] and queries [T, q_heads, dim]."""
+        known = ("index_q", "index_weights", "index_k")
+        unknown = [n for n in specs if n not in known]
+        if unknown:
+            raise ValueError(
+                f"the synthetic workload cannot provide the input(s) {unknown} that algorithm {algorithm!r} "
+                f"needs; it knows {', '.join(known)} (DeepSeek's indexer)"
+            )
+        if not specs:
+            return {}
+        if "index_k" not in specs and "index_q" not in specs:
+            raise ValueError(f"algorithm {algorithm!r}: index_weights without index_q or index_k has no dimension")
+        dim = specs["index_k"][0] if "index_k" in specs else specs["index_q"][1]
+        proj = self._index_projection(keys.shape[1] * keys.shape[2], dim, keys.device)
+        out: dict[str, torch.Tensor] = {}
+        if "index_k" in specs:
+            out["index_k"] = keys.float().flatten(1) @ proj
+        if "index_q" in specs or "index_weights" in specs:
+            heads = specs["index_q"][0] if "index_q" in specs else specs["index_weights"][0]
+            if queries is None:
+                raise ValueError("indexer queries need the attention queries")
+            t, hq, d = queries.shape
+            hk = keys.shape[1]
+            source = torch.arange(heads, device=keys.device) % hq  # query head of each indexer head
+            placed = torch.zeros(t, heads, hk, d, device=keys.device)
+            placed[:, torch.arange(heads), source // (hq // hk)] = queries.float()[:, source]
+            out["index_q"] = placed.flatten(2) @ proj
+            out["index_weights"] = torch.full((t, heads), (heads * dim) ** -0.5, device=keys.device)
+        return {n: out[n] for n in specs}
+
+    def _index_projection(self, width: int, dim: int, device: torch.device) -> torch.Tensor:
+        """[width, dim]: identity when width == dim, else a fixed Gaussian map (norms kept in
+        expectation)."""
+        if width == dim:
+            return torch.eye(dim, device=device)
+        gen = torch.Generator().manual_seed(self.cfg.seed + 1)
+        return (torch.randn(width, dim, generator=gen) / dim**0.5).to(device)
+
     def decode_inputs(self, reqs: list[RequestData], layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One step's q [B, q_heads, dim] and new k, v [B, kv_heads, dim] for a layer."""
         c = self.cfg

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..algorithms.base import dense_layer_set
 from ..config import SparseConfig
 from .layout import KVLayout
 
@@ -64,7 +65,7 @@ def plan_capacity(
     streams = layout.num_kv_heads if algo.per_kv_head else 1
     per_layer = layout.bytes_per_token_per_layer
     full = _round_up(context_len, p)
-    dense_layers = sum(1 for layer in config.dense_layers if layer < layout.num_layers)
+    dense_layers = len(dense_layer_set(config, layout.num_layers))
     sparse_layers = layout.num_layers - dense_layers
     buffer = min(_round_up(config.device_buffer_tokens, p), full)
     maps = sparse_layers * streams * (4 * (full // unit + 1) + 12 * (buffer // unit + 1))

@@ -34,14 +34,14 @@ class ToyRecent(ScoringAlgorithm):
             (layout.num_layers, max_requests), dtype=torch.long, device=layout.device
         )
 
-    def build(self, layer, request, keys, queries=None) -> None:  # type: ignore[no-untyped-def]
+    def build(self, layer, request, keys, queries=None, *, inputs=None) -> None:  # type: ignore[no-untyped-def]
         self.tokens_seen[layer, request.slot] = keys.shape[0]
 
-    def append(self, layer, batch, keys) -> None:  # type: ignore[no-untyped-def]
+    def append(self, layer, batch, keys, *, inputs=None) -> None:  # type: ignore[no-untyped-def]
         assert batch.slot_ids is not None
         self.tokens_seen[layer, batch.slot_ids] += 1
 
-    def score(self, layer, queries, batch) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    def score(self, layer, queries, batch, *, inputs=None) -> torch.Tensor:  # type: ignore[no-untyped-def]
         n = batch.max_seq_len
         pos = torch.arange(n, dtype=torch.float32, device=queries.device) + self.options.bias
         return pos.view(1, 1, n).expand(len(batch), 1, n)

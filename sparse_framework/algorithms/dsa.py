@@ -1,0 +1,181 @@
+"""DSA top-k (DeepSeek-V3.2's lightning indexer), and exact top-k over the real keys.
+
+`source: "indexer"` (the model has an indexer). Every token s has one indexer key k_s
+(`index_dim` values, shared by all heads); a query token t has `index_heads` indexer queries
+q_{t,h} and weights w_{t,h}. The index score of s for t is Σ_h w_{t,h} · ReLU(q_{t,h} · k_s),
+and the selection is the top `top_k` tokens (min(top_k, length)), token-granular and shared
+by all heads of the layer. The model computes q, w and k (its projections, RoPE and Hadamard
+rotation are the model's business) and passes them to `attention_begin` as inputs
+`index_q` [tokens, heads, dim], `index_weights` [tokens, heads] and `index_k` [tokens, dim]
+(at prefill only `index_k` is needed: prefill attention is dense here).
+The weights are taken as given: the original multiplies them by heads^-1/2 · dim^-1/2, and a
+positive global factor does not change the top-k. The indexer keys are the representation,
+stored as bfloat16 or as FP8 e4m3 with one float32 scale per 128 values (the original's
+`act_quant`: scale = amax / 448, rounded up to a power of two in the "ue8m0" format V3.2
+ships with); with FP8 the queries are quantised the same way before
+scoring, as the original does (their scale folds into the weight, ReLU being positively
+homogeneous).
+
+`source: "keys"` (no indexer). Scores with the real attention keys: per KV head, token s
+scores Σ_{h in group} softmax_h(q_h · k_s / √d)_s — the attention mass the group would put on
+s, so the top-k is the exact best selection of that size for the group. It keeps a copy of
+the keys on the device (as much memory as the K cache itself): an oracle for evaluation, and
+the baseline the accuracy table measures the others against.
+
+The framework's sink and recent tokens and the newest token are always kept (the original
+keeps only the top-k; set sink_tokens / recent_tokens to 0 to come closest to it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..batch import Batch, Request
+from ..kernels.scoring import (
+    dequantize_fp8_blocks,
+    dsa_index_scores_torch,
+    dsa_index_scores_triton,
+    quantize_fp8_blocks,
+)
+from .base import NO_INPUTS, Inputs, ScoringAlgorithm, resolve_impl
+
+FP8_BLOCK = 128  # values per float32 scale, as the original's act_quant
+
+
+class DSAOptions(BaseModel):
+    """DSA's extra-config (defaults: DeepSeek-V3.2's indexer)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: Literal["indexer", "keys"] = Field(
+        "indexer", description="indexer: the model's lightning indexer; keys: exact top-k over the real keys (oracle)"
+    )
+    index_heads: int = Field(64, ge=1, description="indexer query heads")
+    index_dim: int = Field(128, ge=1, description="indexer query/key dimension")
+    key_dtype: Literal["bfloat16", "fp8_e4m3"] = Field(
+        "fp8_e4m3", description="storage of the indexer keys: bfloat16, or FP8 e4m3 with a float32 scale per 128 values"
+    )
+    scale_format: Literal["ue8m0", "float32"] = Field(
+        "ue8m0", description="FP8 scales: ue8m0 = rounded up to powers of two (V3.2's config), float32 = amax / 448"
+    )
+    impl: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="index-score kernel: auto = triton on CUDA, torch elsewhere"
+    )
+
+    @model_validator(mode="after")
+    def _fp8_blocks(self) -> DSAOptions:
+        if self.source == "indexer" and self.key_dtype == "fp8_e4m3" and self.index_dim % FP8_BLOCK:
+            raise ValueError(
+                f"key_dtype 'fp8_e4m3' quantises in blocks of {FP8_BLOCK} values: index_dim "
+                f"({self.index_dim}) must be a multiple of {FP8_BLOCK}, or use key_dtype 'bfloat16'"
+            )
+        return self
+
+
+class DSA(ScoringAlgorithm):
+    """Token-granular. Indexer: one selection per request, keys pooled as [layers, R,
+    max_seq_len, index_dim] (+ scales [.., index_dim // 128] for FP8). Keys: one selection
+    per KV head, keys pooled as [layers, R, kv_heads, max_seq_len, head_dim]."""
+
+    Config = DSAOptions
+    granularity = "token"
+    per_kv_head = False
+
+    @classmethod
+    def representation_bytes_per_token(cls, layout, config) -> float:  # type: ignore[no-untyped-def]
+        """Indexer: one key of index_dim values (2 bytes, or 1 + 4/128 with FP8); keys: a K row."""
+        o = config.extra_config
+        if o.source == "keys":
+            return float(layout.row_bytes)
+        return float(2 * o.index_dim if o.key_dtype == "bfloat16" else o.index_dim * (1 + 4 / FP8_BLOCK))
+
+    def __init__(self, config, layout, max_requests, max_seq_len) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(config, layout, max_requests, max_seq_len)
+        o, dev = self.options, layout.device
+        self.impl = resolve_impl(o.impl, dev)
+        if o.source == "keys":
+            self.per_kv_head = layout.num_kv_heads > 1
+            shape = (layout.num_layers, max_requests, layout.num_kv_heads, max_seq_len, layout.head_dim)
+            self.keys = torch.zeros(shape, dtype=layout.dtype, device=dev)
+            return
+        self.prefill_inputs = {"index_k": (o.index_dim,)}
+        self.decode_inputs = {
+            "index_q": (o.index_heads, o.index_dim),
+            "index_weights": (o.index_heads,),
+            "index_k": (o.index_dim,),
+        }
+        shape = (layout.num_layers, max_requests, max_seq_len, o.index_dim)
+        self.fp8 = o.key_dtype == "fp8_e4m3"
+        self.pow2_scales = o.scale_format == "ue8m0"
+        self.index_k = torch.zeros(shape, dtype=torch.uint8 if self.fp8 else torch.bfloat16, device=dev)
+        self.k_scale = (
+            torch.ones((*shape[:3], o.index_dim // FP8_BLOCK), dtype=torch.float32, device=dev) if self.fp8 else None
+        )
+
+    def _store_index_keys(self, layer: int, slots: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor) -> None:
+        """Write indexer keys [N, index_dim] at (slots[i], pos[i]) in the storage format."""
+        if self.fp8:
+            assert self.k_scale is not None
+            bits, scales = quantize_fp8_blocks(keys.float(), self.pow2_scales)
+            self.index_k[layer, slots, pos] = bits
+            self.k_scale[layer, slots, pos] = scales
+        else:
+            self.index_k[layer, slots, pos] = keys.to(torch.bfloat16)
+
+    def build(
+        self, layer: int, request: Request, keys: torch.Tensor, queries: torch.Tensor | None = None, *, inputs: Inputs = NO_INPUTS
+    ) -> None:
+        n = keys.shape[0]
+        if self.options.source == "keys":
+            self.keys[layer, request.slot, :, :n] = keys.transpose(0, 1)
+            return
+        pos = torch.arange(n, device=keys.device)
+        slots = torch.full_like(pos, request.slot)
+        self._store_index_keys(layer, slots, pos, inputs["index_k"])
+
+    def append(self, layer: int, batch: Batch, keys: torch.Tensor, *, inputs: Inputs = NO_INPUTS) -> None:
+        assert batch.seq_lens is not None and batch.slot_ids is not None
+        pos = batch.seq_lens.long() - 1
+        if self.options.source == "keys":
+            heads = torch.arange(self.layout.num_kv_heads, device=keys.device)
+            self.keys[layer, batch.slot_ids.view(-1, 1), heads.view(1, -1), pos.view(-1, 1)] = keys
+            return
+        self._store_index_keys(layer, batch.slot_ids, pos, inputs["index_k"])
+
+    def score(
+        self, layer: int, queries: torch.Tensor, batch: Batch, *, inputs: Inputs = NO_INPUTS
+    ) -> torch.Tensor:
+        assert batch.seq_lens is not None and batch.slot_ids is not None
+        n = batch.max_seq_len
+        if self.options.source == "keys":
+            return self._exact_mass(layer, queries, batch)
+        q = inputs["index_q"]
+        if self.fp8:  # the original quantises the indexer queries like the keys; an e4m3 value
+            # times a power-of-two scale is exact in bfloat16, which the kernel multiplies fastest
+            q = dequantize_fp8_blocks(*quantize_fp8_blocks(q, self.pow2_scales))
+            q = q.to(torch.bfloat16) if self.pow2_scales else q
+        weights = inputs["index_weights"].float()
+        score = dsa_index_scores_triton if self.impl == "triton" else dsa_index_scores_torch
+        return score(q, weights, self.index_k[layer], None if self.k_scale is None else self.k_scale[layer], batch.slot_ids, n).unsqueeze(1)
+
+    def _exact_mass(self, layer: int, queries: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """[B, Hkv or 1, n]: each group's summed softmax over the stored keys. The newest
+        token is not stored yet (append runs after select); it is always selected anyway."""
+        assert batch.seq_lens is not None and batch.slot_ids is not None
+        n = batch.max_seq_len
+        b, hq, d = queries.shape
+        hk = self.layout.num_kv_heads
+        k = self.keys[layer, batch.slot_ids, :, :n].float()  # [B, Hkv, n, D]
+        q = queries.float().view(b, hk, hq // hk, d)
+        logits = q @ k.transpose(-1, -2) / math.sqrt(d)  # [B, Hkv, G, n]
+        stored = torch.arange(n, device=q.device).view(1, -1) < (batch.seq_lens.long() - 1).view(-1, 1)
+        logits = logits.masked_fill(~stored.view(b, 1, 1, n), float("-inf"))
+        mass = logits.softmax(-1).nan_to_num(0.0).sum(2)  # [B, Hkv, n]
+        return mass if self.per_kv_head else mass.sum(1, keepdim=True)
+
+    def release(self, request: Request) -> None:
+        """Nothing to free: the pooled rows of `request.slot` are overwritten on reuse."""

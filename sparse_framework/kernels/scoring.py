@@ -1,0 +1,595 @@
+"""The scoring hot paths of the sparse-attention algorithms: for each a torch reference
+(`*_torch`, what the algorithm computes today) and a Triton version (`*_triton`) of the same
+signature, both returning float32.
+
+  quest_scores          Σ_d max(q_d·min_d, q_d·max_d) per page, combined over a GQA group
+  pqcache_scores        Σ_m q_m · centroid_m[code_m(t)] per token (q·centroid table gathered)
+  snapkv_window_mass    the prompt's last w queries' causal softmax mass on the keys before them
+  dsa_index_scores      DeepSeek's lightning indexer Σ_h w_h · ReLU(q_h · k_t), bf16 or fp8 keys
+
+Every Triton kernel streams the representation that grows with the context once, one
+program per (row, head or group, block of pages/tokens), tails masked; head dims that are not
+powers of two are padded through masks. On the CPU the Triton versions run only under
+TRITON_INTERPRET=1 (tests). fp8 keys are stored as uint8 bit patterns of float8_e4m3fn with one
+float32 scale per 128 values (`quantize_fp8_blocks`); the kernel decodes them with Triton's
+fp8e4nv conversion where the GPU has it (sm_89+, and the interpreter) and with integer
+arithmetic elsewhere.
+
+H100, B=8, L=128K, CUDA-graph replay (benchmarks/selection.py): Quest 108 µs (82% of HBM),
+DSA bf16 queries and keys 108 µs (83%), fp8 keys 102 µs (45%: half the bytes, not yet half the
+time), float32 queries 172 / 198 µs; PQCache 41 µs (q·centroid table included); SnapKV votes
+of one prompt 354 µs. The torch references are 5-35x slower.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+REDUCTIONS = {"max": 0, "sum": 1, "mean": 2}
+PQ_REDUCTIONS = {**REDUCTIONS, "none": 3}  # none: every query head's scores, [B, Hkv, G, n]
+FP8_BLOCK = 128  # values per fp8 scale
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+# launch shapes (module attributes, so that tests and benchmarks can change them)
+QUEST_TILE, QUEST_WARPS = 4096, 4  # page-bound elements per program: BLOCK_P = QUEST_TILE // padded head dim
+PQ_BLOCK_N, PQ_WARPS = 512, 4  # tokens per program
+SNAPKV_BLOCK_M, SNAPKV_BLOCK_N, SNAPKV_SPLIT = 64, 64, 2048  # pass 1: rows, keys per step, keys per program
+SNAPKV_BLOCK_W, SNAPKV_BLOCK_K, SNAPKV_WARPS = 32, 128, 4  # pass 2: window rows per step, keys per program
+# DSA, per key kind: tokens per block, blocks per program (a pipelined loop), pipeline stages, warps
+DSA_TUNING = {"16bit": (128, 1, 1, 4), "fp8": (128, 1, 1, 4)}
+FP8_DECODE = "auto"  # "auto" | "native" (tl.float8e4nv) | "arith" (integer decode, any GPU)
+
+
+def _pow2(n: int, least: int = 1) -> int:
+    return max(least, 1 << max(0, (n - 1).bit_length()))
+
+
+def _reduce(x: torch.Tensor, how: str) -> torch.Tensor:
+    """[B, Hkv, G, N] -> [B, Hkv, N] over the GQA group (dim 2), as algorithms.base.reduce_groups."""
+    if how == "max":
+        return x.amax(dim=2)
+    if how == "sum":
+        return x.sum(dim=2)
+    if how == "mean":
+        return x.mean(dim=2)
+    raise ValueError(f"reduce must be one of max, sum, mean; got {how!r}")
+
+
+def _group(hq: int, hkv: int, what: str) -> int:
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"{what}: {hq} query heads are not a multiple of {hkv} KV heads")
+    return hq // hkv
+
+
+def _launchable(*tensors: torch.Tensor) -> None:
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    if tensors[0].device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the Triton scoring kernels need CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
+
+
+def _check_rows(slot_ids: torch.Tensor, b: int, what: str) -> None:
+    if slot_ids.shape != (b,) or slot_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{what}: slot_ids must be int64 [{b}], got {slot_ids.dtype} {tuple(slot_ids.shape)}")
+
+
+DOT_16BIT, DOT_SPLIT3, DOT_TF32X3, DOT_IEEE = 0, 1, 2, 3
+
+
+def _dot_mode(a: torch.dtype, b: torch.dtype) -> tuple[int, tl.dtype]:
+    """How a kernel multiplies queries of dtype `a` with keys of dtype `b` (uint8: fp8 bits),
+    and the dtype the keys are converted to. Every mode accumulates in float32:
+      DOT_16BIT   both the same 16-bit dtype (or fp8 keys, exact in it): exact products
+      DOT_SPLIT3  float32 queries, keys exact in bf16 (bf16, fp8): the queries split into three
+                  bf16 parts (24 significant bits, all of float32's) -> exact products
+      DOT_TF32X3  other float32 operands, on tensor cores (~float32 accuracy); plain "ieee"
+                  float32 dots are ~100x slower on an H100
+      DOT_IEEE    the interpreter: everything in float32 (it multiplies bf16 tiles as their
+                  uint16 storage, triton 3.9)"""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if a == torch.float16 and b in (a, torch.uint8):
+        return DOT_16BIT, tl.float16
+    if interpreted:
+        return DOT_IEEE, tl.float32
+    if a == torch.bfloat16 and b in (a, torch.uint8):
+        return DOT_16BIT, tl.bfloat16
+    if a == torch.float32 and b in (torch.bfloat16, torch.uint8):
+        return DOT_SPLIT3, tl.bfloat16
+    return DOT_TF32X3, tl.float32
+
+
+@triton.jit
+def _dot(a, b, MODE: tl.constexpr):
+    """a [M, K] @ b [K, N] -> float32, b already in the mode's key dtype (see `_dot_mode`)."""
+    if MODE == 0:
+        out = tl.dot(a, b)
+    elif MODE == 1:
+        a = a.to(tl.float32)
+        a1 = a.to(tl.bfloat16)
+        rest = a - a1.to(tl.float32)
+        a2 = rest.to(tl.bfloat16)
+        a3 = (rest - a2.to(tl.float32)).to(tl.bfloat16)
+        out = tl.dot(a3, b)
+        out = tl.dot(a2, b, out)
+        out = tl.dot(a1, b, out)
+    elif MODE == 2:
+        out = tl.dot(a.to(tl.float32), b, input_precision="tf32x3")
+    else:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return out
+
+
+# -- Quest -------------------------------------------------------------------------------------
+@triton.jit
+def quest_scores_kernel(
+    q_ptr, lo_ptr, hi_ptr, slot_ptr, out_ptr,
+    n_pages, D,
+    s_qb, s_qh, s_qd,
+    s_pr, s_ph, s_pp, s_pd,  # page_min and page_max share strides
+    HKV: tl.constexpr, G: tl.constexpr, REDUCE: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    d = tl.arange(0, BLOCK_D)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    live = (p[:, None] < n_pages) & (d[None, :] < D)
+    off = slot * s_pr + j * s_ph + p[:, None].to(tl.int64) * s_pp + d[None, :] * s_pd
+    lo = tl.load(lo_ptr + off, mask=live, other=0.0).to(tl.float32)
+    hi = tl.load(hi_ptr + off, mask=live, other=0.0).to(tl.float32)
+    if REDUCE == 0:
+        acc = tl.full([BLOCK_P], float("-inf"), tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_P], tl.float32)
+    for g in tl.static_range(G):
+        q = tl.load(q_ptr + b * s_qb + (j * G + g) * s_qh + d * s_qd, mask=d < D, other=0.0).to(tl.float32)
+        bound = tl.sum(tl.maximum(q[None, :] * lo, q[None, :] * hi), axis=1)
+        if REDUCE == 0:
+            acc = tl.maximum(acc, bound)
+        else:
+            acc += bound
+    if REDUCE == 2:
+        acc = acc / G
+    tl.store(out_ptr + (b * HKV + j) * n_pages + p, acc, mask=p < n_pages)
+
+
+def _check_quest(q, page_min, page_max, slot_ids, n_pages, reduce):  # type: ignore[no-untyped-def]
+    if q.dim() != 3 or page_min.dim() != 4 or page_max.shape != page_min.shape:
+        raise ValueError(f"quest_scores: q must be [B, Hq, D] and page_min/page_max [R, Hkv, MAXP, D]; got "
+                         f"{tuple(q.shape)}, {tuple(page_min.shape)}, {tuple(page_max.shape)}")
+    b, hq, d = q.shape
+    _, hkv, maxp, dk = page_min.shape
+    if dk != d:
+        raise ValueError(f"quest_scores: head dim of q ({d}) and of the page bounds ({dk}) differ")
+    if not 0 <= n_pages <= maxp:
+        raise ValueError(f"quest_scores: n_pages ({n_pages}) must be in [0, {maxp}]")
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"reduce must be one of max, sum, mean; got {reduce!r}")
+    _check_rows(slot_ids, b, "quest_scores")
+    return b, hkv, _group(hq, hkv, "quest_scores"), d
+
+
+def quest_scores_torch(
+    q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, slot_ids: torch.Tensor,
+    n_pages: int, reduce: str = "max",
+) -> torch.Tensor:
+    """Quest page bounds. q [B, Hq, D]; page_min/page_max [R, Hkv, MAXP, D] (KV dtype);
+    slot_ids int64 [B] -> float32 [B, Hkv, n_pages]: per query head Σ_d max(q_d·min_d,
+    q_d·max_d), then `reduce` ("max" | "sum" | "mean") over each KV head's group."""
+    b, hkv, g, d = _check_quest(q, page_min, page_max, slot_ids, n_pages, reduce)
+    lo = page_min[slot_ids, :, :n_pages].float()  # [B, Hkv, P, D]
+    hi = page_max[slot_ids, :, :n_pages].float()
+    qq = q.float().view(b, hkv, g, 1, d)
+    bound = torch.maximum(qq * lo.unsqueeze(2), qq * hi.unsqueeze(2)).sum(-1)  # [B, Hkv, G, P]
+    return _reduce(bound, reduce)
+
+
+def quest_scores_triton(
+    q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, slot_ids: torch.Tensor,
+    n_pages: int, reduce: str = "max",
+) -> torch.Tensor:
+    """Triton version of `quest_scores_torch` (same arguments and result)."""
+    b, hkv, g, d = _check_quest(q, page_min, page_max, slot_ids, n_pages, reduce)
+    _launchable(q, page_min, page_max, slot_ids)
+    if page_min.stride() != page_max.stride():
+        raise ValueError("quest_scores: page_min and page_max must have the same strides")
+    out = torch.empty(b, hkv, n_pages, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out
+    block_d = _pow2(d)
+    block_p = max(1, min(_pow2(n_pages), QUEST_TILE // block_d))
+    grid = (b, hkv, triton.cdiv(n_pages, block_p))
+    quest_scores_kernel[grid](
+        q, page_min, page_max, slot_ids, out, n_pages, d, *q.stride(), *page_min.stride(),
+        HKV=hkv, G=g, REDUCE=REDUCTIONS[reduce], BLOCK_P=block_p, BLOCK_D=block_d, num_warps=QUEST_WARPS,
+    )
+    return out
+
+
+# -- PQCache -----------------------------------------------------------------------------------
+@triton.jit
+def pqcache_scores_kernel(
+    table_ptr,  # float32 [B, Hkv, G, M, K], contiguous
+    codes_ptr, slot_ptr, out_ptr,
+    n,
+    s_cr, s_ch, s_cn, s_cm,
+    HKV: tl.constexpr, G: tl.constexpr, M: tl.constexpr, K: tl.constexpr, REDUCE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    t = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    live = (t[:, None] < n) & (m[None, :] < M)
+    codes = tl.load(codes_ptr + slot * s_cr + j * s_ch + t[:, None].to(tl.int64) * s_cn + m[None, :] * s_cm,
+                    mask=live, other=0).to(tl.int32)
+    entry = m[None, :] * K + codes  # [BLOCK_N, BLOCK_M] into one head's [M, K] table
+    table = table_ptr + (b * HKV + j) * (G * M * K)
+    if REDUCE == 0:
+        acc = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N], tl.float32)
+    for g in tl.static_range(G):
+        s = tl.sum(tl.load(table + g * M * K + entry, mask=live, other=0.0), axis=1)
+        if REDUCE == 3:  # none: one row per query head, out [B, Hkv, G, n]
+            tl.store(out_ptr + ((b * HKV + j) * G + g) * n + t, s, mask=t < n)
+        elif REDUCE == 0:
+            acc = tl.maximum(acc, s)
+        else:
+            acc += s
+    if REDUCE == 2:
+        acc = acc / G
+    if REDUCE != 3:
+        tl.store(out_ptr + (b * HKV + j) * n + t, acc, mask=t < n)
+
+
+def _pq_table(q, codebooks, codes, slot_ids, n, reduce, fold=False):  # type: ignore[no-untyped-def]
+    """Checks; the q·centroid table float32 [B, Hkv, G, M, K] (G = 1 with `fold`: the group's
+    queries summed or averaged first, which "sum" and "mean" allow as they are linear in q)."""
+    if q.dim() != 3 or codebooks.dim() != 5 or codes.dim() != 4:
+        raise ValueError(f"pqcache_scores: q must be [B, Hq, D], codebooks [R, Hkv, M, K, d], codes "
+                         f"[R, Hkv, MAXN, M]; got {tuple(q.shape)}, {tuple(codebooks.shape)}, {tuple(codes.shape)}")
+    b, hq, dim = q.shape
+    _, hkv, m, k, sub = codebooks.shape
+    if m * sub != dim or codes.shape[1] != hkv or codes.shape[3] != m or codes.shape[0] != codebooks.shape[0]:
+        raise ValueError(f"pqcache_scores: shapes disagree: q {tuple(q.shape)}, codebooks {tuple(codebooks.shape)}, "
+                         f"codes {tuple(codes.shape)} (need D = M * d)")
+    if codes.dtype != torch.uint8 or k > 256:
+        raise ValueError(f"pqcache_scores: codes must be uint8 with K <= 256 centroids; got {codes.dtype}, K={k}")
+    if not 0 <= n <= codes.shape[2]:
+        raise ValueError(f"pqcache_scores: n ({n}) must be in [0, {codes.shape[2]}]")
+    if reduce not in PQ_REDUCTIONS:
+        raise ValueError(f"reduce must be one of {', '.join(PQ_REDUCTIONS)}; got {reduce!r}")
+    _check_rows(slot_ids, b, "pqcache_scores")
+    g = _group(hq, hkv, "pqcache_scores")
+    books = codebooks[slot_ids]  # [B, Hkv, M, K, d]
+    qq = q.float().view(b, hkv, g, m, sub)
+    if fold:
+        qq = qq.sum(2, keepdim=True) if reduce == "sum" else qq.mean(2, keepdim=True)
+    return torch.einsum("bhgmd,bhmkd->bhgmk", qq, books.float())
+
+
+def pqcache_scores_torch(
+    q: torch.Tensor, codebooks: torch.Tensor, codes: torch.Tensor, slot_ids: torch.Tensor,
+    n: int, reduce: str = "sum",
+) -> torch.Tensor:
+    """PQCache token scores. q [B, Hq, D]; codebooks float32 [R, Hkv, M, K, d] (D = M·d);
+    codes uint8 [R, Hkv, MAXN, M]; slot_ids int64 [B] -> float32 [B, Hkv, n]: per query head
+    Σ_m q_m · codebooks[slot, j, m, codes[slot, j, t, m]], then `reduce` over the group
+    ("none": no reduction, [B, Hkv, G, n])."""
+    table = _pq_table(q, codebooks, codes, slot_ids, n, reduce)  # [B, Hkv, G, M, K]
+    g = table.shape[2]
+    idx = codes[slot_ids, :, :n].long().permute(0, 1, 3, 2).unsqueeze(2).expand(-1, -1, g, -1, -1)  # [B, Hkv, G, M, n]
+    per_head = table.gather(-1, idx).sum(3)
+    return per_head if reduce == "none" else _reduce(per_head, reduce)
+
+
+def pqcache_scores_triton(
+    q: torch.Tensor, codebooks: torch.Tensor, codes: torch.Tensor, slot_ids: torch.Tensor,
+    n: int, reduce: str = "sum",
+) -> torch.Tensor:
+    """Triton version of `pqcache_scores_torch`: the tiny q·centroid table in torch (for "sum"
+    and "mean" one per KV head, from the group's summed / averaged queries), then one kernel
+    streams the codes and gathers from it."""
+    _launchable(q, codebooks, codes, slot_ids)
+    fold = reduce in ("sum", "mean")
+    table = _pq_table(q, codebooks, codes, slot_ids, n, reduce, fold=fold).contiguous()
+    reduce = "sum" if fold else reduce  # a folded table has one row per KV head
+    b, hkv, g, m, k = table.shape
+    out = torch.empty(b, hkv, *((g,) if reduce == "none" else ()), n, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out
+    block_n = min(PQ_BLOCK_N, _pow2(n))
+    grid = (b, hkv, triton.cdiv(n, block_n))
+    pqcache_scores_kernel[grid](
+        table, codes, slot_ids, out, n, *codes.stride(),
+        HKV=hkv, G=g, M=m, K=k, REDUCE=PQ_REDUCTIONS[reduce], BLOCK_M=_pow2(m), BLOCK_N=block_n, num_warps=PQ_WARPS,
+    )
+    return out
+
+
+# -- SnapKV ------------------------------------------------------------------------------------
+@triton.jit
+def snapkv_lse_kernel(
+    q_ptr, k_ptr, part_ptr,  # part: float32 [Hq, w, n_splits] natural-log partial logsumexp
+    n, w, D, split, n_splits, qk_scale,  # qk_scale = log2(e) / sqrt(D)
+    s_qw, s_qh, s_qd, s_kn, s_kh, s_kd,
+    G: tl.constexpr, MODE: tl.constexpr, KDT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Pass 1: rows r = g·w + i of KV head j (query head j·G+g, window row i) against the
+    keys of one split, with an online max / sum in base 2."""
+    n_row_blocks = tl.cdiv(G * w, BLOCK_M)
+    j = tl.program_id(0) // n_row_blocks
+    r = (tl.program_id(0) % n_row_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
+    sp = tl.program_id(1)
+    row_ok = r < G * w
+    g = r // w
+    i = r % w
+    d = tl.arange(0, BLOCK_D)
+    q = tl.load(q_ptr + i[:, None] * s_qw + (j * G + g)[:, None] * s_qh + d[None, :] * s_qd,
+                mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+    last = n - w + i  # the last key each row sees (causal)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    start = sp * split
+    end = tl.minimum(start + split, n)
+    for k0 in range(start, end, BLOCK_N):
+        t = k0 + tl.arange(0, BLOCK_N)
+        k = tl.load(k_ptr + t[:, None].to(tl.int64) * s_kn + j * s_kh + d[None, :] * s_kd,
+                    mask=(t[:, None] < end) & (d[None, :] < D), other=0.0)
+        s = _dot(q, tl.trans(k.to(KDT)), MODE)
+        seen = row_ok[:, None] & (t[None, :] <= last[:, None]) & (t[None, :] < end)
+        s = tl.where(seen, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        l_i = l_i * tl.exp2(m_i - m_use) + tl.sum(tl.exp2(s - m_use[:, None]), axis=1)
+        m_i = m_new
+    lse = tl.where(l_i > 0, (m_i + tl.log2(tl.maximum(l_i, 1.0))) * 0.6931471805599453, float("-inf"))  # l >= 1 once seen
+    tl.store(part_ptr + ((j * G + g) * w + i) * n_splits + sp, lse, mask=row_ok)
+
+
+@triton.jit
+def snapkv_mass_kernel(
+    q_ptr, k_ptr, lse_ptr, out_ptr,  # lse: float32 [Hq, w] (natural log); out: float32 [Hq, n - w]
+    n, w, D, qk_scale,
+    s_qw, s_qh, s_qd, s_kn, s_kh, s_kd,
+    G: tl.constexpr, MODE: tl.constexpr, KDT: tl.constexpr,
+    BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Pass 2: one block of keys before the window (seen by every window row) of KV head j;
+    per query head of the group the probabilities exp(s - lse) summed over the window."""
+    j = tl.program_id(0)
+    n_out = n - w
+    t = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    d = tl.arange(0, BLOCK_D)
+    k = tl.load(k_ptr + t[:, None].to(tl.int64) * s_kn + j * s_kh + d[None, :] * s_kd,
+                mask=(t[:, None] < n_out) & (d[None, :] < D), other=0.0)
+    kt = tl.trans(k.to(KDT))
+    for g in range(G):
+        h = j * G + g
+        acc = tl.zeros([BLOCK_K], tl.float32)
+        for i0 in range(0, w, BLOCK_W):
+            i = i0 + tl.arange(0, BLOCK_W)
+            row_ok = i < w
+            q = tl.load(q_ptr + i[:, None] * s_qw + h * s_qh + d[None, :] * s_qd,
+                        mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+            s = _dot(q, kt, MODE)
+            lse = tl.load(lse_ptr + h * w + i, mask=row_ok, other=float("inf")) * 1.4426950408889634
+            acc += tl.sum(tl.exp2(s * qk_scale - lse[:, None]), axis=0)
+        tl.store(out_ptr + h * n_out + t, acc, mask=t < n_out)
+
+
+def _check_snapkv(q_window: torch.Tensor, keys: torch.Tensor) -> tuple[int, int, int, int, int]:
+    if q_window.dim() != 3 or keys.dim() != 3 or q_window.shape[2] != keys.shape[2]:
+        raise ValueError(f"snapkv_window_mass: q_window must be [w, Hq, D] and keys [n, Hkv, D]; got "
+                         f"{tuple(q_window.shape)}, {tuple(keys.shape)}")
+    w, hq, d = q_window.shape
+    n, hkv, _ = keys.shape
+    if not 1 <= w <= n:
+        raise ValueError(f"snapkv_window_mass: need 1 <= w <= n, got w={w}, n={n}")
+    return w, hq, n, hkv, d
+
+
+def snapkv_window_mass_torch(q_window: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """SnapKV's votes before pooling. q_window [w, Hq, D] (the prompt's last w queries), keys
+    [n, Hkv, D] -> float32 [Hq, n - w]: window query i (position n - w + i) attends causally
+    with softmax(q·k / sqrt(D)); its probabilities on keys 0 .. n-w-1 summed over the window."""
+    w, hq, n, hkv, d = _check_snapkv(q_window, keys)
+    group = _group(hq, hkv, "snapkv_window_mass")
+    q = q_window.float().transpose(0, 1)  # [Hq, w, D]
+    k = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
+    scores = q @ k.transpose(1, 2) / math.sqrt(d)  # [Hq, w, n]
+    pos = torch.arange(n, device=keys.device)
+    seen = pos.view(1, -1) <= (n - w + torch.arange(w, device=keys.device)).view(-1, 1)  # causal
+    probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+    return probs[:, :, : n - w].sum(1)
+
+
+def snapkv_window_mass_triton(q_window: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Triton version of `snapkv_window_mass_torch`, never materialising [Hq, w, n]: pass 1
+    computes each (head, window row)'s logsumexp over key splits (combined in torch), pass 2
+    sums exp(s - lse) over the window per (KV head, key block), for every head of the group."""
+    w, hq, n, hkv, d = _check_snapkv(q_window, keys)
+    group = _group(hq, hkv, "snapkv_window_mass")
+    _launchable(q_window, keys)
+    out = torch.empty(hq, n - w, dtype=torch.float32, device=keys.device)
+    if n == w:
+        return out
+    mode, kdt = _dot_mode(q_window.dtype, keys.dtype)
+    block_d = _pow2(d, 16)
+    qk_scale = 1.4426950408889634 / math.sqrt(d)
+    block_n = SNAPKV_BLOCK_N
+    split = max(block_n, SNAPKV_SPLIT // block_n * block_n)
+    n_splits = triton.cdiv(n, split)
+    part = torch.empty(hq, w, n_splits, dtype=torch.float32, device=keys.device)
+    row_blocks = triton.cdiv(group * w, SNAPKV_BLOCK_M)
+    snapkv_lse_kernel[(hkv * row_blocks, n_splits)](
+        q_window, keys, part, n, w, d, split, n_splits, qk_scale, *q_window.stride(), *keys.stride(),
+        G=group, MODE=mode, KDT=kdt, BLOCK_M=SNAPKV_BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=SNAPKV_WARPS,
+    )
+    lse = part.logsumexp(-1).contiguous()  # [Hq, w]
+    block_w = min(SNAPKV_BLOCK_W, _pow2(w, 16))
+    snapkv_mass_kernel[(hkv, triton.cdiv(n - w, SNAPKV_BLOCK_K))](
+        q_window, keys, lse, out, n, w, d, qk_scale, *q_window.stride(), *keys.stride(),
+        G=group, MODE=mode, KDT=kdt, BLOCK_W=block_w, BLOCK_K=SNAPKV_BLOCK_K, BLOCK_D=block_d, num_warps=SNAPKV_WARPS,
+    )
+    return out
+
+
+# -- DSA lightning indexer ---------------------------------------------------------------------
+def quantize_fp8_blocks(x: torch.Tensor, pow2_scales: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., Di] (Di a multiple of 128) -> (uint8 [..., Di]: float8_e4m3fn bit patterns,
+    float32 [..., Di // 128]: one scale per 128 values). As DeepSeek's act_quant: amax is
+    clamped to >= 1e-4, scale = amax / 448, rounded up to a power of two with `pow2_scales`
+    (its "ue8m0" scale format, the one V3.2 ships with)."""
+    di = x.shape[-1]
+    if di % FP8_BLOCK:
+        raise ValueError(f"quantize_fp8_blocks: the last dim ({di}) must be a multiple of {FP8_BLOCK}")
+    blocks = x.float().reshape(*x.shape[:-1], di // FP8_BLOCK, FP8_BLOCK)
+    scales = blocks.abs().amax(-1).clamp(min=1e-4) / FP8_MAX
+    if pow2_scales:
+        scales = torch.exp2(torch.ceil(torch.log2(scales)))
+    values = (blocks / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return values.view(torch.uint8).reshape(x.shape), scales
+
+
+def dequantize_fp8_blocks(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Inverse of `quantize_fp8_blocks`: uint8 [..., Di], float32 [..., Di // 128] -> float32 [..., Di]."""
+    if bits.dtype != torch.uint8 or bits.shape[-1] != scales.shape[-1] * FP8_BLOCK or bits.shape[:-1] != scales.shape[:-1]:
+        raise ValueError(f"dequantize_fp8_blocks: need uint8 [..., Di] and float32 [..., Di // {FP8_BLOCK}]; got "
+                         f"{bits.dtype} {tuple(bits.shape)}, {tuple(scales.shape)}")
+    values = bits.view(torch.float8_e4m3fn).float()
+    return values * scales.float().repeat_interleave(FP8_BLOCK, dim=-1)
+
+
+@triton.jit
+def _e4m3_decode(bits, NATIVE: tl.constexpr, DST: tl.constexpr):
+    """float8_e4m3fn bit patterns (uint8) -> DST (every e4m3 value is exact in float32, bf16
+    and fp16). The integer path reads the NaN patterns (0x7f, 0xff) as ±480;
+    `quantize_fp8_blocks` never writes them."""
+    if NATIVE:
+        out = bits.to(tl.float8e4nv, bitcast=True).to(DST)
+    else:
+        x = bits.to(tl.int32)
+        sign = (x >> 7) << 31
+        exp = (x >> 3) & 15
+        mant = x & 7
+        normal = (sign | ((exp + 120) << 23) | (mant << 20)).to(tl.float32, bitcast=True)
+        tiny = mant.to(tl.float32) * 0.001953125  # subnormal: mant · 2^-9
+        out = tl.where(exp == 0, tl.where(sign != 0, -tiny, tiny), normal).to(DST)
+    return out
+
+
+@triton.jit
+def dsa_index_kernel(
+    q_ptr, w_ptr, k_ptr, scale_ptr, slot_ptr, out_ptr,
+    n, H,
+    s_qb, s_qh, s_qd, s_wb, s_wh, s_kr, s_kn, s_kd, s_sr, s_sn, s_sd,
+    DI: tl.constexpr, FP8: tl.constexpr, NATIVE: tl.constexpr, MODE: tl.constexpr, KDT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, STEPS: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """One program: STEPS blocks of BLOCK_N tokens of row b, in a pipelined loop (the head-dim
+    chunks are unrolled, so the token loop is the innermost one)."""
+    b = tl.program_id(0)
+    h = tl.arange(0, BLOCK_H)
+    slot = tl.load(slot_ptr + b).to(tl.int64)
+    wts = tl.load(w_ptr + b * s_wb + h * s_wh, mask=h < H, other=0.0).to(tl.float32)
+    first = tl.program_id(1) * (BLOCK_N * STEPS)
+    for step in tl.range(0, STEPS, num_stages=STAGES):
+        t = first + step * BLOCK_N + tl.arange(0, BLOCK_N)
+        t_ok = t < n
+        k_row = k_ptr + slot * s_kr + t[:, None].to(tl.int64) * s_kn
+        acc = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        for d0 in tl.static_range(0, DI, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            q = tl.load(q_ptr + b * s_qb + h[:, None] * s_qh + d[None, :] * s_qd,
+                        mask=(h[:, None] < H) & (d[None, :] < DI), other=0.0)
+            k = tl.load(k_row + d[None, :] * s_kd, mask=t_ok[:, None] & (d[None, :] < DI), other=0)
+            if FP8:
+                k = _e4m3_decode(k, NATIVE, KDT)
+            part = _dot(q, tl.trans(k.to(KDT)), MODE)
+            if FP8:
+                sc = tl.load(scale_ptr + slot * s_sr + t.to(tl.int64) * s_sn + (d0 // BLOCK_D) * s_sd,
+                             mask=t_ok, other=0.0)
+                part = part * sc[None, :]
+            acc += part
+        score = tl.sum(tl.maximum(acc, 0.0) * wts[:, None], axis=0)
+        tl.store(out_ptr + b * n + t, score, mask=t_ok)
+
+
+def _check_dsa(index_q, weights, index_k, k_scale, slot_ids, n):  # type: ignore[no-untyped-def]
+    if index_q.dim() != 3 or index_k.dim() != 3 or index_q.shape[2] != index_k.shape[2]:
+        raise ValueError(f"dsa_index_scores: index_q must be [B, H, Di] and index_k [R, MAXN, Di]; got "
+                         f"{tuple(index_q.shape)}, {tuple(index_k.shape)}")
+    b, h, di = index_q.shape
+    if weights.shape != (b, h):
+        raise ValueError(f"dsa_index_scores: weights must be [{b}, {h}], got {tuple(weights.shape)}")
+    fp8 = index_k.dtype == torch.uint8
+    if fp8 != (k_scale is not None):
+        raise ValueError("dsa_index_scores: uint8 (fp8 bits) index_k needs k_scale, other dtypes take k_scale=None")
+    if fp8 and (di % FP8_BLOCK or k_scale.shape != (*index_k.shape[:2], di // FP8_BLOCK)):
+        raise ValueError(f"dsa_index_scores: fp8 keys need Di % {FP8_BLOCK} == 0 and k_scale [R, MAXN, Di // "
+                         f"{FP8_BLOCK}]; got Di={di}, k_scale {tuple(k_scale.shape)}")
+    if not 0 <= n <= index_k.shape[1]:
+        raise ValueError(f"dsa_index_scores: n ({n}) must be in [0, {index_k.shape[1]}]")
+    _check_rows(slot_ids, b, "dsa_index_scores")
+    return b, h, di, fp8
+
+
+def dsa_index_scores_torch(
+    index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, k_scale: torch.Tensor | None,
+    slot_ids: torch.Tensor, n: int,
+) -> torch.Tensor:
+    """DSA lightning-indexer scores. index_q [B, H, Di] (bf16/fp16/float32); weights float32
+    [B, H]; index_k [R, MAXN, Di] (bf16/fp16/float32, k_scale None) or uint8 fp8 e4m3fn bits
+    with k_scale float32 [R, MAXN, Di // 128]; slot_ids int64 [B] -> float32 [B, n]:
+    score[b, s] = Σ_h weights[b, h] · ReLU(index_q[b, h] · k[slot_b, s]) in float32."""
+    _check_dsa(index_q, weights, index_k, k_scale, slot_ids, n)
+    rows = index_k[slot_ids, :n]
+    k = dequantize_fp8_blocks(rows, k_scale[slot_ids, :n]) if k_scale is not None else rows.float()
+    logits = torch.einsum("bhd,bnd->bhn", index_q.float(), k)  # [B, H, n]
+    return (logits.relu() * weights.float().unsqueeze(-1)).sum(1)
+
+
+def _fp8_native(device: torch.device) -> bool:
+    if FP8_DECODE != "auto":
+        return FP8_DECODE == "native"
+    if device.type != "cuda":
+        return True  # the interpreter converts fp8e4nv
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def dsa_index_scores_triton(
+    index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, k_scale: torch.Tensor | None,
+    slot_ids: torch.Tensor, n: int,
+) -> torch.Tensor:
+    """Triton version of `dsa_index_scores_torch`: per (row, block of tokens) the [H, Di] x
+    [Di, BLOCK_N] dot, per 128-value block scaled for fp8 keys, ReLU, weighted head sum."""
+    b, h, di, fp8 = _check_dsa(index_q, weights, index_k, k_scale, slot_ids, n)
+    _launchable(index_q, weights, index_k, slot_ids, *([k_scale] if fp8 else []))
+    out = torch.empty(b, n, dtype=torch.float32, device=index_q.device)
+    if out.numel() == 0:
+        return out
+    scale = k_scale if fp8 else weights  # any tensor: unused without fp8
+    block_d = FP8_BLOCK if fp8 else min(FP8_BLOCK, _pow2(di, 16))
+    block_n, steps, stages, warps = DSA_TUNING["fp8" if fp8 else "16bit"]
+    mode, kdt = _dot_mode(index_q.dtype, index_k.dtype)
+    steps = max(1, min(steps, triton.cdiv(n, block_n)))
+    grid = (b, triton.cdiv(n, block_n * steps))
+    dsa_index_kernel[grid](
+        index_q, weights, index_k, scale, slot_ids, out, n, h,
+        *index_q.stride(), *weights.stride(), *index_k.stride(), *(scale.stride() if fp8 else (0, 0, 0)),
+        DI=di, FP8=fp8, NATIVE=fp8 and _fp8_native(index_q.device), MODE=mode, KDT=kdt,
+        BLOCK_H=_pow2(h, 16), BLOCK_D=block_d, BLOCK_N=block_n, STEPS=steps, STAGES=stages, num_warps=warps,
+    )
+    return out

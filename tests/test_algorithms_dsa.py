@@ -1,0 +1,181 @@
+"""DSA: indexer keys stored as given (bf16) or block-quantised (FP8), index scores and the
+exact-keys oracle against direct re-computations, selections within the budget."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparse_framework import ConfigError, KVLayout, Request
+from sparse_framework.algorithms.dsa import DSA
+from sparse_framework.config import load_config
+from sparse_framework.kernels.scoring import dequantize_fp8_blocks, quantize_fp8_blocks
+from helpers import batch_of
+
+MAX_REQUESTS, MAX_SEQ_LEN = 4, 96
+
+
+def make(extra: dict, hk: int = 1, d: int = 8, top_k: int = 16, sink: int = 0, recent: int = 0) -> DSA:
+    cfg = load_config({"algorithm": "dsa", "top_k": top_k, "sink_tokens": sink, "recent_tokens": recent,
+                       "min_sparse_prompt_len": 0, "device_buffer_tokens": 4096, "extra": extra})
+    return DSA(cfg, KVLayout(num_layers=2, num_kv_heads=hk, head_dim=d), MAX_REQUESTS, MAX_SEQ_LEN)
+
+
+def requests(lens: list[int], gen: torch.Generator) -> list[Request]:
+    slots = torch.randperm(MAX_REQUESTS, generator=gen)[: len(lens)].tolist()
+    return [Request(f"r{i}", n, seq_len=n, slot=s) for i, (n, s) in enumerate(zip(lens, slots))]
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Σ_h w_h ReLU(q_h · k_s) by loops in float64: q [H, Di], w [H], k [n, Di] -> [n]."""
+    out = torch.zeros(k.shape[0], dtype=torch.float64)
+    for h in range(q.shape[0]):
+        out += w[h].double() * (k.double() @ q[h].double()).clamp(min=0)
+    return out
+
+
+def feed(algo: DSA, reqs: list[Request], heads: int, dim: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """Build every request's layer 1 from prompt indexer keys; returns them (float32)."""
+    keys = []
+    for r in reqs:
+        k = torch.randn(r.seq_len, dim, generator=gen)
+        algo.build(1, r, torch.randn(r.seq_len, algo.layout.num_kv_heads, algo.layout.head_dim), inputs={"index_k": k})
+        keys.append(k)
+    return keys
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    heads=st.integers(1, 5),
+    dim=st.sampled_from([16, 32]),
+    lens=st.lists(st.integers(2, 60), min_size=1, max_size=MAX_REQUESTS),
+    seed=st.integers(0, 2**16),
+)
+def test_bf16_index_scores_match_the_formula(heads, dim, lens, seed) -> None:
+    g = torch.Generator().manual_seed(seed)
+    algo = make({"index_heads": heads, "index_dim": dim, "key_dtype": "bfloat16"})
+    assert algo.decode_inputs == {"index_q": (heads, dim), "index_weights": (heads,), "index_k": (dim,)}
+    reqs = requests(lens, g)
+    keys = feed(algo, reqs, heads, dim, g)
+    q, w = torch.randn(len(reqs), heads, dim, generator=g), torch.rand(len(reqs), heads, generator=g)
+    batch = batch_of(reqs)
+    scores = algo.score(1, torch.randn(len(reqs), 2, 8), batch, inputs={"index_q": q, "index_weights": w})
+    assert scores.shape == (len(reqs), 1, max(lens))
+    for i, (r, k) in enumerate(zip(reqs, keys)):
+        assert torch.equal(algo.index_k[1, r.slot, : r.seq_len], k.bfloat16())  # the representation
+        want = index_scores(q[i], w[i], k.bfloat16().float())
+        torch.testing.assert_close(scores[i, 0, : r.seq_len].double(), want, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=15, deadline=None)
+@given(heads=st.integers(1, 4), lens=st.lists(st.integers(2, 40), min_size=1, max_size=3), seed=st.integers(0, 2**16))
+def test_fp8_scores_use_quantised_queries_and_keys(heads, lens, seed) -> None:
+    """FP8: keys are stored as e4m3 bits plus a power-of-two scale per 128 values, and the
+    score is the formula over the dequantised query and key (the original quantises both)."""
+    g = torch.Generator().manual_seed(seed)
+    algo = make({"index_heads": heads, "index_dim": 128})
+    reqs = requests(lens, g)
+    keys = feed(algo, reqs, heads, 128, g)
+    q, w = torch.randn(len(reqs), heads, 128, generator=g), torch.rand(len(reqs), heads, generator=g)
+    scores = algo.score(1, torch.randn(len(reqs), 1, 8), batch_of(reqs), inputs={"index_q": q, "index_weights": w})
+    deq_q = dequantize_fp8_blocks(*quantize_fp8_blocks(q))
+    for i, (r, k) in enumerate(zip(reqs, keys)):
+        stored = dequantize_fp8_blocks(algo.index_k[1, r.slot, : r.seq_len], algo.k_scale[1, r.slot, : r.seq_len])
+        scale = algo.k_scale[1, r.slot, : r.seq_len]
+        assert torch.equal(scale, 2.0 ** scale.log2().round())  # ue8m0: powers of two
+        assert float(((stored - k).abs() / k.abs().amax(-1, keepdim=True)).max()) < 1 / 8  # e4m3: 3 mantissa bits
+        want = index_scores(deq_q[i], w[i], stored)
+        torch.testing.assert_close(scores[i, 0, : r.seq_len].double(), want, rtol=1e-5, atol=1e-4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    hk=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 3]),
+    lens=st.lists(st.integers(2, 60), min_size=1, max_size=MAX_REQUESTS),
+    steps=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_exact_mode_scores_each_groups_attention_mass(hk, group, lens, steps, seed) -> None:
+    """source=keys: per KV head, Σ over its query heads of softmax(q·k/√d) over the stored
+    tokens (every token but the newest, which `append` adds after `select`)."""
+    g = torch.Generator().manual_seed(seed)
+    d = 8
+    algo = make({"source": "keys"}, hk=hk, d=d)
+    assert algo.per_kv_head == (hk > 1) and algo.decode_inputs == {}
+    reqs = requests(lens, g)
+    history = []
+    for r in reqs:
+        k = torch.randn(r.seq_len, hk, d, generator=g)
+        algo.build(0, r, k)
+        history.append(k)
+    for _ in range(steps):  # decode steps append one key per request
+        for r in reqs:
+            r.seq_len += 1
+        new = torch.randn(len(reqs), hk, d, generator=g)
+        algo.append(0, batch_of(reqs), new)
+        history = [torch.cat([h, new[i : i + 1]]) for i, h in enumerate(history)]
+    for r in reqs:  # the step being decoded: its token is not stored yet
+        r.seq_len += 1
+    q = torch.randn(len(reqs), hk * group, d, generator=g)
+    scores = algo.score(0, q, batch_of(reqs))
+    for i, (r, k) in enumerate(zip(reqs, history)):
+        for j in range(hk):
+            mass = torch.zeros(k.shape[0], dtype=torch.float64)
+            for h in range(j * group, (j + 1) * group):
+                mass += (k[:, j].double() @ q[i, h].double() / math.sqrt(d)).softmax(0)
+            torch.testing.assert_close(scores[i, j, : k.shape[0]].double(), mass, rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    top_k=st.integers(1, 40),
+    sink=st.integers(0, 6),
+    recent=st.integers(0, 10),
+    lens=st.lists(st.integers(2, 80), min_size=1, max_size=MAX_REQUESTS),
+    seed=st.integers(0, 2**16),
+)
+def test_selection_is_the_index_top_k_plus_sink_recent_and_newest(top_k, sink, recent, lens, seed) -> None:
+    g = torch.Generator().manual_seed(seed)
+    heads, dim = 3, 16
+    algo = make({"index_heads": heads, "index_dim": dim, "key_dtype": "bfloat16"}, top_k=top_k, sink=sink, recent=recent)
+    reqs = requests(lens, g)
+    keys = feed(algo, reqs, heads, dim, g)
+    q, w = torch.randn(len(reqs), heads, dim, generator=g), torch.rand(len(reqs), heads, generator=g)
+    batch = batch_of(reqs)
+    sel = algo.select(1, torch.randn(len(reqs), 1, 8), batch, inputs={"index_q": q, "index_weights": w})
+    sel.validate(batch.seq_lens)
+    assert sel.indices.shape[-1] <= DSA.max_selected_tokens(algo.config)
+    for i, (r, k) in enumerate(zip(reqs, keys)):
+        n = r.seq_len
+        chosen = set(sel.indices[i, 0, : sel.lengths[i, 0]].tolist())
+        forced = set(range(min(sink, n))) | set(range(max(0, n - recent), n)) | {n - 1}
+        assert forced <= chosen
+        rest = set(range(n)) - forced
+        picked = chosen - forced
+        assert len(picked) == min(top_k, len(rest))
+        score = index_scores(q[i], w[i], k.bfloat16().float())
+        if picked and rest - picked:
+            assert min(score[list(picked)]) >= max(score[list(rest - picked)]) - 1e-5
+
+
+def test_clear_errors() -> None:
+    with pytest.raises(ConfigError, match="multiple of 128"):
+        load_config({"algorithm": "dsa", "extra": {"index_dim": 64}})
+    with pytest.raises(ConfigError, match="source"):
+        load_config({"algorithm": "dsa", "extra": {"source": "oracle"}})
+    assert load_config({"algorithm": "dsa", "extra": {"index_dim": 64, "key_dtype": "bfloat16"}}).top_k == 2048
+
+
+def test_representation_bytes() -> None:
+    layout = KVLayout(num_layers=1, num_kv_heads=8, head_dim=128)
+    fp8 = load_config({"algorithm": "dsa"})
+    bf16 = load_config({"algorithm": "dsa", "extra": {"key_dtype": "bfloat16"}})
+    exact = load_config({"algorithm": "dsa", "extra": {"source": "keys"}})
+    assert DSA.representation_bytes_per_token(layout, fp8) == 128 + 4
+    assert DSA.representation_bytes_per_token(layout, bf16) == 256
+    assert DSA.representation_bytes_per_token(layout, exact) == layout.row_bytes

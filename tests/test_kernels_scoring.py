@@ -1,0 +1,351 @@
+"""Scoring kernels (kernels/scoring.py): the torch references against direct float64
+re-computations and against what the algorithms compute; the Triton versions against the
+references, interpreted on the CPU (in a subprocess) and on CUDA (`-m gpu`)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import batch_of
+from sparse_framework import KVLayout, Request, load_config
+from sparse_framework.algorithms.base import reduce_groups
+from sparse_framework.algorithms.pqcache import PQCache
+from sparse_framework.algorithms.quest import Quest
+from sparse_framework.algorithms.snapkv import SnapKVOptions, snapkv_votes
+from sparse_framework.kernels import scoring as sc
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def combine(per_head: list[torch.Tensor], how: str) -> torch.Tensor:
+    """A group's per-query-head float64 rows -> one row, by `how`."""
+    stack = torch.stack(per_head)
+    return {"max": stack.amax(0), "sum": stack.sum(0), "mean": stack.sum(0) / len(per_head)}[how]
+
+
+def close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    err = float((got.double() - want.double()).abs().max()) if want.numel() else 0.0
+    assert err <= tol * max(1.0, scale), (err, scale)
+
+
+shapes = dict(b=st.integers(1, 3), hkv=st.integers(1, 4), group=st.integers(1, 4), d=st.sampled_from([16, 32, 64]),
+              how=st.sampled_from(["max", "sum", "mean"]), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16))
+
+
+# -- torch references vs direct float64 re-computations -----------------------------------------
+@settings(deadline=None, max_examples=20)
+@given(n_pages=st.integers(0, 45), **shapes)
+def test_quest_reference(b, hkv, group, d, how, dtype, seed, n_pages) -> None:
+    g = torch.Generator().manual_seed(seed)
+    r, maxp = b + 1, n_pages + 3
+    x, y = torch.randn(2, r, hkv, maxp, d, generator=g)
+    lo, hi = torch.minimum(x, y).to(dtype), torch.maximum(x, y).to(dtype)
+    q = torch.randn(b, hkv * group, d, generator=g).to(dtype)
+    slots = torch.randperm(r, generator=g)[:b]
+    got = sc.quest_scores_torch(q, lo, hi, slots, n_pages, how)
+    want = torch.zeros(b, hkv, n_pages, dtype=torch.float64)
+    for i in range(b):
+        for j in range(hkv):
+            rows = []
+            for h in range(j * group, (j + 1) * group):
+                qd = q[i, h].double()
+                pick = torch.where(qd >= 0, hi[slots[i], j, :n_pages].double(), lo[slots[i], j, :n_pages].double())
+                rows.append((pick * qd).sum(-1))  # the larger of q·min and q·max per dim
+            want[i, j] = combine(rows, how)
+    close(got, want, 1e-5)
+
+
+@settings(deadline=None, max_examples=20)
+@given(n=st.integers(0, 300), m=st.sampled_from([1, 2, 4]), bits=st.integers(1, 8), **shapes)
+def test_pqcache_reference(b, hkv, group, d, how, dtype, seed, n, m, bits) -> None:
+    g = torch.Generator().manual_seed(seed)
+    r, k, sub = b + 1, 2**bits, d // m
+    books = torch.randn(r, hkv, m, k, sub, generator=g)
+    codes = torch.randint(0, k, (r, hkv, n + 5, m), generator=g).to(torch.uint8)
+    q = torch.randn(b, hkv * group, d, generator=g).to(dtype)
+    slots = torch.randperm(r, generator=g)[:b]
+    got = sc.pqcache_scores_torch(q, books, codes, slots, n, how)
+    per_head = sc.pqcache_scores_torch(q, books, codes, slots, n, "none")  # [B, Hkv, G, n]
+    assert per_head.shape == (b, hkv, group, n)
+    close(reduce_groups(per_head.flatten(1, 2), hkv, how), got.double(), 1e-5)
+    want = torch.zeros(b, hkv, n, dtype=torch.float64)
+    for i in range(b):
+        s = int(slots[i])
+        for j in range(hkv):
+            rows = []
+            for h in range(j * group, (j + 1) * group):
+                total = torch.zeros(n, dtype=torch.float64)
+                for mm in range(m):
+                    centroids = books[s, j, mm][codes[s, j, :n, mm].long()].double()  # [n, sub]
+                    total += centroids @ q[i, h, mm * sub : (mm + 1) * sub].double()
+                rows.append(total)
+            want[i, j] = combine(rows, how)
+    close(got, want, 1e-5)
+
+
+@settings(deadline=None, max_examples=20)
+@given(n=st.integers(1, 90), w=st.integers(1, 40), hkv=shapes["hkv"], group=shapes["group"], d=shapes["d"],
+       dtype=shapes["dtype"], seed=shapes["seed"])
+def test_snapkv_reference(n, w, hkv, group, d, dtype, seed) -> None:
+    w = min(w, n)
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(n, hkv, d, generator=g).to(dtype)
+    qw = torch.randn(w, hkv * group, d, generator=g).to(dtype)
+    got = sc.snapkv_window_mass_torch(qw, keys)
+    want = torch.zeros(hkv * group, n - w, dtype=torch.float64)
+    for h in range(hkv * group):
+        k = keys[:, h // group].double()
+        for i in range(w):
+            seen = n - w + i + 1
+            p = torch.exp(k[:seen] @ qw[i, h].double() / math.sqrt(d))
+            want[h] += (p / p.sum())[: n - w]
+    close(got, want, 1e-5)
+
+
+@settings(deadline=None, max_examples=20)
+@given(b=shapes["b"], h=st.integers(1, 8), blocks=st.integers(1, 2), n=st.integers(0, 100),
+       kind=st.sampled_from(["float32", "bfloat16", "fp8"]), seed=shapes["seed"])
+def test_dsa_reference(b, h, blocks, n, kind, seed) -> None:
+    g = torch.Generator().manual_seed(seed)
+    r, di = b + 1, 128 * blocks
+    iq = torch.randn(b, h, di, generator=g).to(torch.float32 if kind == "float32" else torch.bfloat16)
+    wts = torch.randn(b, h, generator=g)
+    raw = torch.randn(r, n + 3, di, generator=g) * 2
+    if kind == "fp8":
+        keys, scale = sc.quantize_fp8_blocks(raw)
+        plain = keys.view(torch.float8_e4m3fn).double() * scale.double().repeat_interleave(128, -1)
+    else:
+        keys, scale = raw.to(getattr(torch, kind)), None
+        plain = keys.double()
+    slots = torch.randperm(r, generator=g)[:b]
+    got = sc.dsa_index_scores_torch(iq, wts, keys, scale, slots, n)
+    want = torch.zeros(b, n, dtype=torch.float64)
+    for i in range(b):
+        for hh in range(h):
+            want[i] += wts[i, hh].double() * (plain[slots[i], :n] @ iq[i, hh].double()).clamp(min=0)
+    close(got, want, 1e-5)
+
+
+@settings(deadline=None, max_examples=20)
+@given(shape=st.sampled_from([(3, 128), (2, 5, 256), (1, 384)]), spread=st.floats(-20, 20), seed=shapes["seed"])
+def test_fp8_round_trip(shape, spread, seed) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g) * 2) * 2**spread
+    bits, scales = sc.quantize_fp8_blocks(x)
+    assert bits.dtype == torch.uint8 and bits.shape == x.shape and scales.shape == (*shape[:-1], shape[-1] // 128)
+    back = sc.dequantize_fp8_blocks(bits, scales)
+    step = scales.repeat_interleave(128, -1)
+    err = (back - x).abs()
+    normal = x.abs() >= step * 2**-6  # e4m3's normal range after scaling
+    assert bool((err[normal] < x.abs()[normal] / 16).all())
+    assert bool((err <= step * 2**-10 + x.abs() / 16).all())  # subnormals: half a step of 2^-9
+    zeros = torch.zeros(2, 128)
+    zb, zs = sc.quantize_fp8_blocks(zeros)
+    assert bool((zs > 0).all()) and torch.equal(sc.dequantize_fp8_blocks(zb, zs), zeros)
+
+
+# -- the references are what the algorithms compute ----------------------------------------------
+@pytest.mark.parametrize("how", ["max", "sum", "mean"])
+def test_references_equal_the_algorithms(how) -> None:
+    g = torch.Generator().manual_seed(5)
+    reqs = [Request("a", 70, seq_len=70, slot=2), Request("b", 33, seq_len=33, slot=0)]
+    batch = batch_of(reqs)
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
+    common = {"top_k": 32, "page_size": 4, "min_sparse_prompt_len": 0, "device_buffer_tokens": 512}
+    quest = Quest(load_config({**common, "algorithm": "quest", "extra": {"gqa_reduce": how}}), layout, 3, 128)
+    pq = PQCache(load_config({**common, "algorithm": "pqcache", "extra": {"gqa_reduce": how, "iterations": 3}}),
+                 layout, 3, 128)
+    for r in reqs:
+        keys = torch.randn(r.seq_len, 2, 16, generator=g).to(torch.bfloat16)
+        quest.build(1, r, keys)
+        pq.build(1, r, keys)
+    q = torch.randn(2, 6, 16, generator=g).to(torch.bfloat16)
+    for r in reqs:  # the step being decoded (its token is not in the representations yet)
+        r.seq_len += 1
+    batch = batch_of(reqs)
+    # PQCache.score: each query head's softmax of the kernel's logits / √d, then the group's reduce
+    logits = sc.pqcache_scores_torch(q, pq.codebooks[1], pq.codes[1], batch.slot_ids, 71, "none")
+    want = pq.score(1, q, batch)
+    for i, r in enumerate(reqs):
+        n = r.seq_len - 1
+        probs = (logits[i, :, :, :n].double() / 4).softmax(-1).flatten(0, 1).unsqueeze(0)
+        close(want[i, :, :n], reduce_groups(probs, 2, how)[0], 1e-5)
+    keys, queries = torch.randn(50, 2, 16, generator=g), torch.randn(50, 6, 16, generator=g)
+    votes = snapkv_votes(keys, queries, SnapKVOptions(window=12, kernel_size=1, gqa_reduce=how))
+    mass = sc.snapkv_window_mass_torch(queries[-12:], keys)
+    assert torch.equal(reduce_groups(mass.unsqueeze(0), 2, how)[0], votes)
+
+
+def test_bad_arguments_are_refused_with_clear_errors() -> None:
+    q, pages, slots = torch.randn(1, 4, 16), torch.randn(2, 2, 8, 16), torch.tensor([1])
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        sc.quest_scores_torch(q, pages, pages, slots, 4, "median")
+    with pytest.raises(ValueError, match="n_pages"):
+        sc.quest_scores_torch(q, pages, pages, slots, 9)
+    with pytest.raises(ValueError, match="not a multiple"):
+        sc.quest_scores_torch(torch.randn(1, 3, 16), pages, pages, slots, 4)
+    with pytest.raises(ValueError, match="w <= n"):
+        sc.snapkv_window_mass_torch(torch.randn(5, 2, 16), torch.randn(4, 1, 16))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        sc.quantize_fp8_blocks(torch.randn(2, 100))
+    with pytest.raises(ValueError, match="needs k_scale"):
+        sc.dsa_index_scores_torch(torch.randn(1, 2, 128), torch.randn(1, 2), torch.zeros(1, 4, 128, dtype=torch.uint8),
+                                  None, slots.clamp(max=0), 4)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(RuntimeError, match="CUDA"):
+            sc.quest_scores_triton(q, pages, pages, slots, 4)
+
+
+# -- Triton vs torch, interpreted on the CPU -----------------------------------------------------
+INTERPRETED = r"""
+import torch
+from sparse_framework.kernels import scoring as sc
+
+g = torch.Generator().manual_seed(0)
+def rnd(*shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=g).to(dtype)
+def check(got, want, tol, what):
+    assert got.dtype == torch.float32 and got.shape == want.shape, (what, got.shape, want.shape)
+    if want.numel():
+        err, scale = float((got - want).abs().max()), float(want.abs().max())
+        assert err <= tol * max(1.0, scale), (what, err, scale)
+def tol(dt):
+    return 1e-4 if dt == torch.float32 else 1e-3
+
+for dt in (torch.float32, torch.bfloat16):
+    for b, r, hkv, grp, d, maxp, n_pages, how in [(2, 3, 2, 2, 16, 40, 37, "max"), (1, 2, 1, 3, 24, 10, 10, "mean"),
+                                                   (3, 3, 2, 1, 64, 200, 133, "sum")]:
+        x, y = rnd(r, hkv, maxp, d), rnd(r, hkv, maxp, d)
+        lo, hi, q = torch.minimum(x, y).to(dt), torch.maximum(x, y).to(dt), rnd(b, hkv * grp, d, dtype=dt)
+        slots = torch.randperm(r, generator=g)[:b]
+        args = (q, lo, hi, slots, n_pages, how)
+        check(sc.quest_scores_triton(*args), sc.quest_scores_torch(*args), tol(dt), ("quest", dt, d))
+    for b, r, hkv, grp, m, k, sub, maxn, n, how in [(2, 3, 2, 2, 2, 64, 8, 700, 613, "sum"), (1, 2, 3, 1, 4, 16, 4, 50, 50, "max"),
+                                                     (2, 2, 1, 3, 3, 256, 5, 40, 33, "mean"),
+                                                     (2, 3, 2, 3, 2, 64, 8, 300, 257, "none")]:
+        books = rnd(r, hkv, m, k, sub)
+        codes = torch.randint(0, k, (r, hkv, maxn, m), generator=g).to(torch.uint8)
+        args = (rnd(b, hkv * grp, m * sub, dtype=dt), books, codes, torch.randperm(r, generator=g)[:b], n, how)
+        check(sc.pqcache_scores_triton(*args), sc.pqcache_scores_torch(*args), tol(dt), ("pqcache", dt, m))
+
+sc.SNAPKV_SPLIT = 64  # several key splits per row even at these lengths
+for qdt, kdt in [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.float16,) * 2, (torch.float32, torch.bfloat16)]:
+    for w, hkv, grp, d, n in [(8, 2, 2, 16, 150), (20, 1, 3, 32, 20), (32, 2, 4, 64, 97), (5, 1, 1, 8, 6), (40, 1, 2, 16, 60)]:
+        args = (rnd(w, hkv * grp, d, dtype=qdt), rnd(n, hkv, d, dtype=kdt))
+        check(sc.snapkv_window_mass_triton(*args), sc.snapkv_window_mass_torch(*args), tol(kdt), ("snapkv", qdt, kdt, w, n))
+
+for kind in ("float32", "bfloat16", "float16", "fp8-native", "fp8-arith", "fp8-half", "fp8-q32"):
+    qdt = {"float32": torch.float32, "float16": torch.float16, "fp8-half": torch.float16,
+           "fp8-q32": torch.float32}.get(kind, torch.bfloat16)
+    sc.FP8_DECODE = "arith" if kind == "fp8-arith" else "native"
+    for b, r, h, di, maxn, n in [(2, 3, 8, 128, 150, 130), (1, 1, 64, 256, 70, 70), (2, 2, 5, 24, 40, 17)]:
+        raw = rnd(r, maxn, di) * 3
+        if kind.startswith("fp8"):
+            if di % 128:
+                continue
+            keys, scale = sc.quantize_fp8_blocks(raw)
+        else:
+            keys, scale = raw.to(getattr(torch, kind)), None
+        args = (rnd(b, h, di, dtype=qdt), torch.rand(b, h, generator=g), keys, scale, torch.randperm(r, generator=g)[:b], n)
+        check(sc.dsa_index_scores_triton(*args), sc.dsa_index_scores_torch(*args), tol(qdt), ("dsa", kind, di))
+
+# every finite e4m3 pattern, through both decoders: row i (weights one-hot on head i, q_i = e_i)
+# scores relu(k_t[i]); token 0 holds the patterns 0..127, token 1 the negative ones 128..255
+bits = torch.arange(256, dtype=torch.uint8).view(2, 128)
+bits[0, 127] = bits[1, 127] = 0  # the two NaN patterns
+scale = torch.ones(1, 2, 1)
+eye = torch.eye(128)
+want = sc.dsa_index_scores_torch(eye.unsqueeze(0).expand(128, -1, -1).contiguous(), eye, bits.unsqueeze(0), scale,
+                                 torch.zeros(128, dtype=torch.long), 2)
+assert torch.equal(want[:, 0], bits[0].view(torch.float8_e4m3fn).float()) and not want[:, 1].any()
+for mode in ("native", "arith"):
+    sc.FP8_DECODE = mode
+    got = sc.dsa_index_scores_triton(eye.unsqueeze(0).expand(128, -1, -1).contiguous(), eye, bits.unsqueeze(0), scale,
+                                     torch.zeros(128, dtype=torch.long), 2)
+    assert torch.equal(got, want), mode
+
+x = rnd(3, 256) * 10
+back = sc.dequantize_fp8_blocks(*sc.quantize_fp8_blocks(x))
+big = x.abs() > x.abs().amax(-1, keepdim=True) / 448 * 2**-6
+assert bool(((back - x).abs()[big] < x.abs()[big] / 16).all())
+print("interpreted ok")
+"""
+
+
+def test_triton_kernels_interpreted_match_the_references() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "interpreted ok" in done.stdout
+
+
+# -- Triton vs torch on CUDA ---------------------------------------------------------------------
+def _gpu_close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
+    close(got.cpu(), want.cpu(), tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("how", ["max", "sum", "mean"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_quest_and_pqcache(dtype, how) -> None:
+    g = torch.Generator(device="cuda").manual_seed(1)
+    b, r, hkv, grp, d, maxp = 4, 6, 8, 4, 128, 1100
+    x, y = torch.randn(2, r, hkv, maxp, d, device="cuda", generator=g)
+    lo, hi = torch.minimum(x, y).to(dtype), torch.maximum(x, y).to(dtype)
+    q = torch.randn(b, hkv * grp, d, device="cuda", generator=g).to(dtype)
+    slots = torch.randperm(r, device="cuda", generator=g)[:b]
+    args = (q, lo, hi, slots, 1031, how)
+    _gpu_close(sc.quest_scores_triton(*args), sc.quest_scores_torch(*args), 1e-4)
+    books = torch.randn(r, hkv, 2, 64, 64, device="cuda", generator=g)
+    codes = torch.randint(0, 64, (r, hkv, 20000, 2), device="cuda", generator=g).to(torch.uint8)
+    args = (q, books, codes, slots, 17001, how)
+    _gpu_close(sc.pqcache_scores_triton(*args), sc.pqcache_scores_torch(*args), 1e-4)
+    args = (q, books, codes, slots, 17001, "none")  # every query head, as PQCache.score asks
+    _gpu_close(sc.pqcache_scores_triton(*args), sc.pqcache_scores_torch(*args), 1e-4)
+
+
+@pytest.mark.parametrize("q_dtype,k_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.float16, torch.float16), (torch.float32, torch.bfloat16),
+                                             (torch.bfloat16, torch.float32)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_snapkv(q_dtype, k_dtype) -> None:
+    """Every dot mode: 16-bit, float32 queries split over bf16 keys, tf32x3."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for w, n in [(32, 5000), (7, 3001)]:
+        qw = torch.randn(w, 32, 128, device="cuda", generator=g).to(q_dtype)
+        keys = torch.randn(n, 8, 128, device="cuda", generator=g).to(k_dtype)
+        _gpu_close(sc.snapkv_window_mass_triton(qw, keys), sc.snapkv_window_mass_torch(qw, keys), 1e-4)
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "fp8-native", "fp8-arith"])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_dsa(kind, q_dtype, monkeypatch) -> None:
+    g = torch.Generator(device="cuda").manual_seed(3)
+    b, r, h, di, maxn, n = 4, 6, 64, 256, 9000, 8191
+    iq = torch.randn(b, h, di, device="cuda", generator=g).to(q_dtype)
+    raw = torch.randn(r, maxn, di, device="cuda", generator=g)
+    if kind.startswith("fp8"):
+        if kind == "fp8-native" and torch.cuda.get_device_capability() < (8, 9):
+            pytest.skip("fp8e4nv needs sm_89+")
+        monkeypatch.setattr(sc, "FP8_DECODE", kind[4:])
+        keys, scale = sc.quantize_fp8_blocks(raw)
+    else:
+        keys, scale = raw.to(getattr(torch, kind)), None
+    args = (iq, torch.rand(b, h, device="cuda", generator=g), keys, scale,
+            torch.randperm(r, device="cuda", generator=g)[:b], n)
+    _gpu_close(sc.dsa_index_scores_triton(*args), sc.dsa_index_scores_torch(*args), 1e-4)
