@@ -26,7 +26,7 @@ def check_small(cfg: SparseConfig) -> None:
     assert cfg.algorithm_class is Quest
     assert cfg.backend_class is TorchRefBackend
     assert cfg.adaptor_name == "flash_attention"  # the backend's metadata format by default
-    assert isinstance(cfg.extra_config, QuestOptions) and cfg.extra_config.gqa_reduce == "max"
+    assert isinstance(cfg.extra_config, QuestOptions) and cfg.extra_config.gqa_reduce == "sum"
 
 
 def config_error(source) -> str:
@@ -203,7 +203,7 @@ def test_schema_has_quest_extra_and_algorithm_enum():
     quest = schema["$defs"]["extra_quest"]
     assert quest["additionalProperties"] is False
     assert quest["properties"]["gqa_reduce"]["enum"] == ["max", "sum", "mean"]
-    assert quest["properties"]["gqa_reduce"]["default"] == "max"
+    assert quest["properties"]["gqa_reduce"]["default"] == "sum"
     rule = {
         "if": {"properties": {"algorithm": {"const": "quest"}}},
         "then": {"properties": {"extra": {"$ref": "#/$defs/extra_quest"}}},
