@@ -331,3 +331,25 @@ def test_mla_layout_latent_rows_and_dense_equality() -> None:
                 ref = dense_reference(q[i], lat, lat[..., :16])
                 assert torch.allclose(out[i].double(), ref, atol=1e-5)
         coord.forward_end(batch)
+
+
+def test_model_input_errors_name_the_input_and_the_shape() -> None:
+    coord = make({"algorithm": "dsa", "extra": {"index_heads": 4, "index_dim": 16, "key_dtype": "bfloat16"}})
+    r = Request("a", 20)
+    coord.on_request_begin(r)
+    batch = Batch([r], is_prefill=True)
+    coord.forward_begin(batch)
+    q, k, v = torch.randn(20, 4, 8), torch.randn(20, 2, 8), torch.randn(20, 2, 8)
+    with pytest.raises(ValueError, match=r"needs the model input\(s\) index_k \[tokens, 16\]"):
+        coord.attention_begin(0, q, k, v, batch)
+    with pytest.raises(ValueError, match=r"takes no input\(s\) \['index_x'\]; it takes: index_k, index_q, index_weights"):
+        coord.attention_begin(0, q, k, v, batch, {"index_k": torch.randn(20, 16), "index_x": torch.randn(20, 16)})
+    with pytest.raises(ValueError, match=r"input 'index_k' of algorithm 'dsa' must be \[20, 16\], got \[20, 8\]"):
+        coord.attention_begin(0, q, k, v, batch, {"index_k": torch.randn(20, 8)})
+    quest = make()  # takes no model inputs
+    rq = Request("b", 20)
+    quest.on_request_begin(rq)
+    qb = Batch([rq], is_prefill=True)
+    quest.forward_begin(qb)
+    with pytest.raises(ValueError, match="it takes: none"):
+        quest.attention_begin(0, q, k, v, qb, {"index_k": torch.randn(20, 16)})
