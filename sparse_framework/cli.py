@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from . import registry
+from .algorithms.base import dense_layer_set
 from .config import config_schema, load_config, read_json_object, validate
 from .engine.loop import RequestResult, run_experiment
 from .engine.workload import WorkloadConfig
@@ -144,6 +145,14 @@ def _run(args: argparse.Namespace) -> int:
     workload = _workload(args)
     if args.json:
         _check_parent(args.json, "--json")
+    for cfg in configs:
+        dense = dense_layer_set(cfg, workload.num_layers)
+        if len(dense) == workload.num_layers:
+            console.print(
+                f"[yellow]note:[/] {cfg.algorithm} top_k={cfg.top_k}: every layer of the {workload.num_layers}-layer "
+                f"workload attends densely (dense_layers {sorted(cfg.dense_layers)} plus the algorithm's own: "
+                f"{sorted(dense)}); for Quest set extra.dense_first_layers to 0, or raise num_layers in --workload"
+            )
     results: list[RequestResult] = []
     total = len(configs) * workload.decode_steps
     with Progress(

@@ -113,3 +113,11 @@ def test_run_on_cuda_without_cuda_is_a_clear_error(capsys) -> None:
 def test_schema_into_a_missing_directory_is_a_clear_error(capsys) -> None:
     assert main(["schema", "--output", "/nonexistent/dir/s.json"]) == 2
     assert "does not exist" in capsys.readouterr().out
+
+
+def test_run_notes_when_every_layer_is_dense(capsys) -> None:
+    """Quest's recipe keeps its first two layers dense: on the two-layer workload that is every
+    layer, which the run says instead of silently reporting dense numbers as sparse."""
+    assert main(["run", "--config", '{"algorithm": "quest"}', "--contexts", "2048", "--steps", "1", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "every layer of the 2-layer workload attends densely" in out and "dense_first_layers" in out
