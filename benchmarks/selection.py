@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sparse_framework.algorithms.base import topk_selection
-from sparse_framework.algorithms.pqcache import group_probabilities
+from sparse_framework.algorithms.base import group_probabilities
 from sparse_framework.kernels import scoring
 
 HBM_GBPS = 3000.0  # one H100 80GB HBM3, measured copy ceiling (DESIGN.md)

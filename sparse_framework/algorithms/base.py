@@ -10,16 +10,18 @@ slot maps or a backend's metadata.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from types import MappingProxyType
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
 from ..batch import Batch, Request, Selection
-from ..kv_store.layout import KVLayout
+from ..kv_store.layout import KVLayout, resolve_impl
 
 if TYPE_CHECKING:
     from ..config import SparseConfig
@@ -247,17 +249,30 @@ def reduce_groups(scores: torch.Tensor, num_kv_heads: int, how: str) -> torch.Te
     raise ValueError(f"gqa_reduce must be one of max, sum, mean; got {how!r}")
 
 
-def resolve_impl(impl: str, device: str | torch.device) -> str:
-    """An algorithm's scoring implementation: "auto" is Triton on CUDA and torch elsewhere
-    (Triton on the CPU only runs under its slow interpreter)."""
-    if impl not in ("auto", "torch", "triton"):
-        raise ValueError(f"impl must be one of auto, torch, triton; got {impl!r}")
-    if impl != "auto":
-        return impl
-    return "triton" if torch.device(device).type == "cuda" else "torch"
+def group_probabilities(logits: torch.Tensor, seq_lens: torch.Tensor, head_dim: int, how: str) -> torch.Tensor:
+    """Each query head's softmax of its logits / √head_dim over the stored tokens (positions
+    < seq_len - 1: the newest is added after select), then the group's probabilities combined
+    by `how` — the attention mass a GQA group puts on each token (PQCache, exact top-k).
+    logits [B, Hkv, G, n] -> [B, Hkv, n]."""
+    b, hk, g, n = logits.shape
+    stored = torch.arange(n, device=logits.device).view(1, -1) < (seq_lens.long() - 1).view(-1, 1)
+    scaled = (logits / math.sqrt(head_dim)).masked_fill(~stored[:, None, None], float("-inf"))
+    probs = scaled.softmax(-1).nan_to_num(0.0)
+    return reduce_groups(probs.view(b, hk * g, n), hk, how)
 
 
 def dense_layer_set(config: SparseConfig, num_layers: int) -> frozenset[int]:
     """Every layer that attends densely: `config.dense_layers` and the algorithm's own."""
     own = config.algorithm_class.own_dense_layers(config, num_layers)
     return frozenset(layer for layer in {*config.dense_layers, *own} if layer < num_layers)
+
+
+def scoring_kernel(name: str, impl: str, device: str | torch.device) -> Callable[..., torch.Tensor]:
+    """The scoring function `name` for `impl` ("auto": Triton on CUDA): the Triton kernel
+    `kernels.scoring.<name>_triton` or the torch reference `reference_scores.<name>_torch`.
+    Triton is imported only when chosen, so the algorithms run where it is not installed."""
+    if resolve_impl(impl, device) == "triton":
+        from ..kernels import scoring
+        return getattr(scoring, f"{name}_triton")
+    from . import reference_scores
+    return getattr(reference_scores, f"{name}_torch")

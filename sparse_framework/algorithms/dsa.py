@@ -28,23 +28,14 @@ keeps only the top-k; set sink_tokens / recent_tokens to 0 to come closest to it
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..batch import Batch, Request
-from ..kernels.scoring import (
-    dequantize_fp8_blocks,
-    dsa_index_scores_torch,
-    dsa_index_scores_triton,
-    quantize_fp8_blocks,
-)
-from .base import NO_INPUTS, Inputs, ScoringAlgorithm, resolve_impl
-
-FP8_BLOCK = 128  # values per float32 scale, as the original's act_quant
-
+from .reference_scores import FP8_BLOCK, dequantize_fp8_blocks, quantize_fp8_blocks
+from .base import NO_INPUTS, Inputs, ScoringAlgorithm, group_probabilities, scoring_kernel
 
 class DSAOptions(BaseModel):
     """DSA's extra-config (defaults: DeepSeek-V3.2's indexer)."""
@@ -96,7 +87,6 @@ class DSA(ScoringAlgorithm):
     def __init__(self, config, layout, max_requests, max_seq_len) -> None:  # type: ignore[no-untyped-def]
         super().__init__(config, layout, max_requests, max_seq_len)
         o, dev = self.options, layout.device
-        self.impl = resolve_impl(o.impl, dev)
         if o.source == "keys":
             self.per_kv_head = layout.num_kv_heads > 1
             shape = (layout.num_layers, max_requests, layout.num_kv_heads, max_seq_len, layout.head_dim)
@@ -109,6 +99,7 @@ class DSA(ScoringAlgorithm):
             "index_k": (o.index_dim,),
         }
         shape = (layout.num_layers, max_requests, max_seq_len, o.index_dim)
+        self.index_scores = scoring_kernel("dsa_index_scores", o.impl, dev)
         self.fp8 = o.key_dtype == "fp8_e4m3"
         self.pow2_scales = o.scale_format == "ue8m0"
         self.index_k = torch.zeros(shape, dtype=torch.uint8 if self.fp8 else torch.bfloat16, device=dev)
@@ -159,22 +150,18 @@ class DSA(ScoringAlgorithm):
             q = dequantize_fp8_blocks(*quantize_fp8_blocks(q, self.pow2_scales))
             q = q.to(torch.bfloat16) if self.pow2_scales else q
         weights = inputs["index_weights"].float()
-        score = dsa_index_scores_triton if self.impl == "triton" else dsa_index_scores_torch
-        return score(q, weights, self.index_k[layer], None if self.k_scale is None else self.k_scale[layer], batch.slot_ids, n).unsqueeze(1)
+        scales = None if self.k_scale is None else self.k_scale[layer]
+        return self.index_scores(q, weights, self.index_k[layer], scales, batch.slot_ids, n).unsqueeze(1)
 
     def _exact_mass(self, layer: int, queries: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """[B, Hkv or 1, n]: each group's summed softmax over the stored keys. The newest
+        """[B, Hkv or 1, n]: the attention mass each group puts on each stored key. The newest
         token is not stored yet (append runs after select); it is always selected anyway."""
         assert batch.seq_lens is not None and batch.slot_ids is not None
-        n = batch.max_seq_len
         b, hq, d = queries.shape
         hk = self.layout.num_kv_heads
-        k = self.keys[layer, batch.slot_ids, :, :n].float()  # [B, Hkv, n, D]
-        q = queries.float().view(b, hk, hq // hk, d)
-        logits = q @ k.transpose(-1, -2) / math.sqrt(d)  # [B, Hkv, G, n]
-        stored = torch.arange(n, device=q.device).view(1, -1) < (batch.seq_lens.long() - 1).view(-1, 1)
-        logits = logits.masked_fill(~stored.view(b, 1, 1, n), float("-inf"))
-        mass = logits.softmax(-1).nan_to_num(0.0).sum(2)  # [B, Hkv, n]
+        k = self.keys[layer, batch.slot_ids, :, : batch.max_seq_len].float()  # [B, Hkv, n, D]
+        logits = queries.float().view(b, hk, hq // hk, d) @ k.transpose(-1, -2)  # [B, Hkv, G, n]
+        mass = group_probabilities(logits, batch.seq_lens, d, "sum")  # [B, Hkv, n]
         return mass if self.per_kv_head else mass.sum(1, keepdim=True)
 
     def release(self, request: Request) -> None:

@@ -17,7 +17,6 @@ budget as recent: set `sink_tokens` / `recent_tokens` to match).
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
@@ -25,8 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..batch import Batch, Request
 from ..errors import ConfigError
-from ..kernels.scoring import pqcache_scores_torch, pqcache_scores_triton
-from .base import NO_INPUTS, Inputs, ScoringAlgorithm, reduce_groups, resolve_impl
+from .base import NO_INPUTS, Inputs, ScoringAlgorithm, group_probabilities, scoring_kernel
 
 
 class PQCacheOptions(BaseModel):
@@ -62,17 +60,6 @@ def kmeans(x: torch.Tensor, k: int, iterations: int, gen: torch.Generator) -> tu
     return centroids, torch.cdist(x, centroids).argmin(-1)
 
 
-def group_probabilities(logits: torch.Tensor, seq_lens: torch.Tensor, head_dim: int, how: str) -> torch.Tensor:
-    """As the original: each query head's softmax of its approximate logits / √head_dim over
-    the stored tokens (positions < seq_len - 1: the newest is encoded after select), then the
-    group's probabilities combined. logits [B, Hkv, G, n] -> [B, Hkv, n]."""
-    b, hk, g, n = logits.shape
-    stored = torch.arange(n, device=logits.device).view(1, -1) < (seq_lens.long() - 1).view(-1, 1)
-    scaled = (logits / math.sqrt(head_dim)).masked_fill(~stored[:, None, None], float("-inf"))
-    probs = scaled.softmax(-1).nan_to_num(0.0)
-    return reduce_groups(probs.view(b, hk * g, n), hk, how)
-
-
 class PQCache(ScoringAlgorithm):
     """Token-granular, per KV head. Codebooks [layers, R, Hkv, M, K, d] and codes
     [layers, R, Hkv, max_seq_len, M] (uint8) on the KV device."""
@@ -103,7 +90,7 @@ class PQCache(ScoringAlgorithm):
             (layout.num_layers, max_requests, hk, max_seq_len, m), dtype=torch.uint8, device=layout.device
         )
         self.gen = torch.Generator().manual_seed(self.options.seed)
-        self.impl = resolve_impl(self.options.impl, layout.device)
+        self.token_logits = scoring_kernel("pqcache_scores", self.options.impl, layout.device)
 
     def _split(self, keys: torch.Tensor) -> torch.Tensor:
         """[N, Hkv, D] -> [Hkv * M, N, d]."""
@@ -140,8 +127,7 @@ class PQCache(ScoringAlgorithm):
     ) -> torch.Tensor:
         assert batch.slot_ids is not None and batch.seq_lens is not None
         n = batch.max_seq_len
-        score = pqcache_scores_triton if self.impl == "triton" else pqcache_scores_torch
-        approx = score(queries, self.codebooks[layer], self.codes[layer], batch.slot_ids, n, "none")  # [B, Hkv, G, n]
+        approx = self.token_logits(queries, self.codebooks[layer], self.codes[layer], batch.slot_ids, n, "none")  # [B, Hkv, G, n]
         return group_probabilities(approx, batch.seq_lens, self.layout.head_dim, self.options.gqa_reduce)
 
     def release(self, request: Request) -> None:

@@ -25,8 +25,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..batch import Batch, Request
-from ..kernels.scoring import quest_scores_torch, quest_scores_triton
-from .base import NO_INPUTS, Inputs, ScoringAlgorithm, resolve_impl
+from .base import NO_INPUTS, Inputs, ScoringAlgorithm, scoring_kernel
 
 
 class QuestOptions(BaseModel):
@@ -71,7 +70,7 @@ class Quest(ScoringAlgorithm):
         shape = (layout.num_layers, max_requests, layout.num_kv_heads, self.max_pages, layout.head_dim)
         self.page_min = torch.empty(shape, dtype=layout.dtype, device=layout.device)
         self.page_max = torch.empty(shape, dtype=layout.dtype, device=layout.device)
-        self.impl = resolve_impl(self.options.impl, layout.device)
+        self.page_scores = scoring_kernel("quest_scores", self.options.impl, layout.device)
 
     def build(
         self, layer: int, request: Request, keys: torch.Tensor, queries: torch.Tensor | None = None, *, inputs: Inputs = NO_INPUTS
@@ -103,8 +102,7 @@ class Quest(ScoringAlgorithm):
     ) -> torch.Tensor:
         assert batch.seq_lens is not None and batch.slot_ids is not None
         n_pages = -(-batch.max_seq_len // self.config.page_size)
-        score = quest_scores_triton if self.impl == "triton" else quest_scores_torch
-        return score(queries, self.page_min[layer], self.page_max[layer], batch.slot_ids, n_pages, self.options.gqa_reduce)
+        return self.page_scores(queries, self.page_min[layer], self.page_max[layer], batch.slot_ids, n_pages, self.options.gqa_reduce)
 
     def release(self, request: Request) -> None:
         """Nothing to free: the pooled rows of `request.slot` are overwritten on reuse."""

@@ -21,8 +21,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..batch import Batch, Request
-from ..kernels.scoring import snapkv_window_mass_torch, snapkv_window_mass_triton
-from .base import NO_INPUTS, Inputs, ScoringAlgorithm, reduce_groups, resolve_impl
+from ..kv_store.layout import resolve_impl
+from .base import NO_INPUTS, Inputs, ScoringAlgorithm, reduce_groups, scoring_kernel
 
 
 class SnapKVOptions(BaseModel):
@@ -49,8 +49,7 @@ def snapkv_votes(keys: torch.Tensor, queries: torch.Tensor, options: SnapKVOptio
     [Hkv, L - window] (empty when the prompt is no longer than the window)."""
     n, hkv, _ = keys.shape
     w = min(options.window, n)
-    mass = snapkv_window_mass_triton if impl == "triton" else snapkv_window_mass_torch
-    votes = mass(queries[n - w :], keys)  # [Hq, n - w]
+    votes = scoring_kernel("snapkv_window_mass", impl, keys.device)(queries[n - w :], keys)  # [Hq, n - w]
     if votes.shape[-1]:
         pool = torch.nn.functional.max_pool1d if options.pooling == "max" else torch.nn.functional.avg_pool1d
         votes = pool(votes.unsqueeze(1), options.kernel_size, stride=1, padding=options.kernel_size // 2).squeeze(1)

@@ -1,6 +1,6 @@
-"""The scoring hot paths of the sparse-attention algorithms: for each a torch reference
-(`*_torch`, what the algorithm computes today) and a Triton version (`*_triton`) of the same
-signature, both returning float32.
+"""Triton kernels of the algorithms' scoring hot paths (`*_triton`), each with the signature
+and float32 result of its torch reference in `algorithms/reference_scores.py` (re-exported
+here as `*_torch`):
 
   quest_scores          Σ_d max(q_d·min_d, q_d·max_d) per page, combined over a GQA group
   pqcache_scores        Σ_m q_m · centroid_m[code_m(t)] per token (q·centroid table gathered)
@@ -13,12 +13,7 @@ powers of two are padded through masks. On the CPU the Triton versions run only 
 TRITON_INTERPRET=1 (tests). fp8 keys are stored as uint8 bit patterns of float8_e4m3fn with one
 float32 scale per 128 values (`quantize_fp8_blocks`); the kernel decodes them with Triton's
 fp8e4nv conversion where the GPU has it (sm_89+, and the interpreter) and with integer
-arithmetic elsewhere.
-
-H100, B=8, L=128K, CUDA-graph replay (benchmarks/selection.py): Quest 108 µs (82% of HBM),
-DSA bf16 queries and keys 108 µs (83%), fp8 keys 102 µs (45%: half the bytes, not yet half the
-time), float32 queries 172 / 198 µs; PQCache 41 µs (q·centroid table included); SnapKV votes
-of one prompt 354 µs. The torch references are 5-35x slower.
+arithmetic elsewhere. Measured times: docs/algorithms.md (benchmarks/selection.py).
 """
 
 from __future__ import annotations
@@ -30,10 +25,29 @@ import torch
 import triton
 import triton.language as tl
 
-REDUCTIONS = {"max": 0, "sum": 1, "mean": 2}
-PQ_REDUCTIONS = {**REDUCTIONS, "none": 3}  # none: every query head's scores, [B, Hkv, G, n]
-FP8_BLOCK = 128  # values per fp8 scale
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+from ..algorithms.reference_scores import (
+    FP8_BLOCK,
+    PQ_REDUCTIONS,
+    REDUCTIONS,
+    _check_dsa,
+    _check_quest,
+    _check_snapkv,
+    _group,
+    _pq_table,
+    dequantize_fp8_blocks,
+    dsa_index_scores_torch,
+    pqcache_scores_torch,
+    quantize_fp8_blocks,
+    quest_scores_torch,
+    snapkv_window_mass_torch,
+)
+
+# the torch twins are re-exported beside their kernels, so callers can pick either by name
+__all__ = [
+    "dequantize_fp8_blocks", "quantize_fp8_blocks",
+    "quest_scores_torch", "quest_scores_triton", "pqcache_scores_torch", "pqcache_scores_triton",
+    "snapkv_window_mass_torch", "snapkv_window_mass_triton", "dsa_index_scores_torch", "dsa_index_scores_triton",
+]
 
 # launch shapes (module attributes, so that tests and benchmarks can change them)
 QUEST_TILE, QUEST_WARPS = 4096, 4  # page-bound elements per program: BLOCK_P = QUEST_TILE // padded head dim
@@ -49,34 +63,12 @@ def _pow2(n: int, least: int = 1) -> int:
     return max(least, 1 << max(0, (n - 1).bit_length()))
 
 
-def _reduce(x: torch.Tensor, how: str) -> torch.Tensor:
-    """[B, Hkv, G, N] -> [B, Hkv, N] over the GQA group (dim 2), as algorithms.base.reduce_groups."""
-    if how == "max":
-        return x.amax(dim=2)
-    if how == "sum":
-        return x.sum(dim=2)
-    if how == "mean":
-        return x.mean(dim=2)
-    raise ValueError(f"reduce must be one of max, sum, mean; got {how!r}")
-
-
-def _group(hq: int, hkv: int, what: str) -> int:
-    if hkv < 1 or hq % hkv:
-        raise ValueError(f"{what}: {hq} query heads are not a multiple of {hkv} KV heads")
-    return hq // hkv
-
-
 def _launchable(*tensors: torch.Tensor) -> None:
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
     if tensors[0].device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("the Triton scoring kernels need CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
-
-
-def _check_rows(slot_ids: torch.Tensor, b: int, what: str) -> None:
-    if slot_ids.shape != (b,) or slot_ids.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"{what}: slot_ids must be int64 [{b}], got {slot_ids.dtype} {tuple(slot_ids.shape)}")
 
 
 DOT_16BIT, DOT_SPLIT3, DOT_TF32X3, DOT_IEEE = 0, 1, 2, 3
@@ -160,37 +152,6 @@ def quest_scores_kernel(
     tl.store(out_ptr + (b * HKV + j) * n_pages + p, acc, mask=p < n_pages)
 
 
-def _check_quest(q, page_min, page_max, slot_ids, n_pages, reduce):  # type: ignore[no-untyped-def]
-    if q.dim() != 3 or page_min.dim() != 4 or page_max.shape != page_min.shape:
-        raise ValueError(f"quest_scores: q must be [B, Hq, D] and page_min/page_max [R, Hkv, MAXP, D]; got "
-                         f"{tuple(q.shape)}, {tuple(page_min.shape)}, {tuple(page_max.shape)}")
-    b, hq, d = q.shape
-    _, hkv, maxp, dk = page_min.shape
-    if dk != d:
-        raise ValueError(f"quest_scores: head dim of q ({d}) and of the page bounds ({dk}) differ")
-    if not 0 <= n_pages <= maxp:
-        raise ValueError(f"quest_scores: n_pages ({n_pages}) must be in [0, {maxp}]")
-    if reduce not in REDUCTIONS:
-        raise ValueError(f"reduce must be one of max, sum, mean; got {reduce!r}")
-    _check_rows(slot_ids, b, "quest_scores")
-    return b, hkv, _group(hq, hkv, "quest_scores"), d
-
-
-def quest_scores_torch(
-    q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, slot_ids: torch.Tensor,
-    n_pages: int, reduce: str = "max",
-) -> torch.Tensor:
-    """Quest page bounds. q [B, Hq, D]; page_min/page_max [R, Hkv, MAXP, D] (KV dtype);
-    slot_ids int64 [B] -> float32 [B, Hkv, n_pages]: per query head Σ_d max(q_d·min_d,
-    q_d·max_d), then `reduce` ("max" | "sum" | "mean") over each KV head's group."""
-    b, hkv, g, d = _check_quest(q, page_min, page_max, slot_ids, n_pages, reduce)
-    lo = page_min[slot_ids, :, :n_pages].float()  # [B, Hkv, P, D]
-    hi = page_max[slot_ids, :, :n_pages].float()
-    qq = q.float().view(b, hkv, g, 1, d)
-    bound = torch.maximum(qq * lo.unsqueeze(2), qq * hi.unsqueeze(2)).sum(-1)  # [B, Hkv, G, P]
-    return _reduce(bound, reduce)
-
-
 def quest_scores_triton(
     q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, slot_ids: torch.Tensor,
     n_pages: int, reduce: str = "max",
@@ -249,47 +210,6 @@ def pqcache_scores_kernel(
         acc = acc / G
     if REDUCE != 3:
         tl.store(out_ptr + (b * HKV + j) * n + t, acc, mask=t < n)
-
-
-def _pq_table(q, codebooks, codes, slot_ids, n, reduce, fold=False):  # type: ignore[no-untyped-def]
-    """Checks; the q·centroid table float32 [B, Hkv, G, M, K] (G = 1 with `fold`: the group's
-    queries summed or averaged first, which "sum" and "mean" allow as they are linear in q)."""
-    if q.dim() != 3 or codebooks.dim() != 5 or codes.dim() != 4:
-        raise ValueError(f"pqcache_scores: q must be [B, Hq, D], codebooks [R, Hkv, M, K, d], codes "
-                         f"[R, Hkv, MAXN, M]; got {tuple(q.shape)}, {tuple(codebooks.shape)}, {tuple(codes.shape)}")
-    b, hq, dim = q.shape
-    _, hkv, m, k, sub = codebooks.shape
-    if m * sub != dim or codes.shape[1] != hkv or codes.shape[3] != m or codes.shape[0] != codebooks.shape[0]:
-        raise ValueError(f"pqcache_scores: shapes disagree: q {tuple(q.shape)}, codebooks {tuple(codebooks.shape)}, "
-                         f"codes {tuple(codes.shape)} (need D = M * d)")
-    if codes.dtype != torch.uint8 or k > 256:
-        raise ValueError(f"pqcache_scores: codes must be uint8 with K <= 256 centroids; got {codes.dtype}, K={k}")
-    if not 0 <= n <= codes.shape[2]:
-        raise ValueError(f"pqcache_scores: n ({n}) must be in [0, {codes.shape[2]}]")
-    if reduce not in PQ_REDUCTIONS:
-        raise ValueError(f"reduce must be one of {', '.join(PQ_REDUCTIONS)}; got {reduce!r}")
-    _check_rows(slot_ids, b, "pqcache_scores")
-    g = _group(hq, hkv, "pqcache_scores")
-    books = codebooks[slot_ids]  # [B, Hkv, M, K, d]
-    qq = q.float().view(b, hkv, g, m, sub)
-    if fold:
-        qq = qq.sum(2, keepdim=True) if reduce == "sum" else qq.mean(2, keepdim=True)
-    return torch.einsum("bhgmd,bhmkd->bhgmk", qq, books.float())
-
-
-def pqcache_scores_torch(
-    q: torch.Tensor, codebooks: torch.Tensor, codes: torch.Tensor, slot_ids: torch.Tensor,
-    n: int, reduce: str = "sum",
-) -> torch.Tensor:
-    """PQCache token scores. q [B, Hq, D]; codebooks float32 [R, Hkv, M, K, d] (D = M·d);
-    codes uint8 [R, Hkv, MAXN, M]; slot_ids int64 [B] -> float32 [B, Hkv, n]: per query head
-    Σ_m q_m · codebooks[slot, j, m, codes[slot, j, t, m]], then `reduce` over the group
-    ("none": no reduction, [B, Hkv, G, n])."""
-    table = _pq_table(q, codebooks, codes, slot_ids, n, reduce)  # [B, Hkv, G, M, K]
-    g = table.shape[2]
-    idx = codes[slot_ids, :, :n].long().permute(0, 1, 3, 2).unsqueeze(2).expand(-1, -1, g, -1, -1)  # [B, Hkv, G, M, n]
-    per_head = table.gather(-1, idx).sum(3)
-    return per_head if reduce == "none" else _reduce(per_head, reduce)
 
 
 def pqcache_scores_triton(
@@ -388,32 +308,6 @@ def snapkv_mass_kernel(
         tl.store(out_ptr + h * n_out + t, acc, mask=t < n_out)
 
 
-def _check_snapkv(q_window: torch.Tensor, keys: torch.Tensor) -> tuple[int, int, int, int, int]:
-    if q_window.dim() != 3 or keys.dim() != 3 or q_window.shape[2] != keys.shape[2]:
-        raise ValueError(f"snapkv_window_mass: q_window must be [w, Hq, D] and keys [n, Hkv, D]; got "
-                         f"{tuple(q_window.shape)}, {tuple(keys.shape)}")
-    w, hq, d = q_window.shape
-    n, hkv, _ = keys.shape
-    if not 1 <= w <= n:
-        raise ValueError(f"snapkv_window_mass: need 1 <= w <= n, got w={w}, n={n}")
-    return w, hq, n, hkv, d
-
-
-def snapkv_window_mass_torch(q_window: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """SnapKV's votes before pooling. q_window [w, Hq, D] (the prompt's last w queries), keys
-    [n, Hkv, D] -> float32 [Hq, n - w]: window query i (position n - w + i) attends causally
-    with softmax(q·k / sqrt(D)); its probabilities on keys 0 .. n-w-1 summed over the window."""
-    w, hq, n, hkv, d = _check_snapkv(q_window, keys)
-    group = _group(hq, hkv, "snapkv_window_mass")
-    q = q_window.float().transpose(0, 1)  # [Hq, w, D]
-    k = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
-    scores = q @ k.transpose(1, 2) / math.sqrt(d)  # [Hq, w, n]
-    pos = torch.arange(n, device=keys.device)
-    seen = pos.view(1, -1) <= (n - w + torch.arange(w, device=keys.device)).view(-1, 1)  # causal
-    probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)
-    return probs[:, :, : n - w].sum(1)
-
-
 def snapkv_window_mass_triton(q_window: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """Triton version of `snapkv_window_mass_torch`, never materialising [Hq, w, n]: pass 1
     computes each (head, window row)'s logsumexp over key splits (combined in torch), pass 2
@@ -446,29 +340,6 @@ def snapkv_window_mass_triton(q_window: torch.Tensor, keys: torch.Tensor) -> tor
 
 
 # -- DSA lightning indexer ---------------------------------------------------------------------
-def quantize_fp8_blocks(x: torch.Tensor, pow2_scales: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., Di] (Di a multiple of 128) -> (uint8 [..., Di]: float8_e4m3fn bit patterns,
-    float32 [..., Di // 128]: one scale per 128 values). As DeepSeek's act_quant: amax is
-    clamped to >= 1e-4, scale = amax / 448, rounded up to a power of two with `pow2_scales`
-    (its "ue8m0" scale format, the one V3.2 ships with)."""
-    di = x.shape[-1]
-    if di % FP8_BLOCK:
-        raise ValueError(f"quantize_fp8_blocks: the last dim ({di}) must be a multiple of {FP8_BLOCK}")
-    blocks = x.float().reshape(*x.shape[:-1], di // FP8_BLOCK, FP8_BLOCK)
-    scales = blocks.abs().amax(-1).clamp(min=1e-4) / FP8_MAX
-    if pow2_scales:
-        scales = torch.exp2(torch.ceil(torch.log2(scales)))
-    values = (blocks / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return values.view(torch.uint8).reshape(x.shape), scales
-
-
-def dequantize_fp8_blocks(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Inverse of `quantize_fp8_blocks`: uint8 [..., Di], float32 [..., Di // 128] -> float32 [..., Di]."""
-    if bits.dtype != torch.uint8 or bits.shape[-1] != scales.shape[-1] * FP8_BLOCK or bits.shape[:-1] != scales.shape[:-1]:
-        raise ValueError(f"dequantize_fp8_blocks: need uint8 [..., Di] and float32 [..., Di // {FP8_BLOCK}]; got "
-                         f"{bits.dtype} {tuple(bits.shape)}, {tuple(scales.shape)}")
-    values = bits.view(torch.float8_e4m3fn).float()
-    return values * scales.float().repeat_interleave(FP8_BLOCK, dim=-1)
 
 
 @triton.jit
@@ -525,40 +396,6 @@ def dsa_index_kernel(
             acc += part
         score = tl.sum(tl.maximum(acc, 0.0) * wts[:, None], axis=0)
         tl.store(out_ptr + b * n + t, score, mask=t_ok)
-
-
-def _check_dsa(index_q, weights, index_k, k_scale, slot_ids, n):  # type: ignore[no-untyped-def]
-    if index_q.dim() != 3 or index_k.dim() != 3 or index_q.shape[2] != index_k.shape[2]:
-        raise ValueError(f"dsa_index_scores: index_q must be [B, H, Di] and index_k [R, MAXN, Di]; got "
-                         f"{tuple(index_q.shape)}, {tuple(index_k.shape)}")
-    b, h, di = index_q.shape
-    if weights.shape != (b, h):
-        raise ValueError(f"dsa_index_scores: weights must be [{b}, {h}], got {tuple(weights.shape)}")
-    fp8 = index_k.dtype == torch.uint8
-    if fp8 != (k_scale is not None):
-        raise ValueError("dsa_index_scores: uint8 (fp8 bits) index_k needs k_scale, other dtypes take k_scale=None")
-    if fp8 and (di % FP8_BLOCK or k_scale.shape != (*index_k.shape[:2], di // FP8_BLOCK)):
-        raise ValueError(f"dsa_index_scores: fp8 keys need Di % {FP8_BLOCK} == 0 and k_scale [R, MAXN, Di // "
-                         f"{FP8_BLOCK}]; got Di={di}, k_scale {tuple(k_scale.shape)}")
-    if not 0 <= n <= index_k.shape[1]:
-        raise ValueError(f"dsa_index_scores: n ({n}) must be in [0, {index_k.shape[1]}]")
-    _check_rows(slot_ids, b, "dsa_index_scores")
-    return b, h, di, fp8
-
-
-def dsa_index_scores_torch(
-    index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, k_scale: torch.Tensor | None,
-    slot_ids: torch.Tensor, n: int,
-) -> torch.Tensor:
-    """DSA lightning-indexer scores. index_q [B, H, Di] (bf16/fp16/float32); weights float32
-    [B, H]; index_k [R, MAXN, Di] (bf16/fp16/float32, k_scale None) or uint8 fp8 e4m3fn bits
-    with k_scale float32 [R, MAXN, Di // 128]; slot_ids int64 [B] -> float32 [B, n]:
-    score[b, s] = Σ_h weights[b, h] · ReLU(index_q[b, h] · k[slot_b, s]) in float32."""
-    _check_dsa(index_q, weights, index_k, k_scale, slot_ids, n)
-    rows = index_k[slot_ids, :n]
-    k = dequantize_fp8_blocks(rows, k_scale[slot_ids, :n]) if k_scale is not None else rows.float()
-    logits = torch.einsum("bhd,bnd->bhn", index_q.float(), k)  # [B, H, n]
-    return (logits.relu() * weights.float().unsqueeze(-1)).sum(1)
 
 
 def _fp8_native(device: torch.device) -> bool:

@@ -32,7 +32,7 @@ from ..errors import CapacityError
 from .base import KVStore
 from .copy import copy_rows
 from .host_pool import HostPool
-from .layout import KVLayout
+from .layout import KVLayout, resolve_impl
 from .pages import PageAllocator, allocate_pool, cdiv, paged_slots, pow2
 from .slot_maps import SlotMaps
 
@@ -76,11 +76,9 @@ class HierarchicalKVStore(KVStore):
         self.sink_tokens, self.recent_tokens = sink_tokens, recent_tokens
         self.dense_layers = frozenset(dense_layers)
         self.all_resident = resident_only
-        if impl not in ("auto", "torch", "triton"):
-            raise ValueError(f"impl must be auto, torch or triton, got {impl!r}")
         # "triton": the fused kernels of kernels/residency.py (CUDA, or the CPU interpreter);
         # "torch": the same algorithm in torch ops, the reference.
-        self.impl = impl if impl != "auto" else ("triton" if torch.device(layout.device).type == "cuda" else "torch")
+        self.impl = resolve_impl(impl, layout.device)
         self.max_requests, self.max_seq_len = max_requests, max_seq_len
         self.max_pages = cdiv(max_seq_len, page_size)
         self.max_units = cdiv(max_seq_len, unit)

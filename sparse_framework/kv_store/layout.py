@@ -110,3 +110,13 @@ class KVLayout:
     def bytes_per_token(self) -> int:
         """Everything one token stores over all layers."""
         return self.num_layers * self.bytes_per_token_per_layer
+
+
+def resolve_impl(impl: str, device: str | torch.device) -> str:
+    """A kernel choice: "auto" is Triton on CUDA and torch elsewhere (Triton on the CPU only
+    runs under its slow interpreter)."""
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"impl must be auto, torch or triton, got {impl!r}")
+    if impl != "auto":
+        return impl
+    return "triton" if torch.device(device).type == "cuda" else "torch"
