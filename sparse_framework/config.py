@@ -95,11 +95,12 @@ class SparseConfig(BaseModel):
         algo.check_config(self)
         self.adaptor_class.check_config(self)
         backend = self.backend_class
-        if backend.metadata_format != self.adaptor_name:
+        if self.adaptor_name not in backend.metadata_formats:
+            allowed = ", ".join(repr(f) for f in backend.metadata_formats)
             raise ValueError(
-                f"backend {self.backend!r} consumes {backend.metadata_format!r} metadata, "
+                f"backend {self.backend!r} consumes {allowed} metadata, "
                 f"but adaptor {self.adaptor_name!r} was chosen; leave `adaptor` unset or "
-                f"set it to {backend.metadata_format!r}"
+                f"set it to one of {allowed}"
             )
         return self
 
@@ -114,7 +115,7 @@ class SparseConfig(BaseModel):
 
     @property
     def adaptor_name(self) -> str:
-        return self.adaptor or self.backend_class.metadata_format
+        return self.adaptor or self.backend_class.metadata_formats[0]
 
     @property
     def adaptor_class(self) -> type[BackendAdaptor]:

@@ -81,6 +81,7 @@ class SparseCoordinator:
             raise ConfigError(f"max_requests and max_seq_len must be >= 1, got {max_requests}, {max_seq_len}")
         backend_cls = self.config.backend_class
         backend_cls.check_layout(layout)
+        self.config.adaptor_class.check_layout(layout, self.config)
         algorithm_cls = self.config.algorithm_class
         self.dense_layers = dense_layer_set(self.config, layout.num_layers)
         self.algorithm = algorithm_cls(self.config, layout, max_requests, max_seq_len)

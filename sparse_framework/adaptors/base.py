@@ -13,6 +13,7 @@ import torch
 
 if TYPE_CHECKING:
     from ..config import SparseConfig
+    from ..kv_store.layout import KVLayout
 
 
 class BackendAdaptor(ABC):
@@ -30,6 +31,11 @@ class BackendAdaptor(ABC):
     @classmethod
     def check_config(cls, config: SparseConfig) -> None:
         """Reject settings the kernel family cannot serve (raise ValueError naming them)."""
+
+    @classmethod
+    def check_layout(cls, layout: KVLayout, config: SparseConfig) -> None:
+        """Reject a KV layout the kernel family cannot serve (raise ConfigError naming the
+        constraint); called when a coordinator is built, before the first step."""
 
     @abstractmethod
     def plan(

@@ -19,13 +19,14 @@ class AttentionBackend(ABC):
     """Runs decode attention from (q, paged K/V views of the device buffer, metadata).
 
     Declarations:
-      metadata_format  name of the adaptor whose plan `run` consumes.
+      metadata_formats names of the adaptors whose plans `run` consumes; the first is the
+                       default when the config leaves `adaptor` unset.
       device_types     torch device types it runs on.
       dtypes           KV/query dtypes it accepts.
       head_dims        supported head dims, or None for any.
     """
 
-    metadata_format: ClassVar[str] = "flash_attention"
+    metadata_formats: ClassVar[tuple[str, ...]] = ("flash_attention",)
     device_types: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
     head_dims: ClassVar[tuple[int, ...] | None] = None

@@ -43,10 +43,33 @@ def paged_attention(
     return out.reshape(n, hq, dv)
 
 
+def indexed_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, scale: float, v_dim: int
+) -> torch.Tensor:
+    """Sparse attention over token indices (FlashMLA's sparse decode semantics).
+
+    q: [N, s_q, Hq, D]; kv_cache: [num_tokens, Hk, D] rows (MLA: Hk = 1, the latent, whose
+    first `v_dim` dims are V); indices: int [N, s_q, topk], row numbers into kv_cache, -1 for
+    unused entries (never read). Query head h reads KV head h // (Hq // Hk). A query token
+    with no valid index gives zeros. Returns float32 [N, s_q, Hq, v_dim]."""
+    n, s_q, hq, d = q.shape
+    hk = kv_cache.shape[1]
+    valid = indices >= 0
+    rows = kv_cache[torch.where(valid, indices, 0).long()].float()  # [N, s_q, topk, Hk, D]
+    rows = rows.masked_fill(~valid[..., None, None], 0.0)
+    group = hq // hk
+    qg = q.float().view(n, s_q, hk, group, d)
+    scores = torch.einsum("nshgd,nsthd->nshgt", qg, rows) * scale
+    scores = scores.masked_fill(~valid[:, :, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("nshgt,nsthd->nshgd", probs, rows[..., :v_dim])
+    return out.reshape(n, s_q, hq, v_dim)
+
+
 class TorchRefBackend(AttentionBackend):
     """Reference paged decode attention (CPU and CUDA)."""
 
-    metadata_format = "flash_attention"
+    metadata_formats = ("flash_attention",)
 
     def run(
         self,
