@@ -80,7 +80,10 @@ class SparseCoordinator:
         if max_requests < 1 or max_seq_len < 1:
             raise ConfigError(f"max_requests and max_seq_len must be >= 1, got {max_requests}, {max_seq_len}")
         backend_cls = self.config.backend_class
-        backend_cls.check_layout(layout)
+        try:
+            backend_cls.check_layout(layout)
+        except ConfigError as exc:
+            raise ConfigError(f"backend {self.config.backend!r} {exc}") from None
         self.config.adaptor_class.check_layout(layout, self.config)
         algorithm_cls = self.config.algorithm_class
         self.dense_layers = dense_layer_set(self.config, layout.num_layers)

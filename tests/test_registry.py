@@ -429,3 +429,40 @@ def test_installed_plugin_runs_through_the_coordinator(toy_installed):
     assert algo.tokens_seen[:, slots[1]].tolist() == [73, 73]  # the other request is untouched
     coord.on_request_end(reqs[1])
     assert int(algo.tokens_seen.sum()) == 0
+
+
+def test_installed_backend_plugin_is_selected_by_name_and_matches_torch_ref(toy_installed):
+    """A third-party attention backend from the installed distribution, chosen by `backend`
+    in the config, runs every decode step and gives torch_ref's outputs."""
+    from sparse_framework.coordinator import SparseCoordinator
+
+    assert "toy_sdpa" in registry.names("backend")
+    assert "toy_sdpa" in config_schema()["properties"]["backend"]["enum"]
+    layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, dtype=torch.float32, device="cpu")
+    outputs = {}
+    for backend in ("toy_sdpa", "torch_ref"):
+        torch.manual_seed(1)
+        config = load_config({**SMALL_QUEST, "backend": backend})
+        coord = SparseCoordinator(config, layout, max_requests=2, max_seq_len=512)
+        reqs = [Request("a", prompt_len=300), Request("b", prompt_len=200)]
+        for r in reqs:
+            coord.on_request_begin(r)
+        batch = Batch(reqs, is_prefill=True)
+        coord.forward_begin(batch)
+        k, v = torch.randn(500, 2, 16), torch.randn(500, 2, 16)
+        meta = coord.attention_begin(0, torch.randn(500, 8, 16), k, v, batch)
+        coord.attention_end(0, None, batch)
+        coord.forward_end(batch)
+        outs = []
+        for _ in range(3):
+            batch = Batch(reqs)
+            coord.forward_begin(batch)
+            q, k, v = torch.randn(2, 8, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+            meta = coord.attention_begin(0, q, k, v, batch)
+            outs.append(coord.attend(0, q, meta))
+            coord.attention_end(0, outs[-1], batch)
+            coord.forward_end(batch)
+        outputs[backend] = torch.stack(outs)
+        if backend == "toy_sdpa":
+            assert type(coord.backend).__name__ == "ToySDPABackend" and coord.backend.calls == 3
+    torch.testing.assert_close(outputs["toy_sdpa"], outputs["torch_ref"], rtol=1e-5, atol=1e-5)

@@ -38,22 +38,22 @@ class AttentionBackend(ABC):
 
     @classmethod
     def check_layout(cls, layout: KVLayout) -> None:
-        """Raise ConfigError naming the first declaration the layout breaks."""
-        name = cls.__name__
+        """Raise ConfigError naming the first declaration the layout breaks. Messages start
+        with a verb: the coordinator prefixes "backend '<registered name>' "."""
         reason = cls.unavailable_reason()
         if reason:
-            raise ConfigError(f"backend {name} is unavailable: {reason}")
+            raise ConfigError(f"is unavailable: {reason}")
         device_type = torch.device(layout.device).type
         if device_type not in cls.device_types:
             raise ConfigError(
-                f"backend {name} runs on {', '.join(cls.device_types)}, not on device {device_type!r}"
+                f"runs on {', '.join(cls.device_types)}, not on device {device_type!r}"
             )
         if layout.dtype not in cls.dtypes:
             allowed = ", ".join(str(d).removeprefix("torch.") for d in cls.dtypes)
-            raise ConfigError(f"backend {name} supports dtypes {allowed}, not {layout.dtype}")
+            raise ConfigError(f"supports dtypes {allowed}, not {layout.dtype}")
         if cls.head_dims is not None and layout.head_dim not in cls.head_dims:
             raise ConfigError(
-                f"backend {name} supports head_dim in {cls.head_dims}, not {layout.head_dim}"
+                f"supports head_dim in {cls.head_dims}, not {layout.head_dim}"
             )
 
     @abstractmethod

@@ -1,4 +1,6 @@
-"""`toy_recent`: a token-granular, per-request algorithm that prefers the latest tokens.
+"""A third-party plugin distribution: one algorithm and one attention backend.
+
+`toy_recent`: a token-granular, per-request algorithm that prefers the latest tokens.
 
 Its score of a token is its position (plus `bias`), so the top-k keeps the newest tokens
 outside the sink and recent windows. It keeps one small record — tokens seen per layer and
@@ -8,9 +10,11 @@ request slot — so that tests can check the coordinator calls build / append / 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from sparse_framework.algorithms.base import ScoringAlgorithm
+from sparse_framework.backends.base import AttentionBackend
 
 
 class ToyOptions(BaseModel):
@@ -48,3 +52,29 @@ class ToyRecent(ScoringAlgorithm):
 
     def release(self, request) -> None:  # type: ignore[no-untyped-def]
         self.tokens_seen[:, request.slot] = 0
+
+
+class ToySDPABackend(AttentionBackend):
+    """`toy_sdpa`: reads the FlashAttention page table one sequence at a time and calls
+    torch's scaled_dot_product_attention on the gathered rows (slow, obviously right). Counts
+    its calls so that tests can see it ran."""
+
+    metadata_formats = ("flash_attention",)
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def run(self, q, k_cache, v_cache, metadata, *, scale=None):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        b, hq, d = q.shape
+        n, page = metadata.page_table.shape[0], k_cache.shape[1]
+        qs = q.reshape(n, hq * b // n, d)
+        out = []
+        for i in range(n):
+            length = int(metadata.cache_seqlens[i])
+            pages = metadata.page_table[i, : -(-length // page)].long()
+            k = k_cache[pages].flatten(0, 1)[:length].transpose(0, 1)  # [Hk, length, D]
+            v = v_cache[pages].flatten(0, 1)[:length].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs[i].unsqueeze(1), k, v, scale=scale, enable_gqa=True)
+            out.append(o.squeeze(1))
+        return torch.stack(out).reshape(b, hq, v_cache.shape[-1])
