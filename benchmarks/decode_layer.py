@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -136,27 +135,31 @@ class Cell:
         return sparse / HBM_GBPS / 1e3, dense / HBM_GBPS / 1e3
 
     def dense_baselines(self, timer: Timer) -> dict[str, float]:
-        """Dense decode over every token: SDPA (contiguous copy, where it fits), and our Triton
-        kernel / flash-attn over the resident pages (full page tables)."""
-        from sparse_framework.adaptors.flash_attention import FlashAttentionMetadata
+        """Dense decode over every token: our Triton kernel and flash-attn over the resident
+        pages (the metadata the coordinator's dense path builds), and SDPA over a contiguous
+        copy where it fits in memory."""
+        from sparse_framework.adaptors.flash_attention import FlashAttentionAdaptor
+        from sparse_framework.coordinator import _dense_selection
 
         out: dict[str, float] = {}
-        lay, b, store = self.layout, self.batch, self.coord.store
-        seq = self.step_batch.seq_lens
-        pages = math.ceil(self.ctx / store.page_size)
-        table = store.dev_table[0, self.step_batch.slot_ids, :pages].contiguous()
-        meta = FlashAttentionMetadata(table, seq, store.page_size, heads_folded=False)
+        lay, store, batch = self.layout, self.coord.store, self.step_batch
+        everything = _dense_selection(batch, self.coord._heads, store.page_size)
+        slots = store.resident_slots(0, batch, everything)
+        meta = FlashAttentionAdaptor().plan(slots, everything.lengths, page_size=store.page_size, num_slots=store.num_slots)
         k_cache, v_cache = store.paged_view(0, store.page_size)
         for name in ("triton", "flash_attn"):
             if available(name, None, lay) is None:
                 backend = registry.load("backend", name)()
-                t = timer.graph(lambda: backend.run(self.q, k_cache, v_cache, meta)) or timer(lambda: backend.run(self.q, k_cache, v_cache, meta))
-                out[f"{name} paged"] = t
-        if b * self.ctx * lay.bytes_per_token_per_layer <= DENSE_COPY_LIMIT:
-            rows = k_cache.reshape(-1, lay.num_kv_heads, lay.head_dim)
-            tok = (table.long().unsqueeze(-1) * store.page_size + torch.arange(store.page_size, device=self.device)).flatten(1)[:, : self.ctx]
-            k = rows[tok].transpose(1, 2).contiguous()  # [B, Hk, L, D]
-            v = k[..., : lay.v_head_dim] if lay.is_mla else v_cache.reshape(-1, lay.num_kv_heads, lay.head_dim)[tok].transpose(1, 2).contiguous()
+
+                def paged() -> torch.Tensor:
+                    return backend.run(self.q, k_cache, v_cache, meta)
+
+                out[f"{name} paged"] = timer.graph(paged) or timer(paged)
+        if self.batch * self.ctx * lay.bytes_per_token_per_layer <= DENSE_COPY_LIMIT:
+            rows = [store.read(0, r) for r in self.requests]  # [L, Hk, D] per tensor, synchronising
+            k = torch.stack([r[0] for r in rows]).transpose(1, 2).contiguous()  # [B, Hk, L, D]
+            v = k[..., : lay.v_head_dim] if lay.is_mla else torch.stack([r[1] for r in rows]).transpose(1, 2).contiguous()
+            del rows
             q = self.q.unsqueeze(2)  # [B, Hq, 1, D]
             sdpa = torch.nn.functional.scaled_dot_product_attention
 

@@ -50,7 +50,7 @@ def select(scores: torch.Tensor, lens: torch.Tensor, unit: int):  # type: ignore
     """ScoringAlgorithm.select's top-k with the benchmark's budget."""
     width = -(-SINK // unit) + TOP_K // unit + -(-RECENT // unit) + 1
     return topk_selection(scores, lens, unit=unit, budget_units=TOP_K // unit, sink_tokens=SINK,
-                          recent_tokens=RECENT, width_units=width)
+                          recent_tokens=RECENT, width_units=width, impl="auto")
 
 
 def setup(algo: str, impl: str, ctx: int, batch: int, device: torch.device, gen: torch.Generator) -> dict:

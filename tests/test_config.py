@@ -88,8 +88,8 @@ def test_unknown_backend():
 
 
 def test_unknown_adaptor():
-    msg = config_error({**SMALL, "adaptor": "flashmla"})
-    assert "`adaptor` = 'flashmla'" in msg and "flash_attention" in msg
+    msg = config_error({**SMALL, "adaptor": "flashinfer"})
+    assert "`adaptor` = 'flashinfer'" in msg and "flash_attention" in msg and "flashmla" in msg
 
 
 def test_two_mistakes_give_one_line_each():

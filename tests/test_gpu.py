@@ -158,3 +158,54 @@ def test_decode_path_of_the_store_captures_in_a_cuda_graph() -> None:
         for i, r in enumerate(reqs):
             want = torch.cat([truth[i], new_k[i : i + 1]])
             assert torch.equal(rows[slots[i, 0].long()], want[idx[i, 0].long()])
+
+
+@pytest.mark.parametrize("backend", ["torch_ref", "triton"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"algorithm": "quest", "extra": {"dense_first_layers": 0}},
+        {"algorithm": "dsa", "extra": {"key_dtype": "fp8_e4m3"}},
+        {"algorithm": "dsa", "store": "resident", "extra": {"key_dtype": "fp8_e4m3"}},
+    ],
+)
+def test_whole_decode_layer_captures_in_a_cuda_graph(config, backend) -> None:
+    """attention_begin (store write, select, ensure_resident, adapt) + attend has no host
+    synchronisation: captured once, replays with new queries and keys give the eager outputs."""
+    from sparse_framework import SparseCoordinator
+
+    layout = KVLayout(num_layers=1, num_kv_heads=4, head_dim=128, dtype=torch.bfloat16, device="cuda")
+    cfg = {"top_k": 256, "page_size": 16, "sink_tokens": 16, "recent_tokens": 32, "device_buffer_tokens": 512,
+           "min_sparse_prompt_len": 0, "backend": backend, **config}
+    coord = SparseCoordinator(cfg, layout, max_requests=3, max_seq_len=4096)
+    coord.store.timing = False
+    drv = Driver(coord, q_heads=16)
+    reqs = [Request("a", 3000), Request("b", 1500), Request("c", 800)]
+    drv.prefill(reqs)
+    batch = Batch(reqs)
+    coord.forward_begin(batch)
+    q = torch.randn(3, 16, 128, device="cuda").bfloat16()
+    k, v = torch.randn(2, 3, 4, 128, device="cuda").bfloat16()
+    inputs = drv.model_inputs(3, prefill=False)
+
+    def layer() -> torch.Tensor:
+        meta = coord.attention_begin(0, q, k, v, batch, inputs)
+        return coord.attend(0, q, meta)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        layer()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer()
+    for _ in range(3):
+        q.copy_(torch.randn_like(q, dtype=torch.float32))
+        k.copy_(torch.randn_like(k, dtype=torch.float32))
+        for t in inputs.values():
+            t.copy_(torch.randn_like(t, dtype=torch.float32))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = layer()
+        torch.testing.assert_close(out, want, atol=0, rtol=0)

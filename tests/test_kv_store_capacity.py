@@ -46,3 +46,18 @@ def test_dense_layers_cost_full_context_and_short_contexts_cap_the_buffer() -> N
     assert recipe.buffer_kv_bytes == 2 * 256 * per_layer + 2 * 1000 * per_layer
     short = plan_capacity(layout, GiB, GiB, 100, cfg)
     assert short.device_buffer_tokens == 104  # never more than the (page-rounded) context
+
+
+def test_fp8_mla_counts_flashmla_rows_of_656_bytes() -> None:
+    """DeepSeek V3.2 with FlashMLA's FP8 cache: every KV byte counted is the 656-byte row
+    (512 e4m3 + 4 fp32 scales + 64 bf16 RoPE), not 576 raw fp8 bytes nor 1152 bf16 ones."""
+    fp8, bf16 = PRESETS["deepseek-v3.2-fp8"], PRESETS["deepseek-v3.2"]
+    assert fp8.bytes_per_token_per_layer == 656 and fp8.bytes_per_token == 61 * 656
+    cfg = load_config({"algorithm": "dsa", "top_k": 2048, "page_size": 64, "device_buffer_tokens": 4096})
+    plan = plan_capacity(fp8, 80 * GiB, 1024 * GiB, 65536, cfg)
+    assert plan.resident_device_bytes == 61 * 65536 * 656
+    assert plan.hierarchical_host_bytes == 61 * 65536 * 656
+    assert plan.buffer_kv_bytes == 61 * 4096 * 656
+    ref = plan_capacity(bf16, 80 * GiB, 1024 * GiB, 65536, cfg)
+    assert ref.buffer_kv_bytes == 61 * 4096 * 1152
+    assert plan.hierarchical_requests > ref.hierarchical_requests

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from sparse_framework import Batch, CapacityError, KVLayout, Request, Selection
+from sparse_framework.kv_store.flashmla_format import pack_flashmla_fp8, unpack_flashmla_fp8
 from sparse_framework.kv_store.hierarchical import HierarchicalKVStore
 
 MAX_REQ, MAX_LEN = 3, 48
@@ -42,7 +43,7 @@ def rows_of(store: HierarchicalKVStore, layer: int, slots: torch.Tensor) -> list
 
 class StoreMachine(RuleBasedStateMachine):
     @initialize(
-        kind=st.sampled_from(["mha-token", "mha-head", "mla"]),
+        kind=st.sampled_from(["mha-token", "mha-head", "mla", "mla-fp8"]),
         page=st.sampled_from([2, 4]),
         page_unit=st.booleans(),
         sink=st.integers(0, 4),
@@ -54,6 +55,8 @@ class StoreMachine(RuleBasedStateMachine):
     def setup(self, kind, page, page_unit, sink, recent, extra, dense_layer, seed) -> None:
         if kind == "mla":
             self.layout = KVLayout.mla(2, latent_dim=6, v_head_dim=4)
+        elif kind == "mla-fp8":  # FlashMLA's 656-byte rows: the truth is the packed rows
+            self.layout = KVLayout.mla(2, dtype=torch.float8_e4m3fn)
         else:
             self.layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=3)
         self.unit = page if page_unit else 1
@@ -82,6 +85,10 @@ class StoreMachine(RuleBasedStateMachine):
     def kv(self, rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         return rows[0], (rows[1] if len(rows) > 1 else None)
 
+    def stored(self, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The rows as the store must hold them (an fp8 MLA latent packed, 656 bytes)."""
+        return [pack_flashmla_fp8(x) for x in rows] if self.layout.is_flashmla_fp8 else rows
+
     # -- rules --------------------------------------------------------------------------------
     @precondition(lambda self: len(self.active) < MAX_REQ)
     @rule(length=st.integers(1, 30), dense=st.booleans())
@@ -97,7 +104,7 @@ class StoreMachine(RuleBasedStateMachine):
         for layer in range(2):
             rows = self.rand(length)
             self.store.write_prefill(layer, r, *self.kv(rows))
-            self.truth[r.rid].append(rows)
+            self.truth[r.rid].append(self.stored(rows))
         self.store.end_step(batch)
 
     @precondition(lambda self: any(r.seq_len < MAX_LEN for r in self.live()))
@@ -115,7 +122,9 @@ class StoreMachine(RuleBasedStateMachine):
             rows = self.rand(len(reqs))
             self.store.write_decode(layer, batch, *self.kv(rows))
             for i, r in enumerate(reqs):
-                self.truth[r.rid][layer] = [torch.cat([t, x[i : i + 1]]) for t, x in zip(self.truth[r.rid][layer], rows)]
+                self.truth[r.rid][layer] = [
+                    torch.cat([t, x[i : i + 1]]) for t, x in zip(self.truth[r.rid][layer], self.stored(rows))
+                ]
         self.store.end_step(batch)
 
     @precondition(lambda self: bool(self.live()))
@@ -299,8 +308,12 @@ import torch
 from sparse_framework import Batch, KVLayout, Request, Selection
 from sparse_framework.kv_store.hierarchical import HierarchicalKVStore
 
-for per_head, unit, mla in [(False, 1, False), (True, 1, False), (False, 4, False), (True, 4, False), (False, 2, True)]:
-    layout = KVLayout.mla(2, latent_dim=6, v_head_dim=4) if mla else KVLayout(2, 2, 4)
+for per_head, unit, mla in [(False, 1, False), (True, 1, False), (False, 4, False), (True, 4, False), (False, 2, True),
+                            (False, 1, "fp8")]:
+    if mla == "fp8":  # FlashMLA's 656-byte rows through the fused copy kernel
+        layout = KVLayout.mla(2, dtype=torch.float8_e4m3fn)
+    else:
+        layout = KVLayout.mla(2, latent_dim=6, v_head_dim=4) if mla else KVLayout(2, 2, 4)
     stores = [HierarchicalKVStore(layout, page_size=4, device_buffer_tokens=24, sink_tokens=4, recent_tokens=6,
                                   unit=unit, per_kv_head=per_head, max_requests=2, max_seq_len=64, impl=impl)
               for impl in ("torch", "triton")]
@@ -443,3 +456,64 @@ def test_fp8_rows_are_stored_as_bytes_and_read_back_exactly() -> None:
     assert kc.dtype == torch.float8_e4m3fn
     got = kc.reshape(-1, 1, 8)[slots[0, 0].long()]
     assert torch.equal(got.view(torch.uint8), k[[0, 1, 7, 18, 19]].view(torch.uint8))
+
+
+def test_fp8_mla_latents_are_held_as_flashmla_rows_on_both_tiers() -> None:
+    """An fp8 MLA layout stores FlashMLA's 656-byte rows: prefill and decode writes pack the
+    latent, device and host tiers hold the same bytes, swap-ins and counters move 656 bytes
+    per token, and paged_view hands out the packed rows (K and V the same tensor)."""
+    layout = KVLayout.mla(1, dtype=torch.float8_e4m3fn)
+    assert layout.stored_head_dim == layout.row_bytes == layout.bytes_per_token_per_layer == 656
+    store = HierarchicalKVStore(layout, page_size=4, device_buffer_tokens=16, sink_tokens=4, recent_tokens=4,
+                                unit=4, max_requests=1, max_seq_len=64)
+    assert store.dev[0].dtype == store.host[0].dtype == torch.uint8 and len(store.dev) == 1
+    assert store.dev[0].shape[-1] == store.host[0].shape[-1] == 656
+    g = torch.Generator().manual_seed(0)
+    lat = torch.randn(40, 1, 576, generator=g).to(torch.bfloat16)
+    r = Request("a", 30, seq_len=30, slot=0)
+    store.admit(r)
+    store.write_prefill(0, r, lat[:30], None)
+    for t in range(30, 40):  # decode: device buffer now, host at end_step
+        r.seq_len = t + 1
+        store.grow(Batch([r]))
+        batch = Batch([r])
+        batch.prepare("cpu")
+        store.begin_step(batch)
+        store.write_decode(0, batch, lat[t : t + 1], None)
+        store.end_step(batch)
+    want = pack_flashmla_fp8(lat)
+    (host_rows,) = store.read(0, r)  # buffered: the host copy
+    assert host_rows.dtype == torch.uint8 and torch.equal(host_rows, want)
+    assert torch.equal(unpack_flashmla_fp8(host_rows)[..., 512:], lat[..., 512:].float())  # RoPE exact
+    sel = Selection(torch.tensor([[[0, 1, 2, 3, 8, 9, 10, 11, 36, 37, 38, 39]]], dtype=torch.int32),
+                    torch.tensor([[12]], dtype=torch.int32), 4)
+    batch = Batch([r])
+    batch.prepare("cpu")
+    store.begin_step(batch)
+    slots = store.ensure_resident(0, batch, sel)
+    k, v = store.paged_view(0, 4)
+    assert k is v and k.dtype == torch.uint8 and k.shape[1:] == (4, 1, 656)
+    got = k.reshape(-1, 656)[slots[0, 0].long()]
+    assert torch.equal(got, want[sel.indices[0, 0].long(), 0])
+    stats = store.stats()[0]
+    assert stats["bytes_in"] == int(store.rows_in[0]) * 656 > 0
+    assert stats["bytes_out"] == 10 * 656
+    assert store.device_bytes() == store.dev_alloc[0].used * 4 * 656
+    store.retract(r)
+    store.resume(r)  # refills the buffer from the host rows, byte for byte
+    for unit in range(store.buffer_units):
+        toks = int(store.s2l[0, 0, 0, unit])
+        if toks >= 0:
+            slots = store._phys(0, torch.tensor([0]), (unit * 4 + torch.arange(4)).unsqueeze(0))[0]
+            assert torch.equal(store.dev[0][0][slots], want[toks * 4 : toks * 4 + 4])
+
+
+def test_fp8_layouts_other_than_flashmla_mla_are_refused_or_unchanged() -> None:
+    with pytest.raises(ValueError, match="FlashMLA's 656-byte FP8 row, which needs dtype float8_e4m3fn, head_dim 576"):
+        KVLayout.mla(1, latent_dim=24, v_head_dim=16, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        KVLayout.mla(1, dtype=torch.float8_e5m2)
+    mha = KVLayout(num_layers=1, num_kv_heads=2, head_dim=8, dtype=torch.float8_e4m3fn)
+    assert not mha.is_flashmla_fp8 and mha.stored_head_dim == 8 and mha.row_bytes == 16
+    bf16 = KVLayout.mla(1, dtype=torch.bfloat16)
+    assert not bf16.is_flashmla_fp8 and bf16.stored_head_dim == 576 and bf16.row_bytes == 1152

@@ -119,7 +119,7 @@ def test_unknown_name_lists_registered_and_suggests_closest():
 
     with pytest.raises(PluginError) as info:
         registry.load("backend", "torchref")
-    assert "registered backends: torch_ref" in str(info.value)
+    assert "registered backends: flash_attn, flashmla, torch_ref, triton" in str(info.value)
     assert "Did you mean 'torch_ref'?" in str(info.value)
 
 

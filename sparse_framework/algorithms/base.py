@@ -164,7 +164,11 @@ class ScoringAlgorithm(SparseAlgorithm):
 
     Subclasses implement `score`; this class forces the sink and recent units in, takes the
     top `top_k // unit` of the remaining units, and turns units into sorted token indices.
+    `topk_impl` picks that selection's implementation (see `topk_selection`); algorithms with
+    an `impl` option set it to their resolved choice.
     """
+
+    topk_impl: str = "torch"
 
     @abstractmethod
     def score(self, layer: int, queries: torch.Tensor, batch: Batch, *, inputs: Inputs = NO_INPUTS) -> torch.Tensor:
@@ -183,6 +187,7 @@ class ScoringAlgorithm(SparseAlgorithm):
             sink_tokens=self.config.sink_tokens,
             recent_tokens=self.config.recent_tokens,
             width_units=_max_units(self.config, self.unit, self.budget_units(self.config)),
+            impl=self.topk_impl,
         )
 
 
@@ -195,13 +200,24 @@ def topk_selection(
     sink_tokens: int,
     recent_tokens: int,
     width_units: int,
+    impl: str = "torch",
 ) -> Selection:
     """Turn unit scores into a Selection without a host sync.
 
     scores: float32 [B, H, n_units]; seq_lens: int [B]. A unit is kept if it holds a sink
     token, a token of the recent window or the newest token, or is among the `budget_units`
     best-scoring remaining valid units. Output width is min(width_units, n_units) * unit.
+    impl: "torch" (this code), "triton" (`kernels.topk.topk_selection_triton`: the same
+    result, up to which units tied at the threshold are kept — it keeps the lowest ids — in a
+    few kernels instead of ~15 torch ops and torch.topk) or "auto" (Triton on CUDA). Triton
+    is imported only when chosen.
     """
+    if resolve_impl(impl, scores.device) == "triton":
+        from ..kernels.topk import topk_selection_triton
+        return topk_selection_triton(
+            scores, seq_lens, unit=unit, budget_units=budget_units, sink_tokens=sink_tokens,
+            recent_tokens=recent_tokens, width_units=width_units,
+        )
     b, h, n_units = scores.shape
     device = scores.device
     lens = seq_lens.to(device=device, dtype=torch.long).view(b, 1, 1)

@@ -34,6 +34,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..batch import Batch, Request
+from ..kv_store.layout import resolve_impl
 from .reference_scores import FP8_BLOCK, dequantize_fp8_blocks, quantize_fp8_blocks
 from .base import NO_INPUTS, Inputs, ScoringAlgorithm, group_probabilities, scoring_kernel
 
@@ -86,6 +87,7 @@ class DSA(ScoringAlgorithm):
 
     def __init__(self, config, layout, max_requests, max_seq_len) -> None:  # type: ignore[no-untyped-def]
         super().__init__(config, layout, max_requests, max_seq_len)
+        self.topk_impl = resolve_impl(self.options.impl, layout.device)
         o, dev = self.options, layout.device
         if o.source == "keys":
             self.per_kv_head = layout.num_kv_heads > 1

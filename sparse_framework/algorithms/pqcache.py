@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..batch import Batch, Request
 from ..errors import ConfigError
+from ..kv_store.layout import resolve_impl
 from .base import NO_INPUTS, Inputs, ScoringAlgorithm, group_probabilities, scoring_kernel
 
 
@@ -75,6 +76,7 @@ class PQCache(ScoringAlgorithm):
 
     def __init__(self, config, layout, max_requests, max_seq_len) -> None:  # type: ignore[no-untyped-def]
         super().__init__(config, layout, max_requests, max_seq_len)
+        self.topk_impl = resolve_impl(self.options.impl, layout.device)
         m = self.options.subvectors
         if layout.head_dim % m:
             raise ConfigError(

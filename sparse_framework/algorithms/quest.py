@@ -25,6 +25,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..batch import Batch, Request
+from ..kv_store.layout import resolve_impl
 from .base import NO_INPUTS, Inputs, ScoringAlgorithm, scoring_kernel
 
 
@@ -65,6 +66,7 @@ class Quest(ScoringAlgorithm):
 
     def __init__(self, config, layout, max_requests, max_seq_len) -> None:  # type: ignore[no-untyped-def]
         super().__init__(config, layout, max_requests, max_seq_len)
+        self.topk_impl = resolve_impl(self.options.impl, layout.device)
         p = config.page_size
         self.max_pages = -(-max_seq_len // p)
         shape = (layout.num_layers, max_requests, layout.num_kv_heads, self.max_pages, layout.head_dim)

@@ -76,6 +76,7 @@ class SnapKV(ScoringAlgorithm):
         self.votes = torch.zeros(shape, dtype=torch.float32, device=layout.device)
         self.window_start = torch.zeros(layout.num_layers, max_requests, dtype=torch.long, device=layout.device)
         self.impl = resolve_impl(self.options.impl, layout.device)
+        self.topk_impl = self.impl
 
     def build(
         self, layer: int, request: Request, keys: torch.Tensor, queries: torch.Tensor | None = None, *, inputs: Inputs = NO_INPUTS

@@ -1,5 +1,7 @@
-"""`torch_ref`: the source of truth. Plain torch paged decode attention over FlashAttention
-metadata with float32 accumulation, on any device, any page size, MHA and GQA."""
+"""`torch_ref`: the source of truth. Plain torch decode attention with float32 accumulation,
+on any device: over FlashAttention metadata (paged; any page size, MHA, GQA, MLA) and over
+FlashMLA metadata (token indices; MLA), from any float or fp8 cache, FlashMLA's packed fp8
+MLA rows included."""
 
 from __future__ import annotations
 
@@ -8,6 +10,9 @@ import math
 import torch
 
 from ..adaptors.flash_attention import FlashAttentionMetadata
+from ..adaptors.flashmla import FlashMLAMetadata
+from ..kv_store.flashmla_format import NOPE_DIM, PACKED_BYTES, unpack_flashmla_fp8
+from ..kv_store.layout import FP8_DTYPES
 from .base import AttentionBackend
 
 
@@ -67,23 +72,89 @@ def indexed_attention(
 
 
 class TorchRefBackend(AttentionBackend):
-    """Reference paged decode attention (CPU and CUDA)."""
+    """Reference decode attention (CPU and CUDA) over FlashAttention page tables (paged) or
+    FlashMLA indices (token rows). A FlashMLA-format cache (uint8 rows of 656 bytes: the fp8
+    MLA layout) is dequantised first, only the rows the metadata reads, so the result is
+    attention over exactly the values FlashMLA's kernel sees."""
 
-    metadata_formats = ("flash_attention",)
+    metadata_formats = ("flash_attention", "flashmla")
+    dtypes = (torch.float32, torch.float16, torch.bfloat16, *FP8_DTYPES)
 
     def run(
         self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        metadata: FlashAttentionMetadata,
+        metadata: FlashAttentionMetadata | FlashMLAMetadata,
         *,
         scale: float | None = None,
     ) -> torch.Tensor:
-        b, hq, d = q.shape
+        """q [B, Hq, D] -> [B, Hq, Dv]; with FlashMLA metadata also q [B, s_q, Hq, D] ->
+        [B, s_q, Hq, Dv] (several query tokens per request)."""
+        d = q.shape[-1]
         scale = 1.0 / math.sqrt(d) if scale is None else scale
+        packed = _is_flashmla_packed(k_cache)
+        if isinstance(metadata, FlashMLAMetadata):
+            return self._run_indexed(q, k_cache, v_cache, metadata, scale, packed)
+        b, hq, d = q.shape
+        table = metadata.page_table
+        if packed:  # dequantise the pages the table reads, renumbered 0..n-1
+            k_cache, table = _unpack_used_pages(k_cache, table, metadata.cache_seqlens)
+            v_cache = k_cache[..., :NOPE_DIM]
         if metadata.heads_folded:
             hk = metadata.page_table.shape[0] // b
             q = q.reshape(b * hk, hq // hk, d)  # each (request, KV head) its group of heads
-        out = paged_attention(q, k_cache, v_cache, metadata.page_table, metadata.cache_seqlens, scale)
+        out = paged_attention(q, k_cache, v_cache, table, metadata.cache_seqlens, scale)
         return out.reshape(b, hq, v_cache.shape[-1]).to(q.dtype)
+
+    @staticmethod
+    def _run_indexed(
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: FlashMLAMetadata,
+        scale: float, packed: bool,
+    ) -> torch.Tensor:
+        if v_cache.data_ptr() != k_cache.data_ptr():
+            raise ValueError("FlashMLA metadata needs an MLA cache: V must be the first dims of the latent rows (k_cache)")
+        single = q.dim() == 3
+        q4 = q.unsqueeze(1) if single else q  # [B, s_q, Hq, D]
+        indices = metadata.indices
+        if packed:  # dequantise only the rows the indices name, renumbered 0..n-1
+            kv, indices = _unpack_used_rows(k_cache.reshape(-1, k_cache.shape[2], k_cache.shape[-1]), indices)
+            v_dim = NOPE_DIM
+        else:
+            kv, v_dim = k_cache.reshape(-1, k_cache.shape[2], k_cache.shape[-1]), v_cache.shape[-1]
+        out = indexed_attention(q4, kv, indices, scale, v_dim).to(q.dtype)
+        return out[:, 0] if single else out
+
+
+def _is_flashmla_packed(cache: torch.Tensor) -> bool:
+    """A uint8 cache whose rows are FlashMLA's 656-byte FP8 format (the fp8 MLA store)."""
+    return cache.dtype == torch.uint8 and cache.shape[-1] == PACKED_BYTES
+
+
+def _unpack_used_pages(
+    k_cache: torch.Tensor, page_table: torch.Tensor, cache_seqlens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pages a table reads (first ceil(len / P) entries per row), unpacked to float32
+    [n, P, Hk, 576], and the table renumbered into them (entries not read: 0)."""
+    p = k_cache.shape[1]
+    read = torch.arange(page_table.shape[1], device=page_table.device) < (
+        (cache_seqlens.long() + p - 1) // p
+    ).unsqueeze(1)
+    used, inverse = torch.unique(page_table.long()[read], return_inverse=True)
+    if used.numel() == 0:  # nothing is read; keep one page so that gathers stay in range
+        used = torch.zeros(1, dtype=torch.long, device=page_table.device)
+    table = torch.zeros_like(page_table)
+    table[read] = inverse.to(page_table.dtype)
+    return unpack_flashmla_fp8(k_cache[used]), table
+
+
+def _unpack_used_rows(rows: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows [N, Hk, 656] that indices name (>= 0), unpacked to float32 [n, Hk, 576], and
+    the indices renumbered into them (-1 kept)."""
+    valid = indices >= 0
+    used, inverse = torch.unique(indices[valid].long(), return_inverse=True)
+    if used.numel() == 0:
+        used = torch.zeros(1, dtype=torch.long, device=indices.device)
+    renumbered = torch.full_like(indices, -1)
+    renumbered[valid] = inverse.to(indices.dtype)
+    return unpack_flashmla_fp8(rows[used]), renumbered

@@ -3,6 +3,8 @@
 Resident: every token of every layer on the device. Hierarchical: per request and sparse
 layer a fixed device buffer, dense layers in full, plus the store's slot maps and the
 algorithm's representation on the device; the full KV on the host, which then bounds too.
+Every size is the stored one (`KVLayout.bytes_per_token_per_layer`): an fp8 MLA latent
+counts its 656-byte FlashMLA row.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ PRESETS: dict[str, KVLayout] = {
     "llama-3-8b": KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16),
     "llama-3-70b": KVLayout(num_layers=80, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16),
     "deepseek-v3.2": KVLayout.mla(61, latent_dim=576, v_head_dim=512, dtype=torch.bfloat16),
+    # V3.2 as served with FlashMLA's sparse decode: 656 bytes per token and layer, not 1152
+    "deepseek-v3.2-fp8": KVLayout.mla(61, latent_dim=576, v_head_dim=512, dtype=torch.float8_e4m3fn),
 }
 
 

@@ -31,6 +31,7 @@ from ..batch import Batch, Request, Selection
 from ..errors import CapacityError
 from .base import KVStore
 from .copy import copy_rows
+from .flashmla_format import pack_flashmla_fp8
 from .host_pool import HostPool
 from .layout import KVLayout, resolve_impl
 from .pages import PageAllocator, allocate_pool, cdiv, paged_slots, pow2
@@ -82,7 +83,7 @@ class HierarchicalKVStore(KVStore):
         self.max_requests, self.max_seq_len = max_requests, max_seq_len
         self.max_pages = cdiv(max_seq_len, page_size)
         self.max_units = cdiv(max_seq_len, unit)
-        L, hk, d = layout.num_layers, layout.num_kv_heads, layout.head_dim
+        L, hk, d = layout.num_layers, layout.num_kv_heads, layout.stored_head_dim
         dev = torch.device(layout.device)
         self.device = dev
         store_dtype = layout.storage_dtype
@@ -135,8 +136,8 @@ class HierarchicalKVStore(KVStore):
 
     @property
     def row_elems(self) -> int:
-        """Elements of one stream's row (one KV head, or all heads) in one tensor."""
-        return self.layout.head_dim * (1 if self.head_major else self.layout.num_kv_heads)
+        """Storage elements of one stream's row (one KV head, or all heads) in one tensor."""
+        return self.layout.stored_head_dim * (1 if self.head_major else self.layout.num_kv_heads)
 
     def _keeps_host(self, request: Request) -> bool:
         """Sparse requests keep every token on the host; resident-only ones do not."""
@@ -153,7 +154,7 @@ class HierarchicalKVStore(KVStore):
 
     def _dev_off(self, layer: int, slots: torch.Tensor, head: torch.Tensor | int = 0) -> torch.Tensor:
         """Flat element offsets of a stream's row at device slots (-1 kept)."""
-        hk, d = self.layout.num_kv_heads, self.layout.head_dim
+        hk, d = self.layout.num_kv_heads, self.layout.stored_head_dim
         if self.head_major:
             off = ((layer * hk + head) * self.device_slots + slots) * d
         else:
@@ -161,6 +162,10 @@ class HierarchicalKVStore(KVStore):
         return torch.where(slots >= 0, off, -1)
 
     def _store(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows as stored: the layout's dtype; fp8 as bytes; an fp8 MLA latent packed into
+        FlashMLA's 656-byte rows (on the writer's device, before any copy)."""
+        if self.layout.is_flashmla_fp8:
+            return pack_flashmla_fp8(x)
         x = x.to(self.layout.dtype)
         return x.view(torch.uint8) if self.layout.is_fp8 else x
 
@@ -274,8 +279,8 @@ class HierarchicalKVStore(KVStore):
             host_off = self.host_pool.offsets(layer, self.host_pool.rows(sid, positions)[0], 0)
             for buf, x in zip(self.host, rows):
                 src = x.contiguous()
-                src_off = torch.arange(n, device=src.device) * self.layout.num_kv_heads * self.layout.head_dim
-                copy_rows(src, buf, src_off, host_off, self.layout.num_kv_heads * self.layout.head_dim)
+                src_off = torch.arange(n, device=src.device) * self.layout.stored_row_elems
+                copy_rows(src, buf, src_off, host_off, self.layout.stored_row_elems)
         if self.mode(request, layer) == _RESIDENT:
             self._write_dev(layer, self._phys(layer, sid, positions)[0], rows)
         else:
@@ -442,7 +447,7 @@ class HierarchicalKVStore(KVStore):
         host = [_as_kernel_arg(t) for t in self.host]
         dev = self.dev
         two = len(dev) == 2
-        per_layer = self.layout.num_kv_heads * self.layout.head_dim
+        per_layer = self.layout.stored_row_elems
         copy_missing_kernel[(COPY_PROGRAMS,)](
             todo, n_todo, idx, slots, batch.slot_ids, self.host_table,
             host[0], dev[0], host[1] if two else host[0], dev[1] if two else dev[0],
@@ -528,9 +533,14 @@ class HierarchicalKVStore(KVStore):
 
     # -- views and accounting ---------------------------------------------------------------
     def paged_view(self, layer: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_pages, page_size, heads, dim] views of a layer's device pool (no copy). An fp8
+        MLA latent comes as FlashMLA's uint8 rows [.., 1, 656] for both K and V (the same
+        tensor: V is part of the packed NoPE bytes); consumers unpack (`unpack_flashmla_fp8`)."""
         heads = 1 if self.head_major else self.layout.num_kv_heads
-        shape = (-1, page_size, heads, self.layout.head_dim)
+        shape = (-1, page_size, heads, self.layout.stored_head_dim)
         k = self.dev[0][layer].reshape(shape)
+        if self.layout.is_flashmla_fp8:
+            return k, k
         v = k[..., : self.layout.v_head_dim] if self.layout.is_mla else self.dev[1][layer].reshape(shape)
         if self.layout.is_fp8:
             return k.view(self.layout.dtype), v.view(self.layout.dtype)
@@ -538,8 +548,10 @@ class HierarchicalKVStore(KVStore):
 
     def read(self, layer: int, request: Request) -> list[torch.Tensor]:
         """A request's rows in logical order, [seq_len, kv_heads, dim] per stored tensor
-        (K, V; or the latent): from the device for a resident (request, layer), else from
-        the host. Synchronises; for tests and debugging."""
+        (K, V; or the latent) as stored (fp8 as bytes; an fp8 MLA latent as its packed
+        656-byte rows, which `unpack_flashmla_fp8` turns back into latents): from the device
+        for a resident (request, layer), else from the host. Synchronises; for tests and
+        debugging."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         sid = torch.tensor([request.slot], device=self.device)

@@ -13,7 +13,8 @@ from .pages import PageAllocator, allocate_pool, cdiv, paged_slots
 class HostPool:
     """K/V (or latent) rows token-major, [layers, slots, kv_heads, dim] per stored tensor,
     pinned on CUDA machines so that kernels read and write them directly; handed out in pages
-    of `page_size` tokens, one page table row per request."""
+    of `page_size` tokens, one page table row per request. dim is the stored width: 656 bytes
+    for an fp8 MLA latent, the same packed row as on the device, so swap-ins only move bytes."""
 
     def __init__(
         self,
@@ -32,7 +33,7 @@ class HostPool:
         self.device = device
         pages = cdiv(capacity_tokens, page_size)
         self.host_slots = pages * page_size
-        shape = (layout.num_layers, self.host_slots, layout.num_kv_heads, layout.head_dim)
+        shape = (layout.num_layers, self.host_slots, layout.num_kv_heads, layout.stored_head_dim)
         self.tensors = [
             allocate_pool(shape, layout.storage_dtype, torch.device("cpu"), "host KV pool", "host_capacity_tokens", pin)
             for _ in range(layout.tensors_per_token)
@@ -67,7 +68,7 @@ class HostPool:
         return paged_slots(self.host_table[slot_ids.long()], tokens, self.page_size)
 
     def offsets(self, layer: int, rows: torch.Tensor, head: torch.Tensor | int = 0) -> torch.Tensor:
-        hk, d = self.layout.num_kv_heads, self.layout.head_dim
+        hk, d = self.layout.num_kv_heads, self.layout.stored_head_dim
         if self.head_major:
             off = ((layer * self.host_slots + rows) * hk + head) * d
         else:

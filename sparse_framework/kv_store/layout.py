@@ -7,6 +7,8 @@ from typing import Literal
 
 import torch
 
+from .flashmla_format import LATENT_DIM, NOPE_DIM, PACKED_BYTES
+
 FP8_DTYPES = tuple(
     getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
 )
@@ -36,7 +38,10 @@ class KVLayout:
     kind "mha" (MHA/GQA): one K row and one V row of `num_kv_heads x head_dim` elements.
     kind "mla": one latent row of `head_dim` elements (e.g. 576 = 512 + 64 RoPE dims) for
     one KV head; K is the whole row and V its first `v_head_dim` (512) elements.
-    Any floating dtype; fp8 rows are stored as bytes (`storage_dtype` uint8).
+    Any floating dtype; fp8 rows are stored as bytes (`storage_dtype` uint8): an MHA fp8 row
+    as its raw fp8 values, an fp8 MLA latent (float8_e4m3fn, 576 / 512 only) as FlashMLA's
+    656-byte "FP8 with scale" row (kv_store/flashmla_format.py), the one format FlashMLA's
+    sparse decode reads. `stored_head_dim` is the stored width either way.
     """
 
     num_layers: int
@@ -64,6 +69,14 @@ class KVLayout:
                 object.__setattr__(self, "v_head_dim", min(512, self.head_dim))
             if not 1 <= self.v_head_dim <= self.head_dim:
                 raise ValueError(f"KVLayout.v_head_dim must be in 1..head_dim ({self.head_dim}), got {self.v_head_dim}")
+            if self.is_fp8 and (
+                self.dtype != torch.float8_e4m3fn or (self.head_dim, self.v_head_dim) != (LATENT_DIM, NOPE_DIM)
+            ):
+                raise ValueError(
+                    "an fp8 MLA layout is stored in FlashMLA's 656-byte FP8 row, which needs dtype "
+                    f"float8_e4m3fn, head_dim {LATENT_DIM} and v_head_dim {NOPE_DIM}; got {self.dtype}, "
+                    f"head_dim {self.head_dim}, v_head_dim {self.v_head_dim}"
+                )
         elif self.v_head_dim not in (None, self.head_dim):
             raise ValueError("KVLayout.v_head_dim differs from head_dim only in MLA layouts")
         else:
@@ -83,6 +96,22 @@ class KVLayout:
         return self.dtype in FP8_DTYPES
 
     @property
+    def is_flashmla_fp8(self) -> bool:
+        """fp8 MLA: latents stored packed in FlashMLA's 656-byte rows (not 576 raw fp8 bytes)."""
+        return self.is_mla and self.is_fp8
+
+    @property
+    def stored_head_dim(self) -> int:
+        """Storage elements of one token's row per KV head in one stored tensor: head_dim, or
+        656 (bytes) for an fp8 MLA latent. Every store tensor's last dim, copy and offset uses it."""
+        return PACKED_BYTES if self.is_flashmla_fp8 else self.head_dim
+
+    @property
+    def stored_row_elems(self) -> int:
+        """Storage elements of one token's row over all KV heads in one stored tensor."""
+        return self.num_kv_heads * self.stored_head_dim
+
+    @property
     def storage_dtype(self) -> torch.dtype:
         """dtype of the stored tensors: uint8 bytes for fp8, else `dtype`."""
         return torch.uint8 if self.is_fp8 else self.dtype
@@ -98,8 +127,9 @@ class KVLayout:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one token's K (or latent) row over all KV heads, in one layer."""
-        return self.num_kv_heads * self.head_dim * self.element_size
+        """Bytes of one token's K (or latent) row over all KV heads, in one layer, as stored
+        (656 for an fp8 MLA latent)."""
+        return self.stored_row_elems * self.element_size
 
     @property
     def bytes_per_token_per_layer(self) -> int:

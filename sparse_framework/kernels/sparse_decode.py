@@ -1,0 +1,441 @@
+"""Sparse paged decode attention in Triton (flash-decoding), the `triton` backend's kernel.
+
+  paged_decode       FlashAttention page-table semantics (`flash_attn_with_kvcache` with
+                     `cache_seqlens` + `block_table`): sequence n attends to the first
+                     cache_seqlens[n] rows of its pages; GQA; 1..s_q query tokens (causal).
+  sparse_mla_decode  FlashMLA sparse-decode semantics: per query token a list of `topk` row
+                     numbers (-1 = unused) into the latent rows [num_tokens, 1, 576], V = the
+                     first `v_dim` (512) dims of each row.
+  indexed_decode     the general form of the second: row numbers into paged K/V caches.
+
+Both run one kernel, `_decode_split_kernel`, whose only difference between the two modes is
+how token t of a sequence becomes a cache row (page_table[n, t // P] * P + t % P, or
+indices[n, t]) and which tokens are valid (t < length, or index >= 0). Why its shape:
+
+* Decode is bandwidth bound (one query row per head against thousands of keys), so every K/V
+  row must be read once. A program therefore takes ALL query rows that share a KV head — the
+  G = Hq // Hk heads of a GQA group times the s_q query tokens (MLA: up to 64 of its heads) —
+  as the M side of one `tl.dot`, padded to at least 16 rows (the smallest MMA tile).
+* One sequence of a few thousand tokens per (request, KV head) is far too little parallelism
+  for 132 SMs, so the token range is split (flash-decoding, split-K): each split writes its
+  normalised partial output and log-sum-exp to a float32 workspace and `_combine_kernel`
+  merges them by LSE. With one split the kernel writes the output directly.
+* Head dims that are not a power of two (MLA's 576) are cut into two power-of-two chunks
+  (512 + 64), so no lane of the big chunk is wasted on padding; the small chunk is masked.
+* MLA's V is a strided view of K's first 512 dims: when V is exactly K's first chunk the kernel
+  reuses the K tile instead of loading the same bytes again (`V_FROM_K`). Caches are only
+  ever addressed through their strides, never copied.
+* Softmax in base 2 (exp2) with float32 statistics and accumulators; rows that have seen no
+  token yet keep a running max of -inf without producing NaN, so empty sequences give zeros.
+* Products as in kernels/scoring.py (`_dot_mode`): 16-bit operands on tensor cores, float32
+  ones as tf32x3 (~float32 accuracy), all in float32 under the interpreter; the probabilities
+  are cast to V's dtype for P @ V (as FlashAttention does), accumulation stays float32.
+
+Rows that are not read (past a sequence's length, the tail of its last page, page-table
+entries past ceil(length / P), indices of -1) are masked at the load, never read, so whatever
+they hold (NaN included) cannot leak. Row numbers and page numbers that are read are trusted
+(not bounds-checked: that would cost a host sync).
+
+Launch shapes (module attributes, so that tests and benchmarks can change them): see
+`_tiles` and `choose_num_splits`. They are first choices for an H100, not tuned on one yet.
+On the CPU the kernels run only under TRITON_INTERPRET=1 (tests); set it before this module is
+imported.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+from .scoring import _dot, _dot_mode, _pow2
+
+__all__ = ["paged_decode", "sparse_mla_decode", "indexed_decode", "choose_num_splits"]
+
+MAX_BLOCK_M = 64  # query rows (GQA heads x query tokens, or MLA heads) per program
+MAX_BLOCK_N = 64  # tokens per step of the loop
+KV_TILE_BYTES = 36 * 1024  # K (+ V) bytes of one step: NUM_STAGES of them sit in shared memory
+Q_TILE_BYTES = 72 * 1024  # the program's query rows, [BLOCK_M, head dim]
+NUM_STAGES = 2  # software-pipelining depth of the token loop
+TARGET_WARPS_PER_SM = 8  # split until the grid gives every SM about this many warps
+MAX_SPLITS = 64
+DEFAULT_NUM_SMS = 132  # an H100 SXM; used where there is no GPU to ask (the interpreter)
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
+    n_tokens, split_len, num_splits, qk_scale,  # qk_scale = softmax scale * log2(e)
+    s_qn, s_qs, s_qh, s_qd,
+    s_kp, s_kt, s_kh, s_kd,
+    s_vp, s_vt, s_vh, s_vd,
+    s_tn, s_tj,
+    s_on, s_os, s_oh, s_od,
+    HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    PAGE: tl.constexpr, INDEXED: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
+    V_FROM_K: tl.constexpr, QK_MODE: tl.constexpr, KDT: tl.constexpr, PV_MODE: tl.constexpr,
+    VDT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DA: tl.constexpr,
+    BLOCK_DB: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """One program: sequence n, KV head h, one block of BLOCK_M of its G*S query rows (row
+    r = query head h*G + r // S, query token r % S), the tokens [sp*split_len, (sp+1)*split_len)
+    of split sp, in steps of BLOCK_N tokens."""
+    ROWS: tl.constexpr = G * S
+    ROW_BLOCKS: tl.constexpr = (ROWS + BLOCK_M - 1) // BLOCK_M
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    n = pid // (ROW_BLOCKS * HK)
+    h = (pid // ROW_BLOCKS) % HK
+    r = (pid % ROW_BLOCKS) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = r < ROWS
+    g = r // S
+    s = r % S
+    n64 = n.to(tl.int64)
+
+    # the query rows, in two power-of-two chunks of the head dim (the second may be empty)
+    q_row = q_ptr + n64 * s_qn + s * s_qs + (h * G + g) * s_qh
+    da = tl.arange(0, BLOCK_DA)
+    q_a = tl.load(q_row[:, None] + da[None, :] * s_qd, mask=row_ok[:, None] & (da[None, :] < D), other=0.0)
+    if BLOCK_DB > 0:
+        db = BLOCK_DA + tl.arange(0, BLOCK_DB)
+        q_b = tl.load(q_row[:, None] + db[None, :] * s_qd, mask=row_ok[:, None] & (db[None, :] < D), other=0.0)
+
+    # how many tokens each row sees; padding rows see none
+    if INDEXED:
+        length = n_tokens
+        limit = tl.where(row_ok, n_tokens, 0)
+    else:
+        length = tl.minimum(tl.load(lens_ptr + n).to(tl.int32), n_tokens)
+        if CAUSAL:  # the newest S tokens are the query tokens: token s sees length - (S-1-s)
+            limit = tl.where(row_ok, length - (S - 1 - s), 0)
+        else:
+            limit = tl.where(row_ok, length, 0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    dv = tl.arange(0, BLOCK_DV)
+    start = sp * split_len
+    end = tl.minimum(start + split_len, length)
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        t_ok = t < end
+        if INDEXED:  # row numbers into the cache viewed as [-1, Hk, D]
+            row = tl.load(table_ptr + n64 * s_tn + t * s_tj, mask=t_ok, other=-1).to(tl.int64)
+            t_ok = t_ok & (row >= 0)
+            page = row // PAGE
+            slot = row % PAGE
+        else:  # the t-th token of the sequence's pages
+            page = tl.load(table_ptr + n64 * s_tn + (t // PAGE) * s_tj, mask=t_ok, other=0).to(tl.int64)
+            slot = t % PAGE
+        k_rows = k_ptr + page * s_kp + slot * s_kt + h * s_kh
+        k_a = tl.load(k_rows[:, None] + da[None, :] * s_kd, mask=t_ok[:, None] & (da[None, :] < D), other=0.0)
+        qk = _dot(q_a, tl.trans(k_a.to(KDT)), QK_MODE)
+        if BLOCK_DB > 0:
+            k_b = tl.load(k_rows[:, None] + db[None, :] * s_kd, mask=t_ok[:, None] & (db[None, :] < D), other=0.0)
+            qk += _dot(q_b, tl.trans(k_b.to(KDT)), QK_MODE)
+        seen = t_ok[None, :] & (t[None, :] < limit[:, None])
+        qk = tl.where(seen, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if V_FROM_K:  # MLA: V is the first chunk of the K rows just loaded
+            v = k_a
+        else:
+            v_rows = v_ptr + page * s_vp + slot * s_vt + h * s_vh
+            v = tl.load(v_rows[:, None] + dv[None, :] * s_vd, mask=t_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(VDT), v.to(VDT), PV_MODE)
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows that saw nothing: zeros
+    out_mask = row_ok[:, None] & (dv[None, :] < DV)
+    if SPLIT:
+        # workspace rows [(n, h, r), split]: the normalised partial output and its log2-sum-exp2
+        ws = ((n64 * HK + h) * ROWS + r) * num_splits + sp
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1.0)), float("-inf"))  # l >= 1 once seen
+        tl.store(part_ptr + ws[:, None] * DV + dv[None, :], o, mask=out_mask)
+        tl.store(lse_ptr + ws, lse, mask=row_ok)
+    else:
+        out_row = out_ptr + n64 * s_on + s * s_os + (h * G + g) * s_oh
+        tl.store(out_row[:, None] + dv[None, :] * s_od, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _combine_kernel(
+    part_ptr, lse_ptr, out_ptr, num_splits,
+    s_on, s_os, s_oh, s_od,
+    HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, DV: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """One program per query row (n, h, r): out = Σ_i 2^(lse_i - max) o_i / Σ_i 2^(lse_i - max);
+    splits that saw nothing have lse -inf and weigh 0; a row that saw nothing gets zeros."""
+    ROWS: tl.constexpr = G * S
+    pid = tl.program_id(0)
+    r = pid % ROWS
+    h = (pid // ROWS) % HK
+    n = pid // (ROWS * HK)
+    base = pid.to(tl.int64) * num_splits
+    i = tl.arange(0, BLOCK_SPLITS)
+    lse = tl.load(lse_ptr + base + i, mask=i < num_splits, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.sum(tl.exp2(lse - top), axis=0)
+    dv = tl.arange(0, BLOCK_DV)
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    for j in range(num_splits):  # one split at a time: [splits, 512] at once would not fit registers
+        w = tl.exp2(tl.load(lse_ptr + base + j) - top)
+        acc += w * tl.load(part_ptr + (base + j) * DV + dv, mask=dv < DV, other=0.0)
+    o = acc / tl.where(total > 0, total, 1.0)
+    out_row = out_ptr + n.to(tl.int64) * s_on + (r % S) * s_os + (h * G + r // S) * s_oh
+    tl.store(out_row + dv * s_od, o.to(out_ptr.dtype.element_ty), mask=dv < DV)
+
+
+# -- launch shapes ------------------------------------------------------------------------------
+@cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _tiles(
+    rows: int, d: int, dv: int, q_bytes: int = 2, kv_bytes: int = 2, v_shares_k: bool = False
+) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_DA, BLOCK_DB, BLOCK_DV, num_warps) for `rows` query rows per KV
+    head, head dims d (K) and dv (V), element sizes of q and of the caches, and whether V is a
+    view of K's first dims.
+
+    BLOCK_DA is the largest power of two <= d (at least 16, the MMA depth) and BLOCK_DB the
+    rest padded to a power of two (0 when d is one): 128 -> 128 + 0, 576 -> 512 + 64,
+    192 -> 128 + 64. BLOCK_N: the most tokens (a power of two in 16..MAX_BLOCK_N) whose K and
+    V tiles fit KV_TILE_BYTES, two stages of which sit in shared memory: 64 at d = 128 in
+    bf16 (32 KB), 32 for MLA's 576 in bf16 (36 KB, V reuses the K tile), 16 in float32.
+    BLOCK_M: the GQA rows padded to 16, at most MAX_BLOCK_M and Q_TILE_BYTES of queries
+    (64 MLA heads in bf16, 32 in float32). Eight warps when the float32 accumulator has 16K
+    elements or more (64 MLA heads x 512: 128 registers a thread), else four."""
+    block_da = max(16, 1 << (d.bit_length() - 1))
+    block_db = _pow2(d - block_da, 16) if d > block_da else 0
+    block_dv = _pow2(dv, 16)
+    v_from_k = v_shares_k and dv == block_da
+    token_bytes = ((block_da + block_db) + (0 if v_from_k else block_dv)) * kv_bytes
+    block_n = MAX_BLOCK_N
+    while block_n > 16 and block_n * token_bytes > KV_TILE_BYTES:
+        block_n //= 2
+    block_m = min(MAX_BLOCK_M, _pow2(rows, 16))
+    while block_m > 16 and block_m * (block_da + block_db) * q_bytes > Q_TILE_BYTES:
+        block_m //= 2
+    warps = 8 if block_m * block_dv >= 64 * 256 else 4
+    return block_m, block_n, block_da, block_db, block_dv, warps
+
+
+def choose_num_splits(
+    programs: int, n_tokens: int, block_n: int, num_warps: int = 4, device: torch.device | str | None = None
+) -> int:
+    """Splits of the token range for a grid of `programs` (sequences x KV heads x row blocks):
+    enough that the grid gives every SM about TARGET_WARPS_PER_SM warps (two 4-warp programs,
+    or one 8-warp MLA program, whose shared memory would not fit twice anyway), with at least
+    one BLOCK_N step per split and at most MAX_SPLITS. On an H100 (132 SMs; also assumed for
+    `device` None or not CUDA): batch 8 x 8 KV heads over 2048 tokens, 64 programs -> 5 splits
+    (320 programs); MLA batch 8 x 2 blocks of 64 heads -> 9 splits; batch 64 x 8 KV heads ->
+    1 split (the output is written directly, no combine)."""
+    blocks = triton.cdiv(max(n_tokens, 0), block_n)
+    if blocks <= 1 or programs <= 0:
+        return 1
+    sms = DEFAULT_NUM_SMS if device is None else _num_sms(torch.device(device))
+    target = sms * max(1, TARGET_WARPS_PER_SM // num_warps)
+    return max(1, min(triton.cdiv(target, programs), blocks, MAX_SPLITS))
+
+
+# -- launchers ----------------------------------------------------------------------------------
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_launchable(*tensors: torch.Tensor) -> None:
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    if tensors[0].device.type != "cuda" and not _interpreted():
+        raise RuntimeError(
+            "the Triton decode kernels need CUDA tensors (or TRITON_INTERPRET=1 on the CPU, for tests)"
+        )
+
+
+def _check_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> None:
+    if k_cache.dim() != 4 or v_cache.dim() != 4:
+        raise ValueError(
+            f"{what}: k_cache and v_cache must be [num_pages, page_size, kv_heads, dim], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"{what}: v_cache {tuple(v_cache.shape)} does not match k_cache {tuple(k_cache.shape)} "
+                         "in pages, page size or heads")
+    if k_cache.shape[-1] != q.shape[-1] or v_cache.shape[-1] > q.shape[-1]:
+        raise ValueError(f"{what}: q's head dim {q.shape[-1]} must equal k_cache's ({k_cache.shape[-1]}) and "
+                         f"be >= v_cache's ({v_cache.shape[-1]})")
+    if q.shape[-2] % k_cache.shape[2]:
+        raise ValueError(f"{what}: {q.shape[-2]} query heads are not a multiple of {k_cache.shape[2]} KV heads")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{what}: {name} must be float32, float16 or bfloat16, got {t.dtype} "
+                             "(fp8 caches are not supported by this kernel)")
+
+
+def _launch(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+    lens: torch.Tensor | None, n_tokens: int, scale: float, *, indexed: bool, causal: bool,
+    num_splits: int | None,
+) -> torch.Tensor:
+    """q [NS, S, Hq, D]; caches [num_pages, P, Hk, D / Dv]; table [NS, width] (pages, or row
+    numbers when `indexed`); lens [NS] (paged only); n_tokens: the most tokens a sequence can
+    have (width * P, or topk). Returns [NS, S, Hq, Dv] in q's dtype."""
+    ns, s_q, hq, d = q.shape
+    _, page, hk, _ = k_cache.shape
+    dv = v_cache.shape[-1]
+    group = hq // hk
+    out = torch.empty(ns, s_q, hq, dv, dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    rows = group * s_q
+    v_shares_k = (  # MLA: V is a view of the first dims of the K rows
+        v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
+        and v_cache.dtype == k_cache.dtype
+    )
+    block_m, block_n, block_da, block_db, block_dv, warps = _tiles(
+        rows, d, dv, q.element_size(), k_cache.element_size(), v_shares_k
+    )
+    v_from_k = v_shares_k and dv == block_da
+    programs = ns * hk * triton.cdiv(rows, block_m)
+    if num_splits is None:
+        num_splits = choose_num_splits(programs, n_tokens, block_n, warps, q.device)
+    split_len = triton.cdiv(triton.cdiv(max(n_tokens, 1), max(1, num_splits)), block_n) * block_n
+    num_splits = max(1, triton.cdiv(n_tokens, split_len))  # no program whose split is past every sequence
+    split = num_splits > 1
+    if split:
+        part = torch.empty(ns * hk * rows * num_splits * dv, dtype=torch.float32, device=q.device)
+        lse = torch.empty(ns * hk * rows * num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part = lse = out  # unused
+    qk_mode, kdt = _dot_mode(q.dtype, k_cache.dtype)
+    pv_mode, vdt = _dot_mode(v_cache.dtype, v_cache.dtype)
+    _decode_split_kernel[(programs, num_splits)](
+        q, k_cache, v_cache, table, table if lens is None else lens, out, part, lse,
+        n_tokens, split_len, num_splits, scale * 1.4426950408889634,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *table.stride(), *out.stride(),
+        HK=hk, G=group, S=s_q, D=d, DV=dv, PAGE=page, INDEXED=indexed, CAUSAL=causal, SPLIT=split,
+        V_FROM_K=v_from_k, QK_MODE=qk_mode, KDT=kdt, PV_MODE=pv_mode, VDT=vdt,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DA=block_da, BLOCK_DB=block_db, BLOCK_DV=block_dv,
+        num_warps=warps, num_stages=NUM_STAGES,
+    )
+    if split:
+        _combine_kernel[(ns * hk * rows,)](
+            part, lse, out, num_splits, *out.stride(),
+            HK=hk, G=group, S=s_q, DV=dv, BLOCK_SPLITS=_pow2(num_splits), BLOCK_DV=block_dv,
+            num_warps=max(1, min(4, block_dv // 128)),
+        )
+    return out
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    scale: float,
+    *,
+    causal: bool = True,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Paged decode attention with `torch_ref.paged_attention`'s semantics.
+
+    q: [N, Hq, D] or [N, s_q, Hq, D] (s_q query tokens per sequence: speculative decoding);
+    k_cache: [num_pages, P, Hk, D]; v_cache: [num_pages, P, Hk, Dv], Dv <= D (MLA: a strided
+    view of k_cache's first 512 dims); page_table: int [N, max_pages]; cache_seqlens: int [N].
+    Sequence n attends to the first cache_seqlens[n] rows (at most max_pages * P) of its pages;
+    query head h reads KV head h // (Hq // Hk); with s_q > 1 and `causal`, query token i sees
+    only the first cache_seqlens[n] - (s_q - 1 - i) rows (flash_attn_with_kvcache's convention:
+    the query tokens are the newest rows of the cache). A row that sees nothing gives zeros.
+    `num_splits`: at most this many splits of the token range (None: `choose_num_splits`).
+    Returns [N, Hq, Dv] or [N, s_q, Hq, Dv] in q's dtype (float32 accumulation)."""
+    if q.dim() not in (3, 4):
+        raise ValueError(f"paged_decode: q must be [N, Hq, D] or [N, s_q, Hq, D], got {tuple(q.shape)}")
+    q4 = q.unsqueeze(1) if q.dim() == 3 else q
+    _check_caches(q4, k_cache, v_cache, "paged_decode")
+    n = q4.shape[0]
+    if page_table.dim() != 2 or page_table.shape[0] != n or tuple(cache_seqlens.shape) != (n,):
+        raise ValueError(
+            f"paged_decode: page_table must be [{n}, max_pages] and cache_seqlens [{n}], got "
+            f"{tuple(page_table.shape)} and {tuple(cache_seqlens.shape)}"
+        )
+    if page_table.dtype.is_floating_point or cache_seqlens.dtype.is_floating_point:
+        raise ValueError("paged_decode: page_table and cache_seqlens must be integer tensors (int32)")
+    _check_launchable(q4, k_cache, v_cache, page_table, cache_seqlens)
+    n_tokens = page_table.shape[1] * k_cache.shape[1]
+    out = _launch(q4, k_cache, v_cache, page_table, cache_seqlens, n_tokens, scale,
+                  indexed=False, causal=causal, num_splits=num_splits)
+    return out[:, 0] if q.dim() == 3 else out
+
+
+def indexed_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Sparse decode attention over row numbers (`torch_ref.indexed_attention`'s semantics).
+
+    q: [N, s_q, Hq, D]; k_cache / v_cache: [num_pages, P, Hk, D / Dv] (any strides; Dv <= D);
+    indices: int [N, s_q, topk], row numbers into the caches viewed as [-1, Hk, D] (row
+    page * P + offset), -1 for unused entries (never read, anywhere in the list). Query token
+    (n, i) attends to its own indices[n, i] rows; no causal mask. Returns [N, s_q, Hq, Dv] in
+    q's dtype."""
+    if q.dim() != 4 or indices.dim() != 3 or tuple(indices.shape[:2]) != tuple(q.shape[:2]):
+        raise ValueError(
+            f"indexed_decode: q must be [N, s_q, Hq, D] and indices [N, s_q, topk], got "
+            f"{tuple(q.shape)} and {tuple(indices.shape)}"
+        )
+    if indices.dtype.is_floating_point:
+        raise ValueError("indexed_decode: indices must be an integer tensor (int32)")
+    _check_caches(q, k_cache, v_cache, "indexed_decode")
+    _check_launchable(q, k_cache, v_cache, indices)
+    n, s_q, hq, d = q.shape
+    # every query token is its own sequence (its own index list): fold s_q into the batch
+    qf = q.reshape(n * s_q, 1, hq, d)
+    table = indices.reshape(n * s_q, indices.shape[-1])
+    out = _launch(qf, k_cache, v_cache, table, None, indices.shape[-1], scale,
+                  indexed=True, causal=False, num_splits=num_splits)
+    return out.view(n, s_q, hq, v_cache.shape[-1])
+
+
+def sparse_mla_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    scale: float,
+    v_dim: int = 512,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """FlashMLA sparse decode: q [N, s_q, Hq, 576]; kv_cache [num_tokens, 1, 576] latent rows
+    (K = the row, V = its first `v_dim` dims); indices int32 [N, s_q, topk] row numbers, -1
+    unused. Heads go through the kernel in blocks of up to 64 (16 for small Hq), so each latent
+    row is read once per head block and its V reuses the K tile. Returns [N, s_q, Hq, v_dim]
+    in q's dtype."""
+    if kv_cache.dim() != 3:
+        raise ValueError(
+            f"sparse_mla_decode: kv_cache must be [num_tokens, kv_heads, dim], got {tuple(kv_cache.shape)}"
+        )
+    if not 1 <= v_dim <= kv_cache.shape[-1]:
+        raise ValueError(f"sparse_mla_decode: v_dim must be in 1..{kv_cache.shape[-1]}, got {v_dim}")
+    paged = kv_cache.unsqueeze(1)  # [num_tokens, 1, Hk, D]: pages of one row
+    return indexed_decode(q, paged, paged[..., :v_dim], indices, scale, num_splits=num_splits)
