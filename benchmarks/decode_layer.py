@@ -160,11 +160,14 @@ class Cell:
             k = torch.stack([r[0] for r in rows]).transpose(1, 2).contiguous()  # [B, Hk, L, D]
             v = k[..., : lay.v_head_dim] if lay.is_mla else torch.stack([r[1] for r in rows]).transpose(1, 2).contiguous()
             del rows
-            q = self.q.unsqueeze(2)  # [B, Hq, 1, D]
             sdpa = torch.nn.functional.scaled_dot_product_attention
+            # MLA is MQA over one latent head: its Hq query heads go in as Hq query positions of
+            # one head (no causal mask), so SDPA never repeats the latent per head
+            q = self.q.unsqueeze(1) if lay.is_mla else self.q.unsqueeze(2)  # [B, 1, Hq, D] / [B, Hq, 1, D]
+            gqa = not lay.is_mla
 
             def dense() -> torch.Tensor:
-                return sdpa(q, k, v, enable_gqa=True)
+                return sdpa(q, k, v, enable_gqa=gqa)
 
             out["torch SDPA"] = timer.graph(dense) or timer(dense)
             del k, v

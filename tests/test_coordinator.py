@@ -99,16 +99,21 @@ class Driver:
         k_rows, v_rows = k_cache.reshape(-1, heads, k_cache.shape[-1]), v_cache.reshape(-1, heads, v_cache.shape[-1])
         per_head = sel.indices.shape[1] > 1
         n_slots = self.coord.store.num_slots
+
+        def same(stored: torch.Tensor, written: torch.Tensor) -> bool:
+            """The stored rows are the written ones, cast to the cache's dtype."""
+            return torch.equal(stored.float(), written.to(stored.dtype).float())
+
         for i, r in enumerate(requests):
             want_k, want_v = self.kv[r.rid][layer]
             for h in range(sel.indices.shape[1]):
                 n = int(sel.lengths[i, h])
                 toks, sl = sel.indices[i, h, :n].long(), slots[i, h, :n]
                 if per_head:  # head-major buffer: KV head h's slot s is row h * num_slots + s
-                    assert torch.equal(k_rows[h * n_slots + sl, 0], want_k[toks, h])
-                    assert torch.equal(v_rows[h * n_slots + sl, 0], want_v[toks, h])
+                    assert same(k_rows[h * n_slots + sl, 0], want_k[toks, h])
+                    assert same(v_rows[h * n_slots + sl, 0], want_v[toks, h])
                 else:
-                    assert torch.equal(k_rows[sl], want_k[toks]) and torch.equal(v_rows[sl], want_v[toks])
+                    assert same(k_rows[sl], want_k[toks]) and same(v_rows[sl], want_v[toks])
 
 
 def make(config: dict | None = None, *, layers: int = 2, kv_heads: int = 2, head_dim: int = 8, device: str = "cpu", **kw) -> SparseCoordinator:
@@ -353,3 +358,19 @@ def test_model_input_errors_name_the_input_and_the_shape() -> None:
     quest.forward_begin(qb)
     with pytest.raises(ValueError, match="it takes: none"):
         quest.attention_begin(0, q, k, v, qb, {"index_k": torch.randn(20, 16)})
+
+
+@pytest.mark.parametrize("algorithm, extra", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_keys_in_another_dtype_than_the_layout_are_accepted(algorithm, extra, dtype) -> None:
+    """A model computes K in float32 (or bf16) while the cache is bf16 or fp8: every algorithm
+    builds and extends its representations from such keys, and decode runs."""
+    layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=16, dtype=dtype)
+    cfg = {**BASE, "algorithm": algorithm, "extra": extra, "top_k": 8}
+    coord = SparseCoordinator(cfg, layout, max_requests=2, max_seq_len=128)
+    drv = Driver(coord, q_heads=4)  # float32 q, k, v
+    reqs = [Request("a", 60), Request("b", 33)]
+    drv.prefill(reqs)
+    for _ in range(3):
+        for out, ref, _ in drv.decode(reqs):
+            assert out.shape == ref.shape and torch.isfinite(out).all()

@@ -172,7 +172,7 @@ def test_decode_path_of_the_store_captures_in_a_cuda_graph() -> None:
 def test_whole_decode_layer_captures_in_a_cuda_graph(config, backend) -> None:
     """attention_begin (store write, select, ensure_resident, adapt) + attend has no host
     synchronisation: captured once, replays with new queries and keys give the eager outputs."""
-    from sparse_framework import SparseCoordinator
+    from sparse_framework.coordinator import SparseCoordinator
 
     layout = KVLayout(num_layers=1, num_kv_heads=4, head_dim=128, dtype=torch.bfloat16, device="cuda")
     cfg = {"top_k": 256, "page_size": 16, "sink_tokens": 16, "recent_tokens": 32, "device_buffer_tokens": 512,

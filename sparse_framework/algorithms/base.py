@@ -153,6 +153,13 @@ class SparseAlgorithm(ABC):
         """Forget a finished request's representations."""
 
 
+def key_dtype(layout: KVLayout) -> torch.dtype:
+    """dtype of representations made from raw keys (Quest's page bounds, exact top-k keys):
+    the layout's, except bfloat16 for fp8 layouts, on which min/max and dots are not defined.
+    Keys arrive in whatever dtype the model computed them; they are cast to this."""
+    return torch.bfloat16 if layout.is_fp8 else layout.dtype
+
+
 def _max_units(config: SparseConfig, unit: int, budget_units: int) -> int:
     sink_units = -(-config.sink_tokens // unit)
     recent_units = -(-config.recent_tokens // unit) + 1  # a misaligned window spans one more

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ..batch import Batch, Request
 from ..kv_store.layout import resolve_impl
 from .reference_scores import FP8_BLOCK, dequantize_fp8_blocks, quantize_fp8_blocks
-from .base import NO_INPUTS, Inputs, ScoringAlgorithm, group_probabilities, scoring_kernel
+from .base import NO_INPUTS, Inputs, ScoringAlgorithm, group_probabilities, key_dtype, scoring_kernel
 
 class DSAOptions(BaseModel):
     """DSA's extra-config (defaults: DeepSeek-V3.2's indexer)."""
@@ -92,7 +92,7 @@ class DSA(ScoringAlgorithm):
         if o.source == "keys":
             self.per_kv_head = layout.num_kv_heads > 1
             shape = (layout.num_layers, max_requests, layout.num_kv_heads, max_seq_len, layout.head_dim)
-            self.keys = torch.zeros(shape, dtype=layout.dtype, device=dev)
+            self.keys = torch.zeros(shape, dtype=key_dtype(layout), device=dev)
             return
         self.prefill_inputs = {"index_k": (o.index_dim,)}
         self.decode_inputs = {
@@ -124,7 +124,7 @@ class DSA(ScoringAlgorithm):
     ) -> None:
         n = keys.shape[0]
         if self.options.source == "keys":
-            self.keys[layer, request.slot, :, :n] = keys.transpose(0, 1)
+            self.keys[layer, request.slot, :, :n] = keys.transpose(0, 1).to(self.keys.dtype)
             return
         pos = torch.arange(n, device=keys.device)
         slots = torch.full_like(pos, request.slot)
@@ -135,7 +135,7 @@ class DSA(ScoringAlgorithm):
         pos = batch.seq_lens.long() - 1
         if self.options.source == "keys":
             heads = torch.arange(self.layout.num_kv_heads, device=keys.device)
-            self.keys[layer, batch.slot_ids.view(-1, 1), heads.view(1, -1), pos.view(-1, 1)] = keys
+            self.keys[layer, batch.slot_ids.view(-1, 1), heads.view(1, -1), pos.view(-1, 1)] = keys.to(self.keys.dtype)
             return
         self._store_index_keys(layer, batch.slot_ids, pos, inputs["index_k"])
 

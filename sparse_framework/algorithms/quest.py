@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..batch import Batch, Request
 from ..kv_store.layout import resolve_impl
-from .base import NO_INPUTS, Inputs, ScoringAlgorithm, scoring_kernel
+from .base import NO_INPUTS, Inputs, ScoringAlgorithm, key_dtype, scoring_kernel
 
 
 class QuestOptions(BaseModel):
@@ -70,8 +70,8 @@ class Quest(ScoringAlgorithm):
         p = config.page_size
         self.max_pages = -(-max_seq_len // p)
         shape = (layout.num_layers, max_requests, layout.num_kv_heads, self.max_pages, layout.head_dim)
-        self.page_min = torch.empty(shape, dtype=layout.dtype, device=layout.device)
-        self.page_max = torch.empty(shape, dtype=layout.dtype, device=layout.device)
+        self.page_min = torch.empty(shape, dtype=key_dtype(layout), device=layout.device)
+        self.page_max = torch.empty(shape, dtype=key_dtype(layout), device=layout.device)
         self.page_scores = scoring_kernel("quest_scores", self.options.impl, layout.device)
 
     def build(
@@ -81,7 +81,7 @@ class Quest(ScoringAlgorithm):
         n = keys.shape[0]
         n_pages = -(-n // p)
         pad = n_pages * p - n
-        k = keys.transpose(0, 1)  # [kv_heads, n, dim]
+        k = keys.to(self.page_min.dtype).transpose(0, 1)  # [kv_heads, n, dim]
         lo = torch.nn.functional.pad(k, (0, 0, 0, pad), value=float("inf"))
         hi = torch.nn.functional.pad(k, (0, 0, 0, pad), value=float("-inf"))
         shape = (k.shape[0], n_pages, p, k.shape[-1])
@@ -94,6 +94,7 @@ class Quest(ScoringAlgorithm):
         page = pos // self.config.page_size
         fresh = (pos % self.config.page_size == 0).view(-1, 1, 1)  # first token of a new page
         rows = batch.slot_ids
+        keys = keys.to(self.page_min.dtype)
         cur_min = self.page_min[layer, rows, :, page]  # [B, kv_heads, dim]
         cur_max = self.page_max[layer, rows, :, page]
         self.page_min[layer, rows, :, page] = torch.where(fresh, keys, torch.minimum(cur_min, keys))
