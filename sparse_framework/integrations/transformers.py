@@ -1,0 +1,562 @@
+"""Hugging Face transformers: prefill dense, decode through the `SparseCoordinator`.
+
+    from sparse_framework.integrations.transformers import sparse
+
+    with sparse(model, {"algorithm": "quest", "top_k": 2048}, max_seq_len=32768) as handle:
+        out = model.generate(**inputs, max_new_tokens=64)   # unchanged call
+    print(handle.stats())                                    # what the decode steps read
+
+Works with decoder models whose attention goes through transformers' attention-function
+registry (`AttentionInterface`: Llama, Qwen2/3, Mistral, Gemma, ...) on transformers
+>= 4.56 (`MIN_TRANSFORMERS`; tested with 4.56.2 and 5.23.0).
+
+How it plugs in
+  `enable(model, config)` builds a coordinator whose `KVLayout` comes from the model config
+  (num_hidden_layers, num_key_value_heads KV heads, head_dim, the model's dtype and device),
+  registers an attention function and the sdpa mask function under the name
+  "sparse_framework" (`AttentionInterface` / `AttentionMaskInterface`), switches the model to
+  it (`set_attn_implementation`) and gives `model.generate` a thin wrapper (an attribute of
+  this model instance) that passes a fresh `SparseCache` as `past_key_values` and closes it
+  when generation returns. `disable()` (or leaving the `with` block) undoes all three.
+
+  Per layer the model applies RoPE, calls `cache.update(k, v, layer)` and then the attention
+  function. `SparseCache.update` only counts tokens (transformers derives positions and mask
+  sizes from the cache's length, which includes left padding) and returns this step's K/V
+  unchanged: it holds no K/V itself. The attention function recognises the step as the
+  cache's own (the `key` it receives is the tensor `update` returned) and drives the
+  coordinator with it:
+    prefill  attention_begin with the packed prompt (pad tokens stripped, so the store
+             holds post-RoPE keys of real tokens only), dense attention over the padded
+             batch with the sdpa mask (exactly what the sdpa model computes), attention_end.
+    decode   attention_begin (store the new K/V, select, make resident, plan) + attend (the
+             configured backend) + attention_end, one query token per row.
+  Layer 0 of a forward opens the step (`forward_begin`), the last layer closes it
+  (`forward_end`). The coordinator scales q·k by 1/sqrt(head_dim); a model with another
+  scale (Gemma's query_pre_attn_scalar) has its queries multiplied to match. Calls that do not come through a SparseCache (`model(...)` with no cache
+  or a DynamicCache, `use_cache=False`) get transformers' sdpa attention: dense, unchanged.
+
+Requests and padding
+  The first forward through a SparseCache is its prefill: each batch row becomes a
+  `Request` whose prompt is the row's attended tokens (from the attention mask: left
+  padding is stripped), begun with `on_request_begin`. Every later forward must bring one
+  token per row (what `generate` does); rows that finished early keep decoding pad tokens
+  with mask 1, exactly as in the dense model. The requests end (`on_request_end`) when
+  `generate` returns or raises, when the cache is `close()`d or `reset()`, when it is
+  garbage-collected, or when the integration is disabled.
+
+Not supported (clear errors): beam search and assisted decoding (the cache cannot reorder or
+crop requests), several tokens per row after the prefill (chunked prefill, multi-turn reuse
+of a cache: start a new cache), sliding-window layers whose window is shorter than
+`max_seq_len`, logit soft-capping, attention sinks, MLA models, algorithms that need extra
+model inputs (DSA's lightning indexer; DSA with `extra.source = "keys"` works), multimodal
+models. One forward at a time per handle (no thread safety).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import weakref
+from collections.abc import Callable
+from os import PathLike
+from typing import Any
+
+import torch
+
+from ..batch import Batch, Request, Selection
+from ..config import SparseConfig
+from ..coordinator import SparseCoordinator
+from ..errors import SparseFrameworkError
+from ..kv_store.layout import KVLayout
+
+try:
+    import transformers
+    from packaging.version import Version
+except ImportError as exc:  # pragma: no cover - exercised only without transformers
+    raise ImportError(
+        "sparse_framework.integrations.transformers needs transformers: "
+        "pip install 'sparse-framework[transformers]'"
+    ) from exc
+
+NAME = "sparse_framework"
+MIN_TRANSFORMERS = "4.56"
+
+
+class UnsupportedModelError(SparseFrameworkError, ValueError):
+    """The model (or the installed transformers) cannot run through the integration; the
+    message says why and what works."""
+
+
+def check_transformers_version(version: str | None = None) -> None:
+    """ImportError unless `version` (default: the installed transformers) is supported."""
+    version = transformers.__version__ if version is None else version
+    if Version(version) < Version(MIN_TRANSFORMERS):
+        raise ImportError(
+            f"sparse_framework's transformers integration needs transformers >= {MIN_TRANSFORMERS} "
+            f"(its Cache layers and attention/mask registries), found {version}; "
+            f"pip install 'transformers>={MIN_TRANSFORMERS}'"
+        )
+
+
+check_transformers_version()
+
+from transformers import AttentionInterface, AttentionMaskInterface  # noqa: E402
+from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS  # noqa: E402
+
+_HANDLES: weakref.WeakKeyDictionary[Any, SparseHandle] = weakref.WeakKeyDictionary()  # attention module -> handle
+_ENABLED: weakref.WeakKeyDictionary[Any, SparseHandle] = weakref.WeakKeyDictionary()  # model -> handle
+_cache_ids = itertools.count()
+
+
+def enable(
+    model: Any,
+    config: SparseConfig | dict[str, Any] | str | PathLike[str],
+    *,
+    max_requests: int = 8,
+    max_seq_len: int = 8192,
+    device_capacity_tokens: int | None = None,
+    host_capacity_tokens: int | None = None,
+) -> SparseHandle:
+    """Run `model`'s decode through a SparseCoordinator built from `config`.
+
+    max_requests: the most rows one generate() may have (all caches alive at once together).
+    max_seq_len: the longest prompt + generated tokens of a row (padding excluded); the
+    store's pools are sized from both unless device/host_capacity_tokens are given
+    (`sparse-framework plan` sizes them). Returns the handle; `handle.disable()` restores
+    the model, and the handle is also a context manager (`with sparse(...) as handle:`).
+    """
+    check_transformers_version()
+    if model in _ENABLED:
+        raise ValueError("sparse decode is already enabled on this model; disable its handle first")
+    cfg = _text_config(model)
+    layout = KVLayout(
+        num_layers=cfg.num_hidden_layers,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        dtype=model.dtype,
+        device=model.device,
+    )
+    _check_windows(cfg, max_seq_len)
+    coord = SparseCoordinator(
+        config, layout, max_requests=max_requests, max_seq_len=max_seq_len,
+        device_capacity_tokens=device_capacity_tokens, host_capacity_tokens=host_capacity_tokens,
+    )
+    algo = coord.algorithm
+    if algo.prefill_inputs or algo.decode_inputs:
+        needs = sorted({**algo.prefill_inputs, **algo.decode_inputs})
+        raise UnsupportedModelError(
+            f"algorithm {coord.config.algorithm!r} with these options needs model inputs {needs} that a "
+            "transformers model does not compute (for DSA set extra.source to 'keys')"
+        )
+    return SparseHandle(model, coord)
+
+
+sparse = enable  # `with sparse(model, config) as handle: ...` reads better in a with statement
+
+
+class SparseHandle:
+    """What `enable` returns: the coordinator (`handle.coordinator`), statistics of the
+    decode selections (`stats()`, `last_selections`), new caches for manual forwards
+    (`new_cache()`), and `disable()`. A context manager that disables on exit."""
+
+    def __init__(self, model: Any, coordinator: SparseCoordinator) -> None:
+        self.model = model
+        self.coordinator = coordinator
+        self.original_attn_implementation = model.config._attn_implementation
+        self.enabled = False
+        # the last decode step's selection per layer (logical token indices, see Selection)
+        self.last_selections: dict[int, Selection] = {}
+        self._active: weakref.ref[SparseCache] | None = None  # the cache whose update() ran last
+        self._live: weakref.WeakSet[_Requests] = weakref.WeakSet()
+        dev = coordinator.layout.device
+        self._counts = torch.zeros(2, dtype=torch.int64, device=dev)  # selected, context tokens
+        self._decode_steps = self._layer_steps = 0
+        _register()
+        model.set_attn_implementation(NAME)
+        if model.config._attn_implementation != NAME:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} did not switch to the {NAME!r} attention implementation "
+                "(it does not use transformers' attention-function registry)"
+            )
+        for module in model.modules():
+            if isinstance(getattr(module, "layer_idx", None), int):
+                _HANDLES[module] = self
+        self._own_generate = vars(model).get("generate")  # an instance attribute to put back, if any
+        model.generate = _wrap_generate(self, model.generate)
+        _ENABLED[model] = self
+        self.enabled = True
+
+    def new_cache(self) -> SparseCache:
+        """A cache for manual forwards: `model(ids, attention_mask=..., past_key_values=cache)`
+        prefills, then one token per row per call decodes; `cache.close()` ends its requests."""
+        if not self.enabled:
+            raise RuntimeError("this sparse_framework handle is disabled")
+        return SparseCache(self)
+
+    def stats(self) -> dict[str, float]:
+        """Over the decode steps so far: steps, (step, layer) pairs, tokens selected (summed
+        over requests and selection heads), tokens in context (same sum, every token), and
+        their ratio: the fraction of the KV the decode attention read. Syncs the device."""
+        selected, context = (int(x) for x in self._counts.tolist())
+        return {
+            "decode_steps": self._decode_steps,
+            "layer_steps": self._layer_steps,
+            "selected_tokens": selected,
+            "context_tokens": context,
+            "read_fraction": selected / context if context else 0.0,
+        }
+
+    def disable(self) -> None:
+        """End every live request, restore the model's attention implementation and generate."""
+        if not self.enabled:
+            return
+        self.enabled = False
+        for live in list(self._live):
+            live.end()
+        model = self.model
+        model.set_attn_implementation(self.original_attn_implementation)
+        if self._own_generate is not None:
+            model.generate = self._own_generate
+        elif "generate" in vars(model):
+            del model.generate
+        for module in [m for m, h in _HANDLES.items() if h is self]:
+            del _HANDLES[module]
+        _ENABLED.pop(model, None)
+
+    def __enter__(self) -> SparseHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.disable()
+
+    def _record(self, layer: int, selection: Selection, batch: Batch) -> None:
+        """Count one decode layer's selection (device tensors only: no sync)."""
+        assert batch.seq_lens is not None
+        heads = selection.lengths.shape[1]
+        self._counts[0] += selection.lengths.sum()
+        self._counts[1] += batch.seq_lens.sum() * heads
+        self._layer_steps += 1
+        self.last_selections[layer] = selection
+
+
+class _Requests:
+    """The requests of one SparseCache and its open step. Apart from the cache so that a
+    finalizer can end them when the cache is garbage-collected."""
+
+    def __init__(self, coordinator: SparseCoordinator, name: str) -> None:
+        self.coordinator = coordinator
+        self.name = name
+        self.requests: list[Request] = []
+        self.batch: Batch | None = None  # the open step (between the first and the last layer)
+        self.prompt_rows: torch.Tensor | None = None  # prefill: flat [row * len + pos] of real tokens
+
+    def end(self) -> None:
+        coord = self.coordinator
+        if self.batch is not None:
+            self.batch, batch = None, self.batch
+            coord.forward_end(batch)
+        for r in self.requests:
+            if coord.requests.get(r.rid) is r:
+                coord.on_request_end(r)
+        self.requests.clear()
+        self.prompt_rows = None
+
+
+class _SparseLayer(CacheLayerMixin):
+    """One layer of a SparseCache: only its length (padded tokens seen). The K/V are in the
+    coordinator's store."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.is_initialized = True
+        self.tokens += key_states.shape[-2]
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return self.tokens
+
+    def get_mask_sizes(self, query: int | torch.Tensor, *args: Any) -> tuple[int, int]:
+        """(kv_length, kv_offset); `query` is the query length (transformers 5) or the
+        cache positions (4.x)."""
+        n = query if isinstance(query, int) else int(query.shape[0])
+        return self.tokens + n, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.tokens = 0
+
+
+class SparseCache(Cache):
+    """A transformers Cache whose K/V live in a SparseCoordinator's store (module docstring).
+
+    Made by the generate wrapper, or by `handle.new_cache()` for manual forwards. Lengths
+    (`get_seq_length`) count padded positions, as transformers expects; the stored
+    sequences do not hold the pad tokens.
+    """
+
+    def __init__(self, handle: SparseHandle) -> None:
+        coord = handle.coordinator
+        super().__init__(layers=[_SparseLayer() for _ in range(coord.layout.num_layers)])
+        self.handle = handle
+        self.live = _Requests(coord, f"hf{next(_cache_ids)}")
+        handle._live.add(self.live)
+        self._pending: tuple[int, torch.Tensor] | None = None  # (layer, key) that update returned
+        self._ref = weakref.ref(self)
+        weakref.finalize(self, self.live.end).atexit = False
+
+    @property
+    def requests(self) -> list[Request]:
+        """The coordinator's requests of this cache, one per batch row (empty before prefill)."""
+        return list(self.live.requests)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._pending is not None:
+            raise RuntimeError(
+                f"layer {self._pending[0]}'s attention did not run through sparse_framework (was the "
+                "attention implementation changed, or the keys modified after the cache update?)"
+            )
+        if not self.handle.enabled:
+            raise RuntimeError("this SparseCache's handle was disabled; generate with a new cache")
+        if layer_idx == 0:
+            self._check_step(key_states.shape[0], key_states.shape[-2])
+        out = self.layers[layer_idx].update(key_states, value_states)
+        self._pending = (layer_idx, out[0])
+        self.handle._active = self._ref
+        return out
+
+    def _check_step(self, rows: int, tokens: int) -> None:
+        """Before the first layer of a forward changes anything: can this cache take it?"""
+        live = self.live
+        if live.batch is not None:
+            raise RuntimeError("the previous forward through this cache did not reach its last layer; reset() it")
+        if not live.requests:
+            return
+        if tokens != 1:
+            raise UnsupportedModelError(
+                f"after its prefill a sparse cache decodes one token per row, got {tokens}: chunked prefill, "
+                "assisted decoding and continuing a cache with a new prompt are not supported (use a new cache)"
+            )
+        if rows != len(live.requests):
+            raise ValueError(f"the cache holds {len(live.requests)} rows, this forward has {rows}")
+
+    def close(self) -> None:
+        """End this cache's requests (idempotent); the cache can prefill again afterwards."""
+        self._pending = None
+        self.live.end()
+        for layer in self.layers:
+            layer.reset()
+
+    def reset(self) -> None:
+        self.close()
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        raise UnsupportedModelError("beam search is not supported with sparse decode; use greedy or sampling")
+
+    def crop(self, max_length: int) -> None:
+        if max_length != 0 or self.live.requests:
+            raise UnsupportedModelError("a sparse cache cannot be cropped (assisted decoding is not supported)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._before_prefill("repeat its rows")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._before_prefill("select rows")
+
+    def _before_prefill(self, what: str) -> None:
+        if self.live.requests:
+            raise UnsupportedModelError(f"a sparse cache cannot {what} once it holds requests")
+
+    # -- the attention function's side ------------------------------------------------------
+    def _claims(self, layer: int, key: torch.Tensor) -> bool:
+        return self._pending is not None and self._pending[0] == layer and self._pending[1] is key
+
+    def _attend(
+        self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        attention_mask: torch.Tensor | None, scaling: float | None, kwargs: dict[str, Any],
+    ) -> tuple[torch.Tensor, None]:
+        """One layer: query [B, Hq, n, D], key/value [B, Hkv, n, D] (this forward's, post-RoPE)
+        -> ([B, n, Hq, D], None), as transformers' attention functions return."""
+        self._pending = None
+        for name in ("softcap", "s_aux", "sinks"):
+            if kwargs.get(name) is not None:
+                raise UnsupportedModelError(f"attention with {name!r} is not supported by sparse decode")
+        layer = module.layer_idx
+        coord, live = self.handle.coordinator, self.live
+        b, hq, n, d = query.shape
+        if layer == 0:
+            self._open_step(attention_mask, b, n)
+        batch = live.batch
+        if batch is None:
+            raise RuntimeError(f"layer {layer} ran before layer 0 of this forward")
+        scale = d**-0.5 if scaling is None else scaling
+        factor = scale * math.sqrt(d)  # the coordinator scales q·k by 1/sqrt(D): scale q instead
+        rescale = (lambda q: q) if math.isclose(factor, 1.0, rel_tol=1e-9) else (lambda q: q * factor)
+        with torch.no_grad():
+            if batch.is_prefill:
+                out = self._prefill_layer(module, layer, batch, query, key, value, attention_mask, scale, rescale, kwargs)
+            else:
+                q = rescale(query[:, :, 0].contiguous())
+                meta = coord.attention_begin(layer, q, key[:, :, 0].contiguous(), value[:, :, 0].contiguous(), batch)
+                attended = coord.attend(layer, q, meta)
+                coord.attention_end(layer, attended, batch)
+                assert meta.selection is not None
+                self.handle._record(layer, meta.selection, batch)
+                out = attended.unsqueeze(1)
+        if layer == coord.layout.num_layers - 1:
+            live.batch = None
+            coord.forward_end(batch)
+            if not batch.is_prefill:
+                self.handle._decode_steps += 1
+        return out, None
+
+    def _prefill_layer(
+        self, module: Any, layer: int, batch: Batch, query: torch.Tensor, key: torch.Tensor,
+        value: torch.Tensor, attention_mask: torch.Tensor | None, scale: float,
+        rescale: Callable[[torch.Tensor], torch.Tensor], kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        """Store the packed prompt (pad tokens dropped) and attend densely over the padded batch."""
+        rows = self.live.prompt_rows
+        assert rows is not None
+
+        def packed(x: torch.Tensor) -> torch.Tensor:  # [B, H, n, D] -> [real tokens, H, D]
+            return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[-1]).index_select(0, rows)
+
+        coord = self.handle.coordinator
+        coord.attention_begin(layer, rescale(packed(query)), packed(key), packed(value), batch)
+        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=scale, **kwargs)
+        coord.attention_end(layer, out.reshape(-1, out.shape[2], out.shape[3]).index_select(0, rows), batch)
+        return out
+
+    def _open_step(self, attention_mask: torch.Tensor | None, b: int, n: int) -> None:
+        """Layer 0 of a forward (checked by `_check_step`): begin the requests at prefill, then
+        forward_begin."""
+        live, coord = self.live, self.handle.coordinator
+        if not live.requests:
+            valid = _prompt_tokens(attention_mask, b, n, coord.layout.device)
+            reqs = [Request(f"{live.name}/{i}", int(m)) for i, m in enumerate(valid.sum(1).tolist())]
+            for r in reqs:
+                coord.on_request_begin(r)
+                live.requests.append(r)
+            live.prompt_rows = valid.flatten().nonzero().squeeze(1)
+            batch = Batch(list(live.requests), is_prefill=True)
+        else:
+            live.prompt_rows = None
+            batch = Batch(list(live.requests))
+        coord.forward_begin(batch)
+        live.batch = batch
+
+
+def _prompt_tokens(mask: torch.Tensor | None, b: int, n: int, device: str | torch.device) -> torch.Tensor:
+    """bool [B, n]: the prompt positions a row attends to. From the mask transformers built
+    (sdpa: bool [B, 1, n, n], True = attend, or None when nothing is padded): the last query
+    row of a causal mask attends to every real token, wherever the padding is."""
+    if mask is None:
+        return torch.ones(b, n, dtype=torch.bool, device=device)
+    if mask.dim() == 4:
+        last = mask[:, 0, -1, -n:]
+        valid = last if last.dtype == torch.bool else last == 0  # additive float masks: 0 = attend
+    elif mask.dim() == 2:
+        valid = mask[:, -n:].bool()
+    else:
+        raise ValueError(f"unexpected attention mask of shape {list(mask.shape)}")
+    return valid.expand(b, n).to(device)
+
+
+def sparse_attention_forward(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:
+    """The attention function registered as "sparse_framework": through the coordinator when
+    the step is a SparseCache's, transformers' sdpa attention otherwise."""
+    handle = _HANDLES.get(module)
+    cache = handle._active() if handle is not None and handle._active is not None else None
+    if cache is not None and cache._claims(module.layer_idx, key):
+        return cache._attend(module, query, key, value, attention_mask, scaling, kwargs)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _register() -> None:
+    """Register the attention function and the mask function (transformers' own sdpa mask)."""
+    AttentionInterface.register(NAME, sparse_attention_forward)
+    AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+def _wrap_generate(handle: SparseHandle, generate: Callable[..., Any]) -> Callable[..., Any]:
+    """generate(...) with a fresh SparseCache as past_key_values, closed when it returns."""
+
+    def sparse_generate(*args: Any, **kwargs: Any) -> Any:
+        cache = kwargs.pop("past_key_values", None)
+        gen_config = kwargs.get("generation_config") or handle.model.generation_config
+        use_cache = kwargs.get("use_cache", getattr(gen_config, "use_cache", True))
+        if cache is not None and not isinstance(cache, SparseCache):
+            raise ValueError(
+                f"sparse decode is enabled: pass no past_key_values (or handle.new_cache()), not a {type(cache).__name__}"
+            )
+        if cache is not None or use_cache is False:
+            return generate(*args, past_key_values=cache, **kwargs)
+        cache = handle.new_cache()
+        try:
+            return generate(*args, past_key_values=cache, **kwargs)
+        finally:
+            cache.close()
+
+    sparse_generate.__wrapped__ = generate  # type: ignore[attr-defined]
+    sparse_generate.__doc__ = generate.__doc__
+    return sparse_generate
+
+
+def _text_config(model: Any) -> Any:
+    """The model's decoder config, after checking that the model can use the registry."""
+    if not isinstance(model, transformers.PreTrainedModel):
+        raise UnsupportedModelError(f"expected a transformers PreTrainedModel, got {type(model).__name__}")
+    name = type(model).__name__
+    if not getattr(model, "_supports_attention_backend", False):
+        raise UnsupportedModelError(
+            f"{name} does not use transformers' attention-function registry (AttentionInterface), "
+            "so its attention cannot be replaced; decoders such as Llama, Qwen2/3, Mistral and Gemma do"
+        )
+    cfg = model.config
+    if cfg.get_text_config(decoder=True) is not cfg:
+        raise UnsupportedModelError(f"{name}: multimodal and encoder-decoder models are not supported yet")
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{name}: encoder-decoder models are not supported")
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        raise UnsupportedModelError(f"{name}: attention logit soft-capping is not supported by sparse decode")
+    if any(getattr(cfg, a, None) is not None for a in ("kv_lora_rank", "v_head_dim")):
+        raise UnsupportedModelError(f"{name}: MLA models are not supported by the transformers integration yet")
+    return cfg
+
+
+def _check_windows(cfg: Any, max_seq_len: int) -> None:
+    """Sliding-window layers are fine only when the window never binds (>= max_seq_len)."""
+    types = getattr(cfg, "layer_types", None)
+    window = getattr(cfg, "sliding_window", None)
+    if types is None:
+        types = ["sliding_attention" if window is not None else "full_attention"] * cfg.num_hidden_layers
+    other = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if other:
+        raise UnsupportedModelError(f"layer types {other} are not supported (full and sliding attention are)")
+    if "sliding_attention" in types and window is not None and window < max_seq_len:
+        raise UnsupportedModelError(
+            f"the model has sliding-window layers (window {window}) and sparse decode attends to the whole "
+            f"sequence: set max_seq_len <= {window} so that the window never binds"
+        )
