@@ -192,7 +192,7 @@ def run_cell(shape: str, algo: str, ctx: int, batch: int, args: argparse.Namespa
                "dense_us": dense, "dense_best": best_name, "dense_best_us": best, "select_us": select_us}
         if why:
             row["skipped"] = why
-            console.print(f"  {label}: skipped ({why})", highlight=False)
+            console.print(f"  {label}: skipped ({why})", highlight=False, markup=False)
             rows.append(row)
             continue
         cell.use(backend, adaptor)

@@ -203,6 +203,51 @@ def test_triton_topk_interpreted_matches_torch() -> None:
     assert "interpreted ok" in done.stdout
 
 
+# Scores whose order keys differ in one byte only (the kernel's radix digit 1, 2, 3 or 4, most
+# significant first) and take few values, so each pass's pick decides. Chunks 0 and 1 hold
+# every value, chunks 2 and 3 only the lowest: a large budget's ties straddle all four chunks;
+# a small budget's bucket lies in the first two, and from the pass after the varying byte's
+# the other two hold none of it (they skip the histogram).
+INTERPRETED_DIGITS = r"""
+import sys
+sys.path.insert(0, TESTS_DIR)
+import torch
+from sparse_framework.algorithms.base import topk_selection
+from sparse_framework.kernels import topk as tk
+from test_kernels_topk import check
+
+def from_order_bits(u):
+    # unsigned order bits (int64 in [0, 2^32)) -> float32, inverting the kernel's key map
+    key = u - 2**31
+    return torch.where(key < 0, key ^ 0x7FFFFFFF, key).to(torch.int32).view(torch.float32)
+
+g = torch.Generator().manual_seed(3)
+base = 0xBFC00000  # 1.5
+values = torch.tensor([0x3F, 0x40, 0x41, 0xBF, 0xC0])  # all finite, whichever byte they fill
+kw = dict(unit=1, sink_tokens=0, recent_tokens=0, width_units=64)
+seq_lens = torch.tensor([64], dtype=torch.int32)
+tk.BLOCK_OVERRIDE = 16  # 4 chunks
+for byte, budget in enumerate((45, 40, 5, 12)):
+    r = values[torch.randint(0, 5, (64,), generator=g)]
+    r[32:] = values[0]
+    u = (base & ~(0xFF << (8 * byte))) | (r << (8 * byte))
+    scores = from_order_bits(u).view(1, 1, 64)
+    assert torch.isfinite(scores).all()
+    got = topk_selection(scores, seq_lens, impl="triton", budget_units=budget, **kw)
+    check(got, scores, seq_lens, budget_units=budget, **kw)
+print("digits ok")
+"""
+
+
+def test_triton_topk_interpreted_each_radix_digit() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    script = INTERPRETED_DIGITS.replace("TESTS_DIR", repr(os.path.dirname(__file__)))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert "digits ok" in done.stdout
+
+
 def test_stable_reference_is_topk_selection_without_ties() -> None:
     """The reference the kernel is held to: on tie-free scores it is topk_selection itself."""
     g = torch.Generator().manual_seed(5)

@@ -19,27 +19,43 @@ of kept *scores* is the same.)
 Algorithm, per row r = (request, head), on a grid (rows, chunks of BLOCK units):
   key      each float32's bits map to an int32 whose signed order is the float order (flip
            the 31 low bits of negatives; integer ops only, so no subnormal is flushed); its
-           unsigned bits u = key ^ 0x80000000 are the radix digits
-  pass 1   histogram of u's top 11 bits over the eligible units, into hist[r, 0:2048]
-  pass 2   prologue: every program picks digit D1 from the row's pass-1 histogram (the digit
-           whose bucket holds the need-th largest key, need = min(budget, eligible)); then a
-           histogram of the next 11 bits of the units whose top digit is D1
-  pass 3   the same with the 22-bit prefix P = (D1, D2) and the low 10 bits; each program also
-           records its chunk's `sure` count (forced units, and eligible ones whose prefix is
-           above P: kept whatever the last digit) and `suffix[d]`, its candidates (prefix P)
-           whose last digit is >= d — so no later pass must re-count the chunk
-  write    picks D3: threshold thr = the need-th largest key, n_tie = how many units equal to
-           it are kept. Every chunk's kept count is sure + suffix[D3 + 1] + its share of the
-           ties (suffix[D3] - suffix[D3 + 1] tied units, the quota going to earlier chunks
+           unsigned bits u = key ^ 0x80000000 are read as four 8-bit radix digits, most
+           significant first
+  pass 1   histogram of u's top digit over the eligible units, into hist[r, 0:256]
+  pass p   (p = 2, 3, 4) prologue: every program picks digit D(p-1) from the row's histogram
+           of pass p - 1 (the digit whose bucket holds the need-th largest key among the keys
+           of the prefix chosen so far; need = min(budget, eligible) at first), which extends
+           the prefix P to 8 (p - 1) bits; then the histogram of digit p of the units whose
+           key starts with P. Chunks holding no such unit skip the histogram
+  pass 4   also records the chunk's `sure` count (forced units, and eligible ones whose 24-bit
+           prefix is above P: kept whatever the last digit) and `suffix[d]`, its candidates
+           (prefix P) whose last digit is >= d — so no later pass must re-count the chunk
+  write    picks D4: threshold thr = the need-th largest key, n_tie = how many units equal to
+           it are kept. Every chunk's kept count is sure + suffix[D4 + 1] + its share of the
+           ties (suffix[D4] - suffix[D4 + 1] tied units, the quota going to earlier chunks
            first); their exclusive prefix and a cumsum inside the chunk give each kept unit its
            output slot. Tokens and the -1 padding are written; chunk 0 writes the row's length
-Each program keeps its histogram in shared memory (tl.histogram) and adds it to the row's
-int32 histogram with one masked atomic per non-empty bin, so global atomics never contend per
-element. Every digit choice is recomputed from the histogram by each program of the row
-(2048 ints from L2) instead of by a separate launch; chunk 0 stores it in `state` for the
-next kernel. Launches per call: 1 memset (the histograms) + 4 kernels, each reading the
-scores once; no host sync, every buffer sized from shapes (the largest: `suffix`, 4 KiB per
+Each program keeps its histogram in registers / shared memory (tl.histogram) and adds it to
+the row's int32 histogram with one masked atomic per non-empty bin, so global atomics never
+contend per element. Every digit choice is recomputed from the histogram by each program of
+the row (256 ints from L2) instead of by a separate launch; chunk 0 stores it in `state` for
+the next kernel. Launches per call: 1 memset (the histograms) + 5 kernels, each reading the
+scores once; no host sync, every buffer sized from shapes (the largest: `suffix`, 1 KiB per
 program), so the call can be captured in a CUDA graph.
+
+Why 8-bit digits (4 histogram passes, not 3 of 11 bits): tl.histogram's cost grows with its
+bins. Triton 3.6 lowers it (HistogramOpToLLVM.cpp) to a warp-ballot algorithm: per element,
+log2(bins) + 1 warp votes, then each lane popcounts the ballots for each of the bins / 32 bins
+it owns — for masked elements too, whatever the data; no atomics contend. 2048 bins: 64
+POPCs (quarter-rate) per element; a 4096-unit pass compiled for sm_90 is ~4000 SASS
+instructions per thread with 1024 POPCs and 188 registers (one 8-warp program per SM),
+~37 us per pass at 8 x 131072 scores on an H100. 256 bins: 8 POPCs per element; a pass is
+~1600-1800 instructions with 129 POPCs and 59-64 registers (121 in pass 4): four passes
+issue ~40% of the cycles of three 11-bit ones. Sorting the digits (tl.sort, then one atomic per run of equal digits)
+would be contention-free too but costs more: the 4096-element sort alone is ~7000
+instructions per thread, with ~1150 shared-memory accesses and 53 barriers. (Triton 3.9
+lowers tl.histogram to one shared-memory atomic increment per element, ATOMS.POPC.INC,
+whatever the bins: there, too, 8-bit digits cost no more per pass.)
 """
 
 from __future__ import annotations
@@ -61,9 +77,11 @@ __all__ = ["topk_selection_triton"]
 MIN_BLOCK, MAX_BLOCK, TARGET_PROGRAMS, MAX_CHUNKS = 256, 4096, 256, 1024
 BLOCK_OVERRIDE: int | None = None
 
-# radix digits: 11 + 11 + 10 bits; per-row histogram offsets in `hist`
-_HIST_ROW = 2048 + 2048 + 1024
-_STATE_ROW = 8  # per row: D1, need1, prefix (D1, D2), need2; 4 spare (the kernels index row * 8)
+# radix digits: 4 x 8 bits (256 bins; the kernels spell these numbers out); per row, `hist`
+# holds the 4 histograms, `state` the prefix and rank chosen after passes 1, 2 and 3
+_NB, _PASSES = 256, 4
+_HIST_ROW = _PASSES * _NB
+_STATE_ROW = 8  # (prefix, need) x 3, then 2 spare (the kernels index row * 8)
 
 
 @triton.jit
@@ -95,14 +113,13 @@ def _chunk(scores_ptr, lens_ptr, row, chunk, n_units, H, s_b, s_h, s_n, sink, re
 
 
 @triton.jit
-def _pick(h, NB: tl.constexpr, need):
-    """From a bucket's digit histogram h [NB] and the rank `need` (>= 0, <= h.sum()) of the
-    wanted key among the bucket's largest: the digit D holding it (NB - 1 when need is 0)
+def _pick(h, need):
+    """From a bucket's digit histogram h and the rank `need` (>= 0, <= h.sum()) of the wanted
+    key among the bucket's largest: the digit D holding it (the top digit when need is 0)
     and its rank among D's keys. D = the largest digit with Σ_{d >= D} h[d] >= need."""
-    d = tl.arange(0, NB)
-    at_or_above = tl.sum(h, 0) - (tl.cumsum(h, 0) - h)
-    digit = tl.max(tl.where(at_or_above >= need, d, -1), 0)
-    above = tl.sum(tl.where(d > digit, h, 0), 0)
+    at_or_above = tl.cumsum(h, 0, reverse=True)  # Σ_{d' >= d} h[d'], non-increasing
+    digit = tl.sum((at_or_above >= need).to(tl.int32), 0) - 1  # at_or_above[0] >= need
+    above = tl.max(tl.where(at_or_above < need, at_or_above, 0), 0)  # at_or_above[D + 1], or 0
     return digit, need - above
 
 
@@ -112,47 +129,52 @@ def _topk_hist_kernel(
     n_units, H, s_b, s_h, s_n, sink, recent, budget,
     PASS: tl.constexpr, UNIT: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Radix pass PASS (1, 2, 3): the histogram of one digit of the eligible keys that match
-    the prefix chosen so far, added into hist[row]. Pass 3 also leaves what the write kernel
-    needs of this chunk once the last digit is known: sure[row, chunk] = units kept whatever
-    it is (forced, or a 22-bit prefix above the threshold's), and suffix[row, chunk, d] = the
-    chunk's candidates (the threshold's prefix) whose last digit is >= d."""
+    """Radix pass PASS (1 to 4): the histogram of digit PASS (bits [32 - 8 PASS, 40 - 8 PASS)
+    of u) of the eligible keys that match the prefix chosen so far, added into hist[row,
+    PASS - 1]. Pass 4 also leaves what the write kernel needs of this chunk once the last
+    digit is known: sure[row, chunk] = units kept whatever it is (forced, or a 24-bit prefix
+    above the threshold's), and suffix[row, chunk, d] = the chunk's candidates (the
+    threshold's prefix) whose last digit is >= d."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    hist_row = hist_ptr + row.to(tl.int64) * 5120
+    hist_row = hist_ptr + row.to(tl.int64) * 1024
     state_row = state_ptr + row * 8
     ids, ln, forced, eligible, key = _chunk(scores_ptr, lens_ptr, row, chunk, n_units, H, s_b, s_h, s_n,
                                             sink, recent, UNIT, BLOCK)
     u = key ^ -2147483648  # unsigned order bits (as int32; digits are masked after >>)
+    SHIFT: tl.constexpr = 32 - 8 * PASS
+    digit = (u >> SHIFT) & 0xFF
     if PASS == 1:
-        hist = tl.histogram((u >> 21) & 0x7FF, 2048, mask=eligible)
-        tl.atomic_add(hist_row + tl.arange(0, 2048), hist, mask=hist > 0, sem="relaxed")
-    elif PASS == 2:
-        h1 = tl.load(hist_row + tl.arange(0, 2048))
-        need0 = tl.minimum(tl.sum(h1, 0), budget)  # min(budget, eligible units)
-        d1, need1 = _pick(h1, 2048, need0)
-        if chunk == 0:
-            tl.store(state_row + 0, d1)
-            tl.store(state_row + 1, need1)
-        match = eligible & (((u >> 21) & 0x7FF) == d1)
-        hist = tl.histogram((u >> 10) & 0x7FF, 2048, mask=match)
-        tl.atomic_add(hist_row + 2048 + tl.arange(0, 2048), hist, mask=hist > 0, sem="relaxed")
+        match = eligible
     else:
-        d1 = tl.load(state_row + 0)
-        need1 = tl.load(state_row + 1)
-        d2, need2 = _pick(tl.load(hist_row + 2048 + tl.arange(0, 2048)), 2048, need1)
-        prefix = d1 * 2048 + d2
+        # the bucket of the need-th largest key, from the previous pass's (complete) histogram
+        if PASS == 2:
+            h = tl.load(hist_row + tl.arange(0, 256))
+            prefix = 0
+            need = tl.minimum(tl.sum(h, 0), budget)  # min(budget, eligible units)
+        else:
+            h = tl.load(hist_row + (PASS - 2) * 256 + tl.arange(0, 256))
+            prefix = tl.load(state_row + 2 * (PASS - 3))
+            need = tl.load(state_row + 2 * (PASS - 3) + 1)
+        d, need = _pick(h, need)
+        prefix = prefix * 256 + d  # the top 8 (PASS - 1) bits of the wanted key
         if chunk == 0:
-            tl.store(state_row + 2, prefix)
-            tl.store(state_row + 3, need2)
-        high = (u >> 10) & 0x3FFFFF
+            tl.store(state_row + 2 * (PASS - 2), prefix)
+            tl.store(state_row + 2 * (PASS - 2) + 1, need)
+        high = (u >> (SHIFT + 8)) & ((1 << (8 * PASS - 8)) - 1)
         match = eligible & (high == prefix)
-        hist = tl.histogram(u & 0x3FF, 1024, mask=match)
-        tl.atomic_add(hist_row + 4096 + tl.arange(0, 1024), hist, mask=hist > 0, sem="relaxed")
+    # tl.histogram costs as much for masked elements (see the module docstring): a chunk with
+    # no unit in the bucket (most chunks by pass 4; in pass 1, those past the length) skips it
+    n_match = tl.sum(match.to(tl.int32), 0)
+    hist = tl.full([256], 0, tl.int32)
+    if n_match > 0:
+        hist = tl.histogram(digit, 256, mask=match)
+        tl.atomic_add(hist_row + (PASS - 1) * 256 + tl.arange(0, 256), hist, mask=hist > 0, sem="relaxed")
+    if PASS == 4:
         slot = row * tl.num_programs(1) + chunk
         tl.store(sure_ptr + slot, tl.sum((forced | (eligible & (high > prefix))).to(tl.int32), 0))
-        suffix = tl.sum(hist, 0) - (tl.cumsum(hist, 0) - hist)
-        tl.store(suffix_ptr + slot.to(tl.int64) * 1024 + tl.arange(0, 1024), suffix)
+        suffix = n_match - (tl.cumsum(hist, 0) - hist)
+        tl.store(suffix_ptr + slot.to(tl.int64) * 256 + tl.arange(0, 256), suffix)
 
 
 @triton.jit
@@ -166,18 +188,18 @@ def _topk_write_kernel(
     earlier chunks; -1 padding after the row's last kept unit; chunk 0 writes the length."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    prefix = tl.load(state_ptr + row * 8 + 2)
-    need2 = tl.load(state_ptr + row * 8 + 3)
-    d3, n_tie = _pick(tl.load(hist_ptr + row.to(tl.int64) * 5120 + 4096 + tl.arange(0, 1024)), 1024, need2)
-    # unsigned bits (prefix, d3) back to the signed key: u - 2^31, exact in int64
-    thr = ((prefix.to(tl.int64) * 1024 + d3) - 2147483648).to(tl.int32)
+    prefix = tl.load(state_ptr + row * 8 + 4)
+    need = tl.load(state_ptr + row * 8 + 5)
+    d4, n_tie = _pick(tl.load(hist_ptr + row.to(tl.int64) * 1024 + 768 + tl.arange(0, 256)), need)
+    # unsigned bits (prefix, d4) back to the signed key: u - 2^31, exact in int64
+    thr = ((prefix.to(tl.int64) * 256 + d4) - 2147483648).to(tl.int32)
 
     c = tl.arange(0, CBLOCK)
     live = c < n_chunks
     slots = row * n_chunks + c
-    at_or_above = tl.load(suffix_ptr + slots.to(tl.int64) * 1024 + d3, mask=live, other=0)
-    above = tl.load(suffix_ptr + slots.to(tl.int64) * 1024 + tl.minimum(d3 + 1, 1023), mask=live, other=0)
-    above = tl.where(d3 < 1023, above, 0)  # nothing lies above the top digit
+    at_or_above = tl.load(suffix_ptr + slots.to(tl.int64) * 256 + d4, mask=live, other=0)
+    above = tl.load(suffix_ptr + slots.to(tl.int64) * 256 + tl.minimum(d4 + 1, 255), mask=live, other=0)
+    above = tl.where(d4 < 255, above, 0)  # nothing lies above the top digit
     tied = at_or_above - above
     tied_before = tl.cumsum(tied, 0) - tied
     kept = tl.load(sure_ptr + slots, mask=live, other=0) + above
@@ -262,7 +284,7 @@ def topk_selection_triton(
         lens = lens.to(torch.int64)
     hist = torch.zeros(rows * _HIST_ROW, dtype=torch.int32, device=device)  # the one memset
     # written before they are read: state by each row's chunk 0, the rest by every program
-    scratch = torch.empty(rows * (_STATE_ROW + n_chunks * (1 + 1024)), dtype=torch.int32, device=device)
+    scratch = torch.empty(rows * (_STATE_ROW + n_chunks * (1 + _NB)), dtype=torch.int32, device=device)
     state = scratch[: rows * _STATE_ROW]
     sure = scratch[rows * _STATE_ROW: rows * (_STATE_ROW + n_chunks)]
     suffix = scratch[rows * (_STATE_ROW + n_chunks):]
@@ -272,7 +294,7 @@ def topk_selection_triton(
     grid = (rows, n_chunks)
     warps = 8 if block >= 2048 else 4
     common = (n_units, h, *scores.stride(), sink, recent)
-    for p in (1, 2, 3):
+    for p in range(1, _PASSES + 1):
         _topk_hist_kernel[grid](scores, lens, hist, state, sure, suffix, *common, budget,
                                 PASS=p, UNIT=unit, BLOCK=block, num_warps=warps)
     _topk_write_kernel[grid](scores, lens, hist, state, sure, suffix, indices, lengths, *common, n_chunks, width,
