@@ -13,6 +13,19 @@ from sparse_framework.kv_store.hierarchical import HierarchicalKVStore
 
 from test_coordinator import Driver, make
 
+def capture(fn):  # type: ignore[no-untyped-def]
+    """Warm `fn` up on a side stream, then capture it: (graph, the captured call's output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
@@ -141,14 +154,7 @@ def test_decode_path_of_the_store_captures_in_a_cuda_graph() -> None:
             idx[i, 0] = torch.tensor(sorted(pinned + rest.tolist()), dtype=torch.int32)
 
     pick(0)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        slots = step()
+    graph, slots = capture(step)
     for seed in range(1, 6):
         pick(seed)
         graph.replay()
@@ -192,14 +198,7 @@ def test_whole_decode_layer_captures_in_a_cuda_graph(config, backend) -> None:
         meta = coord.attention_begin(0, q, k, v, batch, inputs)
         return coord.attend(0, q, meta)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        layer()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = layer()
+    graph, out = capture(layer)
     for _ in range(3):
         q.copy_(torch.randn_like(q, dtype=torch.float32))
         k.copy_(torch.randn_like(k, dtype=torch.float32))
