@@ -111,8 +111,8 @@ class Cell:
 
     def use(self, backend: str, adaptor: str | None) -> None:
         """Swap the coordinator's backend and adaptor (same stored KV and representations)."""
-        self.coord.backend = registry.load("backend", backend)()
         cls = registry.load("backend", backend)
+        self.coord.backend = cls()
         self.coord.adaptor = registry.load("adaptor", adaptor or cls.metadata_formats[0])()
 
     def step(self) -> torch.Tensor:

@@ -135,6 +135,7 @@ from sparse_framework.adaptors.flash_attention import FlashAttentionAdaptor
 from sparse_framework.backends.torch_ref import TorchRefBackend, indexed_attention, paged_attention
 from sparse_framework.backends.triton import TritonBackend
 from sparse_framework.kernels import sparse_decode as sd
+from test_kernels_sparse_decode import reference_paged, _compare_with_torch_ref as compare_with_torch_ref
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 NAN = float("nan")
@@ -155,14 +156,6 @@ def check(got, want, dtype, what):
     assert not got.isnan().any(), ("NaN leaked", what)
     err = float((got.float() - want).abs().max()) if want.numel() else 0.0
     assert err <= TOL[dtype] * max(1.0, float(want.abs().max()) if want.numel() else 0.0), (what, err)
-
-def reference_paged(q4, k, v, table, lens, scale, causal):
-    s_q = q4.shape[1]
-    outs = []
-    for i in range(s_q):
-        li = (lens.long() - (s_q - 1 - i)).clamp(min=0) if causal else lens.long()
-        outs.append(paged_attention(q4[:, i], k, v, table, li.to(torch.int32), scale))
-    return torch.stack(outs, 1)
 
 def paged_case(g, n, hk, group, s_q, d, dv_kind, page, max_pages, lengths, dtype):
     # caches full of NaN except the rows each sequence uses; unused page-table entries point at
@@ -305,15 +298,6 @@ from sparse_framework import Batch, KVLayout, Request
 from sparse_framework.coordinator import SparseCoordinator
 from helpers import SMALL_QUEST
 from test_coordinator import Driver, make
-
-def compare_with_torch_ref(coord):
-    triton_run, errors = coord.backend.run, []
-    def run(q, k_cache, v_cache, metadata, **kw):
-        out = triton_run(q, k_cache, v_cache, metadata, **kw)
-        errors.append(float((out - TorchRefBackend().run(q, k_cache, v_cache, metadata, **kw)).abs().max()))
-        return out
-    coord.backend.run = run
-    return errors
 
 for config in ({}, {"top_k": 256, "device_buffer_tokens": 512}):
     coord = make({"backend": "triton", **config})

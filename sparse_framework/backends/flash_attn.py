@@ -34,36 +34,38 @@ from .base import AttentionBackend
 INSTALL = 'pip install "sparse-framework[flash-attn]"'
 
 
+def _import(name: str) -> Any:
+    """The module, or the reason it cannot be imported ("ImportError: ..."; a broken CUDA or
+    cutlass install raises other errors, which count as missing too)."""
+    try:
+        return importlib.import_module(name)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
 @cache
 def _find_library() -> tuple[str, Callable[..., Any]] | str:
     """(version label, decode function) of the first usable library, or why there is none."""
-    try:
-        cute = importlib.import_module("flash_attn.cute")
-        return "flash-attn 4", cute.flash_attn_varlen_func
-    except Exception as exc:  # ImportError, or a broken CUDA/cutlass install
-        fa4_error = f"{type(exc).__name__}: {exc}"
-    try:
-        fa3 = importlib.import_module("flash_attn_interface")
+    fa4 = _import("flash_attn.cute")
+    if not isinstance(fa4, str):
+        return "flash-attn 4", fa4.flash_attn_varlen_func
+    fa3 = _import("flash_attn_interface")
+    if not isinstance(fa3, str):
         return "flash-attn 3", fa3.flash_attn_with_kvcache
-    except Exception:
-        pass
-    try:
-        importlib.import_module("flash_attn")
+    if not isinstance(_import("flash_attn"), str):
         return (
             "only flash-attn 2 is installed, whose paged KV needs pages of a multiple of 256 "
             f"tokens (sparse selections use page_size or single tokens); {INSTALL} installs flash-attn 4"
         )
-    except Exception:
-        pass
-    return f"no flash-attn is installed (flash_attn.cute failed with {fa4_error}); {INSTALL}"
+    return f"no flash-attn is installed (flash_attn.cute failed with {fa4}); {INSTALL}"
 
 
-def library() -> str:
-    """The library this backend calls here (for reports), or raise ConfigError."""
+def _library() -> tuple[str, Callable[..., Any]]:
+    """(version label, decode function), or ConfigError saying why there is none."""
     found = _find_library()
     if isinstance(found, str):
-        raise ConfigError(f"backend flash_attn is unavailable: {found}")
-    return found[0]
+        raise ConfigError(f"backend 'flash_attn' is unavailable: {found}")
+    return found
 
 
 class FlashAttnBackend(AttentionBackend):
@@ -100,10 +102,7 @@ class FlashAttnBackend(AttentionBackend):
         *,
         scale: float | None = None,
     ) -> torch.Tensor:
-        found = _find_library()
-        if isinstance(found, str):
-            raise ConfigError(f"backend flash_attn is unavailable: {found}")
-        name, fn = found
+        name, fn = _library()
         b, hq, d = q.shape
         scale = 1.0 / math.sqrt(d) if scale is None else scale
         n = metadata.page_table.shape[0]

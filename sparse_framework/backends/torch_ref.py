@@ -140,21 +140,23 @@ def _unpack_used_pages(
     read = torch.arange(page_table.shape[1], device=page_table.device) < (
         (cache_seqlens.long() + p - 1) // p
     ).unsqueeze(1)
-    used, inverse = torch.unique(page_table.long()[read], return_inverse=True)
-    if used.numel() == 0:  # nothing is read; keep one page so that gathers stay in range
-        used = torch.zeros(1, dtype=torch.long, device=page_table.device)
-    table = torch.zeros_like(page_table)
-    table[read] = inverse.to(page_table.dtype)
-    return unpack_flashmla_fp8(k_cache[used]), table
+    return _unpack_used(k_cache, page_table, read, unused=0)
 
 
 def _unpack_used_rows(rows: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows [N, Hk, 656] that indices name (>= 0), unpacked to float32 [n, Hk, 576], and
     the indices renumbered into them (-1 kept)."""
-    valid = indices >= 0
-    used, inverse = torch.unique(indices[valid].long(), return_inverse=True)
-    if used.numel() == 0:
-        used = torch.zeros(1, dtype=torch.long, device=indices.device)
-    renumbered = torch.full_like(indices, -1)
-    renumbered[valid] = inverse.to(indices.dtype)
-    return unpack_flashmla_fp8(rows[used]), renumbered
+    return _unpack_used(rows, indices, indices >= 0, unused=-1)
+
+
+def _unpack_used(
+    blocks: torch.Tensor, ids: torch.Tensor, read: torch.Tensor, *, unused: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each block of `blocks` that `ids[read]` names, once, unpacked from FlashMLA's format,
+    and `ids` renumbered into them (`unused` where not read)."""
+    used, inverse = torch.unique(ids[read].long(), return_inverse=True)
+    if used.numel() == 0:  # nothing is read; keep one block so that gathers stay in range
+        used = torch.zeros(1, dtype=torch.long, device=ids.device)
+    renumbered = torch.full_like(ids, unused)
+    renumbered[read] = inverse.to(ids.dtype)
+    return unpack_flashmla_fp8(blocks[used]), renumbered
