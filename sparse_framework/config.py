@@ -198,14 +198,17 @@ def _loads(kind: str, name: str) -> bool:
     return True
 
 
-def config_schema() -> dict[str, Any]:
+def config_schema(distribution: str | None = None) -> dict[str, Any]:
     """JSON Schema of SparseConfig with each loadable algorithm's extra-config under `$defs`,
-    tied to its algorithm name by if/then."""
+    tied to its algorithm name by if/then.
+
+    `distribution` limits the algorithms and backends to those one distribution registers
+    ("sparse-framework": the built-ins; see `registry.names`)."""
     schema = SparseConfig.model_json_schema()
     defs = schema.setdefault("$defs", {})
     rules = []
     usable = []
-    for name in registry.names("algorithm"):
+    for name in registry.names("algorithm", distribution):
         try:
             algo = registry.load("algorithm", name)
         except PluginError:
@@ -224,5 +227,5 @@ def config_schema() -> dict[str, Any]:
     if rules:
         schema["allOf"] = rules
     schema["properties"]["algorithm"]["enum"] = usable
-    schema["properties"]["backend"]["enum"] = [n for n in registry.names("backend") if _loads("backend", n)]
+    schema["properties"]["backend"]["enum"] = [n for n in registry.names("backend", distribution) if _loads("backend", n)]
     return schema

@@ -59,10 +59,19 @@ def _check_kind(kind: str) -> None:
         raise PluginError(f"unknown plugin kind {kind!r}; allowed: {', '.join(GROUPS)}")
 
 
-def names(kind: str) -> list[str]:
-    """Registered names of one kind, sorted (nothing is imported)."""
+def names(kind: str, distribution: str | None = None) -> list[str]:
+    """Registered names of one kind, sorted (nothing is imported).
+
+    `distribution` keeps only the names that distribution registers (e.g. "sparse-framework"
+    for the built-ins), so that output meant to be reproducible — the generated config
+    reference — does not depend on which plugins happen to be installed.
+    """
     _check_kind(kind)
-    return sorted(_entry_points(kind))
+    return sorted(
+        name
+        for name, eps in _entry_points(kind).items()
+        if distribution is None or any(_dist_name(ep) == distribution for ep in eps)
+    )
 
 
 def _base_class(kind: str) -> type:
