@@ -1,4 +1,4 @@
-"""The `sparse-framework` command: run an experiment, print the config schema, list plugins."""
+"""The `sparse-framework` command: run or evaluate experiments, print the config schema, list plugins, plan capacity."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from .engine.loop import RequestResult, run_experiment
 from .engine.workload import WorkloadConfig
 from .engine.workload import DTYPES as LAYOUT_DTYPES
 from .errors import SparseFrameworkError, closest
+from .eval import command as eval_command
 from .kv_store.capacity import PRESETS, plan_capacity
 from .kv_store.layout import KVLayout
 
@@ -77,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     schema.add_argument("--output", metavar="PATH", help="write to PATH instead of stdout")
 
     sub.add_parser("plugins", help="list registered algorithms, adaptors and backends, with load errors")
+
+    eval_command.add_parser(sub)
 
     plan = sub.add_parser(
         "plan",
@@ -272,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
             return _schema(args)
         if args.command == "plan":
             return _plan(args)
+        if args.command == "eval":
+            return eval_command.run(args, console)
         return _plugins()
     except SparseFrameworkError as exc:
         console.print(Text("error: ", style="red") + Text(str(exc)), highlight=False)

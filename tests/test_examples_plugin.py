@@ -6,6 +6,7 @@ the CLI in a subprocess."""
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import shutil
 import subprocess
@@ -228,3 +229,26 @@ def test_cli_runs_it_by_name(example_site: Path) -> None:
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "keynorm" in done.stdout and "sparse" in done.stdout
+
+
+def test_sparse_framework_eval_runs_it_on_the_reference_model(example_site: Path, tmp_path: Path) -> None:
+    """The installed plugin, named in an experiment file, is swept by `sparse-framework eval`."""
+    pytest.importorskip("transformers")
+    experiment = {
+        "name": "plugin", "algorithms": [{"algorithm": "keynorm", "extra": {"prefer": "high"}}],
+        "budgets": [1.0, "1/8"], "contexts": [512],
+        "workloads": [{"kind": "reference", "task": "mqar", "sequences": 1}],
+    }
+    (tmp_path / "exp.json").write_text(json.dumps(experiment))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(example_site), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    out = tmp_path / "results.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "sparse_framework.cli", "eval", str(tmp_path / "exp.json"), "--out", str(out), "--no-progress"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["algorithm"], r["status"]) for r in records] == [("dense", "ok"), ("keynorm", "ok"), ("keynorm", "ok")]
+    full = next(r for r in records if r["budget"] == "1.0")
+    assert full["metrics"]["recall"] > 0.999 and full["metrics"]["accuracy"] == records[0]["metrics"]["accuracy"]
+    assert "keynorm" in done.stdout

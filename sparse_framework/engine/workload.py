@@ -19,6 +19,13 @@ from ..kv_store.layout import check_device
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def check_dtype_name(name: str) -> str:
+    """`name` if it is a key of DTYPES (pydantic validators raise this ValueError as the field's error)."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return name
+
+
 class WorkloadConfig(BaseModel):
     """Shape and content of the synthetic workload (one request per context length)."""
 
@@ -52,9 +59,7 @@ class WorkloadConfig(BaseModel):
     @field_validator("dtype")
     @classmethod
     def _dtype(cls, name: str) -> str:
-        if name not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
-        return name
+        return check_dtype_name(name)
 
     @model_validator(mode="after")
     def _heads(self) -> WorkloadConfig:

@@ -58,6 +58,7 @@ import itertools
 import math
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from os import PathLike
 from typing import Any
 
@@ -172,6 +173,9 @@ class SparseHandle:
         self._live: weakref.WeakSet[_Requests] = weakref.WeakSet()
         dev = coordinator.layout.device
         self._counts = torch.zeros(2, dtype=torch.int64, device=dev)  # selected, context tokens
+        # called once per layer and forward with what the coordinator saw (`AttentionEvent`);
+        # the evaluation harness measures recall and errors against dense attention with it
+        self.observer: Callable[[AttentionEvent], None] | None = None
         self._decode_steps = self._layer_steps = 0
         _register()
         model.set_attn_implementation(NAME)
@@ -239,6 +243,24 @@ class SparseHandle:
         self._counts[1] += batch.seq_lens.sum() * heads
         self._layer_steps += 1
         self.last_selections[layer] = selection
+
+
+@dataclass
+class AttentionEvent:
+    """One layer of one forward, as the coordinator saw it (for `SparseHandle.observer`).
+
+    prefill: q/k/v are the packed prompt tokens [tokens, heads, D] of `batch` (row after row,
+    pad tokens dropped), `out` and `selection` are None. decode: q [B, Hq, D] (already scaled
+    so that q·k/sqrt(D) is the model's logit), k/v [B, Hkv, D] this step's new token, `out`
+    [B, Hq, D] the sparse attention output and `selection` what it attended to."""
+
+    layer: int
+    batch: Batch
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor | None = None
+    selection: Selection | None = None
 
 
 class _Requests:
@@ -420,6 +442,9 @@ class SparseCache(Cache):
                 coord.attention_end(layer, attended, batch)
                 assert meta.selection is not None
                 self.handle._record(layer, meta.selection, batch)
+                if self.handle.observer is not None:
+                    k0, v0 = key[:, :, 0], value[:, :, 0]
+                    self.handle.observer(AttentionEvent(layer, batch, q, k0, v0, attended, meta.selection))
                 out = attended.unsqueeze(1)
         if layer == coord.layout.num_layers - 1:
             live.batch = None
@@ -441,7 +466,10 @@ class SparseCache(Cache):
             return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[-1]).index_select(0, rows)
 
         coord = self.handle.coordinator
-        coord.attention_begin(layer, rescale(packed(query)), packed(key), packed(value), batch)
+        q, k, v = rescale(packed(query)), packed(key), packed(value)
+        coord.attention_begin(layer, q, k, v, batch)
+        if self.handle.observer is not None:
+            self.handle.observer(AttentionEvent(layer, batch, q, k, v))
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=scale, **kwargs)
         coord.attention_end(layer, out.reshape(-1, out.shape[2], out.shape[3]).index_select(0, rows), batch)
         return out

@@ -1,0 +1,92 @@
+"""`sparse-framework eval`: parse the arguments, run the sweep, print and write the results."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from ..errors import ConfigError
+from .experiment import DEFAULT_EXPERIMENT, load_experiment
+from .report import make_plots, markdown_page
+from .runner import METRICS
+from .sweep import results_table, run_sweep
+
+DEFAULT_OUT = "eval-results.jsonl"
+
+DESCRIPTION = """\
+Sweep sparse-attention settings and compare each with dense decoding.
+
+An experiment file (JSON or TOML) lists what to sweep; every algorithm x backend x budget x
+context x workload is one cell, and each (workload, context) also runs dense as the baseline:
+
+  {"name": "mine",
+   "algorithms": ["quest", {"algorithm": "dsa", "label": "dsa-keys", "extra": {"source": "keys"}}],
+   "backends": ["torch_ref"],
+   "budgets": ["1/16", "1/4", 512],          # a fraction of the context, or top_k tokens
+   "contexts": [2048, 4096],
+   "workloads": [{"kind": "reference", "task": "mqar"},          # the shipped model: mqar, passkey
+                 {"kind": "synthetic", "options": {"decode_steps": 8}},
+                 {"kind": "hf", "model": "/path/to/model", "prompts": "prompts.txt"}],
+   "base": {"sink_tokens": 16, "recent_tokens": 64},   # shared config options
+   "device": "cpu", "dtype": "float32", "seed": 0}
+
+With no file it runs a small embedded sweep on the shipped reference model (a few minutes
+on a CPU). Results go to JSON lines (--out), one per finished cell: run the same command
+again after an interruption and finished cells are skipped. A failing cell is recorded with
+its error and the sweep goes on.
+
+metrics:
+""" + "\n".join(f"  {k}: {v}" for k, v in METRICS.items())
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "eval", help="sweep algorithms x backends x budgets x contexts; accuracy and speed vs dense",
+        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("experiment", nargs="?", help="experiment file (.json or .toml); default: the embedded sweep")
+    p.add_argument("--device", help="override the experiment's device (cpu, cuda, cuda:1, ...)")
+    p.add_argument("--out", default=DEFAULT_OUT, metavar="PATH", help=f"results, JSON lines (default {DEFAULT_OUT})")
+    p.add_argument("--fresh", action="store_true", help="discard earlier results in --out instead of resuming")
+    p.add_argument("--plots", metavar="DIR", help="write PNG plots (accuracy/recall vs budget, time vs context) to DIR")
+    p.add_argument("--markdown", metavar="PATH", help="write a results page (tables, plots) to PATH")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--show-default", action="store_true", help="print the embedded experiment as JSON and exit")
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    if args.show_default:
+        print(json.dumps(DEFAULT_EXPERIMENT, indent=1))
+        return 0
+    data: dict[str, Any] | str = DEFAULT_EXPERIMENT if args.experiment is None else args.experiment
+    exp = load_experiment(data)
+    if args.device:
+        exp = load_experiment({**exp.model_dump(exclude_unset=True), "device": args.device})
+    for flag, path in (("--out", args.out), ("--markdown", args.markdown)):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ConfigError(f"{flag}: directory {str(Path(path).parent)!r} does not exist")
+    out = Path(args.out)
+    records = run_sweep(exp, out, progress=not args.no_progress, fresh=args.fresh, console=console)
+    console.print(results_table(records, title=f"experiment {exp.name!r} on {exp.device} (results: {out})"))
+    plots = make_plots(records, Path(args.plots)) if args.plots else []
+    if plots:
+        console.print("plots: " + ", ".join(str(p) for p in plots))
+    if args.markdown:
+        page = Path(args.markdown)
+        command = "sparse-framework eval " + shlex.join(
+            [x for x in ([args.experiment] if args.experiment else [])]
+            + (["--device", args.device] if args.device else [])
+            + ["--out", args.out] + (["--plots", args.plots] if args.plots else []) + ["--markdown", args.markdown]
+        )
+        experiment = exp.model_dump(exclude_unset=True)
+        page.write_text(markdown_page(records, experiment, command, plots, page))
+        console.print(f"results page: {page}")
+    failed = sum(r.status != "ok" for r in records)
+    if failed:
+        console.print(f"[red]{failed} of {len(records)} cells failed[/red] (errors in {out})")
+    return 1 if failed == len(records) else 0

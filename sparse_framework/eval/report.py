@@ -1,0 +1,188 @@
+"""Plots (matplotlib PNGs) and a markdown results page from the records of a sweep."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from ..errors import SparseFrameworkError
+from .runner import METRICS, CellRecord
+from .sweep import COLUMNS
+
+PLOTS = {
+    "accuracy_vs_budget": ("accuracy", "task accuracy"),
+    "recall_vs_budget": ("recall", "attention recall"),
+}
+
+
+MARKERS = "osD^vP*X"  # series that coincide stay visible
+
+
+def _ok(records: list[CellRecord]) -> list[CellRecord]:
+    return [r for r in records if r.status == "ok"]
+
+
+def _series_name(r: CellRecord) -> str:
+    return r.algorithm if r.backend in ("torch_ref", "dense") else f"{r.algorithm} [{r.backend}]"
+
+
+def make_plots(records: list[CellRecord], directory: Path) -> list[Path]:
+    """accuracy and recall vs budget (one panel per workload and context, a line per
+    algorithm, dense dashed), time per token vs context; returns the files written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SparseFrameworkError("--plots needs matplotlib: pip install 'sparse-framework[eval]'") from exc
+    directory.mkdir(parents=True, exist_ok=True)
+    ok = _ok(records)
+    written = []
+    panels = sorted({(r.workload, r.context) for r in ok})
+    for name, (metric, ylabel) in PLOTS.items():
+        shown = [p for p in panels if any(r.metrics.get(metric) is not None and (r.workload, r.context) == p for r in ok)]
+        if not shown:
+            continue
+        grid_rows = sorted({w for w, _ in shown})
+        grid_cols = sorted({c for _, c in shown})
+        fig, axes = plt.subplots(
+            len(grid_rows), len(grid_cols), figsize=(4.2 * len(grid_cols), 3.4 * len(grid_rows)), squeeze=False
+        )
+        for ax in axes.flat:
+            ax.set_visible(False)
+        for workload, context in shown:
+            ax = axes[grid_rows.index(workload)][grid_cols.index(context)]
+            ax.set_visible(True)
+            lines: dict[str, list[tuple[float, float]]] = defaultdict(list)
+            for r in ok:
+                if (r.workload, r.context) != (workload, context) or r.metrics.get(metric) is None:
+                    continue
+                if r.top_k is None:
+                    ax.axhline(r.metrics[metric], color="black", linestyle="--", linewidth=1, label="dense")
+                else:
+                    lines[_series_name(r)].append((r.top_k / context, r.metrics[metric]))
+            for n, (label, points) in enumerate(sorted(lines.items())):
+                xs, ys = zip(*sorted(points))
+                ax.plot(xs, ys, marker=MARKERS[n % len(MARKERS)], markersize=8 - n % 4, alpha=0.85, label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("budget (top_k / context)")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"{workload}, {context} tokens", fontsize=9)
+            ax.grid(alpha=0.3)
+        for row in axes:
+            next(ax for ax in row if ax.get_visible()).legend(fontsize=7)
+        fig.tight_layout()
+        written.append(_save(fig, directory / f"{name}.png"))
+        plt.close(fig)
+    # time per token vs context, at each algorithm's smallest budget
+    timed = [r for r in ok if r.metrics.get("ms_per_token") is not None]
+    if timed:
+        workloads = sorted({r.workload for r in timed})
+        fig, axes = plt.subplots(1, len(workloads), figsize=(4.2 * len(workloads), 3.4), squeeze=False)
+        for ax, workload in zip(axes[0], workloads):
+            smallest: dict[tuple[str, int], CellRecord] = {}
+            for r in timed:
+                if r.workload != workload:
+                    continue
+                k = (_series_name(r), r.context)
+                if k not in smallest or (r.top_k or 1 << 62) < (smallest[k].top_k or 1 << 62):
+                    smallest[k] = r
+            lines = defaultdict(list)
+            for (label, context), r in smallest.items():
+                lines[label].append((context, r.metrics["ms_per_token"]))
+            for label, points in sorted(lines.items()):
+                xs, ys = zip(*sorted(points))
+                ax.plot(xs, ys, marker="o", label=label, linestyle="--" if label == "dense" else "-")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("context (tokens)")
+            ax.set_ylabel("ms per decode step")
+            ax.set_title(f"{workload} (smallest budget)", fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(_save(fig, directory / "time_vs_context.png"))
+        plt.close(fig)
+    return written
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.savefig(path, dpi=110, metadata={"Software": None})  # no version stamp: stable files
+    return path
+
+
+def _budget_label(r: CellRecord) -> str:
+    if r.top_k is None:
+        return "dense"
+    try:
+        frac = Fraction(r.budget)
+        return f"{r.budget} ({r.top_k})" if frac < 1 or "/" in r.budget else str(r.top_k)
+    except ValueError:
+        return str(r.top_k)
+
+
+def markdown_page(
+    records: list[CellRecord], experiment: dict[str, Any], command: str, plots: list[Path], page: Path, notes: str = ""
+) -> str:
+    """A self-contained results page: how to reproduce, what each metric means, one table per
+    workload and metric (rows: algorithm, columns: context x budget), the plots."""
+    ok = _ok(records)
+    lines = [
+        f"# Accuracy of sparse decode: experiment `{experiment.get('name', 'experiment')}`",
+        "",
+        "<!-- generated by `sparse-framework eval --markdown`; do not edit by hand -->",
+        "",
+        "Reproduce (from the repository root):",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        "Cells already in the results file are not measured again: add `--fresh` to re-measure them all.",
+        "",
+    ]
+    if notes:
+        lines += [notes.strip(), ""]
+    lines += ["Metrics (dense is the baseline every cell is compared with):", ""]
+    lines += [f"- `{key}`: {text}" for key, text in METRICS.items()]
+    lines += ["", "The experiment file:", "", "```json", json.dumps(experiment, indent=1), "```", ""]
+    failed = [r for r in records if r.status != "ok"]
+    if failed:
+        lines += ["Failed cells:", ""]
+        lines += [f"- {r.workload} {r.context} {r.algorithm} {r.backend} {r.budget}: `{r.error}`" for r in failed]
+        lines.append("")
+    for workload in sorted({r.workload for r in ok}):
+        lines += [f"## {workload}", ""]
+        rows = [r for r in ok if r.workload == workload]
+        shown = [(key, heading, spec) for key, heading, spec in COLUMNS if any(r.metrics.get(key) is not None for r in rows)]
+        for context in sorted({r.context for r in rows}):
+            here = sorted(
+                (r for r in rows if r.context == context),
+                key=lambda r: (r.top_k is not None, _series_name(r), r.top_k or 0),
+            )
+            head = ["algorithm", "budget (top_k)"] + [heading for _, heading, _ in shown]
+            lines += [f"### {workload}, {context} tokens", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            for r in here:
+                values = [_fmt_md(r.metrics.get(key), spec) for key, _, spec in shown]
+                lines.append("| " + " | ".join([_series_name(r), _budget_label(r), *values]) + " |")
+            lines.append("")
+    if plots:
+        lines += ["## Plots", ""]
+        for p in plots:
+            rel = Path(_relative(p, page.parent))
+            lines += [f"![{p.stem}]({rel.as_posix()})", ""]
+    return "\n".join(lines) + "\n"
+
+
+def _fmt_md(value: Any, spec: str) -> str:
+    return "–" if value is None else spec.format(value)
+
+
+def _relative(path: Path, base: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(base.resolve()))
+    except ValueError:
+        return str(path.resolve())

@@ -1,0 +1,134 @@
+"""Run a whole experiment: cells in order with a progress bar, one JSON line per finished cell
+(so an interrupted sweep resumes where it stopped), a terminal table, plots and a markdown page.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from collections.abc import Iterable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from ..errors import ConfigError
+from ..kv_store.layout import check_device
+from .experiment import Cell, Experiment, expand
+from .runner import METRICS, CellRecord, Runner, finite
+
+# (metric, column heading, format) of the terminal table and the markdown page
+COLUMNS: list[tuple[str, str, str]] = [
+    ("accuracy", "acc", "{:.3f}"),
+    ("recall", "recall", "{:.3f}"),
+    ("rel_error", "rel err", "{:.3f}"),
+    ("kl", "KL", "{:.2e}"),
+    ("needle_hit_rate", "needle", "{:.3f}"),
+    ("device_kv_fraction", "dev KV", "{:.3f}"),
+    ("moved_kib_per_token", "moved KiB/tok", "{:.1f}"),
+    ("ms_per_token", "ms/tok", "{:.1f}"),
+]
+
+
+def read_results(path: Path) -> dict[str, CellRecord]:
+    """Finished cells of an earlier run (status ok) by id; unreadable lines are skipped (a
+    line cut by an interruption)."""
+    done: dict[str, CellRecord] = {}
+    if not path.is_file():
+        return done
+    for line in path.read_text().splitlines():
+        try:
+            record = CellRecord(**json.loads(line))
+        except (json.JSONDecodeError, TypeError):
+            continue
+        if record.status == "ok":
+            done[record.id] = record
+    return done
+
+
+def run_cell(runner: Runner, exp: Experiment, cell: Cell) -> CellRecord:
+    """One cell; an exception becomes a record with the error (the sweep goes on)."""
+    start = time.perf_counter()
+    record = CellRecord(
+        id=cell.id, experiment=exp.name, workload=cell.workload.label, context=cell.context,
+        algorithm=cell.algorithm, backend=cell.backend, budget=cell.budget,
+        top_k=cell.config.top_k if cell.config is not None else None, status="ok",
+        config=cell.config.model_dump() if cell.config is not None else None,
+    )
+    try:
+        record.metrics = {k: finite(v) if isinstance(v, float) else v for k, v in runner.run(cell).items()}
+    except Exception as exc:  # noqa: BLE001 - a failing cell is recorded, the sweep goes on
+        record.status = "error"
+        record.error = f"{type(exc).__name__}: {exc}"
+        last = traceback.extract_tb(exc.__traceback__)[-1:]
+        if last:
+            record.error += f" (at {Path(last[0].filename).name}:{last[0].lineno})"
+    record.seconds = round(time.perf_counter() - start, 2)
+    return record
+
+
+def run_sweep(
+    exp: Experiment, out: Path | None, *, progress: bool = True, fresh: bool = False, console: Console | None = None
+) -> list[CellRecord]:
+    """Every cell of `exp`; finished ones found in `out` are kept (unless `fresh`), new ones
+    appended to `out` as they finish."""
+    console = console or Console()
+    cells = expand(exp)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if fresh and out.exists():
+            out.unlink()
+    done = read_results(out) if out is not None else {}
+    skipped = sum(c.id in done for c in cells)
+    if skipped < len(cells):  # (a finished sweep renders its tables and plots anywhere)
+        try:
+            check_device(exp.device)
+        except ValueError as exc:
+            raise ConfigError(f"experiment `device`: {exc}") from None
+    if skipped:
+        console.print(f"resuming: {skipped} of {len(cells)} cells already in {out}")
+    runner = Runner(exp.device, exp.dtype, exp.seed)
+    records = []
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=console, disable=not progress, transient=True) as bar:
+        task = bar.add_task("cells", total=len(cells))
+        for cell in cells:
+            bar.update(task, description=f"{cell.workload.label} {cell.context} {cell.algorithm} {cell.backend} {cell.budget}")
+            if cell.id in done:
+                records.append(done[cell.id])
+            else:
+                record = run_cell(runner, exp, cell)
+                records.append(record)
+                if out is not None:
+                    with out.open("a") as f:
+                        f.write(json.dumps(asdict(record), sort_keys=True) + "\n")
+                if record.status != "ok":
+                    console.print(f"[red]cell failed[/red] {cell.algorithm} {cell.backend} {cell.budget} @ {cell.context}: {record.error}")
+            bar.advance(task)
+    return records
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "–" if value is None else spec.format(value)
+
+
+def results_table(records: Iterable[CellRecord], title: str = "") -> Table:
+    table = Table(title=title)
+    for heading in ("workload", "context", "algorithm", "backend", "budget", "top_k"):
+        table.add_column(heading, justify="right" if heading in ("context", "top_k") else "left")
+    for _, heading, _ in COLUMNS:
+        table.add_column(heading, justify="right")
+    table.add_column("status")
+    for r in records:
+        cells = [_fmt(r.metrics.get(key), spec) for key, _, spec in COLUMNS]
+        status = "ok" if r.status == "ok" else f"[red]{(r.error or '')[:60]}[/red]"
+        table.add_row(r.workload, str(r.context), r.algorithm, r.backend, r.budget, _fmt(r.top_k, "{}"), *cells, status)
+    return table
+
+
+def metric_help() -> list[str]:
+    return [f"{key}: {text}" for key, text in METRICS.items()]
