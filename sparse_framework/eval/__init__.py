@@ -1,0 +1,1 @@
+"""`sparse-framework eval`: experiment files, the sweep runner, tables, plots and pages."""
