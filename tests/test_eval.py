@@ -164,6 +164,15 @@ def test_a_failing_cell_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> Non
     assert read_results(tmp_path / "r.jsonl").keys() == {r.id for r in records[2:]}
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal of the triton backend")
+def test_a_backend_that_cannot_run_here_stops_the_sweep_before_any_cell(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    exp = load_experiment({**SMALL, "backends": ["torch_ref", "triton"]})
+    with pytest.raises(ConfigError, match="experiment `backends`: backend 'triton' .*CUDA"):
+        run_sweep(exp, tmp_path / "r.jsonl", progress=False)
+    assert not (tmp_path / "r.jsonl").exists()
+
+
 def test_a_users_hf_model_and_prompts_file(tmp_path: Path) -> None:
     """A tiny Llama with a word-level tokenizer saved locally, run through the hf workload."""
     import transformers

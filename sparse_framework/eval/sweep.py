@@ -17,7 +17,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..errors import ConfigError
-from ..kv_store.layout import check_device
+from ..engine.workload import DTYPES
+from ..kv_store.layout import KVLayout, check_device
 from .experiment import Cell, Experiment, expand
 from .runner import METRICS, CellRecord, Runner, finite
 
@@ -71,6 +72,26 @@ def run_cell(runner: Runner, exp: Experiment, cell: Cell) -> CellRecord:
     return record
 
 
+def preflight(exp: Experiment, cells: list[Cell]) -> None:
+    """Fail before the first cell when the device or a backend cannot run here at all (e.g.
+    `triton` on a CPU, flash-attn not installed), instead of recording the same error for
+    every cell. Shape-specific limits are still found per cell."""
+    try:
+        check_device(exp.device)
+    except ValueError as exc:
+        raise ConfigError(f"experiment `device`: {exc}") from None
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=64, dtype=DTYPES[exp.dtype], device=exp.device)
+    checked = set()
+    for cell in cells:
+        if cell.config is None or cell.backend in checked:
+            continue
+        checked.add(cell.backend)
+        try:
+            cell.config.backend_class.check_layout(layout)
+        except ConfigError as exc:
+            raise ConfigError(f"experiment `backends`: backend {cell.backend!r} {exc}") from None
+
+
 def run_sweep(
     exp: Experiment, out: Path | None, *, progress: bool = True, fresh: bool = False, console: Console | None = None
 ) -> list[CellRecord]:
@@ -85,10 +106,7 @@ def run_sweep(
     done = read_results(out) if out is not None else {}
     skipped = sum(c.id in done for c in cells)
     if skipped < len(cells):  # (a finished sweep renders its tables and plots anywhere)
-        try:
-            check_device(exp.device)
-        except ValueError as exc:
-            raise ConfigError(f"experiment `device`: {exc}") from None
+        preflight(exp, [c for c in cells if c.id not in done])
     if skipped:
         console.print(f"resuming: {skipped} of {len(cells)} cells already in {out}")
     runner = Runner(exp.device, exp.dtype, exp.seed)
