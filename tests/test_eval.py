@@ -87,6 +87,9 @@ def test_cells_dense_first_ids_stable_and_distinct() -> None:
     assert cells[0].algorithm == "dense" and cells[0].config is None
     assert len({c.id for c in cells}) == len(cells)
     assert [c.id for c in expand(exp)] == [c.id for c in cells]
+    # a result measured on another device is not taken as this device's
+    on_gpu = expand(load_experiment({**DEFAULT_EXPERIMENT, "device": "cuda"}))
+    assert not {c.id for c in on_gpu} & {c.id for c in cells}
     for c in cells[1:per_context]:  # buffer sized for the widest selection, in whole pages
         need = c.config.algorithm_class.max_selected_tokens(c.config)
         assert need <= c.config.device_buffer_tokens < need + c.config.page_size

@@ -212,7 +212,10 @@ def expand(exp: Experiment) -> list[Cell]:
     cells = []
     for workload in exp.workloads:
         for context in exp.contexts:
-            common = {"workload": workload.model_dump(), "context": context, "dtype": exp.dtype, "seed": exp.seed}
+            common = {
+                "workload": workload.model_dump(), "context": context, "dtype": exp.dtype, "seed": exp.seed,
+                "device": exp.device,
+            }
             cells.append(Cell(workload, context, "dense", "dense", "all", None, {**common, "dense": True}))
             for entry in exp.entries:
                 for backend in exp.backends:
