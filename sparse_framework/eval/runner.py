@@ -327,7 +327,7 @@ def _load_hf_model(name: str, dtype: torch.dtype, device: str) -> Any:
         model = transformers.AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=True)
     except TypeError:  # transformers < 4.56 names it torch_dtype
         model = transformers.AutoModelForCausalLM.from_pretrained(name, torch_dtype=dtype, local_files_only=True)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # (huggingface_hub < 1 raises a ValueError for bad ids)
         raise ConfigError(f"workload model {name!r} cannot be loaded without the network: {exc}") from None
     return model.to(device).eval()
 
