@@ -1,5 +1,11 @@
 """Shared test constants and helpers."""
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from sparse_framework import Batch, Request
@@ -26,3 +32,23 @@ def batch_of(reqs: list[Request]) -> Batch:
     b.slot_ids = torch.tensor([r.slot for r in reqs], dtype=torch.int64)
     b.max_seq_len = max(r.seq_len for r in reqs)
     return b
+
+
+def pip_install_to_target(source: Path, base: Path) -> Path:
+    """`pip install` a plugin distribution at `source` into `base / "site"` (no deps, no index)
+    and return that directory, for tests to put on sys.path. The source is copied to
+    `base / "src"` first so that the build leaves nothing in the repository."""
+    src = base / "src"
+    shutil.copytree(source, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    target = base / "site"
+    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
+    subprocess.run(
+        [
+            sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+            "--no-index", "--target", str(target), str(src),
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
+    return target

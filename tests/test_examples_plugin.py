@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ from sparse_framework.algorithms.base import SparseAlgorithm, dense_layer_set
 from sparse_framework.config import SparseConfig, config_schema
 from sparse_framework.engine.loop import run_experiment
 from sparse_framework.engine.workload import WorkloadConfig
-from helpers import batch_of
+from helpers import batch_of, pip_install_to_target
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE_SRC = REPO / "examples" / "sparse-plugin-example"
@@ -47,21 +46,7 @@ def example_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """`pip install` the example into a private target directory, once for this module.
 
     The source is copied first so that the build leaves nothing in the repository."""
-    base = tmp_path_factory.mktemp("example_plugin")
-    src = base / "src"
-    shutil.copytree(EXAMPLE_SRC, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    target = base / "site"
-    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
-    subprocess.run(
-        [
-            sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-            "--no-index", "--target", str(target), str(src),
-        ],
-        check=True,
-        env=env,
-        capture_output=True,
-    )
-    return target
+    return pip_install_to_target(EXAMPLE_SRC, tmp_path_factory.mktemp("example_plugin"))
 
 
 @pytest.fixture

@@ -135,7 +135,7 @@ from sparse_framework.adaptors.flash_attention import FlashAttentionAdaptor
 from sparse_framework.backends.torch_ref import TorchRefBackend, indexed_attention, paged_attention
 from sparse_framework.backends.triton import TritonBackend
 from sparse_framework.kernels import sparse_decode as sd
-from test_kernels_sparse_decode import reference_paged, _compare_with_torch_ref as compare_with_torch_ref
+from test_kernels_sparse_decode import reference_paged, drive_triton_coordinator, _compare_with_torch_ref as compare_with_torch_ref
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 NAN = float("nan")
@@ -297,18 +297,9 @@ else:
 from sparse_framework import Batch, KVLayout, Request
 from sparse_framework.coordinator import SparseCoordinator
 from helpers import SMALL_QUEST
-from test_coordinator import Driver, make
 
 for config in ({}, {"top_k": 256, "device_buffer_tokens": 512}):
-    coord = make({"backend": "triton", **config})
-    errors = compare_with_torch_ref(coord)
-    drv = Driver(coord, q_heads=4)
-    reqs = [Request("a", 70), Request("b", 33)]
-    drv.prefill(reqs)
-    for _ in range(3):
-        for out, ref, _ in drv.decode(reqs):
-            if config:
-                assert torch.allclose(out.double(), ref, atol=1e-5, rtol=0), float((out.double() - ref).abs().max())
+    errors = drive_triton_coordinator(config, "cpu", (70, 33), steps=3, atol=1e-5)
     assert errors and max(errors) < 1e-5, errors
 
 # an MLA latent (576, V its first 512) through both adaptors
@@ -366,6 +357,27 @@ def _compare_with_torch_ref(coord: SparseCoordinator) -> list[float]:
         return out
 
     coord.backend.run = run
+    return errors
+
+
+def drive_triton_coordinator(config: dict, device: str, lengths: tuple[int, int], steps: int, atol: float) -> list[float]:
+    """Prefill two requests of `lengths` through a coordinator with the triton backend and
+    decode `steps` steps. Every backend call is also run by torch_ref (the max abs
+    differences are returned); when `config` sets a budget that holds every token, each
+    layer's output must equal dense attention to `atol`."""
+    from test_coordinator import Driver, make
+
+    from sparse_framework import Request
+
+    coord = make({"backend": "triton", **config}, device=device)
+    errors = _compare_with_torch_ref(coord)
+    drv = Driver(coord, q_heads=4)
+    reqs = [Request("a", lengths[0]), Request("b", lengths[1])]
+    drv.prefill(reqs)
+    for _ in range(steps):
+        for out, ref, _ in drv.decode(reqs):
+            if config:
+                assert torch.allclose(out.double(), ref, atol=atol, rtol=0), float((out.double() - ref).abs().max())
     return errors
 
 
@@ -434,17 +446,5 @@ def test_gpu_sparse_mla_decode_full_shapes(s_q, dtype) -> None:
 def test_gpu_backend_through_the_coordinator(config) -> None:
     """Every decode call of the coordinator against torch_ref on the same inputs, and at a
     budget that holds every token against dense attention."""
-    from test_coordinator import Driver, make
-
-    from sparse_framework import Request
-
-    coord = make({"backend": "triton", **config}, device="cuda")
-    errors = _compare_with_torch_ref(coord)
-    drv = Driver(coord, q_heads=4)
-    reqs = [Request("a", 150), Request("b", 300)]
-    drv.prefill(reqs)
-    for _ in range(5):
-        for out, ref, _ in drv.decode(reqs):
-            if config:
-                assert torch.allclose(out.double(), ref, atol=1e-4, rtol=0)
+    errors = drive_triton_coordinator(config, "cuda", (150, 300), steps=5, atol=1e-4)
     assert errors and max(errors) <= 1e-4, max(errors)

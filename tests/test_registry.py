@@ -7,9 +7,6 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import math
-import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +21,7 @@ from sparse_framework.algorithms.quest import Quest
 from sparse_framework.backends.base import AttentionBackend
 from sparse_framework.backends.torch_ref import TorchRefBackend
 from sparse_framework.config import config_schema
-from helpers import SMALL_QUEST
+from helpers import SMALL_QUEST, pip_install_to_target
 
 TOY_PLUGIN_SRC = Path(__file__).parent / "plugins" / "toy_plugin"
 ALGO_GROUP = "sparse_framework.algorithms"
@@ -276,21 +273,7 @@ def toy_site(tmp_path_factory) -> Path:
     """`pip install` the toy plugin distribution into a private target directory.
 
     The source is copied first so that the in-tree build leaves nothing in the repository."""
-    base = tmp_path_factory.mktemp("toy_plugin")
-    src = base / "src"
-    shutil.copytree(TOY_PLUGIN_SRC, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    target = base / "site"
-    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
-    subprocess.run(
-        [
-            sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-            "--no-index", "--target", str(target), str(src),
-        ],
-        check=True,
-        env=env,
-        capture_output=True,
-    )
-    return target
+    return pip_install_to_target(TOY_PLUGIN_SRC, tmp_path_factory.mktemp("toy_plugin"))
 
 
 @pytest.fixture

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.markdown:
         page = Path(args.markdown)
         command = "sparse-framework eval " + shlex.join(
-            [x for x in ([args.experiment] if args.experiment else [])]
+            ([args.experiment] if args.experiment else [])
             + (["--device", args.device] if args.device else [])
             + ["--out", args.out] + (["--plots", args.plots] if args.plots else []) + ["--markdown", args.markdown]
         )

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import SparseFrameworkError
 from .runner import METRICS, CellRecord
-from .sweep import COLUMNS
+from .sweep import COLUMNS, fmt
 
 PLOTS = {
     "accuracy_vs_budget": ("accuracy", "task accuracy"),
@@ -166,7 +166,7 @@ def markdown_page(
             head = ["algorithm", "budget (top_k)"] + [heading for _, heading, _ in shown]
             lines += [f"### {workload}, {context} tokens", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
             for r in here:
-                values = [_fmt_md(r.metrics.get(key), spec) for key, _, spec in shown]
+                values = [fmt(r.metrics.get(key), spec) for key, _, spec in shown]
                 lines.append("| " + " | ".join([_series_name(r), _budget_label(r), *values]) + " |")
             lines.append("")
     if plots:
@@ -175,10 +175,6 @@ def markdown_page(
             rel = Path(_relative(p, page.parent))
             lines += [f"![{p.stem}]({rel.as_posix()})", ""]
     return "\n".join(lines) + "\n"
-
-
-def _fmt_md(value: Any, spec: str) -> str:
-    return "–" if value is None else spec.format(value)
 
 
 def _relative(path: Path, base: Path) -> str:

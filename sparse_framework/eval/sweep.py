@@ -130,7 +130,8 @@ def run_sweep(
     return records
 
 
-def _fmt(value: Any, spec: str) -> str:
+def fmt(value: Any, spec: str) -> str:
+    """A metric for a table cell: '–' where the workload could not measure it."""
     return "–" if value is None else spec.format(value)
 
 
@@ -142,9 +143,9 @@ def results_table(records: Iterable[CellRecord], title: str = "") -> Table:
         table.add_column(heading, justify="right")
     table.add_column("status")
     for r in records:
-        cells = [_fmt(r.metrics.get(key), spec) for key, _, spec in COLUMNS]
+        cells = [fmt(r.metrics.get(key), spec) for key, _, spec in COLUMNS]
         status = "ok" if r.status == "ok" else f"[red]{(r.error or '')[:60]}[/red]"
-        table.add_row(r.workload, str(r.context), r.algorithm, r.backend, r.budget, _fmt(r.top_k, "{}"), *cells, status)
+        table.add_row(r.workload, str(r.context), r.algorithm, r.backend, r.budget, fmt(r.top_k, "{}"), *cells, status)
     return table
 
 

@@ -437,14 +437,14 @@ class SparseCache(Cache):
                 out = self._prefill_layer(module, layer, batch, query, key, value, attention_mask, scale, rescale, kwargs)
             else:
                 q = rescale(query[:, :, 0].contiguous())
-                meta = coord.attention_begin(layer, q, key[:, :, 0].contiguous(), value[:, :, 0].contiguous(), batch)
+                k, v = key[:, :, 0].contiguous(), value[:, :, 0].contiguous()
+                meta = coord.attention_begin(layer, q, k, v, batch)
                 attended = coord.attend(layer, q, meta)
                 coord.attention_end(layer, attended, batch)
                 assert meta.selection is not None
                 self.handle._record(layer, meta.selection, batch)
                 if self.handle.observer is not None:
-                    k0, v0 = key[:, :, 0], value[:, :, 0]
-                    self.handle.observer(AttentionEvent(layer, batch, q, k0, v0, attended, meta.selection))
+                    self.handle.observer(AttentionEvent(layer, batch, q, k, v, attended, meta.selection))
                 out = attended.unsqueeze(1)
         if layer == coord.layout.num_layers - 1:
             live.batch = None

@@ -148,8 +148,3 @@ def draw(config: TaskConfig, generator: torch.Generator) -> Sequence:
     assert pos == config.context
     return Sequence(tokens, prompt_len, targets, query_of, needles)
 
-
-def draw_batch(config: TaskConfig, batch: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """`batch` sequences stacked: (tokens [batch, context], targets [batch, context]) for training."""
-    seqs = [draw(config, generator) for _ in range(batch)]
-    return torch.stack([s.tokens for s in seqs]), torch.stack([s.targets for s in seqs])
