@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kv_store.layout import resolve_impl
 from .base import BackendAdaptor
 
 
@@ -46,21 +47,41 @@ class FlashAttentionAdaptor(BackendAdaptor):
     def plan(
         self, slots: torch.Tensor, lengths: torch.Tensor, *, page_size: int, num_slots: int
     ) -> FlashAttentionMetadata:
-        b, h, width = slots.shape
-        first = slots[..., ::page_size].long()  # first slot of every page run
-        pages = first.div(page_size, rounding_mode="floor")
-        used = torch.arange(pages.shape[-1], device=slots.device) < (
-            (lengths.long() + page_size - 1) // page_size
-        ).unsqueeze(-1)
-        if h > 1:
-            pages = pages + torch.arange(h, device=slots.device).view(1, h, 1) * (num_slots // page_size)
-        table = torch.where(used, pages, 0).to(torch.int32).reshape(b * h, -1)
+        table, seqlens = _page_table(slots)(slots, lengths, page_size, num_slots)
         return FlashAttentionMetadata(
             page_table=table,
-            cache_seqlens=lengths.reshape(b * h).to(torch.int32),
+            cache_seqlens=seqlens,
             page_size=page_size,
-            heads_folded=h > 1,
+            heads_folded=slots.shape[1] > 1,
         )
+
+
+def page_table_torch(
+    slots: torch.Tensor, lengths: torch.Tensor, page_size: int, num_slots: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Selection slots [B, H, W] (runs of `page_size` slots are whole aligned pages) and
+    lengths [B, H] -> (page_table int32 [B * H, ceil(W / page_size)], cache_seqlens int32
+    [B * H]). With H > 1 the KV heads are folded into the batch over a head-major buffer:
+    page p of head h is page h * (num_slots // page_size) + p. Unused entries are 0."""
+    b, h, width = slots.shape
+    first = slots[..., ::page_size].long()  # first slot of every page run
+    pages = first.div(page_size, rounding_mode="floor")
+    used = torch.arange(pages.shape[-1], device=slots.device) < (
+        (lengths.long() + page_size - 1) // page_size
+    ).unsqueeze(-1)
+    if h > 1:
+        pages = pages + torch.arange(h, device=slots.device).view(1, h, 1) * (num_slots // page_size)
+    table = torch.where(used, pages, 0).to(torch.int32).reshape(b * h, -1)
+    return table, lengths.reshape(b * h).to(torch.int32)
+
+
+def _page_table(slots: torch.Tensor):  # type: ignore[no-untyped-def]
+    """The page-table builder for where the slots live: one Triton kernel on CUDA
+    (kernels/decode_slots.py, imported only then), torch elsewhere."""
+    if resolve_impl("auto", slots.device) == "triton":
+        from ..kernels.decode_slots import page_table_triton
+        return page_table_triton
+    return page_table_torch
 
 
 def check_page_runs(slots: torch.Tensor, lengths: torch.Tensor, page_size: int) -> None:

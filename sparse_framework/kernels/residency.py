@@ -7,10 +7,11 @@ buffer units — free first, then least recently used, never a pinned one (sink,
 window, newest) — by one in-register sort of packed (age, unit) keys; the j-th miss takes
 the j-th victim; evict, remap, stamp. Writes each selected unit's buffer unit and miss flag.
 
-The same kernel then writes every selected token's device slot (for the adaptor) and appends
-the missed tokens to a compacted to-do list. `copy_missing_kernel`, a fixed grid walking
-that list, copies each missed row into its slot straight from pinned host memory, so a step
-without misses costs one load per copy program.
+The same kernel then writes every selected token's device slot (for the adaptor), and each
+stream's missed tokens, compacted, with their count (a plain store: nothing to zero before
+the launch). `copy_missing_kernel`, a fixed grid walking those lists as one, copies each
+missed row into its slot straight from pinned host memory, so a step without misses costs
+one vector load per copy program.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ def plan_residency_kernel(
     clock_ptr,  # int64 []
     dev_table_ptr,  # int32 [R, TP_DEV] (this layer)
     slots_ptr,  # out int32 [B, S, W]: device slot of every selected token, -1 padded
-    todo_ptr,  # out int64 [B * S * W]: flat entries (stream * W + i) of missed tokens, compacted
-    n_todo_ptr,  # int32 [1], zeroed by the caller: entries in todo
+    todo_ptr,  # out int64 [B * S * W]: flat entries (stream * W + i) of missed tokens, each
+               # stream's compacted at the start of its own W entries
+    n_todo_ptr,  # out int32 [B * S]: entries of each stream in todo (always written)
     scratch_ptr,  # int64 [B * S, BLOCK_B]
     count_ptr,  # int64 [3]: hits, misses (tokens), rows copied
     S, W, WU, MAXU, UB, U, P, TP_DEV, SINK, RECENT,
@@ -112,36 +114,45 @@ def plan_residency_kernel(
     page = tl.load(dev_table_ptr + r * TP_DEV + pos // P, mask=placed, other=-1).to(tl.int64)
     slot = tl.where(page >= 0, page * P + pos % P, -1)
     tl.store(slots_ptr + pid * W + entry, slot.to(tl.int32), mask=in_sel)
-    # append this stream's missed tokens to the compacted to-do list of the copy kernel
+    # this stream's missed tokens, compacted, for the copy kernel (a plain store of the count:
+    # no counter to zero before the launch, no atomic)
     todo = miss[:, None] & (slot >= 0)
     n_todo = tl.sum(tl.sum(todo.to(tl.int32), axis=1), axis=0)
+    tl.store(n_todo_ptr + pid, n_todo)
     if n_todo > 0:
-        base = tl.atomic_add(n_todo_ptr, n_todo)
         flat = tl.reshape(todo.to(tl.int32), [BLOCK_W * BLOCK_U])
         rank = tl.cumsum(flat, axis=0) - 1
         where = tl.reshape(pid * W + entry, [BLOCK_W * BLOCK_U]).to(tl.int64)
-        tl.store(todo_ptr + base + rank, where, mask=flat != 0)
+        tl.store(todo_ptr + pid * W + rank, where, mask=flat != 0)
 
 
 @triton.jit
 def copy_missing_kernel(
-    todo_ptr,  # int64 [B * S * W] flat entries of missed tokens
-    n_todo_ptr,  # int32 [1]
+    todo_ptr,  # int64 [B * S * W] flat entries of missed tokens, per stream
+    n_todo_ptr,  # int32 [B * S] entries per stream
     idx_ptr,  # int32 [B, S, W]
     slots_ptr,  # int32 [B, S, W]
     rows_ptr,  # int64 [B]
     host_table_ptr,  # int32 [R, TP_HOST]
     host0, dev0, host1, dev1,  # K and V (or the latent twice)
-    S, W, P, TP_HOST, HOST_BASE, DEV_BASE, DEV_SLOTS, HK,
+    S, W, P, TP_HOST, HOST_BASE, DEV_BASE, DEV_SLOTS, HK, NS,
+    BLOCK_S: tl.constexpr,
     HEAD_MAJOR: tl.constexpr,
     TWO: tl.constexpr,
     ROW: tl.constexpr,
     COLS: tl.constexpr,
 ):
-    """A fixed grid walks the to-do list: nothing to do costs one load per program."""
-    n = tl.load(n_todo_ptr)
+    """A fixed grid walks the streams' to-do lists as one: the k-th missed row overall is
+    found from the prefix sums of the per-stream counts (one vector load per program, so
+    nothing to do costs one load per program)."""
+    si = tl.arange(0, BLOCK_S)
+    count = tl.load(n_todo_ptr + si, mask=si < NS, other=0)
+    ends = tl.cumsum(count, axis=0)
+    n = tl.sum(count, axis=0)
     for k in range(tl.program_id(0), n, tl.num_programs(0)):
-        e = tl.load(todo_ptr + k)
+        owner = tl.sum((ends <= k).to(tl.int32), axis=0)
+        begin = tl.sum(tl.where(si == owner, ends - count, 0), axis=0)
+        e = tl.load(todo_ptr + owner.to(tl.int64) * W + (k - begin))
         stream = e // W
         b = stream // S
         h = stream % S

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from .pages import pow2
+from .pages import paged_slots_rows, pow2
 
 
 class _HostPointer:
@@ -87,3 +87,20 @@ def copy_rows(
 # benchmarks/swap_in.py --sweep-kernel
 TUNING = (1, 128, 4)
 
+
+def write_token_rows(
+    bufs: list[torch.Tensor], table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
+    data: list[torch.Tensor], page_size: int, head_major: bool,
+) -> torch.Tensor:
+    """Write data[i][b] ([B, H, D], the buffers' dtype) at position seq_lens[b] - 1 of row
+    rows[b] of the page table into bufs[i] (one layer: [slots, H, D], or [H, slots, D] when
+    head_major). That position's page must be mapped (the store's `grow` maps it). Returns
+    the slots, int64 [B]. The torch twin of `kernels.decode_slots.write_token_rows_triton`."""
+    pos = (seq_lens.long() - 1).view(-1, 1)
+    slots = paged_slots_rows(table, rows, pos, page_size)[:, 0]
+    for buf, x in zip(bufs, data):
+        if head_major:
+            buf[:, slots] = x.transpose(0, 1)
+        else:
+            buf[slots] = x
+    return slots

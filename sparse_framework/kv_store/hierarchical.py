@@ -30,11 +30,11 @@ import torch
 from ..batch import Batch, Request, Selection
 from ..errors import CapacityError
 from .base import KVStore
-from .copy import copy_rows
+from .copy import copy_rows, write_token_rows
 from .flashmla_format import pack_flashmla_fp8
 from .host_pool import HostPool
 from .layout import KVLayout, resolve_impl
-from .pages import PageAllocator, allocate_pool, cdiv, paged_slots, pow2
+from .pages import PageAllocator, allocate_pool, cdiv, paged_slots_rows, pow2
 from .slot_maps import SlotMaps
 
 _RESIDENT, _BUFFERED = "resident", "buffered"
@@ -147,10 +147,13 @@ class HierarchicalKVStore(KVStore):
         resident = self.all_resident or request.dense or layer in self.dense_layers
         return _RESIDENT if resident else _BUFFERED
 
-    def _phys(self, layer: int, slot_ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def _phys(self, layer: int, slot_ids: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """Device slots of positions (logical tokens of a resident layer, or buffer positions
-        of a buffered one). slot_ids: [B]; pos: [B, ...] int, -1 kept. Returns int64."""
-        return paged_slots(self.dev_table[layer, slot_ids.long()], pos, self.page_size)
+        of a buffered one). slot_ids: [B]; pos: [B, ...] int, -1 kept. Returns `dtype`."""
+        if self.impl == "triton":
+            from ..kernels.decode_slots import paged_slots_rows_triton
+            return paged_slots_rows_triton(self.dev_table[layer], slot_ids, pos, self.page_size, dtype)
+        return paged_slots_rows(self.dev_table[layer], slot_ids, pos, self.page_size, dtype)
 
     def _dev_off(self, layer: int, slots: torch.Tensor, head: torch.Tensor | int = 0) -> torch.Tensor:
         """Flat element offsets of a stream's row at device slots (-1 kept)."""
@@ -304,6 +307,22 @@ class HierarchicalKVStore(KVStore):
     def write_decode(self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor | None) -> None:
         assert batch.seq_lens is not None and batch.slot_ids is not None
         data = self._tensors(k, v)
+        if self.all_resident or layer in self.dense_layers or batch.num_sparse == 0:
+            # the whole batch is resident in this layer: find the slots and write, one kernel on CUDA
+            if self.impl == "triton":
+                from ..kernels.decode_slots import write_token_rows_triton as write
+            else:
+                write = write_token_rows
+            if any(x.stride() != data[0].stride() for x in data):
+                data = [x.contiguous() for x in data]
+            slots = write(
+                [buf[layer] for buf in self.dev], self.dev_table[layer], batch.slot_ids, batch.seq_lens,
+                data, self.page_size, self.head_major,
+            )
+            if not self.all_resident and batch.num_sparse:
+                everything = torch.arange(len(batch), device=self.device)
+                self._queue_host_write(layer, batch, everything, slots.view(-1, 1).expand(-1, self.streams))
+            return
         pos = batch.seq_lens.long() - 1
         resident, buffered = self._row_groups(layer, batch)
         if resident is not None:
@@ -368,7 +387,7 @@ class HierarchicalKVStore(KVStore):
     # -- selection --------------------------------------------------------------------------
     def resident_slots(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
         assert batch.slot_ids is not None
-        return self._phys(layer, batch.slot_ids, selection.indices).to(torch.int32)
+        return self._phys(layer, batch.slot_ids, selection.indices, torch.int32)
 
     def ensure_resident(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
         """Swap in the missing units of a selection of buffered rows; return device slots.
@@ -435,7 +454,7 @@ class HierarchicalKVStore(KVStore):
         scratch = torch.empty((b * s, block_b), dtype=torch.int64, device=self.device)
         slots = torch.empty_like(idx)
         todo = torch.empty(b * s * w, dtype=torch.int64, device=self.device)
-        n_todo = torch.zeros(1, dtype=torch.int32, device=self.device)
+        n_todo = torch.empty(b * s, dtype=torch.int32, device=self.device)  # every entry written
         start = self._timer() if self.timing else None
         plan_residency_kernel[(b * s,)](
             idx, batch.slot_ids, batch.seq_lens, self.l2s[layer], self.s2l[layer], self.last_used[layer],
@@ -453,7 +472,7 @@ class HierarchicalKVStore(KVStore):
             host[0], dev[0], host[1] if two else host[0], dev[1] if two else dev[0],
             s, w, self.page_size, self.host_table.shape[-1],
             layer * self.host_slots * per_layer, layer * self.device_slots * per_layer,
-            self.device_slots, self.layout.num_kv_heads,
+            self.device_slots, self.layout.num_kv_heads, b * s, BLOCK_S=pow2(b * s),
             HEAD_MAJOR=self.head_major, TWO=two, ROW=self.row_elems, COLS=min(COPY_COLS, pow2(self.row_elems)),
             num_warps=COPY_WARPS,
         )

@@ -1,0 +1,175 @@
+"""Fused bookkeeping of a decode step: one Triton launch each where torch needs 10-20 ops.
+
+Profiling one DSA decode layer at 128K x 8 requests on an H100 (docs/performance.md) showed
+~60 small torch kernels (casts, gathers, `where` masks) costing ~120 µs of a ~315 µs step,
+more than the attention itself. Three of their groups are pure index arithmetic over tensors
+that are already on the device, and each becomes one kernel here:
+
+  write_token_rows   this step's K/V row of every request into its device slot (the slot
+                     found through the request's page table at position seq_len - 1)
+  paged_slots        logical positions -> device slots through per-request page tables
+  page_table         physical slots of a selection -> FlashAttention's page table and
+                     sequence lengths (`adaptors/flash_attention.py`)
+
+Each has a torch twin (the reference, used on the CPU, in the module that owns the data:
+kv_store/pages.py, kv_store/copy.py, adaptors/flash_attention.py) with the same signature,
+re-exported here; the tests
+compare them under TRITON_INTERPRET=1 on random inputs. None of them synchronises with the
+host, so a decode step that uses them still captures in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..adaptors.flash_attention import page_table_torch
+from ..kv_store.copy import write_token_rows
+from ..kv_store.pages import paged_slots_rows, pow2
+
+__all__ = [
+    "paged_slots_rows", "paged_slots_rows_triton", "write_token_rows", "write_token_rows_triton",
+    "page_table_torch", "page_table_triton",
+]
+
+
+def _launchable(*tensors: torch.Tensor) -> None:
+    if tensors[0].device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the decode-slot kernels need CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
+
+
+# -- logical positions -> device slots ------------------------------------------------------------
+@triton.jit
+def paged_slots_kernel(
+    table_ptr, rows_ptr, pos_ptr, out_ptr,
+    N, TP, P, s_table,
+    BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = i < N
+    r = tl.load(rows_ptr + b).to(tl.int64)
+    pos = tl.load(pos_ptr + b * N + i, mask=live, other=-1).to(tl.int64)
+    ok = (pos >= 0) & (pos // P < TP)
+    page = tl.load(table_ptr + r * s_table + pos // P, mask=live & ok, other=-1).to(tl.int64)
+    slot = tl.where(ok & (page >= 0), page * P + pos % P, -1)
+    tl.store(out_ptr + b * N + i, slot.to(out_ptr.dtype.element_ty), mask=live)
+
+
+def paged_slots_rows_triton(
+    table: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, page_size: int, dtype: torch.dtype = torch.int64
+) -> torch.Tensor:
+    """`paged_slots_rows` in one kernel. Positions whose page is unmapped (or beyond
+    the table) give -1 instead of an undefined slot."""
+    _launchable(table, rows, pos)
+    b = pos.shape[0]
+    flat = pos.reshape(b, -1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    n = flat.shape[1]
+    out = torch.empty((b, n), dtype=dtype, device=pos.device)
+    if out.numel():
+        block = min(1024, pow2(n))
+        paged_slots_kernel[(b, triton.cdiv(n, block))](
+            table, rows, flat, out, n, table.shape[1], page_size, table.stride(0), BLOCK=block,
+        )
+    return out.view(pos.shape)
+
+
+# -- this step's rows into their device slots ---------------------------------------------------
+@triton.jit
+def write_token_rows_kernel(
+    rows_ptr, lens_ptr, table_ptr, slots_ptr,
+    src0, dst0, src1, dst1,
+    TP, P, s_table, D,
+    s_sb, s_sh, s_sd,  # sources [B, H, D] (both share strides)
+    s_dslot, s_dh,  # destination [slots, H, D] or [H, slots, D] of this layer (d contiguous)
+    TWO: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    r = tl.load(rows_ptr + b).to(tl.int64)
+    pos = tl.load(lens_ptr + b).to(tl.int64) - 1
+    page = tl.load(table_ptr + r * s_table + pos // P, mask=pos // P < TP, other=-1).to(tl.int64)
+    slot = tl.where(page >= 0, page * P + pos % P, -1)
+    if h == 0:
+        tl.store(slots_ptr + b, slot)
+    if slot >= 0:
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            m = d < D
+            src = b * s_sb + h * s_sh + d * s_sd
+            dst = slot * s_dslot + h * s_dh + d
+            tl.store(dst0 + dst, tl.load(src0 + src, mask=m), mask=m)
+            if TWO:
+                tl.store(dst1 + dst, tl.load(src1 + src, mask=m), mask=m)
+
+
+def write_token_rows_triton(
+    bufs: list[torch.Tensor], table: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
+    data: list[torch.Tensor], page_size: int, head_major: bool,
+) -> torch.Tensor:
+    """`write_token_rows` in one kernel (K and V together)."""
+    _launchable(table, rows, seq_lens, *bufs, *data)
+    if len(bufs) not in (1, 2) or len(data) != len(bufs):
+        raise ValueError(f"write_token_rows: one or two buffers with as many sources, got {len(bufs)} and {len(data)}")
+    if any(x.stride() != data[0].stride() for x in data) or any(b.stride() != bufs[0].stride() for b in bufs):
+        raise ValueError("write_token_rows: K and V (and their buffers) must share strides")
+    if any(b.stride(-1) != 1 for b in bufs) or any(x.dtype != b.dtype for x, b in zip(data, bufs)):
+        raise ValueError("write_token_rows: buffers must be contiguous in the last dim and of the sources' dtype")
+    n, h, d = data[0].shape
+    slots = torch.empty(n, dtype=torch.int64, device=rows.device)
+    if n == 0:
+        return slots
+    s_slot, s_h = (bufs[0].stride(1), bufs[0].stride(0)) if head_major else (bufs[0].stride(0), bufs[0].stride(1))
+    two = len(bufs) == 2
+    write_token_rows_kernel[(n, h)](
+        rows, seq_lens, table, slots,
+        data[0], bufs[0], data[-1], bufs[-1],
+        table.shape[1], page_size, table.stride(0), d,
+        *data[0].stride(), s_slot, s_h,
+        TWO=two, BLOCK_D=min(1024, pow2(d)),
+    )
+    return slots
+
+
+# -- selection slots -> FlashAttention page table ----------------------------------------------
+@triton.jit
+def page_table_kernel(
+    slots_ptr, lens_ptr, table_ptr, seqlens_ptr,
+    H, W, NP, PS, HEAD_PAGES,
+    BLOCK: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    p = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    length = tl.load(lens_ptr + bh)
+    if tl.program_id(1) == 0:
+        tl.store(seqlens_ptr + bh, length.to(tl.int32))
+    live = p < NP
+    used = live & (p < (length + PS - 1) // PS)
+    first = tl.load(slots_ptr + bh * W + p * PS, mask=used, other=0).to(tl.int64)
+    page = first // PS + (bh % H) * HEAD_PAGES
+    tl.store(table_ptr + bh * NP + p, tl.where(used, page, 0).to(tl.int32), mask=live)
+
+
+def page_table_triton(
+    slots: torch.Tensor, lengths: torch.Tensor, page_size: int, num_slots: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`page_table_torch` in one kernel."""
+    _launchable(slots, lengths)
+    b, h, width = slots.shape
+    slots = slots if slots.is_contiguous() else slots.contiguous()
+    lengths = lengths if lengths.is_contiguous() else lengths.contiguous()
+    n_pages = -(-width // page_size)
+    table = torch.empty((b * h, n_pages), dtype=torch.int32, device=slots.device)
+    seqlens = torch.empty(b * h, dtype=torch.int32, device=slots.device)
+    if b * h:
+        block = min(1024, pow2(max(n_pages, 1)))
+        page_table_kernel[(b * h, max(1, triton.cdiv(n_pages, block)))](
+            slots, lengths, table, seqlens, h, width, n_pages, page_size,
+            num_slots // page_size if h > 1 else 0, BLOCK=block,
+        )
+    return table, seqlens
