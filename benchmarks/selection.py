@@ -4,8 +4,9 @@ top-k that turns its scores into a selection, per context length.
 Shapes: Quest and PQCache Llama-3-8B-like (32 query / 8 KV heads, head dim 128, bf16 KV;
 Quest pages of 16 tokens, PQCache 2 sub-vectors x 64 centroids); SnapKV the prefill votes of a
 window of 32 queries over one prompt of length L (and, at decode, the top-k over the stored
-votes); DSA's lightning indexer with 64 heads x 128 dims, bf16 or fp8 keys, one selection per
-request. The budget is 2048 tokens (Quest: 128 pages) plus 16 sink and 64 recent tokens.
+votes); DSA's lightning indexer with 64 heads x 128 dims, bf16 or fp8 keys (then the bf16
+queries quantised by the scoring function, ue8m0, as DSA runs it), one selection per request.
+The budget is 2048 tokens (Quest: 128 pages) plus 16 sink and 64 recent tokens.
 
 Per row: the bytes the scoring must read (the representation that grows with L), the
 achieved GB/s of the scoring and its share of the HBM ceiling (3.0 TB/s, DESIGN.md
@@ -42,7 +43,7 @@ WINDOW = 32
 DSA_HEADS, DSA_DIM = 64, 128
 TOP_K, SINK, RECENT = 2048, 16, 64
 FUNCTIONS = {"quest": "quest_scores", "pqcache": "pqcache_scores", "snapkv": "snapkv_window_mass",
-             "dsa-bf16": "dsa_index_scores", "dsa-fp8": "dsa_index_scores"}
+             "dsa-bf16": "dsa_index_scores", "dsa-fp8": "dsa_index_scores_fp8q"}
 ALGORITHMS = tuple(FUNCTIONS)
 
 

@@ -4,6 +4,9 @@ exact-keys oracle against direct re-computations, selections within the budget."
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -72,21 +75,25 @@ def test_bf16_index_scores_match_the_formula(heads, dim, lens, seed) -> None:
 
 
 @settings(max_examples=15, deadline=None)
-@given(heads=st.integers(1, 4), lens=st.lists(st.integers(2, 40), min_size=1, max_size=3), seed=st.integers(0, 2**16))
-def test_fp8_scores_use_quantised_queries_and_keys(heads, lens, seed) -> None:
-    """FP8: keys are stored as e4m3 bits plus a power-of-two scale per 128 values, and the
-    score is the formula over the dequantised query and key (the original quantises both)."""
+@given(heads=st.integers(1, 4), lens=st.lists(st.integers(2, 40), min_size=1, max_size=3),
+       scale_format=st.sampled_from(["ue8m0", "float32"]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**16))
+def test_fp8_scores_use_quantised_queries_and_keys(heads, lens, scale_format, dtype, seed) -> None:
+    """FP8: keys are stored as e4m3 bits plus a scale per 128 values (ue8m0: a power of two),
+    and the score is the formula over the dequantised query and key (the original quantises
+    both); queries and weights are taken in the model's dtype."""
     g = torch.Generator().manual_seed(seed)
-    algo = make({"index_heads": heads, "index_dim": 128})
+    algo = make({"index_heads": heads, "index_dim": 128, "scale_format": scale_format})
+    pow2 = scale_format == "ue8m0"
     reqs = requests(lens, g)
     keys = feed(algo, reqs, heads, 128, g)
-    q, w = torch.randn(len(reqs), heads, 128, generator=g), torch.rand(len(reqs), heads, generator=g)
+    q, w = torch.randn(len(reqs), heads, 128, generator=g).to(dtype), torch.rand(len(reqs), heads, generator=g).to(dtype)
     scores = algo.score(1, torch.randn(len(reqs), 1, 8), batch_of(reqs), inputs={"index_q": q, "index_weights": w})
-    deq_q = dequantize_fp8_blocks(*quantize_fp8_blocks(q))
+    deq_q = dequantize_fp8_blocks(*quantize_fp8_blocks(q, pow2))
     for i, (r, k) in enumerate(zip(reqs, keys)):
         stored = dequantize_fp8_blocks(algo.index_k[1, r.slot, : r.seq_len], algo.k_scale[1, r.slot, : r.seq_len])
         scale = algo.k_scale[1, r.slot, : r.seq_len]
-        assert torch.equal(scale, 2.0 ** scale.log2().round())  # ue8m0: powers of two
+        assert not pow2 or torch.equal(scale, 2.0 ** scale.log2().round())  # ue8m0: powers of two
         assert float(((stored - k).abs() / k.abs().amax(-1, keepdim=True)).max()) < 1 / 8  # e4m3: 3 mantissa bits
         want = index_scores(deq_q[i], w[i], stored)
         torch.testing.assert_close(scores[i, 0, : r.seq_len].double(), want, rtol=1e-5, atol=1e-4)
@@ -161,6 +168,59 @@ def test_selection_is_the_index_top_k_plus_sink_recent_and_newest(top_k, sink, r
         score = index_scores(q[i], w[i], k.bfloat16().float())
         if picked and rest - picked:
             assert min(score[list(picked)]) >= max(score[list(rest - picked)]) - 1e-5
+
+
+# impl torch and impl triton (interpreted, in a subprocess): the same scores up to float32
+# summation order, and the same selections (continuous random scores: no ties at the threshold)
+INTERPRETED = r"""
+import sys
+sys.path.insert(0, TESTS_DIR)
+import torch
+from helpers import batch_of
+from test_algorithms_dsa import make, requests
+
+g = torch.Generator().manual_seed(0)
+for extra, dtype in [({"index_heads": 5, "index_dim": 128}, torch.bfloat16),
+                     ({"index_heads": 3, "index_dim": 256, "scale_format": "float32"}, torch.float32),
+                     ({"index_heads": 9, "index_dim": 128}, torch.float16),
+                     ({"index_heads": 4, "index_dim": 48, "key_dtype": "bfloat16"}, torch.bfloat16)]:
+    algos = [make({**extra, "impl": impl}, top_k=12, sink=2, recent=3) for impl in ("torch", "triton")]
+    for algo, impl in zip(algos, ("torch", "triton")):  # fp8 keys: the fused function, pow2_scales bound
+        fn = getattr(algo.index_scores, "func", algo.index_scores)
+        fp8q = extra.get("key_dtype", "fp8_e4m3") == "fp8_e4m3"
+        assert fn.__name__ == ("dsa_index_scores_fp8q_" if fp8q else "dsa_index_scores_") + impl, fn
+    heads, dim = extra["index_heads"], extra["index_dim"]
+    reqs = requests([70, 33, 90], g)
+    for r in reqs:  # prompts, then one decode step appended
+        k = torch.randn(r.seq_len, dim, generator=g) * 10.0 ** float(torch.rand(1, generator=g) * 4 - 2)
+        for algo in algos:
+            algo.build(1, r, torch.zeros(r.seq_len, 1, 8), inputs={"index_k": k})
+        r.seq_len += 1
+    new = torch.randn(len(reqs), dim, generator=g)
+    for algo in algos:
+        algo.append(1, batch_of(reqs), torch.zeros(len(reqs), 1, 8), inputs={"index_k": new})
+    for r in reqs:
+        r.seq_len += 1
+    batch = batch_of(reqs)
+    inputs = {"index_q": (torch.randn(len(reqs), heads, dim, generator=g) * 3).to(dtype),
+              "index_weights": torch.rand(len(reqs), heads, generator=g).to(dtype)}
+    queries = torch.randn(len(reqs), 2, 8)
+    want, got = (algo.score(1, queries, batch, inputs=inputs) for algo in algos)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()), extra
+    want, got = (algo.select(1, queries, batch, inputs=inputs) for algo in algos)
+    assert torch.equal(got.indices, want.indices) and torch.equal(got.lengths, want.lengths), extra
+print("dsa ok")
+"""
+
+
+def test_select_with_triton_interpreted_matches_torch() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    script = INTERPRETED.replace("TESTS_DIR", repr(os.path.dirname(__file__)))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert "dsa ok" in done.stdout
 
 
 def test_clear_errors() -> None:

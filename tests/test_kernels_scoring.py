@@ -19,6 +19,7 @@ from sparse_framework import KVLayout, Request, load_config
 from sparse_framework.algorithms.base import reduce_groups
 from sparse_framework.algorithms.pqcache import PQCache
 from sparse_framework.algorithms.quest import Quest
+from sparse_framework.algorithms.reference_scores import ceil_pow2
 from sparse_framework.algorithms.snapkv import SnapKVOptions, snapkv_votes
 from sparse_framework.kernels import scoring as sc
 
@@ -154,6 +155,123 @@ def test_fp8_round_trip(shape, spread, seed) -> None:
     assert bool((zs > 0).all()) and torch.equal(sc.dequantize_fp8_blocks(zb, zs), zeros)
 
 
+# -- DSA with the queries quantised in the kernel (fp8q): cases shared with the interpreted and GPU runs
+E4M3 = torch.arange(128, dtype=torch.uint8)[:127].view(torch.float8_e4m3fn).float()  # 0 .. 448, ascending
+
+
+def fp8q_queries(g: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Raw indexer queries [..., Di]; each 128-value block one of: gaussian of a random
+    magnitude (1e-6 .. 1e6, fp16 .. 1e3: under the 1e-4 amax clamp, and large scales), zero,
+    one outlier with the rest 1e4 times smaller (e4m3 subnormals and zeros), or (float32) amax
+    one ulp above 448·2^k, so that amax / 448 = 2^k·(1 + 2^-23): the power-of-two scale's carry."""
+    *lead, di = shape
+    x = torch.randn(*lead, di // 128, 128, generator=g)
+    kind = torch.randint(0, 4, (*lead, di // 128, 1), generator=g)
+    top = 3.0 if dtype == torch.float16 else 6.0
+    x = x * 10.0 ** (torch.rand(kind.shape, generator=g) * (top + 6) - 6)
+    x = torch.where(kind == 1, 0.0, x)
+    x[..., 1:] = torch.where(kind == 2, x[..., 1:] * 1e-4, x[..., 1:])
+    pow2 = torch.tensor([448 * 2.0**k for k in range(-12, 4)])[torch.randint(0, 16, kind.shape, generator=g)]
+    edge = x / x.abs().amax(-1, keepdim=True).clamp(min=1e-30) * pow2 * 0.9
+    edge[..., :1] = torch.nextafter(pow2, torch.tensor(math.inf)) * torch.where(x[..., :1] < 0, -1.0, 1.0)
+    x = torch.where(kind == 3, edge, x)
+    return x.flatten(-2).to(dtype)
+
+
+def fp8q_case(
+    g: torch.Generator, b: int, h: int, di: int, n: int, q_dtype: torch.dtype, w_dtype: torch.dtype, pow2: bool,
+    device: str = "cpu", strided: bool = False,
+) -> tuple:
+    """Arguments of `dsa_index_scores_fp8q_*`: raw queries (strided: a view into a wider
+    tensor, the weights every other column), positive weights, fp8 keys of random magnitudes
+    quantised in the same scale format, a random slot per row."""
+    r = b + 2
+    q = fp8q_queries(g, (b, h, di), q_dtype)
+    w = torch.rand(b, h, generator=g).to(w_dtype)
+    if strided:
+        q = torch.cat([torch.zeros(b, h, 32, dtype=q_dtype), q, torch.zeros(b, h, 32, dtype=q_dtype)], -1)[..., 32:-32]
+        w = torch.stack([w, torch.zeros_like(w)], -1).flatten(1)[:, ::2]
+    raw = torch.randn(r, n + 5, di, generator=g) * 10.0 ** (torch.rand(r, n + 5, 1, generator=g) * 6 - 3)
+    keys, scale = sc.quantize_fp8_blocks(raw, pow2)
+    slots = torch.randperm(r, generator=g)[:b]
+    return tuple(x.to(device) for x in (q, w, keys, scale, slots)) + (n, pow2)
+
+
+def fp8q_check(got: torch.Tensor, args: tuple, tol: float) -> None:
+    """got against the torch twin, per element within tol x Σ_h |w_h| Σ_d |q̂_hd·k̂_td| (the
+    twin over |q|, |w|, |k|: quantisation commutes with |.|), so exactly where that is 0."""
+    q, w, keys, scale, slots, n, pow2 = args
+    want = sc.dsa_index_scores_fp8q_torch(*args)
+    bound = sc.dsa_index_scores_fp8q_torch(q.abs(), w.abs(), keys & 0x7F, scale, slots, n, pow2)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    err = (got - want).abs()
+    assert bool((err <= tol * bound).all()), float((err / bound).nan_to_num(posinf=1.0).max())
+
+
+def fp8q_rounding_case(pow2: bool, device: str = "cpu") -> tuple[tuple, torch.Tensor]:
+    """(arguments, exact scores) whose queries read back one by one: row i's head 0 is the
+    block [448, c_1 .. c_127] (scale 1 in both formats), head 1 its negation, weights (1, -1),
+    token t's key the unit vector e_t, so score[i, t] = ReLU(q̂_t) - ReLU(-q̂_t) = q̂_t, one
+    product per dot (exact on any tensor core). The c are e4m3's ties (midpoints), the float32
+    values beside them and e4m3 values, both signs: q̂ = c rounded to e4m3, ties to even. With
+    pow2, more rows test the scale's carry: amax = 448·2^k one ulp up takes the scale 2^(k+1),
+    under which 1.5·2^(k-8) is a tie, to 2^(k-7) (2^k would keep it: 3·2^(k-9) is an e4m3 value)."""
+    mids = (E4M3[1:] + E4M3[:-1]) / 2
+    cands = torch.cat([mids, torch.nextafter(mids, torch.tensor(0.0)), torch.nextafter(mids, torch.tensor(448.0)), E4M3])
+    cands = cands * (1 - 2 * (torch.arange(cands.numel()) % 3 == 0))
+    rows = -(-cands.numel() // 127)
+    head = torch.cat([torch.full((rows, 1), 448.0), torch.nn.functional.pad(cands, (0, rows * 127 - cands.numel())).view(rows, 127)], 1)
+    want = head.to(torch.float8_e4m3fn).float()
+    if pow2:
+        ks = torch.tensor([-10, -3, 2])
+        edge = torch.zeros(len(ks), 128)
+        edge[:, 0] = torch.nextafter(448 * torch.tensor([2.0**k for k in ks.tolist()]), torch.tensor(math.inf))
+        edge[:, 1] = torch.tensor([1.5 * 2.0 ** (k - 8) for k in ks.tolist()])
+        exact = torch.zeros(len(ks), 128)
+        exact[:, 0] = torch.tensor([448 * 2.0**k for k in ks.tolist()])
+        exact[:, 1] = torch.tensor([2.0 ** (k - 7) for k in ks.tolist()])
+        head, want = torch.cat([head, edge]), torch.cat([want, exact])
+    q = torch.stack([head, -head], 1)
+    w = torch.tensor([1.0, -1.0]).expand(len(q), 2)
+    keys = torch.eye(128).to(torch.float8_e4m3fn).view(torch.uint8).unsqueeze(0)
+    args = (q, w, keys, torch.ones(1, 128, 1), torch.zeros(len(q), dtype=torch.long))
+    return tuple(x.to(device) for x in args) + (128, pow2), want.to(device)
+
+
+@settings(deadline=None, max_examples=30)
+@given(k=st.integers(-20, 30), seed=shapes["seed"])
+def test_pow2_scales_are_the_least_power_of_two_above(k, seed) -> None:
+    """ue8m0 scales are the least power of two >= amax / 448 (the float32 scale), exactly:
+    also for amax / 448 = 2^k·(1 + 2^-23), which exp2(ceil(log2(.))) rounds down for most k."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 256, generator=g) * 10.0 ** (torch.rand(3, 2, generator=g) * 12 - 6).repeat_interleave(128, -1)
+    x[0, :128] = torch.randn(128, generator=g) * 2.0**k
+    x[0, 0] = torch.nextafter(torch.tensor(448 * 2.0**k), torch.tensor(math.inf))
+    x[1, 128:] = 0.0
+    _, s = sc.quantize_fp8_blocks(x)
+    _, s32 = sc.quantize_fp8_blocks(x, pow2_scales=False)
+    assert torch.equal(s32, x.view(3, 2, 128).abs().amax(-1).clamp(min=1e-4) / 448)
+    assert float(s32[0, 0]) == 2.0**k * (1 + 2**-23) and float(s[0, 0]) == 2.0 ** (k + 1)
+    mant, exp = torch.frexp(s32)  # s32 = mant·2^exp, mant in [0.5, 1): a power of two when mant = 0.5
+    want = torch.pow(2.0, (exp - (mant == 0.5).int()).double()).float()
+    assert torch.equal(s, want) and bool((s >= s32).all() and (s < 2 * s32).all())
+    assert torch.equal(ceil_pow2(torch.tensor([1.0, 1.5, 0.75, 2.0**-20 * (1 + 2**-23), 2.0**100])),
+                       torch.tensor([1.0, 2.0, 1.0, 2.0**-19, 2.0**100]))
+
+
+@pytest.mark.parametrize("pow2", [True, False])
+def test_dsa_fp8q_reference(pow2) -> None:
+    """The torch twin: quantised queries read back exactly (ties to even, the scale's carry);
+    on random cases, `dsa_index_scores_torch` over the quantised and dequantised queries."""
+    args, want = fp8q_rounding_case(pow2)
+    assert torch.equal(sc.dsa_index_scores_fp8q_torch(*args), want)
+    g = torch.Generator().manual_seed(7)
+    for q_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        q, w, keys, scale, slots, n, _ = args = fp8q_case(g, 2, 5, 256, 40, q_dtype, torch.bfloat16, pow2)
+        plain_q = sc.dequantize_fp8_blocks(*sc.quantize_fp8_blocks(q, pow2))
+        assert torch.equal(sc.dsa_index_scores_fp8q_torch(*args), sc.dsa_index_scores_torch(plain_q, w, keys, scale, slots, n))
+
+
 # -- the references are what the algorithms compute ----------------------------------------------
 @pytest.mark.parametrize("how", ["max", "sum", "mean"])
 def test_references_equal_the_algorithms(how) -> None:
@@ -201,6 +319,9 @@ def test_bad_arguments_are_refused_with_clear_errors() -> None:
     with pytest.raises(ValueError, match="needs k_scale"):
         sc.dsa_index_scores_torch(torch.randn(1, 2, 128), torch.randn(1, 2), torch.zeros(1, 4, 128, dtype=torch.uint8),
                                   None, slots.clamp(max=0), 4)
+    with pytest.raises(ValueError, match="needs fp8 keys"):
+        sc.dsa_index_scores_fp8q_torch(torch.randn(1, 2, 128), torch.randn(1, 2), torch.zeros(1, 4, 128), None,
+                                       slots.clamp(max=0), 4)
     if os.environ.get("TRITON_INTERPRET") != "1":
         with pytest.raises(RuntimeError, match="CUDA"):
             sc.quest_scores_triton(q, pages, pages, slots, 4)
@@ -288,6 +409,50 @@ def test_triton_kernels_interpreted_match_the_references() -> None:
     done = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "interpreted ok" in done.stdout
+
+
+# The fused fp8q kernel over random cases (hypothesis, in the subprocess): every path the
+# interpreter can take (float16 dot of decoded operands with native or integer key decoding,
+# the fp8 dot forced on), small token blocks so that rows span several programs and steps.
+INTERPRETED_FP8Q = r"""
+import sys
+sys.path.insert(0, TESTS_DIR)
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+from sparse_framework.kernels import scoring as sc
+from test_kernels_scoring import fp8q_case, fp8q_check, fp8q_rounding_case
+
+PATHS = {"exact": ("auto", "native"), "exact-arith": ("auto", "arith"), "fp8-dot": ("on", "native")}
+
+@settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(b=st.integers(1, 3), h=st.integers(1, 9), di=st.sampled_from([128, 256]), n=st.integers(0, 150),
+       q_dtype=st.sampled_from(["float32", "bfloat16", "float16"]), w_dtype=st.sampled_from(["float32", "bfloat16"]),
+       pow2=st.booleans(), path=st.sampled_from(sorted(PATHS)), block_n=st.sampled_from([16, 32, 64]),
+       steps=st.integers(1, 3), strided=st.booleans(), seed=st.integers(0, 2**16))
+def random_cases(b, h, di, n, q_dtype, w_dtype, pow2, path, block_n, steps, strided, seed):
+    sc.FP8_DOT, sc.FP8_DECODE = PATHS[path]
+    sc.DSA_TUNING["fp8q"] = {"block_n": block_n, "steps": steps, "stages": 1, "warps": 4}
+    g = torch.Generator().manual_seed(seed)
+    args = fp8q_case(g, b, h, di, n, getattr(torch, q_dtype), getattr(torch, w_dtype), pow2, strided=strided)
+    fp8q_check(sc.dsa_index_scores_fp8q_triton(*args), args, 1e-5)
+
+random_cases()
+for path in sorted(PATHS):
+    sc.FP8_DOT, sc.FP8_DECODE = PATHS[path]
+    for pow2 in (True, False):
+        args, want = fp8q_rounding_case(pow2)
+        assert torch.equal(sc.dsa_index_scores_fp8q_triton(*args), want), (path, pow2)
+print("fp8q ok")
+"""
+
+
+def test_triton_fp8q_interpreted_matches_the_torch_twin() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    script = INTERPRETED_FP8Q.replace("TESTS_DIR", repr(os.path.dirname(__file__))).replace("MAX_EXAMPLES", "40")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert "fp8q ok" in done.stdout
 
 
 # -- Triton vs torch on CUDA ---------------------------------------------------------------------

@@ -12,9 +12,13 @@ The weights are taken as given: the original multiplies them by heads^-1/2 · di
 positive global factor does not change the top-k. The indexer keys are the representation,
 stored as bfloat16 or as FP8 e4m3 with one float32 scale per 128 values (the original's
 `act_quant`: scale = amax / 448, rounded up to a power of two in the "ue8m0" format V3.2
-ships with); with FP8 the queries are quantised the same way before
-scoring, as the original does (their scale folds into the weight, ReLU being positively
-homogeneous).
+ships with); with FP8 the queries are quantised the same way before scoring, as the original
+does. That quantisation is part of the scoring function (`dsa_index_scores_fp8q`): the Triton
+kernel takes the raw queries and quantises them per program, bit-exact with
+`quantize_fp8_blocks`, instead of ~16 small torch kernels per step, and on sm_89+ GPUs
+multiplies them with the key bits in an FP8 tensor-core dot; the torch twin quantises and
+dequantises in torch. Either way the score is Σ_h w_h · ReLU(Σ_blocks q_bits·k_bits ·
+q_scale · k_scale).
 
 `source: "keys"` (no indexer). Scores with the real attention keys: per KV head, token s
 scores Σ_{h in group} softmax_h(q_h · k_s / √d)_s — the attention mass the group would put on
@@ -28,6 +32,7 @@ keeps only the top-k; set sink_tokens / recent_tokens to 0 to come closest to it
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Literal
 
 import torch
@@ -35,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..batch import Batch, Request
 from ..kv_store.layout import resolve_impl
-from .reference_scores import FP8_BLOCK, dequantize_fp8_blocks, quantize_fp8_blocks
+from .reference_scores import FP8_BLOCK, quantize_fp8_blocks
 from .base import NO_INPUTS, Inputs, ScoringAlgorithm, group_probabilities, key_dtype, scoring_kernel
 
 class DSAOptions(BaseModel):
@@ -101,9 +106,15 @@ class DSA(ScoringAlgorithm):
             "index_k": (o.index_dim,),
         }
         shape = (layout.num_layers, max_requests, max_seq_len, o.index_dim)
-        self.index_scores = scoring_kernel("dsa_index_scores", o.impl, dev)
         self.fp8 = o.key_dtype == "fp8_e4m3"
         self.pow2_scales = o.scale_format == "ue8m0"
+        # (index_q, weights, index_k, k_scale, slot_ids, n) -> [B, n]; with fp8 keys the one that
+        # quantises the raw queries like the keys (in the Triton kernel, or its torch twin)
+        if self.fp8:
+            fp8q = scoring_kernel("dsa_index_scores_fp8q", o.impl, dev)
+            self.index_scores = partial(fp8q, pow2_scales=self.pow2_scales)
+        else:
+            self.index_scores = scoring_kernel("dsa_index_scores", o.impl, dev)
         self.index_k = torch.zeros(shape, dtype=torch.uint8 if self.fp8 else torch.bfloat16, device=dev)
         self.k_scale = (
             torch.ones((*shape[:3], o.index_dim // FP8_BLOCK), dtype=torch.float32, device=dev) if self.fp8 else None
@@ -146,14 +157,12 @@ class DSA(ScoringAlgorithm):
         n = batch.max_seq_len
         if self.options.source == "keys":
             return self._exact_mass(layer, queries, batch)
-        q = inputs["index_q"]
-        if self.fp8:  # the original quantises the indexer queries like the keys; an e4m3 value
-            # times a power-of-two scale is exact in bfloat16, which the kernel multiplies fastest
-            q = dequantize_fp8_blocks(*quantize_fp8_blocks(q, self.pow2_scales))
-            q = q.to(torch.bfloat16) if self.pow2_scales else q
-        weights = inputs["index_weights"].float()
+        # the raw queries and weights, whatever their float dtype: the scoring function casts
+        # (and with fp8 keys quantises the queries) itself
         scales = None if self.k_scale is None else self.k_scale[layer]
-        return self.index_scores(q, weights, self.index_k[layer], scales, batch.slot_ids, n).unsqueeze(1)
+        return self.index_scores(
+            inputs["index_q"], inputs["index_weights"], self.index_k[layer], scales, batch.slot_ids, n
+        ).unsqueeze(1)
 
     def _exact_mass(self, layer: int, queries: torch.Tensor, batch: Batch) -> torch.Tensor:
         """[B, Hkv or 1, n]: the attention mass each group puts on each stored key. The newest

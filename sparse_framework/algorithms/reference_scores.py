@@ -6,6 +6,8 @@ apart from the kernels so that importing an algorithm never needs Triton.
   pqcache_scores        Σ_m q_m · centroid_m[code_m(t)] per token (q·centroid table gathered)
   snapkv_window_mass    the prompt's last w queries' causal softmax mass on the keys before them
   dsa_index_scores      DeepSeek's lightning indexer Σ_h w_h · ReLU(q_h · k_t), bf16 or fp8 keys
+  dsa_index_scores_fp8q the same over fp8 keys, with the queries quantised like the keys first
+                        (what DSA computes with fp8 keys, as DeepSeek's indexer does)
 """
 
 from __future__ import annotations
@@ -140,16 +142,31 @@ def quantize_fp8_blocks(x: torch.Tensor, pow2_scales: bool = True) -> tuple[torc
     """x [..., Di] (Di a multiple of 128) -> (uint8 [..., Di]: float8_e4m3fn bit patterns,
     float32 [..., Di // 128]: one scale per 128 values). As DeepSeek's act_quant: amax is
     clamped to >= 1e-4, scale = amax / 448, rounded up to a power of two with `pow2_scales`
-    (its "ue8m0" scale format, the one V3.2 ships with)."""
+    (its "ue8m0" scale format, the one V3.2 ships with); values = x / scale clamped to ±448
+    and rounded to e4m3 (ties to even).
+
+    The power-of-two rounding is `ceil_pow2`, exact on the float32 bits, not
+    exp2(ceil(log2(s))): in float32, log2 of 2^k·(1 + 2^-23) rounds to k for most k, which
+    would give a scale below amax / 448 (the block's largest value then clamps). The Triton
+    kernel that quantises queries in place (`kernels.scoring.dsa_index_scores_fp8q_triton`)
+    applies the same bit rule, so both give the same scales."""
     di = x.shape[-1]
     if di % FP8_BLOCK:
         raise ValueError(f"quantize_fp8_blocks: the last dim ({di}) must be a multiple of {FP8_BLOCK}")
     blocks = x.float().reshape(*x.shape[:-1], di // FP8_BLOCK, FP8_BLOCK)
     scales = blocks.abs().amax(-1).clamp(min=1e-4) / FP8_MAX
     if pow2_scales:
-        scales = torch.exp2(torch.ceil(torch.log2(scales)))
+        scales = ceil_pow2(scales)
     values = (blocks / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return values.view(torch.uint8).reshape(x.shape), scales
+
+
+def ceil_pow2(x: torch.Tensor) -> torch.Tensor:
+    """The least power of two >= x, for positive normal float32 x, exactly: on the float32
+    bits, a nonzero mantissa carries one into the exponent (adding 0x7FFFFF does both), then
+    the mantissa is cleared. Powers of two stay as they are."""
+    bits = x.float().contiguous().view(torch.int32)
+    return ((bits + 0x7FFFFF) & 0x7F800000).view(torch.float32)
 
 
 def dequantize_fp8_blocks(bits: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -184,12 +201,32 @@ def dsa_index_scores_torch(
     index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, k_scale: torch.Tensor | None,
     slot_ids: torch.Tensor, n: int,
 ) -> torch.Tensor:
-    """DSA lightning-indexer scores. index_q [B, H, Di] (bf16/fp16/float32); weights float32
-    [B, H]; index_k [R, MAXN, Di] (bf16/fp16/float32, k_scale None) or uint8 fp8 e4m3fn bits
-    with k_scale float32 [R, MAXN, Di // 128]; slot_ids int64 [B] -> float32 [B, n]:
+    """DSA lightning-indexer scores. index_q [B, H, Di] (bf16/fp16/float32); weights [B, H]
+    (any float dtype); index_k [R, MAXN, Di] (bf16/fp16/float32, k_scale None) or uint8 fp8
+    e4m3fn bits with k_scale float32 [R, MAXN, Di // 128]; slot_ids int64 [B] -> float32 [B, n]:
     score[b, s] = Σ_h weights[b, h] · ReLU(index_q[b, h] · k[slot_b, s]) in float32."""
     _check_dsa(index_q, weights, index_k, k_scale, slot_ids, n)
     rows = index_k[slot_ids, :n]
     k = dequantize_fp8_blocks(rows, k_scale[slot_ids, :n]) if k_scale is not None else rows.float()
     logits = torch.einsum("bhd,bnd->bhn", index_q.float(), k)  # [B, H, n]
     return (logits.relu() * weights.float().unsqueeze(-1)).sum(1)
+
+
+def _check_dsa_fp8q(index_q, weights, index_k, k_scale, slot_ids, n):  # type: ignore[no-untyped-def]
+    b, h, di, fp8 = _check_dsa(index_q, weights, index_k, k_scale, slot_ids, n)
+    if not fp8:
+        raise ValueError(f"dsa_index_scores_fp8q: needs fp8 keys (uint8 index_k with k_scale), got {index_k.dtype}")
+    return b, h, di
+
+
+def dsa_index_scores_fp8q_torch(
+    index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, k_scale: torch.Tensor,
+    slot_ids: torch.Tensor, n: int, pow2_scales: bool = True,
+) -> torch.Tensor:
+    """`dsa_index_scores_torch` over fp8 keys (uint8 index_k, k_scale float32) with the raw
+    queries index_q [B, H, Di] (any float dtype) quantised like the keys first:
+    `quantize_fp8_blocks(index_q, pow2_scales)` per (head, 128 values), then dequantised.
+    The Triton twin does the quantisation inside its kernel."""
+    _check_dsa_fp8q(index_q, weights, index_k, k_scale, slot_ids, n)
+    q = dequantize_fp8_blocks(*quantize_fp8_blocks(index_q, pow2_scales))
+    return dsa_index_scores_torch(q, weights, index_k, k_scale, slot_ids, n)

@@ -6,6 +6,8 @@ here as `*_torch`):
   pqcache_scores        Σ_m q_m · centroid_m[code_m(t)] per token (q·centroid table gathered)
   snapkv_window_mass    the prompt's last w queries' causal softmax mass on the keys before them
   dsa_index_scores      DeepSeek's lightning indexer Σ_h w_h · ReLU(q_h · k_t), bf16 or fp8 keys
+  dsa_index_scores_fp8q the same over fp8 keys, the raw queries quantised like the keys in
+                        the kernel (what DSA runs with fp8 keys)
 
 Every Triton kernel streams the representation that grows with the context once, one
 program per (row, head or group, block of pages/tokens), tails masked; head dims that are not
@@ -13,7 +15,16 @@ powers of two are padded through masks. On the CPU the Triton versions run only 
 TRITON_INTERPRET=1 (tests). fp8 keys are stored as uint8 bit patterns of float8_e4m3fn with one
 float32 scale per 128 values (`quantize_fp8_blocks`); the kernel decodes them with Triton's
 fp8e4nv conversion where the GPU has it (sm_89+, and the interpreter) and with integer
-arithmetic elsewhere. Measured times: docs/algorithms.md (benchmarks/selection.py).
+arithmetic elsewhere.
+
+DSA with fp8 keys quantises its queries too (DeepSeek's indexer does). Done in torch that is
+~16 tiny kernels per step, costlier than they look next to a ~50 µs scoring pass, so
+`dsa_index_scores_fp8q_triton` takes the raw queries and each program quantises its row's
+[H, Di] tile once (bit-exact with `quantize_fp8_blocks`: IEEE divisions, power-of-two scales
+by the same bit rule, e4m3 rounding ties to even), then loops over several token blocks with
+it. On sm_89+ GPUs the quantised tile and the key bits meet in an fp8 tensor-core dot (keys
+never decoded); elsewhere, and under the interpreter, both are decoded to float16 (exact).
+Measured times: docs/algorithms.md (benchmarks/selection.py).
 """
 
 from __future__ import annotations
@@ -30,11 +41,13 @@ from ..algorithms.reference_scores import (
     PQ_REDUCTIONS,
     REDUCTIONS,
     _check_dsa,
+    _check_dsa_fp8q,
     _check_quest,
     _check_snapkv,
     _group,
     _pq_table,
     dequantize_fp8_blocks,
+    dsa_index_scores_fp8q_torch,
     dsa_index_scores_torch,
     pqcache_scores_torch,
     quantize_fp8_blocks,
@@ -47,6 +60,7 @@ __all__ = [
     "dequantize_fp8_blocks", "quantize_fp8_blocks",
     "quest_scores_torch", "quest_scores_triton", "pqcache_scores_torch", "pqcache_scores_triton",
     "snapkv_window_mass_torch", "snapkv_window_mass_triton", "dsa_index_scores_torch", "dsa_index_scores_triton",
+    "dsa_index_scores_fp8q_torch", "dsa_index_scores_fp8q_triton",
 ]
 
 # launch shapes (module attributes, so that tests and benchmarks can change them)
@@ -54,20 +68,35 @@ QUEST_TILE, QUEST_WARPS = 4096, 4  # page-bound elements per program: BLOCK_P = 
 PQ_BLOCK_N, PQ_WARPS = 512, 4  # tokens per program
 SNAPKV_BLOCK_M, SNAPKV_BLOCK_N, SNAPKV_SPLIT = 64, 64, 2048  # pass 1: rows, keys per step, keys per program
 SNAPKV_BLOCK_W, SNAPKV_BLOCK_K, SNAPKV_WARPS = 32, 128, 4  # pass 2: window rows per step, keys per program
-# DSA, per key kind: tokens per block, blocks per program (a pipelined loop), pipeline stages, warps
-DSA_TUNING = {"16bit": (128, 1, 1, 4), "fp8": (128, 1, 1, 4)}
+# DSA, per variant: tokens per block, blocks per program (one pipelined loop over them: the
+# program's setup, for "fp8q" the query quantisation, is shared by all), its pipeline stages,
+# warps. "16bit": bf16/fp16/float32 keys; "fp8": fp8 keys, the queries as given; "fp8q": fp8
+# keys, queries quantised in the kernel (what DSA runs). "fp8q" is the fastest of 48 shapes
+# at 8 x 131072 tokens on an H100 (79 µs; `python benchmarks/tune_dsa_index.py`).
+DSA_TUNING = {
+    "16bit": {"block_n": 128, "steps": 1, "stages": 1, "warps": 4},
+    "fp8": {"block_n": 128, "steps": 1, "stages": 1, "warps": 4},
+    "fp8q": {"block_n": 128, "steps": 4, "stages": 1, "warps": 4},
+}
 FP8_DECODE = "auto"  # "auto" | "native" (tl.float8e4nv) | "arith" (integer decode, any GPU)
+# "fp8q" multiplies with an fp8 tensor-core dot where fp8 is native: "auto" (compiled only),
+# "on" (also interpreted: tests), "off" (float16 dots of decoded values, exact)
+FP8_DOT = "auto"
 
 
 def _pow2(n: int, least: int = 1) -> int:
     return max(least, 1 << max(0, (n - 1).bit_length()))
 
 
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _launchable(*tensors: torch.Tensor) -> None:
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    if tensors[0].device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if tensors[0].device.type != "cuda" and not _interpreted():
         raise RuntimeError("the Triton scoring kernels need CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
 
 
@@ -84,10 +113,9 @@ def _dot_mode(a: torch.dtype, b: torch.dtype) -> tuple[int, tl.dtype]:
                   float32 dots are ~100x slower on an H100
       DOT_IEEE    the interpreter: everything in float32 (it multiplies bf16 tiles as their
                   uint16 storage, triton 3.9)"""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if a == torch.float16 and b in (a, torch.uint8):
         return DOT_16BIT, tl.float16
-    if interpreted:
+    if _interpreted():
         return DOT_IEEE, tl.float32
     if a == torch.bfloat16 and b in (a, torch.uint8):
         return DOT_16BIT, tl.bfloat16
@@ -361,49 +389,150 @@ def _e4m3_decode(bits, NATIVE: tl.constexpr, DST: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_round(x):
+    """float32 x, |x| <= 448 -> the nearest float8_e4m3fn value (ties to even), as float32, in
+    integer arithmetic: exact on every backend. The significand m (24 bits with the implicit
+    one) loses s bits: 20 down to e4m3's 3 mantissa bits, more below 2^-6 where e4m3's
+    subnormals step by 2^-9 (s >= 25 rounds everything to 0)."""
+    bits = x.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 255) - 127  # float32 zeros and subnormals: -127, they round to 0
+    e_out = tl.maximum(e, -6)  # the exponent of the e4m3 step: 2^(e_out - 3)
+    s = tl.minimum(20 + e_out - e, 25)
+    m = (bits & 0x7FFFFF) | 0x800000
+    r = (m + (1 << (s - 1)) - 1 + ((m >> s) & 1)) >> s  # m / 2^s rounded half to even, 0 .. 16
+    step = ((e_out + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e_out - 3)
+    mag = r.to(tl.float32) * step
+    return tl.where(bits < 0, -mag, mag)
+
+
+@triton.jit
+def _quantize_e4m3_rows(x, POW2: tl.constexpr, HW_ROUND: tl.constexpr, DST: tl.constexpr):
+    """`quantize_fp8_blocks` of each row of x (float32 [rows, 128]): scale = max(amax, 1e-4)
+    / 448 (with POW2 rounded up to a power of two by `ceil_pow2`'s bit rule), values = x /
+    scale clamped to ±448 and rounded to e4m3, ties to even. Divisions are IEEE (div_rn; a
+    plain `/` is approximate on NVIDIA GPUs). HW_ROUND: the GPU's fp32 -> fp8e4nv conversion
+    rounds (cvt.rn.satfinite, sm_89+); otherwise `_e4m3_round`, exact everywhere (the
+    interpreter's conversion rounds ties away from zero). -> (values as DST, scales float32 [rows])."""
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4), 448.0)
+    if POW2:
+        scale = ((scale.to(tl.int32, bitcast=True) + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+        v = x * tl.math.div_rn(1.0, scale)[:, None]  # exact: a power of two
+    else:
+        v = tl.math.div_rn(x, scale[:, None])
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+    if not HW_ROUND:
+        v = _e4m3_round(v)
+    return v.to(DST), scale
+
+
+@triton.jit
 def dsa_index_kernel(
     q_ptr, w_ptr, k_ptr, scale_ptr, slot_ptr, out_ptr,
     n, H,
     s_qb, s_qh, s_qd, s_wb, s_wh, s_kr, s_kn, s_kd, s_sr, s_sn, s_sd,
     DI: tl.constexpr, FP8: tl.constexpr, NATIVE: tl.constexpr, MODE: tl.constexpr, KDT: tl.constexpr,
+    QUANT_Q: tl.constexpr, POW2: tl.constexpr, FP8_DOT: tl.constexpr, HW_ROUND: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, STEPS: tl.constexpr,
     STAGES: tl.constexpr,
 ):
     """One program: STEPS blocks of BLOCK_N tokens of row b, in a pipelined loop (the head-dim
-    chunks are unrolled, so the token loop is the innermost one)."""
+    chunks are unrolled, so the token loop is the innermost one).
+
+    QUANT_Q (fp8 keys): the raw queries are quantised per (head, chunk of 128) once, before
+    the loop, and kept as one tile per chunk (a tuple); each chunk's dot is then scaled by
+    q_scale[h] · k_scale[t]. FP8_DOT: that dot multiplies the fp8 tiles on tensor cores;
+    otherwise both operands are decoded to KDT (exact). Without QUANT_Q the queries are
+    loaded, in their own dtype, chunk by chunk inside the loop.
+
+    fp8 keys with one chunk (Di = 128, V3.2's): the scales are positive, so they commute with
+    the ReLU: q_scale folds into the head weights and k_scale multiplies the token's sum,
+    leaving the [H, BLOCK_N] epilogue ReLU, weight and sum only."""
+    CHUNKS: tl.constexpr = (DI + BLOCK_D - 1) // BLOCK_D
+    FOLD: tl.constexpr = FP8 and CHUNKS == 1
     b = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)
     slot = tl.load(slot_ptr + b).to(tl.int64)
     wts = tl.load(w_ptr + b * s_wb + h * s_wh, mask=h < H, other=0.0).to(tl.float32)
+    q_row = q_ptr + b * s_qb + h[:, None] * s_qh
+    q_tiles = ()
+    q_scales = ()
+    if QUANT_Q:
+        for c in tl.static_range(CHUNKS):
+            d = c * BLOCK_D + tl.arange(0, BLOCK_D)
+            q = tl.load(q_row + d[None, :] * s_qd, mask=h[:, None] < H, other=0.0).to(tl.float32)
+            q, q_scale = _quantize_e4m3_rows(q, POW2, HW_ROUND, tl.float8e4nv if FP8_DOT else KDT)
+            q_tiles = q_tiles + (q,)
+            q_scales = q_scales + (q_scale,)
+        if FOLD:
+            wts = wts * q_scales[0]
     first = tl.program_id(1) * (BLOCK_N * STEPS)
     for step in tl.range(0, STEPS, num_stages=STAGES):
         t = first + step * BLOCK_N + tl.arange(0, BLOCK_N)
         t_ok = t < n
         k_row = k_ptr + slot * s_kr + t[:, None].to(tl.int64) * s_kn
+        s_row = scale_ptr + slot * s_sr + t.to(tl.int64) * s_sn
         acc = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
-        for d0 in tl.static_range(0, DI, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)
-            q = tl.load(q_ptr + b * s_qb + h[:, None] * s_qh + d[None, :] * s_qd,
-                        mask=(h[:, None] < H) & (d[None, :] < DI), other=0.0)
+        for c in tl.static_range(CHUNKS):
+            d = c * BLOCK_D + tl.arange(0, BLOCK_D)
             k = tl.load(k_row + d[None, :] * s_kd, mask=t_ok[:, None] & (d[None, :] < DI), other=0)
-            if FP8:
-                k = _e4m3_decode(k, NATIVE, KDT)
-            part = _dot(q, tl.trans(k.to(KDT)), MODE)
-            if FP8:
-                sc = tl.load(scale_ptr + slot * s_sr + t.to(tl.int64) * s_sn + (d0 // BLOCK_D) * s_sd,
-                             mask=t_ok, other=0.0)
-                part = part * sc[None, :]
+            if FP8_DOT:
+                part = tl.dot(q_tiles[c], tl.trans(k.to(tl.float8e4nv, bitcast=True)))
+            else:
+                if QUANT_Q:
+                    q = q_tiles[c]
+                else:
+                    q = tl.load(q_row + d[None, :] * s_qd, mask=(h[:, None] < H) & (d[None, :] < DI), other=0.0)
+                if FP8:
+                    k = _e4m3_decode(k, NATIVE, KDT)
+                part = _dot(q, tl.trans(k.to(KDT)), MODE)
+            if FP8 and not FOLD:
+                part = part * tl.load(s_row + c * s_sd, mask=t_ok, other=0.0)[None, :]
+                if QUANT_Q:
+                    part = part * q_scales[c][:, None]
             acc += part
         score = tl.sum(tl.maximum(acc, 0.0) * wts[:, None], axis=0)
+        if FOLD:
+            score = score * tl.load(s_row, mask=t_ok, other=0.0)
         tl.store(out_ptr + b * n + t, score, mask=t_ok)
 
 
 def _fp8_native(device: torch.device) -> bool:
+    """Whether Triton's fp8e4nv type works here: sm_89+ GPUs and the interpreter."""
     if FP8_DECODE != "auto":
         return FP8_DECODE == "native"
     if device.type != "cuda":
         return True  # the interpreter converts fp8e4nv
     return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _dsa_launch(
+    index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, k_scale: torch.Tensor | None,
+    slot_ids: torch.Tensor, n: int, b: int, h: int, di: int, quantize: bool, pow2_scales: bool,
+) -> torch.Tensor:
+    """Launch `dsa_index_kernel` on checked arguments (quantize: fp8 keys, raw queries)."""
+    fp8 = k_scale is not None
+    _launchable(index_q, weights, index_k, slot_ids, *([k_scale] if fp8 else []))
+    out = torch.empty(b, n, dtype=torch.float32, device=index_q.device)
+    if out.numel() == 0:
+        return out
+    scale = k_scale if fp8 else weights  # any tensor: unused without fp8
+    native = fp8 and _fp8_native(index_q.device)
+    fp8_dot = quantize and native and (FP8_DOT == "on" or (FP8_DOT == "auto" and not _interpreted()))
+    # quantised queries meet the keys as e4m3 values, exact in float16 where no fp8 dot is used
+    mode, kdt = _dot_mode(torch.float16 if quantize else index_q.dtype, index_k.dtype)
+    tune = DSA_TUNING["fp8q" if quantize else "fp8" if fp8 else "16bit"]
+    block_n = tune["block_n"]
+    steps = max(1, min(tune["steps"], triton.cdiv(n, block_n)))
+    grid = (b, triton.cdiv(n, block_n * steps))
+    dsa_index_kernel[grid](
+        index_q, weights, index_k, scale, slot_ids, out, n, h,
+        *index_q.stride(), *weights.stride(), *index_k.stride(), *(scale.stride() if fp8 else (0, 0, 0)),
+        DI=di, FP8=fp8, NATIVE=native, MODE=mode, KDT=kdt,
+        QUANT_Q=quantize, POW2=pow2_scales, FP8_DOT=fp8_dot, HW_ROUND=fp8_dot and not _interpreted(),
+        BLOCK_H=_pow2(h, 16), BLOCK_D=FP8_BLOCK if fp8 else min(FP8_BLOCK, _pow2(di, 16)), BLOCK_N=block_n,
+        STEPS=steps, STAGES=tune["stages"], num_warps=tune["warps"],
+    )
+    return out
 
 
 def dsa_index_scores_triton(
@@ -412,21 +541,16 @@ def dsa_index_scores_triton(
 ) -> torch.Tensor:
     """Triton version of `dsa_index_scores_torch`: per (row, block of tokens) the [H, Di] x
     [Di, BLOCK_N] dot, per 128-value block scaled for fp8 keys, ReLU, weighted head sum."""
-    b, h, di, fp8 = _check_dsa(index_q, weights, index_k, k_scale, slot_ids, n)
-    _launchable(index_q, weights, index_k, slot_ids, *([k_scale] if fp8 else []))
-    out = torch.empty(b, n, dtype=torch.float32, device=index_q.device)
-    if out.numel() == 0:
-        return out
-    scale = k_scale if fp8 else weights  # any tensor: unused without fp8
-    block_d = FP8_BLOCK if fp8 else min(FP8_BLOCK, _pow2(di, 16))
-    block_n, steps, stages, warps = DSA_TUNING["fp8" if fp8 else "16bit"]
-    mode, kdt = _dot_mode(index_q.dtype, index_k.dtype)
-    steps = max(1, min(steps, triton.cdiv(n, block_n)))
-    grid = (b, triton.cdiv(n, block_n * steps))
-    dsa_index_kernel[grid](
-        index_q, weights, index_k, scale, slot_ids, out, n, h,
-        *index_q.stride(), *weights.stride(), *index_k.stride(), *(scale.stride() if fp8 else (0, 0, 0)),
-        DI=di, FP8=fp8, NATIVE=fp8 and _fp8_native(index_q.device), MODE=mode, KDT=kdt,
-        BLOCK_H=_pow2(h, 16), BLOCK_D=block_d, BLOCK_N=block_n, STEPS=steps, STAGES=stages, num_warps=warps,
-    )
-    return out
+    b, h, di, _ = _check_dsa(index_q, weights, index_k, k_scale, slot_ids, n)
+    return _dsa_launch(index_q, weights, index_k, k_scale, slot_ids, n, b, h, di, quantize=False, pow2_scales=False)
+
+
+def dsa_index_scores_fp8q_triton(
+    index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, k_scale: torch.Tensor,
+    slot_ids: torch.Tensor, n: int, pow2_scales: bool = True,
+) -> torch.Tensor:
+    """Triton version of `dsa_index_scores_fp8q_torch` in one kernel: each program quantises
+    its row's raw queries (any float dtype; weights too) like `quantize_fp8_blocks`, then
+    scores its STEPS blocks of tokens with them; an fp8 tensor-core dot on sm_89+ GPUs."""
+    b, h, di = _check_dsa_fp8q(index_q, weights, index_k, k_scale, slot_ids, n)
+    return _dsa_launch(index_q, weights, index_k, k_scale, slot_ids, n, b, h, di, quantize=True, pow2_scales=pow2_scales)
