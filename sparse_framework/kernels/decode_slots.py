@@ -48,7 +48,7 @@ def paged_slots_kernel(
     N, TP, P, s_table,
     BLOCK: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = i < N
     r = tl.load(rows_ptr + b).to(tl.int64)
@@ -89,8 +89,8 @@ def write_token_rows_kernel(
     s_dslot, s_dh,  # destination [slots, H, D] or [H, slots, D] of this layer (d contiguous)
     TWO: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)  # h * s_dh passes 2**31 in a head-major pool of > 2**31 / 8 elements per head
     r = tl.load(rows_ptr + b).to(tl.int64)
     pos = tl.load(lens_ptr + b).to(tl.int64) - 1
     page = tl.load(table_ptr + r * s_table + pos // P, mask=pos // P < TP, other=-1).to(tl.int64)
@@ -143,7 +143,7 @@ def page_table_kernel(
     H, W, NP, PS, HEAD_PAGES,
     BLOCK: tl.constexpr,
 ):
-    bh = tl.program_id(0)
+    bh = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     length = tl.load(lens_ptr + bh)
     if tl.program_id(1) == 0:
