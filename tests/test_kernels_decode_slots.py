@@ -144,3 +144,33 @@ def test_write_rejects_mismatched_buffers() -> None:
     finally:
         if env_had is None:
             del os.environ["TRITON_INTERPRET"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_kernels_equal_their_twins_past_int32_offsets() -> None:
+    """At decode shapes on CUDA, with a head-major pool of 8 heads x 2**28 + 64 slots (more
+    than 2**31 elements), so every product of a head and its stride must be 64-bit."""
+    from sparse_framework.kernels import decode_slots as ds
+
+    g = torch.Generator().manual_seed(0)
+    heads, slots, page = 8, 2**28 + 64, 16
+    buf = torch.zeros(heads, slots, 1, dtype=torch.bfloat16, device="cuda")
+    mine = buf.clone()
+    b, pages = 8, 64
+    table = torch.randperm(slots // page, generator=g)[: b * pages].view(b, pages).to(torch.int32).cuda()
+    rows = torch.randperm(b, generator=g).cuda()
+    lens = torch.randint(1, pages * page + 1, (b,), generator=g, dtype=torch.int32).cuda()
+    x = torch.randn(b, heads, 1, generator=g).to(torch.bfloat16).cuda()
+    want = ds.write_token_rows([buf], table, rows, lens, [x], page, head_major=True)
+    got = ds.write_token_rows_triton([mine], table, rows, lens, [x], page, head_major=True)
+    assert torch.equal(got, want) and int(want.max()) > 2**24
+    assert torch.equal(mine[:, want], buf[:, want]) and torch.equal(mine[:, want, 0].T, x[..., 0])
+    del buf, mine
+    pos = torch.randint(-1, pages * page, (b, 2128), generator=g, dtype=torch.int32).cuda()
+    for dtype in (torch.int32, torch.int64):
+        assert torch.equal(ds.paged_slots_rows_triton(table, rows, pos, page, dtype), ds.paged_slots_rows(table, rows, pos, page, dtype))
+    sel, lengths = aligned_selection(g, b, heads, 2128, page, slots)
+    sel, lengths = sel.cuda(), lengths.cuda()
+    got_t, want_t = ds.page_table_triton(sel, lengths, page, slots), ds.page_table_torch(sel, lengths, page, slots)
+    assert torch.equal(got_t[0], want_t[0]) and torch.equal(got_t[1], want_t[1])
