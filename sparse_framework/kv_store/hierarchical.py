@@ -149,10 +149,8 @@ class HierarchicalKVStore(KVStore):
 
     def _phys(self, layer: int, slot_ids: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """Device slots of positions (logical tokens of a resident layer, or buffer positions
-        of a buffered one). slot_ids: [B]; pos: [B, ...] int, -1 kept. Returns `dtype`."""
-        if self.impl == "triton":
-            from ..kernels.decode_slots import paged_slots_rows_triton
-            return paged_slots_rows_triton(self.dev_table[layer], slot_ids, pos, self.page_size, dtype)
+        of a buffered one). slot_ids: [B]; pos: [B, ...] int, -1 kept. Returns `dtype`.
+        In torch ops: the decode step's look-up (`resident_slots`) has its own kernel."""
         return paged_slots_rows(self.dev_table[layer], slot_ids, pos, self.page_size, dtype)
 
     def _dev_off(self, layer: int, slots: torch.Tensor, head: torch.Tensor | int = 0) -> torch.Tensor:
@@ -387,6 +385,9 @@ class HierarchicalKVStore(KVStore):
     # -- selection --------------------------------------------------------------------------
     def resident_slots(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
         assert batch.slot_ids is not None
+        if self.impl == "triton":  # one kernel instead of ~13 torch ops on the decode path
+            from ..kernels.decode_slots import paged_slots_rows_triton
+            return paged_slots_rows_triton(self.dev_table[layer], batch.slot_ids, selection.indices, self.page_size, torch.int32)
         return self._phys(layer, batch.slot_ids, selection.indices, torch.int32)
 
     def ensure_resident(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
