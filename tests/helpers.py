@@ -52,3 +52,17 @@ def pip_install_to_target(source: Path, base: Path) -> Path:
         capture_output=True,
     )
     return target
+
+
+def run_interpreted(script: str, marker: str, *, timeout: int = 900) -> None:
+    """Run `script` in a fresh Python under TRITON_INTERPRET=1 (Triton reads it at import,
+    so it cannot be switched on inside this process) and assert that it exits cleanly and
+    prints `marker`. The tests directory is importable there, and the literal TESTS_DIR in
+    the script becomes its path."""
+    tests_dir = str(Path(__file__).parent)
+    path = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    script = script.replace("TESTS_DIR", repr(tests_dir))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert marker in done.stdout, done.stdout[-3000:]

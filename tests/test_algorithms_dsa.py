@@ -4,9 +4,6 @@ exact-keys oracle against direct re-computations, selections within the budget."
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,7 +14,7 @@ from sparse_framework import ConfigError, KVLayout, Request
 from sparse_framework.algorithms.dsa import DSA
 from sparse_framework.config import load_config
 from sparse_framework.algorithms.reference_scores import dequantize_fp8_blocks, quantize_fp8_blocks
-from helpers import batch_of
+from helpers import batch_of, run_interpreted
 
 MAX_REQUESTS, MAX_SEQ_LEN = 4, 96
 
@@ -216,11 +213,7 @@ print("dsa ok")
 
 def test_select_with_triton_interpreted_matches_torch() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    script = INTERPRETED.replace("TESTS_DIR", repr(os.path.dirname(__file__)))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    assert "dsa ok" in done.stdout
+    run_interpreted(INTERPRETED, "dsa ok", timeout=600)
 
 
 def test_clear_errors() -> None:

@@ -5,11 +5,11 @@ and dtypes (hypothesis); the twins' own contracts are checked directly."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from helpers import run_interpreted
 
 from sparse_framework.adaptors.flash_attention import page_table_torch
 from sparse_framework.kv_store.copy import write_token_rows
@@ -117,16 +117,13 @@ def tables_equal(b, h, width, page, seed):
 slots_equal()
 writes_equal()
 tables_equal()
-print("ok")
+print("decode slots ok")
 """
 
 
 def test_kernels_equal_their_twins_interpreted() -> None:
     pytest.importorskip("triton")
-    tests_dir = os.path.dirname(__file__)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-3000:] + run.stderr[-3000:]
+    run_interpreted(INTERPRETED, "decode slots ok")
 
 
 def test_write_rejects_mismatched_buffers() -> None:

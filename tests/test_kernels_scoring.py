@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import batch_of
+from helpers import batch_of, run_interpreted
 from sparse_framework import KVLayout, Request, load_config
 from sparse_framework.algorithms.base import reduce_groups
 from sparse_framework.algorithms.pqcache import PQCache
@@ -405,10 +403,7 @@ print("interpreted ok")
 
 def test_triton_kernels_interpreted_match_the_references() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", INTERPRETED], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "interpreted ok" in done.stdout
+    run_interpreted(INTERPRETED, "interpreted ok", timeout=600)
 
 
 # The fused fp8q kernel over random cases (hypothesis, in the subprocess): every path the
@@ -448,11 +443,7 @@ print("fp8q ok")
 
 def test_triton_fp8q_interpreted_matches_the_torch_twin() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    script = INTERPRETED_FP8Q.replace("TESTS_DIR", repr(os.path.dirname(__file__))).replace("MAX_EXAMPLES", "40")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    assert "fp8q ok" in done.stdout
+    run_interpreted(INTERPRETED_FP8Q.replace("MAX_EXAMPLES", "40"), "fp8q ok")
 
 
 # -- Triton vs torch on CUDA ---------------------------------------------------------------------

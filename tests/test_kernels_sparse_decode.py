@@ -10,7 +10,6 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from sparse_framework.backends.torch_ref import TorchRefBackend, indexed_attenti
 from sparse_framework.backends.triton import TritonBackend
 from sparse_framework.coordinator import SparseCoordinator
 
-from helpers import SMALL_QUEST
+from helpers import SMALL_QUEST, run_interpreted
 
 sd = pytest.importorskip("sparse_framework.kernels.sparse_decode")
 
@@ -332,11 +331,7 @@ print("interpreted ok")
 
 def test_triton_kernels_interpreted_match_torch_ref() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    script = INTERPRETED.replace("TESTS_DIR", repr(str(Path(__file__).parent)))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    assert "interpreted ok" in done.stdout
+    run_interpreted(INTERPRETED, "interpreted ok", timeout=600)
 
 
 # -- Triton vs torch_ref on CUDA, full shapes --------------------------------------------------

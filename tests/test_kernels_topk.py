@@ -12,11 +12,11 @@ same number kept, every kept unit scoring at least every dropped eligible unit).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from helpers import run_interpreted
 
 from sparse_framework.algorithms.base import topk_selection
 
@@ -196,11 +196,7 @@ print("interpreted ok")
 
 def test_triton_topk_interpreted_matches_torch() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    script = INTERPRETED.replace("TESTS_DIR", repr(os.path.dirname(__file__))).replace("MAX_EXAMPLES", "40")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    assert "interpreted ok" in done.stdout
+    run_interpreted(INTERPRETED.replace("MAX_EXAMPLES", "40"), "interpreted ok")
 
 
 # Scores whose order keys differ in one byte only (the kernel's radix digit 1, 2, 3 or 4, most
@@ -241,11 +237,7 @@ print("digits ok")
 
 def test_triton_topk_interpreted_each_radix_digit() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    script = INTERPRETED_DIGITS.replace("TESTS_DIR", repr(os.path.dirname(__file__)))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    assert "digits ok" in done.stdout
+    run_interpreted(INTERPRETED_DIGITS, "digits ok")
 
 
 def test_stable_reference_is_topk_selection_without_ties() -> None:

@@ -22,6 +22,8 @@ from sparse_framework import Batch, CapacityError, KVLayout, Request, Selection
 from sparse_framework.kv_store.flashmla_format import pack_flashmla_fp8, unpack_flashmla_fp8
 from sparse_framework.kv_store.hierarchical import HierarchicalKVStore
 
+from helpers import run_interpreted
+
 MAX_REQ, MAX_LEN = 3, 48
 # the state machine runs the torch implementation here, and the fused Triton kernels under
 # the interpreter in a subprocess (test_state_machine_with_the_fused_kernels)
@@ -360,10 +362,7 @@ def test_fused_kernels_match_the_torch_path_exactly() -> None:
     """Same selections into a torch-path store and a fused-kernel store (interpreted): the
     same slots, maps, recency, counters and device rows after every call."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", PARITY_CHECK], capture_output=True, text=True, env=env, timeout=900)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "parity ok" in done.stdout
+    run_interpreted(PARITY_CHECK, "parity ok")
 
 
 # -- unit tests ---------------------------------------------------------------------------------

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +12,8 @@ from hypothesis import strategies as st
 from sparse_framework import CapacityError
 from sparse_framework.kv_store.copy import copy_rows
 from sparse_framework.kv_store.pages import PageAllocator, allocate_pool
+
+from helpers import run_interpreted
 
 
 def test_allocator_bulk_alloc_release_and_exhaustion() -> None:
@@ -79,10 +79,7 @@ print("kernel ok")
 
 def test_triton_kernel_matches_the_torch_path_under_the_interpreter() -> None:
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "kernel ok" in done.stdout
+    run_interpreted(KERNEL_CHECK, "kernel ok", timeout=600)
 
 
 def test_triton_path_needs_cuda_or_the_interpreter() -> None:
