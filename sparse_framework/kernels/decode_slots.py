@@ -7,7 +7,7 @@ that are already on the device, and each becomes one kernel here:
 
   write_token_rows   this step's K/V row of every request into its device slot (the slot
                      found through the request's page table at position seq_len - 1)
-  paged_slots        logical positions -> device slots through per-request page tables
+  paged_slots_rows   logical positions -> device slots through per-request page tables
   page_table         physical slots of a selection -> FlashAttention's page table and
                      sequence lengths (`adaptors/flash_attention.py`)
 

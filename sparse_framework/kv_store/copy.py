@@ -98,9 +98,19 @@ def write_token_rows(
     the slots, int64 [B]. The torch twin of `kernels.decode_slots.write_token_rows_triton`."""
     pos = (seq_lens.long() - 1).view(-1, 1)
     slots = paged_slots_rows(table, rows, pos, page_size)[:, 0]
+    put_rows(bufs, slots, data, head_major)
+    return slots
+
+
+def put_rows(bufs: list[torch.Tensor], slots: torch.Tensor, data: list[torch.Tensor], head_major: bool) -> None:
+    """data[i]: [n, kv_heads, dim] into bufs[i] (one layer: [slots, H, D], or [H, slots, D]
+    when head_major) at slots [n] (all heads), or, head-major only, at slots [n, kv_heads]
+    (one slot per head)."""
     for buf, x in zip(bufs, data):
-        if head_major:
+        if not head_major:
+            buf[slots] = x
+        elif slots.dim() == 1:
             buf[:, slots] = x.transpose(0, 1)
         else:
-            buf[slots] = x
-    return slots
+            heads = torch.arange(x.shape[1], device=slots.device).expand_as(slots)
+            buf[heads, slots] = x

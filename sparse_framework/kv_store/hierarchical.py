@@ -30,7 +30,7 @@ import torch
 from ..batch import Batch, Request, Selection
 from ..errors import CapacityError
 from .base import KVStore
-from .copy import copy_rows, write_token_rows
+from .copy import copy_rows, put_rows, write_token_rows
 from .flashmla_format import pack_flashmla_fp8
 from .host_pool import HostPool
 from .layout import KVLayout, resolve_impl
@@ -176,16 +176,8 @@ class HierarchicalKVStore(KVStore):
     def _write_dev(self, layer: int, slots: torch.Tensor, rows: list[torch.Tensor]) -> None:
         """rows[i]: [n, kv_heads, dim] to device slots [n] (all heads), or, in the head-major
         layout, slots [n, kv_heads] (one slot per head)."""
-        for buf, x in zip(self.dev, rows):
-            if not self.head_major:
-                buf[layer][slots] = x
-            elif slots.dim() == 1:
-                buf[layer][:, slots] = x.transpose(0, 1)
-            else:
-                heads = torch.arange(x.shape[1], device=slots.device).expand_as(slots)
-                buf[layer][heads, slots] = x
+        put_rows([buf[layer] for buf in self.dev], slots, rows, self.head_major)
 
-    # -- allocation (host-side bookkeeping at admit, page boundaries, retract, finish) ------
     def _alloc_device(self, request: Request, layers: list[int], tokens_for: dict[str, int]) -> None:
         """All-or-nothing: allocate device pages for the given layers or raise unchanged."""
         needs = {}
@@ -293,15 +285,6 @@ class HierarchicalKVStore(KVStore):
         self._sync_writes()
         self.clock += 1
 
-    def _row_groups(self, layer: int, batch: Batch) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(resident rows, buffered rows) of a batch in a layer, as index tensors or None."""
-        everything = torch.arange(len(batch), device=self.device)
-        if self.all_resident or layer in self.dense_layers or batch.num_sparse == 0:
-            return everything, None
-        if batch.num_sparse == len(batch):
-            return None, everything
-        return batch.dense_rows, batch.sparse_rows
-
     def write_decode(self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor | None) -> None:
         assert batch.seq_lens is not None and batch.slot_ids is not None
         data = self._tensors(k, v)
@@ -322,13 +305,14 @@ class HierarchicalKVStore(KVStore):
                 self._queue_host_write(layer, batch, everything, slots.view(-1, 1).expand(-1, self.streams))
             return
         pos = batch.seq_lens.long() - 1
-        resident, buffered = self._row_groups(layer, batch)
+        # a batch with sparse requests in a sparse layer: dense requests stay resident
+        assert batch.sparse_rows is not None and batch.dense_rows is not None
+        resident = batch.dense_rows if batch.num_sparse < len(batch) else None
+        buffered = batch.sparse_rows
         if resident is not None:
             slots = self._phys(layer, batch.slot_ids[resident], pos[resident].unsqueeze(1))  # [n, 1]
             self._write_dev(layer, slots[:, 0], [x[resident] for x in data])
             self._queue_host_write(layer, batch, resident, slots.expand(-1, self.streams))
-        if buffered is None:
-            return
         rows, p = batch.slot_ids[buffered], pos[buffered]
         unit = (p // self.unit).view(-1, 1, 1).expand(-1, self.streams, 1)  # [n, S, 1]
         fresh = (p % self.unit == 0).view(-1, 1, 1).expand(-1, self.streams, 1)

@@ -7,7 +7,7 @@ import torch
 
 from ..batch import Request
 from .layout import KVLayout
-from .pages import PageAllocator, allocate_pool, cdiv, paged_slots
+from .pages import PageAllocator, allocate_pool, cdiv, paged_slots_rows
 
 
 class HostPool:
@@ -65,7 +65,7 @@ class HostPool:
 
     def rows(self, slot_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Host slots of logical tokens. slot_ids: [B]; tokens: [B, ...]; -1 kept."""
-        return paged_slots(self.host_table[slot_ids.long()], tokens, self.page_size)
+        return paged_slots_rows(self.host_table, slot_ids, tokens, self.page_size)
 
     def offsets(self, layer: int, rows: torch.Tensor, head: torch.Tensor | int = 0) -> torch.Tensor:
         hk, d = self.layout.num_kv_heads, self.layout.stored_head_dim

@@ -21,24 +21,18 @@ def pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def paged_slots(table: torch.Tensor, pos: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Slots of positions through per-row page tables: table [B, pages] int32; pos [B, ...]
-    (-1 kept, and -1 where the page is unmapped). Slot = table[b, pos // page_size] *
-    page_size + pos % page_size, int64."""
-    flat = pos.reshape(pos.shape[0], -1).long()
-    safe = flat.clamp(min=0)
-    page = table.gather(1, safe // page_size).long()
-    return torch.where((flat >= 0) & (page >= 0), page * page_size + safe % page_size, -1).reshape(pos.shape)
-
-
 def paged_slots_rows(
     table: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, page_size: int, dtype: torch.dtype = torch.int64
 ) -> torch.Tensor:
     """Slots of positions through the page tables of some rows: table [R, pages] int32 (-1
-    for unmapped pages); rows [B] int; pos [B, ...] int (-1 kept). Returns `dtype` [B, ...]:
-    table[rows[b], pos // page_size] * page_size + pos % page_size. The torch twin of
-    `kernels.decode_slots.paged_slots_rows_triton`."""
-    return paged_slots(table[rows.long()], pos, page_size).to(dtype)
+    for unmapped pages); rows [B] int; pos [B, ...] int. Returns `dtype` [B, ...]:
+    table[rows[b], pos // page_size] * page_size + pos % page_size, and -1 where pos is -1
+    or its page unmapped. The torch twin of `kernels.decode_slots.paged_slots_rows_triton`."""
+    flat = pos.reshape(pos.shape[0], -1).long()
+    safe = flat.clamp(min=0)
+    page = table[rows.long()].gather(1, safe // page_size).long()
+    slots = torch.where((flat >= 0) & (page >= 0), page * page_size + safe % page_size, -1)
+    return slots.reshape(pos.shape).to(dtype)
 
 
 class PageAllocator:
