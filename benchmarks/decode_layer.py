@@ -15,7 +15,8 @@ Per cell:
               kernel and flash-attn over every token (where installed): the best is the baseline
   floor       bytes that must be read ÷ 3.0 TB/s (DESIGN.md): the representation the scoring
               reads + the selected K/V rows (sparse), or every K/V row (dense)
-Times are medians of CUDA-event timings (L2 flushed before each) after warm-up.
+Times are medians of CUDA-event timings (L2 flushed before each, by reading a 256 MB buffer:
+see timing.py) after warm-up.
 
     python benchmarks/decode_layer.py                       # the full table, writes the JSON
     python benchmarks/decode_layer.py --contexts 32768 --batches 8 --algorithms quest
@@ -35,7 +36,7 @@ from rich.table import Table
 
 from sparse_framework import Batch, KVLayout, Request, registry
 from sparse_framework.coordinator import SparseCoordinator
-from timing import Timer
+from timing import FLUSH_MODES, Timer
 
 HBM_GBPS = 3000.0  # one H100 80GB HBM3, measured copy ceiling (DESIGN.md)
 DEFAULT_JSON = "benchmarks/results/decode_layer_h100.json"
@@ -226,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", default="triton,flash_attn,flashmla,torch_ref", help="comma-separated backends to time")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--flush", default="read", choices=FLUSH_MODES,
+                        help="how the L2 is flushed before each timed call (timing.py): read a 256 MB buffer (clean "
+                             "lines left), write it (dirty lines left, each costs the timed kernel a write-back), or not")
     parser.add_argument("--json", default=None, help=f"write the results here (default on CUDA: {DEFAULT_JSON})")
     args = parser.parse_args(argv)
     cuda = torch.device(args.device).type == "cuda"
@@ -235,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     bad = [a for a in args.algorithms.split(",") if a not in ALGORITHMS] + [s for s in args.shapes.split(",") if s not in SHAPES]
     if bad:
         parser.error(f"unknown algorithm or shape: {', '.join(bad)}")
-    timer = Timer(torch.device(args.device), args.warmup, args.iters, flush=True)
+    timer = Timer(torch.device(args.device), args.warmup, args.iters, flush=args.flush)
     console = Console(width=None if sys.stdout.isatty() else 200)
     results: list[dict] = []
     for shape in args.shapes.split(","):
@@ -271,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
 
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "triton": triton.__version__,
-            "hbm_ceiling_gbps": HBM_GBPS, "iters": args.iters, "warmup": args.warmup, "l2_flushed": True,
+            "hbm_ceiling_gbps": HBM_GBPS, "iters": args.iters, "warmup": args.warmup, "l2_flush": timer.flush,
             "command": "python benchmarks/decode_layer.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     Path(json_path).write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str) + "\n")
     console.print(f"wrote {json_path}")

@@ -1,6 +1,14 @@
 """Timing shared by the benchmarks (DESIGN.md / the device METHOD: warm-up, medians of CUDA
 events, the L2 cache flushed before each timed call, CUDA-graph replays for launch-free GPU
-time)."""
+time).
+
+How the L2 is flushed matters for kernels that read about as many bytes as the L2 holds
+(50 MB on an H100). Writing a 256 MB buffer (`zero_`, as triton.testing.do_bench does) leaves
+the whole L2 full of *dirty* lines, which the timed kernel then pays for: each line it brings
+in first writes 128 bytes of the flush buffer back to HBM. A decode step does not run after
+50 MB of fresh writes (the layer before it writes a few activations), so the default flush
+*reads* the buffer: it evicts the kernel's inputs just the same and leaves clean lines.
+FLUSH_MODES: "read" (default), "write" (the old way, kept to compare), "none"."""
 
 from __future__ import annotations
 
@@ -12,13 +20,29 @@ from collections.abc import Callable
 import torch
 
 
-class Timer:
-    """Median wall time of a callable in µs: CUDA events (L2 flushed before each call) or perf_counter."""
+FLUSH_MODES = ("read", "write", "none")
 
-    def __init__(self, device: torch.device, warmup: int, iters: int, flush: bool) -> None:
+
+class Timer:
+    """Median wall time of a callable in µs: CUDA events (L2 flushed before each call, see the
+    module docstring) or perf_counter. flush: True (= "read"), False (= "none") or a FLUSH_MODES name."""
+
+    def __init__(self, device: torch.device, warmup: int, iters: int, flush: bool | str) -> None:
         self.device, self.warmup, self.iters = device, warmup, iters
         self.cuda = device.type == "cuda"
-        self.scratch = torch.empty(256 << 20, dtype=torch.uint8, device=device) if self.cuda and flush else None
+        mode = {True: "read", False: "none"}.get(flush, flush) if isinstance(flush, bool) else flush
+        if mode not in FLUSH_MODES:
+            raise ValueError(f"flush must be one of {FLUSH_MODES}, got {flush!r}")
+        self.flush = mode if self.cuda else "none"
+        self.scratch = torch.zeros(64 << 20, dtype=torch.float32, device=device) if self.flush != "none" else None
+
+    def _flush(self) -> None:
+        if self.scratch is None:
+            return
+        if self.flush == "write":
+            self.scratch.zero_()
+        else:
+            self.scratch.amax()  # reads 256 MB, writes one float
 
     def __call__(self, fn: Callable[[], object]) -> float:
         for _ in range(self.warmup):
@@ -27,8 +51,7 @@ class Timer:
         if self.cuda:
             torch.cuda.synchronize(self.device)
             for _ in range(self.iters):
-                if self.scratch is not None:
-                    self.scratch.zero_()
+                self._flush()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 fn()

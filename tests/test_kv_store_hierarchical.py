@@ -327,6 +327,8 @@ for per_head, unit, mla in [(False, 1, False), (True, 1, False), (False, 4, Fals
         for r, kv in zip(rs, rows):
             st.admit(r)
             st.write_prefill(1, r, kv[0], kv[1] if len(kv) > 1 else None)
+        if per_head and unit == 4:  # stamps 2^40 apart: the victim bisection takes ~40 steps
+            st.clock += 2**40
     s = stores[0].streams
     ub = stores[0].buffer_units
     for step in range(8):

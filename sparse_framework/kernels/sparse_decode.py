@@ -62,6 +62,7 @@ Q_TILE_BYTES = 72 * 1024  # the program's query rows, [BLOCK_M, head dim]
 NUM_STAGES = 2  # software-pipelining depth of the token loop
 TARGET_WARPS_PER_SM = 8  # split until the grid gives every SM about this many warps
 MAX_SPLITS = 64
+WARPS_OVERRIDE: int | None = None  # warps per program instead of _tiles' choice (benchmarks/tune_sparse_decode.py)
 DEFAULT_NUM_SMS = 132  # an H100 SXM; used where there is no GPU to ask (the interpreter)
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -311,6 +312,7 @@ def _launch(
     block_m, block_n, block_da, block_db, block_dv, warps = _tiles(
         rows, d, dv, q.element_size(), k_cache.element_size(), v_shares_k
     )
+    warps = WARPS_OVERRIDE or warps
     v_from_k = v_shares_k and dv == block_da
     programs = ns * hk * triton.cdiv(rows, block_m)
     if num_splits is None:

@@ -76,6 +76,7 @@ __all__ = ["topk_selection_triton"]
 # exercise many chunks per row).
 MIN_BLOCK, MAX_BLOCK, TARGET_PROGRAMS, MAX_CHUNKS = 256, 4096, 256, 1024
 BLOCK_OVERRIDE: int | None = None
+WARPS_OVERRIDE: int | None = None  # warps per program (default: 8 for blocks of 2048 units or more, else 4)
 
 # radix digits: 4 x 8 bits (256 bins; the kernels spell these numbers out); per row, `hist`
 # holds the 4 histograms, `state` the prefix and rank chosen after passes 1, 2 and 3
@@ -292,7 +293,7 @@ def topk_selection_triton(
     budget = max(0, min(budget_units, n_units))
     sink, recent = min(max(sink_tokens, 0), int32_max), min(max(recent_tokens, 0), int32_max)
     grid = (rows, n_chunks)
-    warps = 8 if block >= 2048 else 4
+    warps = WARPS_OVERRIDE or (8 if block >= 2048 else 4)
     common = (n_units, h, *scores.stride(), sink, recent)
     for p in range(1, _PASSES + 1):
         _topk_hist_kernel[grid](scores, lens, hist, state, sure, suffix, *common, budget,

@@ -403,7 +403,8 @@ class HierarchicalKVStore(KVStore):
         protect = torch.zeros(b, s, self.buffer_units + 1, dtype=torch.bool, device=self.device)
         protect.scatter_(2, torch.where(hit, cur, self.buffer_units), True)
         wu = units.shape[-1]
-        victims = self.maps.victims(layer, rows, batch.seq_lens, protect[..., : self.buffer_units], min(wu, self.buffer_units))
+        victims = self.maps.victims(layer, rows, batch.seq_lens, protect[..., : self.buffer_units],
+                                    min(wu, self.buffer_units), need=miss.sum(-1))
         if wu > victims.shape[-1]:
             victims = torch.nn.functional.pad(victims, (0, wu - victims.shape[-1]), value=self.buffer_units)
         rank = (miss.long().cumsum(-1) - 1).clamp(min=0)

@@ -60,10 +60,17 @@ class SlotMaps:
             )
         return torch.tensor(units, dtype=torch.long, device=self.device)
 
-    def victims(self, layer: int, rows: torch.Tensor, seq_lens: torch.Tensor, protect: torch.Tensor, count: int) -> torch.Tensor:
-        """`count` buffer units per stream in eviction order: free units first, then least
-        recently used; never a protected unit or one holding a pinned (sink, recent, newest)
-        unit. rows: [B] state rows; protect: bool [B, S, buffer_units]. -> int64 [B, S, count]."""
+    def victims(
+        self, layer: int, rows: torch.Tensor, seq_lens: torch.Tensor, protect: torch.Tensor, count: int,
+        need: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Buffer units to evict, per stream: the `count` first in eviction order (free units
+        first, then least recently used; never a protected unit or one holding a pinned (sink,
+        recent, newest) unit). With `need` (int [B, S]), only each stream's need[b, s] first
+        are chosen (fewer if fewer may go) and they come in ascending unit order, then
+        `buffer_units` (the trash column) fills the row: the order the fused kernel produces without sorting (it finds
+        the need-th oldest age by bisection, kernels/residency.py). rows: [B] state rows;
+        protect: bool [B, S, buffer_units]. -> int64 [B, S, count]."""
         owner = self.s2l[layer, rows, :, : self.buffer_units].long()  # [B, S, Ub]
         lens = seq_lens.long().view(-1, 1, 1)
         u = self.unit
@@ -76,7 +83,12 @@ class SlotMaps:
         # (age, unit) packed in one key: ties go to the lower unit, as in the fused kernel
         key = ((age + 1) << 20) | torch.arange(self.buffer_units, device=self.device)
         key = key.masked_fill(pinned | protect, torch.iinfo(torch.int64).max)
-        return key.topk(count, dim=-1, largest=False).indices
+        order = key.topk(count, dim=-1, largest=False).indices
+        if need is None:
+            return order
+        chosen = torch.arange(count, device=self.device) < need.unsqueeze(-1)
+        chosen &= key.gather(-1, order) < torch.iinfo(torch.int64).max  # never a pinned or protected unit
+        return torch.where(chosen, order, self.buffer_units).sort(dim=-1).values
 
     def assign(self, layer: int, rows: torch.Tensor, units: torch.Tensor, take: torch.Tensor, victims: torch.Tensor) -> None:
         """Map logical `units` [B, S, W] to buffer units `victims` where `take`, evicting the
