@@ -207,6 +207,27 @@ for extra, dtype in [({"index_heads": 5, "index_dim": 128}, torch.bfloat16),
     assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()), extra
     want, got = (algo.select(1, queries, batch, inputs=inputs) for algo in algos)
     assert torch.equal(got.indices, want.indices) and torch.equal(got.lengths, want.lengths), extra
+    if fp8q:  # select fused the top-k's first pass into the indexer: the same as without it
+        import sparse_framework.algorithms.dsa as dsa_mod
+        from sparse_framework.kernels.topk import first_pass_buffer
+        dsa_mod.FUSE_TOPK_FIRST_PASS = False
+        plain = algos[1].select(1, queries, batch, inputs=inputs)
+        dsa_mod.FUSE_TOPK_FIRST_PASS = True
+        assert torch.equal(plain.indices, got.indices) and torch.equal(plain.lengths, got.lengths), extra
+        # and its histogram is that of the eligible scores' top radix digits, nothing else
+        tri, b_n = algos[1], len(reqs)
+        hist = first_pass_buffer(b_n, "cpu")
+        s = tri.index_scores(inputs["index_q"], inputs["index_weights"], tri.index_k[1], tri.k_scale[1],
+                             batch.slot_ids, batch.max_seq_len, first_pass=(hist, batch.seq_lens, 2, 3))
+        bits = s.view(torch.int32)
+        bits = torch.where(bits & 0x7FFFFFFF == 0, 0, bits)
+        digit = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)) ^ -2**31) >> 24 & 0xFF
+        ids = torch.arange(s.shape[1])
+        for b, n in enumerate(batch.seq_lens.tolist()):
+            eligible = (ids < n) & (ids >= 2) & (ids < max(n - 3, 0)) & (ids != n - 1)
+            want_hist = torch.bincount(digit[b][eligible], minlength=256).to(torch.int32)
+            assert torch.equal(hist.view(b_n, 1024)[b, :256], want_hist), (extra, b)
+        assert not hist.view(b_n, 1024)[:, 256:].any()
 print("dsa ok")
 """
 

@@ -234,3 +234,36 @@ def test_dsa_fused_query_quantisation_matches_the_torch_twin(path, q_dtype, pow2
         fp8q_check(sc.dsa_index_scores_fp8q_triton(*args), args, 5e-3 if path == "fp8-dot" else 1e-5)
     args, want = fp8q_rounding_case(pow2, device="cuda")
     assert torch.equal(sc.dsa_index_scores_fp8q_triton(*args), want)
+
+
+def test_dsa_select_with_the_top_k_first_pass_in_the_indexer_matches_the_separate_pass(monkeypatch) -> None:
+    """DSA's fused path (the indexer kernel also histograms the top-k's first radix digit) at
+    V3.2's indexer shape (64 heads x 128, FP8 keys) over ~40K tokens: the same selection as
+    the separate first pass, and as torch's top-k wherever the scores do not tie."""
+    import sparse_framework.algorithms.dsa as dsa_mod
+    from sparse_framework.algorithms.dsa import DSA
+    from sparse_framework.config import load_config
+    from helpers import batch_of
+
+    cfg = load_config({"algorithm": "dsa", "top_k": 2048, "sink_tokens": 16, "recent_tokens": 64, "min_sparse_prompt_len": 0,
+                       "device_buffer_tokens": 4096, "extra": {"key_dtype": "fp8_e4m3"}})
+    algo = DSA(cfg, KVLayout(num_layers=1, num_kv_heads=8, head_dim=128, device=torch.device("cuda")), 4, 40000)
+    assert algo.topk_impl == "triton"
+    g = torch.Generator(device="cuda").manual_seed(7)
+    reqs = [Request(f"r{i}", n, seq_len=n, slot=i) for i, n in enumerate([39999, 12345, 2500, 30000])]
+    for r in reqs:
+        algo.build(0, r, torch.zeros(1, device="cuda"), inputs={"index_k": torch.randn(r.seq_len, 128, device="cuda", generator=g)})
+    batch = batch_of(reqs)
+    batch.seq_lens, batch.slot_ids = batch.seq_lens.cuda(), batch.slot_ids.cuda()
+    inputs = {"index_q": torch.randn(4, 64, 128, device="cuda", generator=g).bfloat16(),
+              "index_weights": torch.rand(4, 64, device="cuda", generator=g).bfloat16()}
+    fused = algo.select(0, None, batch, inputs=inputs)
+    monkeypatch.setattr(dsa_mod, "FUSE_TOPK_FIRST_PASS", False)
+    plain = algo.select(0, None, batch, inputs=inputs)
+    assert torch.equal(fused.indices, plain.indices) and torch.equal(fused.lengths, plain.lengths)
+    monkeypatch.setattr(algo, "topk_impl", "torch")
+    ref = algo.select(0, None, batch, inputs=inputs)
+    assert torch.equal(fused.lengths, ref.lengths)
+    for b in range(4):  # same kept set unless the threshold score ties
+        n = int(ref.lengths[b, 0])
+        assert set(fused.indices[b, 0, :n].tolist()) == set(ref.indices[b, 0, :n].tolist())

@@ -186,6 +186,12 @@ class ScoringAlgorithm(SparseAlgorithm):
     def select(self, layer: int, queries: torch.Tensor, batch: Batch, *, inputs: Inputs = NO_INPUTS) -> Selection:
         assert batch.seq_lens is not None, "forward_begin fills seq_lens"
         scores = self.score(layer, queries, batch, inputs=inputs).float()
+        return self.top_units(scores, batch)
+
+    def top_units(self, scores: torch.Tensor, batch: Batch, first_pass: torch.Tensor | None = None) -> Selection:
+        """`topk_selection` of this algorithm's scores with its config (first_pass: see
+        kernels/topk.py; only with topk_impl "triton")."""
+        assert batch.seq_lens is not None, "forward_begin fills seq_lens"
         return topk_selection(
             scores,
             batch.seq_lens,
@@ -195,6 +201,7 @@ class ScoringAlgorithm(SparseAlgorithm):
             recent_tokens=self.config.recent_tokens,
             width_units=_max_units(self.config, self.unit, self.budget_units(self.config)),
             impl=self.topk_impl,
+            first_pass=first_pass,
         )
 
 
@@ -208,6 +215,7 @@ def topk_selection(
     recent_tokens: int,
     width_units: int,
     impl: str = "torch",
+    first_pass: torch.Tensor | None = None,
 ) -> Selection:
     """Turn unit scores into a Selection without a host sync.
 
@@ -217,14 +225,17 @@ def topk_selection(
     impl: "torch" (this code), "triton" (`kernels.topk.topk_selection_triton`: the same
     result, up to which units tied at the threshold are kept — it keeps the lowest ids — in a
     few kernels instead of ~15 torch ops and torch.topk) or "auto" (Triton on CUDA). Triton
-    is imported only when chosen.
+    is imported only when chosen. first_pass: the Triton path's pass-1 histograms, filled by
+    the producer of the scores (`topk_selection_triton`).
     """
     if resolve_impl(impl, scores.device) == "triton":
         from ..kernels.topk import topk_selection_triton
         return topk_selection_triton(
             scores, seq_lens, unit=unit, budget_units=budget_units, sink_tokens=sink_tokens,
-            recent_tokens=recent_tokens, width_units=width_units,
+            recent_tokens=recent_tokens, width_units=width_units, first_pass=first_pass,
         )
+    if first_pass is not None:
+        raise ValueError("topk_selection: first_pass needs impl 'triton'")
     b, h, n_units = scores.shape
     device = scores.device
     lens = seq_lens.to(device=device, dtype=torch.long).view(b, 1, 1)

@@ -38,10 +38,15 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..batch import Batch, Request
+from ..batch import Batch, Request, Selection
 from ..kv_store.layout import resolve_impl
 from .reference_scores import FP8_BLOCK, quantize_fp8_blocks
 from .base import NO_INPUTS, Inputs, ScoringAlgorithm, group_probabilities, key_dtype, scoring_kernel
+
+# the Triton indexer also runs the top-k's first radix pass (one launch fewer per step); a
+# module attribute so that tests and benchmarks can compare with the separate pass
+FUSE_TOPK_FIRST_PASS = True
+
 
 class DSAOptions(BaseModel):
     """DSA's extra-config (defaults: DeepSeek-V3.2's indexer)."""
@@ -149,6 +154,20 @@ class DSA(ScoringAlgorithm):
             self.keys[layer, batch.slot_ids.view(-1, 1), heads.view(1, -1), pos.view(-1, 1)] = keys.to(self.keys.dtype)
             return
         self._store_index_keys(layer, batch.slot_ids, pos, inputs["index_k"])
+
+    def select(self, layer: int, queries: torch.Tensor, batch: Batch, *, inputs: Inputs = NO_INPUTS) -> Selection:
+        """Scores and top-k; with FP8 keys on the Triton path (and FUSE_TOPK_FIRST_PASS) the
+        indexer kernel also does the top-k's first radix pass, which saves that launch."""
+        if not (FUSE_TOPK_FIRST_PASS and self.fp8 and self.options.source == "index" and self.topk_impl == "triton"):
+            return super().select(layer, queries, batch, inputs=inputs)
+        from ..kernels.topk import first_pass_buffer
+
+        assert batch.seq_lens is not None and batch.slot_ids is not None and self.k_scale is not None
+        hist = first_pass_buffer(batch.seq_lens.shape[0], batch.seq_lens.device)
+        window = (hist, batch.seq_lens, self.config.sink_tokens, self.config.recent_tokens)
+        scores = self.index_scores(inputs["index_q"], inputs["index_weights"], self.index_k[layer], self.k_scale[layer],
+                                   batch.slot_ids, batch.max_seq_len, first_pass=window)
+        return self.top_units(scores.unsqueeze(1), batch, first_pass=hist)
 
     def score(
         self, layer: int, queries: torch.Tensor, batch: Batch, *, inputs: Inputs = NO_INPUTS

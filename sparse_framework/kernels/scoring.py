@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .topk import first_digit_histogram
 from ..algorithms.reference_scores import (
     FP8_BLOCK,
     PQ_REDUCTIONS,
@@ -427,13 +428,13 @@ def _quantize_e4m3_rows(x, POW2: tl.constexpr, HW_ROUND: tl.constexpr, DST: tl.c
 
 @triton.jit
 def dsa_index_kernel(
-    q_ptr, w_ptr, k_ptr, scale_ptr, slot_ptr, out_ptr,
-    n, H,
+    q_ptr, w_ptr, k_ptr, scale_ptr, slot_ptr, out_ptr, hist_ptr, lens_ptr,
+    n, H, sink, recent,
     s_qb, s_qh, s_qd, s_wb, s_wh, s_kr, s_kn, s_kd, s_sr, s_sn, s_sd,
     DI: tl.constexpr, FP8: tl.constexpr, NATIVE: tl.constexpr, MODE: tl.constexpr, KDT: tl.constexpr,
     QUANT_Q: tl.constexpr, POW2: tl.constexpr, FP8_DOT: tl.constexpr, HW_ROUND: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, STEPS: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, HIST: tl.constexpr,
 ):
     """One program: STEPS blocks of BLOCK_N tokens of row b, in a pipelined loop (the head-dim
     chunks are unrolled, so the token loop is the innermost one).
@@ -446,7 +447,11 @@ def dsa_index_kernel(
 
     fp8 keys with one chunk (Di = 128, V3.2's): the scales are positive, so they commute with
     the ReLU: q_scale folds into the head weights and k_scale multiplies the token's sum,
-    leaving the [H, BLOCK_N] epilogue ReLU, weight and sum only."""
+    leaving the [H, BLOCK_N] epilogue ReLU, weight and sum only.
+
+    HIST: also top-k's first radix pass over these scores (kernels/topk.py,
+    `first_digit_histogram`; row b of length lens[b], the sink and recent window forced),
+    added into hist[b, 0:256] once per program: the top-k then skips that pass."""
     CHUNKS: tl.constexpr = (DI + BLOCK_D - 1) // BLOCK_D
     FOLD: tl.constexpr = FP8 and CHUNKS == 1
     b = tl.program_id(0)
@@ -466,6 +471,9 @@ def dsa_index_kernel(
         if FOLD:
             wts = wts * q_scales[0]
     first = tl.program_id(1) * (BLOCK_N * STEPS)
+    if HIST:
+        ln = tl.load(lens_ptr + b).to(tl.int32)
+        hist = tl.zeros([256], tl.int32)
     for step in tl.range(0, STEPS, num_stages=STAGES):
         t = first + step * BLOCK_N + tl.arange(0, BLOCK_N)
         t_ok = t < n
@@ -494,6 +502,10 @@ def dsa_index_kernel(
         if FOLD:
             score = score * tl.load(s_row, mask=t_ok, other=0.0)
         tl.store(out_ptr + b * n + t, score, mask=t_ok)
+        if HIST:
+            hist += first_digit_histogram(score, t, ln, n, sink, recent, 1)
+    if HIST:
+        tl.atomic_add(hist_ptr + b.to(tl.int64) * 1024 + tl.arange(0, 256), hist, mask=hist > 0, sem="relaxed")
 
 
 def _fp8_native(device: torch.device) -> bool:
@@ -508,8 +520,10 @@ def _fp8_native(device: torch.device) -> bool:
 def _dsa_launch(
     index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, k_scale: torch.Tensor | None,
     slot_ids: torch.Tensor, n: int, b: int, h: int, di: int, quantize: bool, pow2_scales: bool,
+    first_pass: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
 ) -> torch.Tensor:
-    """Launch `dsa_index_kernel` on checked arguments (quantize: fp8 keys, raw queries)."""
+    """Launch `dsa_index_kernel` on checked arguments (quantize: fp8 keys, raw queries;
+    first_pass: (hist, seq_lens, sink, recent) for top-k's pass 1, see the kernel)."""
     fp8 = k_scale is not None
     _launchable(index_q, weights, index_k, slot_ids, *([k_scale] if fp8 else []))
     out = torch.empty(b, n, dtype=torch.float32, device=index_q.device)
@@ -524,13 +538,14 @@ def _dsa_launch(
     block_n = tune["block_n"]
     steps = max(1, min(tune["steps"], triton.cdiv(n, block_n)))
     grid = (b, triton.cdiv(n, block_n * steps))
+    hist, lens, sink, recent = first_pass if first_pass is not None else (out, slot_ids, 0, 0)
     dsa_index_kernel[grid](
-        index_q, weights, index_k, scale, slot_ids, out, n, h,
+        index_q, weights, index_k, scale, slot_ids, out, hist, lens, n, h, sink, recent,
         *index_q.stride(), *weights.stride(), *index_k.stride(), *(scale.stride() if fp8 else (0, 0, 0)),
         DI=di, FP8=fp8, NATIVE=native, MODE=mode, KDT=kdt,
         QUANT_Q=quantize, POW2=pow2_scales, FP8_DOT=fp8_dot, HW_ROUND=fp8_dot and not _interpreted(),
         BLOCK_H=_pow2(h, 16), BLOCK_D=FP8_BLOCK if fp8 else min(FP8_BLOCK, _pow2(di, 16)), BLOCK_N=block_n,
-        STEPS=steps, STAGES=tune["stages"], num_warps=tune["warps"],
+        STEPS=steps, STAGES=tune["stages"], HIST=first_pass is not None, num_warps=tune["warps"],
     )
     return out
 
@@ -548,9 +563,23 @@ def dsa_index_scores_triton(
 def dsa_index_scores_fp8q_triton(
     index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, k_scale: torch.Tensor,
     slot_ids: torch.Tensor, n: int, pow2_scales: bool = True,
+    first_pass: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
 ) -> torch.Tensor:
     """Triton version of `dsa_index_scores_fp8q_torch` in one kernel: each program quantises
     its row's raw queries (any float dtype; weights too) like `quantize_fp8_blocks`, then
-    scores its STEPS blocks of tokens with them; an fp8 tensor-core dot on sm_89+ GPUs."""
+    scores its STEPS blocks of tokens with them; an fp8 tensor-core dot on sm_89+ GPUs.
+
+    first_pass: (hist, seq_lens, sink_tokens, recent_tokens): also do the first radix pass of
+    the top-k over these scores into hist (`topk.first_pass_buffer(B, device)`), for
+    `topk_selection_triton(..., first_pass=hist)` with the same seq_lens and window."""
     b, h, di = _check_dsa_fp8q(index_q, weights, index_k, k_scale, slot_ids, n)
-    return _dsa_launch(index_q, weights, index_k, k_scale, slot_ids, n, b, h, di, quantize=True, pow2_scales=pow2_scales)
+    if first_pass is not None:
+        from .topk import window
+
+        hist, lens, sink, recent = first_pass
+        if hist.dtype != torch.int32 or hist.numel() != b * 1024 or lens.shape != (b,) or lens.device != index_q.device:
+            raise ValueError(f"dsa_index_scores: first_pass needs first_pass_buffer({b}) and seq_lens [{b}] on "
+                             f"{index_q.device}; got {hist.dtype} {tuple(hist.shape)}, seq_lens {tuple(lens.shape)}")
+        first_pass = (hist, lens, *window(sink, recent))
+    return _dsa_launch(index_q, weights, index_k, k_scale, slot_ids, n, b, h, di, quantize=True, pow2_scales=pow2_scales,
+                       first_pass=first_pass)

@@ -68,7 +68,7 @@ import triton.language as tl
 
 from ..batch import Selection
 
-__all__ = ["topk_selection_triton"]
+__all__ = ["topk_selection_triton", "first_pass_buffer", "first_digit_histogram", "window"]
 
 # launch shapes (module attributes, so that tests and benchmarks can change them): BLOCK units
 # per program, the largest power of two in [MIN_BLOCK, MAX_BLOCK] that still gives about
@@ -86,6 +86,41 @@ _STATE_ROW = 8  # (prefix, need) x 3, then 2 spare (the kernels index row * 8)
 
 
 @triton.jit
+def _masks(ids, ln, n_units, sink, recent, UNIT: tl.constexpr):
+    """(forced, eligible) masks of units `ids` of a row of length ln. Mirrors topk_selection's."""
+    tok = ids * UNIT
+    valid = (ids < n_units) & (tok < ln)
+    last = tl.maximum(ln - 1, 0) // UNIT  # only used where valid, i.e. ln >= 1
+    recent_start = tl.maximum(ln - recent, 0) // UNIT
+    forced = valid & ((tok < sink) | (ids >= recent_start) | (ids == last))
+    return forced, valid & ~forced
+
+
+@triton.jit
+def first_digit_histogram(x, ids, ln, n_units, sink, recent, UNIT: tl.constexpr):
+    """Pass 1 for a producer of the scores (DSA's indexer kernel, kernels/scoring.py): the
+    histogram [256] of the top radix digit of float32 scores x of units `ids` of a row of
+    length ln, over its eligible units. Added into hist[row, 0:256] and handed to
+    `topk_selection_triton(first_pass=hist)`, it replaces that launch."""
+    forced, eligible = _masks(ids, ln, n_units, sink, recent, UNIT)
+    digit = ((_order_key(x) ^ -2147483648) >> 24) & 0xFF
+    return tl.histogram(digit, 256, mask=eligible)
+
+
+@triton.jit
+def _order_key(x):
+    """float32 -> int32 whose signed order is the float order, NaN lowest (see the module
+    docstring); on the bits, not with float ops, which may flush subnormals on the GPU."""
+    bits = x.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    neg_max = -8388609  # 0xFF7FFFFF: -finfo.max
+    bits = tl.where(mag > 0x7F800000, neg_max, bits)  # NaN ranks last, like nan_to_num(nan=-max)
+    bits = tl.where(mag == 0x7F800000, tl.where(bits < 0, neg_max, 0x7F7FFFFF), bits)  # ±inf -> ±max
+    bits = tl.where(mag == 0, 0, bits)  # -0.0 == +0.0 in torch's comparisons: one key
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed int order == float order
+
+
+@triton.jit
 def _chunk(scores_ptr, lens_ptr, row, chunk, n_units, H, s_b, s_h, s_n, sink, recent,
            UNIT: tl.constexpr, BLOCK: tl.constexpr):
     """This program's units: ids, the row's length, forced / eligible masks and order keys
@@ -94,23 +129,10 @@ def _chunk(scores_ptr, lens_ptr, row, chunk, n_units, H, s_b, s_h, s_n, sink, re
     h = row - b * H
     ln = tl.load(lens_ptr + b).to(tl.int32)
     ids = chunk * BLOCK + tl.arange(0, BLOCK)
-    tok = ids * UNIT
-    valid = (ids < n_units) & (tok < ln)
-    last = tl.maximum(ln - 1, 0) // UNIT  # only used where valid, i.e. ln >= 1
-    recent_start = tl.maximum(ln - recent, 0) // UNIT
-    forced = valid & ((tok < sink) | (ids >= recent_start) | (ids == last))
-    eligible = valid & ~forced
+    forced, eligible = _masks(ids, ln, n_units, sink, recent, UNIT)
     off = b.to(tl.int64) * s_b + h.to(tl.int64) * s_h + ids.to(tl.int64) * s_n
     x = tl.load(scores_ptr + off, mask=eligible, other=0.0)
-    # on the bits, not with float ops, which may flush subnormals to zero on the GPU
-    bits = x.to(tl.int32, bitcast=True)
-    mag = bits & 0x7FFFFFFF
-    neg_max = -8388609  # 0xFF7FFFFF: -finfo.max
-    bits = tl.where(mag > 0x7F800000, neg_max, bits)  # NaN ranks last, like nan_to_num(nan=-max)
-    bits = tl.where(mag == 0x7F800000, tl.where(bits < 0, neg_max, 0x7F7FFFFF), bits)  # ±inf -> ±max
-    bits = tl.where(mag == 0, 0, bits)  # -0.0 == +0.0 in torch's comparisons: one key
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # signed int order == float order
-    return ids, ln, forced, eligible, key
+    return ids, ln, forced, eligible, _order_key(x)
 
 
 @triton.jit
@@ -235,6 +257,17 @@ def _topk_write_kernel(
         tl.store(lengths_ptr + row, n_out * UNIT - tl.where(partial, UNIT - ln % UNIT, 0))
 
 
+def first_pass_buffer(rows: int, device: torch.device | str) -> torch.Tensor:
+    """The zeroed histograms of `rows` score rows, for a producer that does pass 1 itself."""
+    return torch.zeros(rows * _HIST_ROW, dtype=torch.int32, device=device)
+
+
+def window(sink_tokens: int, recent_tokens: int) -> tuple[int, int]:
+    """The sink and recent-window sizes as the kernels take them (clamped to [0, 2^31 - 1])."""
+    int32_max = 2**31 - 1
+    return min(max(sink_tokens, 0), int32_max), min(max(recent_tokens, 0), int32_max)
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -257,10 +290,15 @@ def topk_selection_triton(
     sink_tokens: int,
     recent_tokens: int,
     width_units: int,
+    first_pass: torch.Tensor | None = None,
 ) -> Selection:
     """Triton version of `topk_selection` (same arguments and result; ties at the threshold
     keep the lowest unit ids). scores: float32 [B, H, n_units] on CUDA (or the CPU under
-    TRITON_INTERPRET=1), any strides; seq_lens: int [B]."""
+    TRITON_INTERPRET=1), any strides; seq_lens: int [B].
+
+    first_pass: a `first_pass_buffer` whose rows' first 256 entries the producer of the scores
+    has filled with `first_digit_histogram` (same seq_lens, sink and recent window, clamped by
+    `window`): pass 1 is then skipped (its launch and the memset)."""
     if scores.dim() != 3:
         raise ValueError(f"topk_selection: scores must be [B, H, n_units], got {tuple(scores.shape)}")
     if unit < 1:
@@ -283,19 +321,24 @@ def topk_selection_triton(
     lens = seq_lens.to(device=device)
     if lens.dtype not in (torch.int32, torch.int64):
         lens = lens.to(torch.int64)
-    hist = torch.zeros(rows * _HIST_ROW, dtype=torch.int32, device=device)  # the one memset
+    if first_pass is None:
+        hist = first_pass_buffer(rows, device)  # the one memset
+    elif first_pass.shape != (rows * _HIST_ROW,) or first_pass.dtype != torch.int32 or first_pass.device != device:
+        raise ValueError(f"topk_selection: first_pass must be first_pass_buffer({rows}, {device}), got "
+                         f"{first_pass.dtype} {tuple(first_pass.shape)} on {first_pass.device}")
+    else:
+        hist = first_pass
     # written before they are read: state by each row's chunk 0, the rest by every program
     scratch = torch.empty(rows * (_STATE_ROW + n_chunks * (1 + _NB)), dtype=torch.int32, device=device)
     state = scratch[: rows * _STATE_ROW]
     sure = scratch[rows * _STATE_ROW: rows * (_STATE_ROW + n_chunks)]
     suffix = scratch[rows * (_STATE_ROW + n_chunks):]
-    int32_max = 2**31 - 1
     budget = max(0, min(budget_units, n_units))
-    sink, recent = min(max(sink_tokens, 0), int32_max), min(max(recent_tokens, 0), int32_max)
+    sink, recent = window(sink_tokens, recent_tokens)
     grid = (rows, n_chunks)
     warps = WARPS_OVERRIDE or (8 if block >= 2048 else 4)
     common = (n_units, h, *scores.stride(), sink, recent)
-    for p in range(1, _PASSES + 1):
+    for p in range(1 if first_pass is None else 2, _PASSES + 1):
         _topk_hist_kernel[grid](scores, lens, hist, state, sure, suffix, *common, budget,
                                 PASS=p, UNIT=unit, BLOCK=block, num_warps=warps)
     _topk_write_kernel[grid](scores, lens, hist, state, sure, suffix, indices, lengths, *common, n_chunks, width,
