@@ -205,7 +205,13 @@ for extra, dtype in [({"index_heads": 5, "index_dim": 128}, torch.bfloat16),
     want, got = (algo.score(1, queries, batch, inputs=inputs) for algo in algos)
     assert got.dtype == torch.float32 and got.shape == want.shape
     assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()), extra
+    import sparse_framework.kernels.topk as tk
+    passes = []
+    real_topk = tk.topk_selection_triton
+    tk.topk_selection_triton = lambda *a, **kw: passes.append(kw["first_pass"] is not None) or real_topk(*a, **kw)
     want, got = (algo.select(1, queries, batch, inputs=inputs) for algo in algos)
+    tk.topk_selection_triton = real_topk
+    assert passes == [fp8q], (passes, extra)  # fp8 keys: the indexer did the first pass
     assert torch.equal(got.indices, want.indices) and torch.equal(got.lengths, want.lengths), extra
     if fp8q:  # select fused the top-k's first pass into the indexer: the same as without it
         import sparse_framework.algorithms.dsa as dsa_mod

@@ -158,7 +158,7 @@ class DSA(ScoringAlgorithm):
     def select(self, layer: int, queries: torch.Tensor, batch: Batch, *, inputs: Inputs = NO_INPUTS) -> Selection:
         """Scores and top-k; with FP8 keys on the Triton path (and FUSE_TOPK_FIRST_PASS) the
         indexer kernel also does the top-k's first radix pass, which saves that launch."""
-        if not (FUSE_TOPK_FIRST_PASS and self.fp8 and self.options.source == "index" and self.topk_impl == "triton"):
+        if not (FUSE_TOPK_FIRST_PASS and self.fp8 and self.options.source == "indexer" and self.topk_impl == "triton"):
             return super().select(layer, queries, batch, inputs=inputs)
         from ..kernels.topk import first_pass_buffer
 
