@@ -205,7 +205,9 @@ for extra, dtype in [({"index_heads": 5, "index_dim": 128}, torch.bfloat16),
     want, got = (algo.score(1, queries, batch, inputs=inputs) for algo in algos)
     assert got.dtype == torch.float32 and got.shape == want.shape
     assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()), extra
+    import sparse_framework.algorithms.dsa as dsa_mod
     import sparse_framework.kernels.topk as tk
+    dsa_mod.FUSE_TOPK_FIRST_PASS = True
     passes = []
     real_topk = tk.topk_selection_triton
     tk.topk_selection_triton = lambda *a, **kw: passes.append(kw["first_pass"] is not None) or real_topk(*a, **kw)
@@ -214,11 +216,9 @@ for extra, dtype in [({"index_heads": 5, "index_dim": 128}, torch.bfloat16),
     assert passes == [fp8q], (passes, extra)  # fp8 keys: the indexer did the first pass
     assert torch.equal(got.indices, want.indices) and torch.equal(got.lengths, want.lengths), extra
     if fp8q:  # select fused the top-k's first pass into the indexer: the same as without it
-        import sparse_framework.algorithms.dsa as dsa_mod
         from sparse_framework.kernels.topk import first_pass_buffer
         dsa_mod.FUSE_TOPK_FIRST_PASS = False
         plain = algos[1].select(1, queries, batch, inputs=inputs)
-        dsa_mod.FUSE_TOPK_FIRST_PASS = True
         assert torch.equal(plain.indices, got.indices) and torch.equal(plain.lengths, got.lengths), extra
         # and its histogram is that of the eligible scores' top radix digits, nothing else
         tri, b_n = algos[1], len(reqs)

@@ -252,11 +252,12 @@ def test_dsa_select_with_the_top_k_first_pass_in_the_indexer_matches_the_separat
     g = torch.Generator(device="cuda").manual_seed(7)
     reqs = [Request(f"r{i}", n, seq_len=n, slot=i) for i, n in enumerate([39999, 12345, 2500, 30000])]
     for r in reqs:
-        algo.build(0, r, torch.zeros(1, device="cuda"), inputs={"index_k": torch.randn(r.seq_len, 128, device="cuda", generator=g)})
+        algo.build(0, r, torch.zeros(r.seq_len, 1, device="cuda"), inputs={"index_k": torch.randn(r.seq_len, 128, device="cuda", generator=g)})
     batch = batch_of(reqs)
     batch.seq_lens, batch.slot_ids = batch.seq_lens.cuda(), batch.slot_ids.cuda()
     inputs = {"index_q": torch.randn(4, 64, 128, device="cuda", generator=g).bfloat16(),
               "index_weights": torch.rand(4, 64, device="cuda", generator=g).bfloat16()}
+    monkeypatch.setattr(dsa_mod, "FUSE_TOPK_FIRST_PASS", True)
     fused = algo.select(0, None, batch, inputs=inputs)
     monkeypatch.setattr(dsa_mod, "FUSE_TOPK_FIRST_PASS", False)
     plain = algo.select(0, None, batch, inputs=inputs)

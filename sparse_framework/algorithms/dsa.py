@@ -43,9 +43,11 @@ from ..kv_store.layout import resolve_impl
 from .reference_scores import FP8_BLOCK, quantize_fp8_blocks
 from .base import NO_INPUTS, Inputs, ScoringAlgorithm, group_probabilities, key_dtype, scoring_kernel
 
-# the Triton indexer also runs the top-k's first radix pass (one launch fewer per step); a
-# module attribute so that tests and benchmarks can compare with the separate pass
-FUSE_TOPK_FIRST_PASS = True
+# whether the Triton indexer also runs the top-k's first radix pass (one launch fewer per
+# step). Off: measured on an H100 at 8 x 128K tokens (benchmarks/profile_decode_layer.py), the
+# histograms made the indexer 18 µs slower (74 -> 92 µs) to save a 7.9 µs pass. A module
+# attribute, so that tests and benchmarks can switch it on
+FUSE_TOPK_FIRST_PASS = False
 
 
 class DSAOptions(BaseModel):
@@ -158,7 +160,7 @@ class DSA(ScoringAlgorithm):
     def select(self, layer: int, queries: torch.Tensor, batch: Batch, *, inputs: Inputs = NO_INPUTS) -> Selection:
         """Scores and top-k; with FP8 keys on the Triton path (and FUSE_TOPK_FIRST_PASS) the
         indexer kernel also does the top-k's first radix pass, which saves that launch."""
-        if not (FUSE_TOPK_FIRST_PASS and self.fp8 and self.options.source == "indexer" and self.topk_impl == "triton"):
+        if not (FUSE_TOPK_FIRST_PASS and self.options.source == "indexer" and self.fp8 and self.topk_impl == "triton"):
             return super().select(layer, queries, batch, inputs=inputs)
         from ..kernels.topk import first_pass_buffer
 
