@@ -6,7 +6,8 @@ clock; only if something missed, mark the hits in a scratch row (protected), cho
 victims as there are misses among the other buffer units — free first, then least recently
 used, never a pinned one (sink, recent window, newest) — by bisecting for the age at the cut
 (a few reductions; a full sort of the buffer's 4096 keys took ~100 µs, 8 streams on 8 SMs);
-the j-th miss takes the j-th victim in unit order; evict, remap, stamp. Writes each selected unit's buffer unit and miss flag.
+the j-th miss takes the j-th victim in unit order; evict, remap, stamp. Writes each selected
+unit's buffer unit and miss flag.
 
 The same kernel then writes every selected token's device slot (for the adaptor), and each
 stream's missed tokens, compacted, with their count (a plain store: nothing to zero before
