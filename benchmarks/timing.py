@@ -30,7 +30,7 @@ class Timer:
     def __init__(self, device: torch.device, warmup: int, iters: int, flush: bool | str) -> None:
         self.device, self.warmup, self.iters = device, warmup, iters
         self.cuda = device.type == "cuda"
-        mode = {True: "read", False: "none"}.get(flush, flush) if isinstance(flush, bool) else flush
+        mode = ("read" if flush else "none") if isinstance(flush, bool) else flush
         if mode not in FLUSH_MODES:
             raise ValueError(f"flush must be one of {FLUSH_MODES}, got {flush!r}")
         self.flush = mode if self.cuda else "none"

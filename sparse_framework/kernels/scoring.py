@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .topk import first_digit_histogram
+from .topk import check_first_pass, first_digit_histogram, window
 from ..algorithms.reference_scores import (
     FP8_BLOCK,
     PQ_REDUCTIONS,
@@ -574,12 +574,11 @@ def dsa_index_scores_fp8q_triton(
     `topk_selection_triton(..., first_pass=hist)` with the same seq_lens and window."""
     b, h, di = _check_dsa_fp8q(index_q, weights, index_k, k_scale, slot_ids, n)
     if first_pass is not None:
-        from .topk import window
-
         hist, lens, sink, recent = first_pass
-        if hist.dtype != torch.int32 or hist.numel() != b * 1024 or lens.shape != (b,) or lens.device != index_q.device:
-            raise ValueError(f"dsa_index_scores: first_pass needs first_pass_buffer({b}) and seq_lens [{b}] on "
-                             f"{index_q.device}; got {hist.dtype} {tuple(hist.shape)}, seq_lens {tuple(lens.shape)}")
+        check_first_pass(hist, b, index_q.device, "dsa_index_scores")
+        if lens.shape != (b,) or lens.device != index_q.device:
+            raise ValueError(f"dsa_index_scores: first_pass needs seq_lens [{b}] on {index_q.device}, "
+                             f"got {tuple(lens.shape)} on {lens.device}")
         first_pass = (hist, lens, *window(sink, recent))
     return _dsa_launch(index_q, weights, index_k, k_scale, slot_ids, n, b, h, di, quantize=True, pow2_scales=pow2_scales,
                        first_pass=first_pass)

@@ -68,7 +68,7 @@ import triton.language as tl
 
 from ..batch import Selection
 
-__all__ = ["topk_selection_triton", "first_pass_buffer", "first_digit_histogram", "window"]
+__all__ = ["topk_selection_triton", "first_pass_buffer", "check_first_pass", "first_digit_histogram", "window"]
 
 # launch shapes (module attributes, so that tests and benchmarks can change them): BLOCK units
 # per program, the largest power of two in [MIN_BLOCK, MAX_BLOCK] that still gives about
@@ -262,6 +262,14 @@ def first_pass_buffer(rows: int, device: torch.device | str) -> torch.Tensor:
     return torch.zeros(rows * _HIST_ROW, dtype=torch.int32, device=device)
 
 
+def check_first_pass(hist: torch.Tensor, rows: int, device: torch.device, who: str) -> None:
+    """Raise ValueError unless hist is a `first_pass_buffer(rows, device)`: the producer
+    writes rows * 1024 int32 histograms into it, the top-k reads them."""
+    if hist.shape != (rows * _HIST_ROW,) or hist.dtype != torch.int32 or hist.device != device:
+        raise ValueError(f"{who}: first_pass must be first_pass_buffer({rows}, {device}), got "
+                         f"{hist.dtype} {tuple(hist.shape)} on {hist.device}")
+
+
 def window(sink_tokens: int, recent_tokens: int) -> tuple[int, int]:
     """The sink and recent-window sizes as the kernels take them (clamped to [0, 2^31 - 1])."""
     int32_max = 2**31 - 1
@@ -323,10 +331,8 @@ def topk_selection_triton(
         lens = lens.to(torch.int64)
     if first_pass is None:
         hist = first_pass_buffer(rows, device)  # the one memset
-    elif first_pass.shape != (rows * _HIST_ROW,) or first_pass.dtype != torch.int32 or first_pass.device != device:
-        raise ValueError(f"topk_selection: first_pass must be first_pass_buffer({rows}, {device}), got "
-                         f"{first_pass.dtype} {tuple(first_pass.shape)} on {first_pass.device}")
     else:
+        check_first_pass(first_pass, rows, device, "topk_selection")
         hist = first_pass
     # written before they are read: state by each row's chunk 0, the rest by every program
     scratch = torch.empty(rows * (_STATE_ROW + n_chunks * (1 + _NB)), dtype=torch.int32, device=device)

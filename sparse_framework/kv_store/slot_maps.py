@@ -68,9 +68,9 @@ class SlotMaps:
         first, then least recently used; never a protected unit or one holding a pinned (sink,
         recent, newest) unit). With `need` (int [B, S]), only each stream's need[b, s] first
         are chosen (fewer if fewer may go) and they come in ascending unit order, then
-        `buffer_units` (the trash column) fills the row: the order the fused kernel produces without sorting (it finds
-        the need-th oldest age by bisection, kernels/residency.py). rows: [B] state rows;
-        protect: bool [B, S, buffer_units]. -> int64 [B, S, count]."""
+        `buffer_units` (the trash column) fills the row: the order the fused kernel produces
+        without sorting (it finds the need-th oldest age by bisection, kernels/residency.py).
+        rows: [B] state rows; protect: bool [B, S, buffer_units]. -> int64 [B, S, count]."""
         owner = self.s2l[layer, rows, :, : self.buffer_units].long()  # [B, S, Ub]
         lens = seq_lens.long().view(-1, 1, 1)
         u = self.unit
