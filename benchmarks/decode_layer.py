@@ -36,6 +36,7 @@ from rich.table import Table
 
 from sparse_framework import Batch, KVLayout, Request, registry
 from sparse_framework.coordinator import SparseCoordinator
+from sparse_framework.kernels import pdl
 from timing import FLUSH_MODES, Timer
 
 HBM_GBPS = 3000.0  # one H100 80GB HBM3, measured copy ceiling (DESIGN.md)
@@ -230,8 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flush", default="read", choices=FLUSH_MODES,
                         help="how the L2 is flushed before each timed call (timing.py): read a 256 MB buffer (clean "
                              "lines left), write it (dirty lines left, each costs the timed kernel a write-back), or not")
+    parser.add_argument("--pdl", default="auto", choices=("auto", "on", "off"),
+                        help="programmatic dependent launch of the decode path's kernels (kernels/pdl.py): auto = on "
+                             "sm_90+ GPUs; off to compare")
     parser.add_argument("--json", default=None, help=f"write the results here (default on CUDA: {DEFAULT_JSON})")
     args = parser.parse_args(argv)
+    pdl.PDL = args.pdl
     cuda = torch.device(args.device).type == "cuda"
     if cuda and not torch.cuda.is_available():
         parser.error("--device cuda, but CUDA is not available here (use --device cpu for a smoke run)")
@@ -275,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
 
     Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "triton": triton.__version__,
-            "hbm_ceiling_gbps": HBM_GBPS, "iters": args.iters, "warmup": args.warmup, "l2_flush": timer.flush,
+            "hbm_ceiling_gbps": HBM_GBPS, "pdl": args.pdl, "iters": args.iters, "warmup": args.warmup, "l2_flush": timer.flush,
             "command": "python benchmarks/decode_layer.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     Path(json_path).write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str) + "\n")
     console.print(f"wrote {json_path}")

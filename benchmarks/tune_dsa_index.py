@@ -28,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=131072)
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--block-n", default="64,128,256", help="comma-separated tokens per step")
+    parser.add_argument("--steps", default="1,2,4,8", help="comma-separated steps per program")
+    parser.add_argument("--stages", default="1,2", help="comma-separated software-pipelining depths")
+    parser.add_argument("--warps", default="4,8", help="comma-separated warps per program")
     parser.add_argument("--json", default=None, help="write the sweep here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -47,7 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         return sc.dsa_index_scores_fp8q_triton(q, w, bits, scale, slots, n, pow2_scales=True)
 
     rows = []
-    for bn, steps, stages, warps in itertools.product([64, 128, 256], [1, 2, 4, 8], [1, 2], [4, 8]):
+    def ints(text: str) -> list[int]:
+        return [int(x) for x in text.split(",")]
+
+    for bn, steps, stages, warps in itertools.product(ints(args.block_n), ints(args.steps), ints(args.stages),
+                                                      ints(args.warps)):
         sc.DSA_TUNING["fp8q"] = {"block_n": bn, "steps": steps, "stages": stages, "warps": warps}
         err = float(((run() - ref).abs().max() / ref.abs().max()).item())
         us = timer(run)
@@ -58,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     sc.DSA_TUNING["fp8q"] = {k: best[k] for k in ("block_n", "steps", "stages", "warps")}
     sc.FP8_DOT = "off"
     no_dot = timer(run)
+    sc.FP8_DOT = "auto"
     print(f"best {sc.DSA_TUNING['fp8q']}: {best['us']:.1f} us; with the FP8 dot off: {no_dot:.1f} us")
     if args.json:
         with open(args.json, "w") as f:

@@ -177,8 +177,11 @@ def test_decode_path_of_the_store_captures_in_a_cuda_graph() -> None:
 )
 def test_whole_decode_layer_captures_in_a_cuda_graph(config, backend) -> None:
     """attention_begin (store write, select, ensure_resident, adapt) + attend has no host
-    synchronisation: captured once, replays with new queries and keys give the eager outputs."""
+    synchronisation: captured once, replays with new queries and keys give the eager outputs.
+    The graph's kernels launch with PDL where the GPU has it (kernels/pdl.py), the eager call
+    they are compared with without: bit for bit the same."""
     from sparse_framework.coordinator import SparseCoordinator
+    from sparse_framework.kernels import pdl
 
     layout = KVLayout(num_layers=1, num_kv_heads=4, head_dim=128, dtype=torch.bfloat16, device="cuda")
     cfg = {"top_k": 256, "page_size": 16, "sink_tokens": 16, "recent_tokens": 32, "device_buffer_tokens": 512,
@@ -206,7 +209,11 @@ def test_whole_decode_layer_captures_in_a_cuda_graph(config, backend) -> None:
             t.copy_(torch.randn_like(t, dtype=torch.float32))
         graph.replay()
         torch.cuda.synchronize()
-        want = layer()
+        pdl.PDL = "off"
+        try:
+            want = layer()
+        finally:
+            pdl.PDL = "auto"
         torch.testing.assert_close(out, want, atol=0, rtol=0)
 
 

@@ -39,20 +39,51 @@ def reference_paged(q4, k, v, table, lens, scale, causal=True):
 def test_launch_heuristics() -> None:
     # GQA decode, d = 128: 4 query heads padded to 16 rows, 64 tokens a step, no second chunk
     assert sd._tiles(4, 128, 128) == (16, 64, 128, 0, 128, 4)
-    assert sd._tiles(4, 128, 128, 4, 4) == (16, 32, 128, 0, 128, 4)  # float32: half the tokens a step
+    assert sd._tiles(4, 128, 128, 4, 4) == (16, 64, 128, 0, 128, 4)  # float32: 64 KB a step
+    assert sd._tiles(4, 128, 128, 4, 4, tile_bytes=36 * 1024) == (16, 32, 128, 0, 128, 4)
     # MLA: 128 heads in blocks of 64, 576 = 512 + 64, V 512 from the K tile, 8 warps for the
     # 64 x 512 accumulator; in float32 half the heads and tokens (shared memory)
-    assert sd._tiles(128, 576, 512, v_shares_k=True) == (64, 32, 512, 64, 512, 8)
-    assert sd._tiles(128, 576, 512, 4, 4, v_shares_k=True) == (32, 16, 512, 64, 512, 8)
-    assert sd._tiles(16, 576, 512, v_shares_k=True) == (16, 32, 512, 64, 512, 4)
+    assert sd._tiles(128, 576, 512, v_shares_k=True) == (64, 64, 512, 64, 512, 8)
+    assert sd._tiles(128, 576, 512, 4, 4, v_shares_k=True) == (32, 32, 512, 64, 512, 8)
+    assert sd._tiles(16, 576, 512, v_shares_k=True) == (16, 64, 512, 64, 512, 4)
+    assert sd._token_bytes(576, 512, 2, True) == 1152 and sd._token_bytes(128, 128, 2, False) == 512
     assert sd._tiles(3, 40, 32)[2:4] == (32, 16) and sd._tiles(1, 8, 8)[2:5] == (16, 0, 16)
     cpu = torch.device("cpu")  # 132 SMs assumed (an H100)
     assert sd.choose_num_splits(8 * 8, 2048, 64, 4, cpu) == 5  # batch 8 x 8 KV heads: 320 programs
     assert sd.choose_num_splits(8 * 2, 2048, 32, 8, cpu) == 9  # MLA, batch 8, two head blocks
+    assert sd.choose_num_splits(8 * 2, 2048, 64, 8, cpu) == 9  # the same with 64-token steps
     assert sd.choose_num_splits(64 * 8, 2048, 64, 4, cpu) == 1  # enough programs already
     assert sd.choose_num_splits(4, 100, 64, 4, cpu) == 2  # no more splits than token blocks
     assert sd.choose_num_splits(1, 100000, 64, 4, cpu) == sd.MAX_SPLITS
     assert sd.choose_num_splits(4, 0, 64, 4, cpu) == 1
+
+
+def test_a_tile_too_big_for_the_gpu_is_halved_until_it_fits(monkeypatch) -> None:
+    """A GPU with less shared memory than the default MLA tile needs (OutOfResources at launch)
+    gets half the tokens a step, remembered for the next call; one that fits nothing raises."""
+    shapes = []
+
+    def launch(*args, **kwargs) -> None:
+        tiles = args[8]
+        shapes.append(tiles[1])
+        if tiles[1] * 1152 > 36 * 1024:  # pretend the GPU has room for 32 tokens a step only
+            raise sd.OutOfResources(2 * tiles[1] * 1152, 2 * 36 * 1024, "shared memory")
+
+    monkeypatch.setattr(sd, "_launch_tiles", launch)
+    monkeypatch.setattr(sd, "_FITTING_TILE", {})
+    q, k = torch.randn(2, 1, 128, 576).bfloat16(), torch.randn(4, 64, 1, 576).bfloat16()
+    table, lens = torch.zeros(2, 4, dtype=torch.int32), torch.full((2,), 100, dtype=torch.int32)
+    sd._launch(q, k, k[..., :512], table, lens, 256, 0.1, indexed=False, causal=True, num_splits=None)
+    assert shapes == [64, 32]  # the default, then half of it
+    sd._launch(q, k, k[..., :512], table, lens, 256, 0.1, indexed=False, causal=True, num_splits=None)
+    assert shapes == [64, 32, 32]  # remembered: no second failure
+
+    def never(*args, **kwargs) -> None:
+        raise sd.OutOfResources(1 << 20, 1 << 10, "shared memory")
+
+    monkeypatch.setattr(sd, "_launch_tiles", never)
+    with pytest.raises(sd.OutOfResources):
+        sd._launch(q, k, k[..., :512], table, lens, 256, 0.1, indexed=False, causal=True, num_splits=None)
 
 
 def test_bad_arguments_are_refused_with_clear_errors() -> None:

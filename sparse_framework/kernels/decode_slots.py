@@ -15,7 +15,8 @@ Each has a torch twin (the reference, used on the CPU, in the module that owns t
 kv_store/pages.py, kv_store/copy.py, adaptors/flash_attention.py) with the same signature,
 re-exported here; the tests
 compare them under TRITON_INTERPRET=1 on random inputs. None of them synchronises with the
-host, so a decode step that uses them still captures in a CUDA graph.
+host, so a decode step that uses them still captures in a CUDA graph. On sm_90+ GPUs they
+launch with PDL (kernels/pdl.py), waiting for their predecessor first thing.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import triton.language as tl
 from ..adaptors.flash_attention import page_table_torch
 from ..kv_store.copy import write_token_rows
 from ..kv_store.pages import paged_slots_rows, pow2
+from . import pdl
 
 __all__ = [
     "paged_slots_rows", "paged_slots_rows_triton", "write_token_rows", "write_token_rows_triton",
@@ -46,8 +48,9 @@ def _launchable(*tensors: torch.Tensor) -> None:
 def paged_slots_kernel(
     table_ptr, rows_ptr, pos_ptr, out_ptr,
     N, TP, P, s_table,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = i < N
@@ -73,8 +76,10 @@ def paged_slots_rows_triton(
     out = torch.empty((b, n), dtype=dtype, device=pos.device)
     if out.numel():
         block = min(1024, pow2(n))
+        use_pdl = pdl.enabled(pos.device)
         paged_slots_kernel[(b, triton.cdiv(n, block))](
-            table, rows, flat, out, n, table.shape[1], page_size, table.stride(0), BLOCK=block,
+            table, rows, flat, out, n, table.shape[1], page_size, table.stride(0), BLOCK=block, PDL=use_pdl,
+            launch_pdl=use_pdl,
         )
     return out.view(pos.shape)
 
@@ -87,8 +92,9 @@ def write_token_rows_kernel(
     TP, P, s_table, D,
     s_sb, s_sh, s_sd,  # sources [B, H, D] (both share strides)
     s_dslot, s_dh,  # destination [slots, H, D] or [H, slots, D] of this layer (d contiguous)
-    TWO: tl.constexpr, BLOCK_D: tl.constexpr,
+    TWO: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)  # h * s_dh passes 2**31 in a head-major pool of > 2**31 / 8 elements per head
     r = tl.load(rows_ptr + b).to(tl.int64)
@@ -126,12 +132,13 @@ def write_token_rows_triton(
         return slots
     s_slot, s_h = (bufs[0].stride(1), bufs[0].stride(0)) if head_major else (bufs[0].stride(0), bufs[0].stride(1))
     two = len(bufs) == 2
+    use_pdl = pdl.enabled(rows.device)
     write_token_rows_kernel[(n, h)](
         rows, seq_lens, table, slots,
         data[0], bufs[0], data[-1], bufs[-1],
         table.shape[1], page_size, table.stride(0), d,
         *data[0].stride(), s_slot, s_h,
-        TWO=two, BLOCK_D=min(1024, pow2(d)),
+        TWO=two, BLOCK_D=min(1024, pow2(d)), PDL=use_pdl, launch_pdl=use_pdl,
     )
     return slots
 
@@ -141,8 +148,9 @@ def write_token_rows_triton(
 def page_table_kernel(
     slots_ptr, lens_ptr, table_ptr, seqlens_ptr,
     H, W, NP, PS, HEAD_PAGES,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.wait(PDL)
     bh = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     length = tl.load(lens_ptr + bh)
@@ -168,8 +176,9 @@ def page_table_triton(
     seqlens = torch.empty(b * h, dtype=torch.int32, device=slots.device)
     if b * h:
         block = min(1024, pow2(max(n_pages, 1)))
+        use_pdl = pdl.enabled(slots.device)
         page_table_kernel[(b * h, max(1, triton.cdiv(n_pages, block)))](
             slots, lengths, table, seqlens, h, width, n_pages, page_size,
-            num_slots // page_size if h > 1 else 0, BLOCK=block,
+            num_slots // page_size if h > 1 else 0, BLOCK=block, PDL=use_pdl, launch_pdl=use_pdl,
         )
     return table, seqlens

@@ -21,6 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import pdl
+
 KEY_BITS = 20  # buffer units per stream < 2**20
 
 
@@ -44,7 +46,9 @@ def plan_residency_kernel(
     BLOCK_W: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_U: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.wait(PDL)
     pid = tl.program_id(0)
     b = pid // S
     h = pid % S
@@ -156,10 +160,12 @@ def copy_missing_kernel(
     TWO: tl.constexpr,
     ROW: tl.constexpr,
     COLS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """A fixed grid walks the streams' to-do lists as one: the k-th missed row overall is
     found from the prefix sums of the per-stream counts (one vector load per program, so
     nothing to do costs one load per program)."""
+    pdl.wait(PDL)
     si = tl.arange(0, BLOCK_S)
     count = tl.load(n_todo_ptr + si, mask=si < NS, other=0)
     ends = tl.cumsum(count, axis=0)

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .topk import check_first_pass, first_digit_histogram, window
 from ..algorithms.reference_scores import (
     FP8_BLOCK,
@@ -72,12 +73,12 @@ SNAPKV_BLOCK_W, SNAPKV_BLOCK_K, SNAPKV_WARPS = 32, 128, 4  # pass 2: window rows
 # DSA, per variant: tokens per block, blocks per program (one pipelined loop over them: the
 # program's setup, for "fp8q" the query quantisation, is shared by all), its pipeline stages,
 # warps. "16bit": bf16/fp16/float32 keys; "fp8": fp8 keys, the queries as given; "fp8q": fp8
-# keys, queries quantised in the kernel (what DSA runs). "fp8q" is the fastest of 48 shapes
-# at 8 x 131072 tokens on an H100 (79 µs; `python benchmarks/tune_dsa_index.py`).
+# keys, queries quantised in the kernel (what DSA runs). "fp8q" is the fastest of 24 shapes
+# at 8 x 131072 tokens on an H100 (60.5 µs, floor 46; `python benchmarks/tune_dsa_index.py`).
 DSA_TUNING = {
     "16bit": {"block_n": 128, "steps": 1, "stages": 1, "warps": 4},
     "fp8": {"block_n": 128, "steps": 1, "stages": 1, "warps": 4},
-    "fp8q": {"block_n": 128, "steps": 4, "stages": 1, "warps": 4},
+    "fp8q": {"block_n": 128, "steps": 8, "stages": 2, "warps": 4},
 }
 FP8_DECODE = "auto"  # "auto" | "native" (tl.float8e4nv) | "arith" (integer decode, any GPU)
 # "fp8q" multiplies with an fp8 tensor-core dot where fp8 is native: "auto" (compiled only),
@@ -154,8 +155,9 @@ def quest_scores_kernel(
     s_qb, s_qh, s_qd,
     s_pr, s_ph, s_pp, s_pd,  # page_min and page_max share strides
     HKV: tl.constexpr, G: tl.constexpr, REDUCE: tl.constexpr,
-    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.wait(PDL)
     b = tl.program_id(0)
     j = tl.program_id(1)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -196,9 +198,11 @@ def quest_scores_triton(
     block_d = _pow2(d)
     block_p = max(1, min(_pow2(n_pages), QUEST_TILE // block_d))
     grid = (b, hkv, triton.cdiv(n_pages, block_p))
+    use_pdl = pdl.enabled(q.device)
     quest_scores_kernel[grid](
         q, page_min, page_max, slot_ids, out, n_pages, d, *q.stride(), *page_min.stride(),
-        HKV=hkv, G=g, REDUCE=REDUCTIONS[reduce], BLOCK_P=block_p, BLOCK_D=block_d, num_warps=QUEST_WARPS,
+        HKV=hkv, G=g, REDUCE=REDUCTIONS[reduce], BLOCK_P=block_p, BLOCK_D=block_d, PDL=use_pdl,
+        num_warps=QUEST_WARPS, launch_pdl=use_pdl,
     )
     return out
 
@@ -434,7 +438,7 @@ def dsa_index_kernel(
     DI: tl.constexpr, FP8: tl.constexpr, NATIVE: tl.constexpr, MODE: tl.constexpr, KDT: tl.constexpr,
     QUANT_Q: tl.constexpr, POW2: tl.constexpr, FP8_DOT: tl.constexpr, HW_ROUND: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, STEPS: tl.constexpr,
-    STAGES: tl.constexpr, HIST: tl.constexpr,
+    STAGES: tl.constexpr, HIST: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: STEPS blocks of BLOCK_N tokens of row b, in a pipelined loop (the head-dim
     chunks are unrolled, so the token loop is the innermost one).
@@ -445,13 +449,21 @@ def dsa_index_kernel(
     otherwise both operands are decoded to KDT (exact). Without QUANT_Q the queries are
     loaded, in their own dtype, chunk by chunk inside the loop.
 
+    The FP8 dot puts the tokens on the M side, [BLOCK_N, Di] x [Di, H]: the MMA spreads M
+    over the warps and N over the lanes, so the epilogue's sum over heads stays inside a warp.
+    With the heads on M ([H, Di] x [Di, BLOCK_N], as before) that sum crossed the warps every
+    block: 72 µs against 60.5 µs at 8 x 131072 tokens on an H100 (best launch shape of each).
+
     fp8 keys with one chunk (Di = 128, V3.2's): the scales are positive, so they commute with
     the ReLU: q_scale folds into the head weights and k_scale multiplies the token's sum,
-    leaving the [H, BLOCK_N] epilogue ReLU, weight and sum only.
+    leaving the epilogue ReLU, weight and sum only.
 
     HIST: also top-k's first radix pass over these scores (kernels/topk.py,
     `first_digit_histogram`; row b of length lens[b], the sink and recent window forced),
-    added into hist[b, 0:256] once per program: the top-k then skips that pass."""
+    added into hist[b, 0:256] once per program: the top-k then skips that pass.
+
+    PDL: waits for the previous kernel first (kernels/pdl.py)."""
+    pdl.wait(PDL)
     CHUNKS: tl.constexpr = (DI + BLOCK_D - 1) // BLOCK_D
     FOLD: tl.constexpr = FP8 and CHUNKS == 1
     b = tl.program_id(0)
@@ -479,12 +491,15 @@ def dsa_index_kernel(
         t_ok = t < n
         k_row = k_ptr + slot * s_kr + t[:, None].to(tl.int64) * s_kn
         s_row = scale_ptr + slot * s_sr + t.to(tl.int64) * s_sn
-        acc = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+        if FP8_DOT:
+            acc = tl.zeros([BLOCK_N, BLOCK_H], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
         for c in tl.static_range(CHUNKS):
             d = c * BLOCK_D + tl.arange(0, BLOCK_D)
             k = tl.load(k_row + d[None, :] * s_kd, mask=t_ok[:, None] & (d[None, :] < DI), other=0)
             if FP8_DOT:
-                part = tl.dot(q_tiles[c], tl.trans(k.to(tl.float8e4nv, bitcast=True)))
+                part = tl.dot(k.to(tl.float8e4nv, bitcast=True), tl.trans(q_tiles[c]))
             else:
                 if QUANT_Q:
                     q = q_tiles[c]
@@ -494,11 +509,20 @@ def dsa_index_kernel(
                     k = _e4m3_decode(k, NATIVE, KDT)
                 part = _dot(q, tl.trans(k.to(KDT)), MODE)
             if FP8 and not FOLD:
-                part = part * tl.load(s_row + c * s_sd, mask=t_ok, other=0.0)[None, :]
-                if QUANT_Q:
-                    part = part * q_scales[c][:, None]
+                k_scale = tl.load(s_row + c * s_sd, mask=t_ok, other=0.0)
+                if FP8_DOT:
+                    part = part * k_scale[:, None]
+                    if QUANT_Q:
+                        part = part * q_scales[c][None, :]
+                else:
+                    part = part * k_scale[None, :]
+                    if QUANT_Q:
+                        part = part * q_scales[c][:, None]
             acc += part
-        score = tl.sum(tl.maximum(acc, 0.0) * wts[:, None], axis=0)
+        if FP8_DOT:
+            score = tl.sum(tl.maximum(acc, 0.0) * wts[None, :], axis=1)
+        else:
+            score = tl.sum(tl.maximum(acc, 0.0) * wts[:, None], axis=0)
         if FOLD:
             score = score * tl.load(s_row, mask=t_ok, other=0.0)
         tl.store(out_ptr + b * n + t, score, mask=t_ok)
@@ -539,13 +563,16 @@ def _dsa_launch(
     steps = max(1, min(tune["steps"], triton.cdiv(n, block_n)))
     grid = (b, triton.cdiv(n, block_n * steps))
     hist, lens, sink, recent = first_pass if first_pass is not None else (out, slot_ids, 0, 0)
+    use_pdl = pdl.enabled(index_q.device)
     dsa_index_kernel[grid](
         index_q, weights, index_k, scale, slot_ids, out, hist, lens, n, h, sink, recent,
         *index_q.stride(), *weights.stride(), *index_k.stride(), *(scale.stride() if fp8 else (0, 0, 0)),
         DI=di, FP8=fp8, NATIVE=native, MODE=mode, KDT=kdt,
         QUANT_Q=quantize, POW2=pow2_scales, FP8_DOT=fp8_dot, HW_ROUND=fp8_dot and not _interpreted(),
         BLOCK_H=_pow2(h, 16), BLOCK_D=FP8_BLOCK if fp8 else min(FP8_BLOCK, _pow2(di, 16)), BLOCK_N=block_n,
-        STEPS=steps, STAGES=tune["stages"], HIST=first_pass is not None, num_warps=tune["warps"],
+        STEPS=steps, STAGES=tune["stages"], HIST=first_pass is not None, PDL=use_pdl,
+        num_warps=tune["warps"],
+        launch_pdl=use_pdl,
     )
     return out
 

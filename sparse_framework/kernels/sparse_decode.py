@@ -51,13 +51,22 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .scoring import _dot, _dot_mode, _pow2
+
+try:  # raised at launch when a kernel needs more shared memory than the GPU has
+    from triton.runtime.errors import OutOfResources
+except ImportError:  # pragma: no cover - older Triton
+    from triton.runtime.autotuner import OutOfResources
 
 __all__ = ["paged_decode", "sparse_mla_decode", "indexed_decode", "choose_num_splits"]
 
 MAX_BLOCK_M = 64  # query rows (GQA heads x query tokens, or MLA heads) per program
 MAX_BLOCK_N = 64  # tokens per step of the loop
-KV_TILE_BYTES = 36 * 1024  # K (+ V) bytes of one step: NUM_STAGES of them sit in shared memory
+# K (+ V) bytes of one step, NUM_STAGES of which sit in shared memory: 64 MLA tokens of 1152 B
+# (52 µs against 62 with 32 tokens at 128K x 8 on an H100, benchmarks/tune_sparse_decode.py);
+# where a GPU's shared memory cannot hold that, `_launch` halves the tile until it fits
+KV_TILE_BYTES = 72 * 1024
 Q_TILE_BYTES = 72 * 1024  # the program's query rows, [BLOCK_M, head dim]
 NUM_STAGES = 2  # software-pipelining depth of the token loop
 TARGET_WARPS_PER_SM = 8  # split until the grid gives every SM about this many warps
@@ -66,6 +75,7 @@ WARPS_OVERRIDE: int | None = None  # warps per program instead of _tiles' choice
 DEFAULT_NUM_SMS = 132  # an H100 SXM; used where there is no GPU to ask (the interpreter)
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FITTING_TILE: dict[tuple, int] = {}  # launch shape -> the KV tile bytes that fit this GPU (see _launch)
 
 
 @triton.jit
@@ -81,11 +91,12 @@ def _decode_split_kernel(
     PAGE: tl.constexpr, INDEXED: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
     V_FROM_K: tl.constexpr, QK_MODE: tl.constexpr, KDT: tl.constexpr, PV_MODE: tl.constexpr,
     VDT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DA: tl.constexpr,
-    BLOCK_DB: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_DB: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: sequence n, KV head h, one block of BLOCK_M of its G*S query rows (row
     r = query head h*G + r // S, query token r % S), the tokens [sp*split_len, (sp+1)*split_len)
-    of split sp, in steps of BLOCK_N tokens."""
+    of split sp, in steps of BLOCK_N tokens. PDL: waits for the previous kernel first."""
+    pdl.wait(PDL)
     ROWS: tl.constexpr = G * S
     ROW_BLOCKS: tl.constexpr = (ROWS + BLOCK_M - 1) // BLOCK_M
     pid = tl.program_id(0)
@@ -173,10 +184,11 @@ def _combine_kernel(
     part_ptr, lse_ptr, out_ptr, num_splits,
     s_on, s_os, s_oh, s_od,
     HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, DV: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per query row (n, h, r): out = Σ_i 2^(lse_i - max) o_i / Σ_i 2^(lse_i - max);
     splits that saw nothing have lse -inf and weigh 0; a row that saw nothing gets zeros."""
+    pdl.wait(PDL)
     ROWS: tl.constexpr = G * S
     pid = tl.program_id(0)
     r = pid % ROWS
@@ -207,7 +219,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _tiles(
-    rows: int, d: int, dv: int, q_bytes: int = 2, kv_bytes: int = 2, v_shares_k: bool = False
+    rows: int, d: int, dv: int, q_bytes: int = 2, kv_bytes: int = 2, v_shares_k: bool = False,
+    tile_bytes: int | None = None,
 ) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_DA, BLOCK_DB, BLOCK_DV, num_warps) for `rows` query rows per KV
     head, head dims d (K) and dv (V), element sizes of q and of the caches, and whether V is a
@@ -216,18 +229,18 @@ def _tiles(
     BLOCK_DA is the largest power of two <= d (at least 16, the MMA depth) and BLOCK_DB the
     rest padded to a power of two (0 when d is one): 128 -> 128 + 0, 576 -> 512 + 64,
     192 -> 128 + 64. BLOCK_N: the most tokens (a power of two in 16..MAX_BLOCK_N) whose K and
-    V tiles fit KV_TILE_BYTES, two stages of which sit in shared memory: 64 at d = 128 in
-    bf16 (32 KB), 32 for MLA's 576 in bf16 (36 KB, V reuses the K tile), 16 in float32.
+    V tiles fit `tile_bytes` (default KV_TILE_BYTES), two stages of which sit in shared
+    memory: 64 at d = 128 in bf16 (32 KB), 64 for MLA's 576 in bf16 (72 KB, V reuses the K
+    tile), 32 for MLA in float32.
     BLOCK_M: the GQA rows padded to 16, at most MAX_BLOCK_M and Q_TILE_BYTES of queries
     (64 MLA heads in bf16, 32 in float32). Eight warps when the float32 accumulator has 16K
     elements or more (64 MLA heads x 512: 128 registers a thread), else four."""
     block_da = max(16, 1 << (d.bit_length() - 1))
     block_db = _pow2(d - block_da, 16) if d > block_da else 0
     block_dv = _pow2(dv, 16)
-    v_from_k = v_shares_k and dv == block_da
-    token_bytes = ((block_da + block_db) + (0 if v_from_k else block_dv)) * kv_bytes
+    token_bytes = _token_bytes(d, dv, kv_bytes, v_shares_k)
     block_n = MAX_BLOCK_N
-    while block_n > 16 and block_n * token_bytes > KV_TILE_BYTES:
+    while block_n > 16 and block_n * token_bytes > (KV_TILE_BYTES if tile_bytes is None else tile_bytes):
         block_n //= 2
     block_m = min(MAX_BLOCK_M, _pow2(rows, 16))
     while block_m > 16 and block_m * (block_da + block_db) * q_bytes > Q_TILE_BYTES:
@@ -309,9 +322,42 @@ def _launch(
         v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
         and v_cache.dtype == k_cache.dtype
     )
-    block_m, block_n, block_da, block_db, block_dv, warps = _tiles(
-        rows, d, dv, q.element_size(), k_cache.element_size(), v_shares_k
-    )
+    shape = (q.device, rows, d, dv, q.element_size(), k_cache.element_size(), v_shares_k, KV_TILE_BYTES)
+    while True:
+        tiles = _tiles(*shape[1:-1], tile_bytes=_FITTING_TILE.get(shape, KV_TILE_BYTES))
+        try:
+            _launch_tiles(q, k_cache, v_cache, table, lens, out, n_tokens, scale, tiles, indexed=indexed,
+                          causal=causal, num_splits=num_splits, v_shares_k=v_shares_k)
+            return out
+        except OutOfResources:
+            block_n = tiles[1]
+            if block_n <= 16:
+                raise
+            # this GPU's shared memory holds less than the tile: halve it, remember what fits
+            _FITTING_TILE[shape] = (block_n // 2) * _token_bytes(d, dv, k_cache.element_size(), v_shares_k)
+
+
+def _token_bytes(d: int, dv: int, kv_bytes: int, v_shares_k: bool) -> int:
+    """Bytes of one token's K (+ V) tile rows, as `_tiles` counts them."""
+    block_da = max(16, 1 << (d.bit_length() - 1))
+    block_db = _pow2(d - block_da, 16) if d > block_da else 0
+    v_from_k = v_shares_k and dv == block_da
+    return ((block_da + block_db) + (0 if v_from_k else _pow2(dv, 16))) * kv_bytes
+
+
+def _launch_tiles(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+    lens: torch.Tensor | None, out: torch.Tensor, n_tokens: int, scale: float,
+    tiles: tuple[int, int, int, int, int, int], *, indexed: bool, causal: bool, num_splits: int | None,
+    v_shares_k: bool,
+) -> None:
+    """`_launch`'s kernels with the launch shape `tiles` (see `_tiles`)."""
+    ns, s_q, hq, d = q.shape
+    _, page, hk, _ = k_cache.shape
+    dv = v_cache.shape[-1]
+    group = hq // hk
+    rows = group * s_q
+    block_m, block_n, block_da, block_db, block_dv, warps = tiles
     warps = WARPS_OVERRIDE or warps
     v_from_k = v_shares_k and dv == block_da
     programs = ns * hk * triton.cdiv(rows, block_m)
@@ -327,6 +373,7 @@ def _launch(
         part = lse = out  # unused
     qk_mode, kdt = _dot_mode(q.dtype, k_cache.dtype)
     pv_mode, vdt = _dot_mode(v_cache.dtype, v_cache.dtype)
+    use_pdl = pdl.enabled(q.device)
     _decode_split_kernel[(programs, num_splits)](
         q, k_cache, v_cache, table, table if lens is None else lens, out, part, lse,
         n_tokens, split_len, num_splits, scale * 1.4426950408889634,
@@ -334,15 +381,14 @@ def _launch(
         HK=hk, G=group, S=s_q, D=d, DV=dv, PAGE=page, INDEXED=indexed, CAUSAL=causal, SPLIT=split,
         V_FROM_K=v_from_k, QK_MODE=qk_mode, KDT=kdt, PV_MODE=pv_mode, VDT=vdt,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DA=block_da, BLOCK_DB=block_db, BLOCK_DV=block_dv,
-        num_warps=warps, num_stages=NUM_STAGES,
+        PDL=use_pdl, num_warps=warps, num_stages=NUM_STAGES, launch_pdl=use_pdl,
     )
     if split:
         _combine_kernel[(ns * hk * rows,)](
             part, lse, out, num_splits, *out.stride(),
             HK=hk, G=group, S=s_q, DV=dv, BLOCK_SPLITS=_pow2(num_splits), BLOCK_DV=block_dv,
-            num_warps=max(1, min(4, block_dv // 128)),
+            PDL=use_pdl, num_warps=max(1, min(4, block_dv // 128)), launch_pdl=use_pdl,
         )
-    return out
 
 
 def paged_decode(

@@ -67,6 +67,7 @@ import triton
 import triton.language as tl
 
 from ..batch import Selection
+from . import pdl
 
 __all__ = ["topk_selection_triton", "first_pass_buffer", "check_first_pass", "first_digit_histogram", "window"]
 
@@ -150,20 +151,27 @@ def _pick(h, need):
 def _topk_hist_kernel(
     scores_ptr, lens_ptr, hist_ptr, state_ptr, sure_ptr, suffix_ptr,
     n_units, H, s_b, s_h, s_n, sink, recent, budget,
-    PASS: tl.constexpr, UNIT: tl.constexpr, BLOCK: tl.constexpr,
+    PASS: tl.constexpr, UNIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
 ):
     """Radix pass PASS (1 to 4): the histogram of digit PASS (bits [32 - 8 PASS, 40 - 8 PASS)
     of u) of the eligible keys that match the prefix chosen so far, added into hist[row,
     PASS - 1]. Pass 4 also leaves what the write kernel needs of this chunk once the last
     digit is known: sure[row, chunk] = units kept whatever it is (forced, or a 24-bit prefix
     above the threshold's), and suffix[row, chunk, d] = the chunk's candidates (the
-    threshold's prefix) whose last digit is >= d."""
+    threshold's prefix) whose last digit is >= d.
+
+    PDL (kernels/pdl.py): EARLY loads the chunk's scores before waiting for the previous
+    kernel, which must then not be the scores' producer."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     hist_row = hist_ptr + row.to(tl.int64) * 1024
     state_row = state_ptr + row * 8
+    if not EARLY:
+        pdl.wait(PDL)
     ids, ln, forced, eligible, key = _chunk(scores_ptr, lens_ptr, row, chunk, n_units, H, s_b, s_h, s_n,
                                             sink, recent, UNIT, BLOCK)
+    if EARLY:
+        pdl.wait(PDL)
     u = key ^ -2147483648  # unsigned order bits (as int32; digits are masked after >>)
     SHIFT: tl.constexpr = 32 - 8 * PASS
     digit = (u >> SHIFT) & 0xFF
@@ -204,13 +212,17 @@ def _topk_hist_kernel(
 def _topk_write_kernel(
     scores_ptr, lens_ptr, hist_ptr, state_ptr, sure_ptr, suffix_ptr, out_ptr, lengths_ptr,
     n_units, H, s_b, s_h, s_n, sink, recent, n_chunks, width,
-    UNIT: tl.constexpr, BLOCK: tl.constexpr, CBLOCK: tl.constexpr,
+    UNIT: tl.constexpr, BLOCK: tl.constexpr, CBLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """Fix the threshold (the last digit), count every chunk's kept units from pass 3's
     records, and write this chunk's kept units, ascending, at slots after those of the row's
-    earlier chunks; -1 padding after the row's last kept unit; chunk 0 writes the length."""
+    earlier chunks; -1 padding after the row's last kept unit; chunk 0 writes the length.
+    With PDL the chunk's scores are loaded before the wait (the previous kernel is pass 4)."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
+    ids, ln, forced, eligible, key = _chunk(scores_ptr, lens_ptr, row, chunk, n_units, H, s_b, s_h, s_n,
+                                            sink, recent, UNIT, BLOCK)
+    pdl.wait(PDL)
     prefix = tl.load(state_ptr + row * 8 + 4)
     need = tl.load(state_ptr + row * 8 + 5)
     d4, n_tie = _pick(tl.load(hist_ptr + row.to(tl.int64) * 1024 + 768 + tl.arange(0, 256)), need)
@@ -231,8 +243,6 @@ def _topk_write_kernel(
     total = tl.sum(kept, 0)
     my_tied_before = tl.sum(tl.where(c < chunk, tied, 0), 0)
 
-    ids, ln, forced, eligible, key = _chunk(scores_ptr, lens_ptr, row, chunk, n_units, H, s_b, s_h, s_n,
-                                            sink, recent, UNIT, BLOCK)
     is_tie = eligible & (key == thr)
     tie_rank = my_tied_before + tl.cumsum(is_tie.to(tl.int32), 0) - 1
     keep = forced | (eligible & (key > thr)) | (is_tie & (tie_rank < n_tie))
@@ -344,9 +354,15 @@ def topk_selection_triton(
     grid = (rows, n_chunks)
     warps = WARPS_OVERRIDE or (8 if block >= 2048 else 4)
     common = (n_units, h, *scores.stride(), sink, recent)
-    for p in range(1 if first_pass is None else 2, _PASSES + 1):
+    use_pdl = pdl.enabled(device)
+    first = 1 if first_pass is None else 2
+    for p in range(first, _PASSES + 1):
+        # the scores may be read before the wait unless the previous kernel wrote them (pass
+        # 1 follows the memset; pass 2 after a fused first pass follows the scores' producer)
         _topk_hist_kernel[grid](scores, lens, hist, state, sure, suffix, *common, budget,
-                                PASS=p, UNIT=unit, BLOCK=block, num_warps=warps)
+                                PASS=p, UNIT=unit, BLOCK=block, PDL=use_pdl, EARLY=p == 1 or p > first,
+                                num_warps=warps, launch_pdl=use_pdl)
     _topk_write_kernel[grid](scores, lens, hist, state, sure, suffix, indices, lengths, *common, n_chunks, width,
-                             UNIT=unit, BLOCK=block, CBLOCK=_pow2(n_chunks), num_warps=warps)
+                             UNIT=unit, BLOCK=block, CBLOCK=_pow2(n_chunks), PDL=use_pdl,
+                             num_warps=warps, launch_pdl=use_pdl)
     return Selection(indices=indices, lengths=lengths, page_size=unit)

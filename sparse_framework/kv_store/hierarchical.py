@@ -429,6 +429,7 @@ class HierarchicalKVStore(KVStore):
 
     def _ensure_resident_fused(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
         """`ensure_resident` in two kernel launches (kernels/residency.py)."""
+        from ..kernels import pdl
         from ..kernels.residency import copy_missing_kernel, plan_residency_kernel
         from .copy import _as_kernel_arg
 
@@ -442,12 +443,14 @@ class HierarchicalKVStore(KVStore):
         todo = torch.empty(b * s * w, dtype=torch.int64, device=self.device)
         n_todo = torch.empty(b * s, dtype=torch.int32, device=self.device)  # every entry written
         start = self._timer() if self.timing else None
+        use_pdl = pdl.enabled(idx.device)
         plan_residency_kernel[(b * s,)](
             idx, batch.slot_ids, batch.seq_lens, self.l2s[layer], self.s2l[layer], self.last_used[layer],
             self.clock, self.dev_table[layer], slots, todo, n_todo, scratch, self.counts[layer],
             s, w, wu, self.max_units, self.buffer_units, u, self.page_size, self.dev_table.shape[-1],
             self.sink_tokens, self.recent_tokens,
-            BLOCK_W=pow2(wu), BLOCK_B=block_b, BLOCK_U=pow2(u), num_warps=8 if block_b <= 2048 else 16,
+            BLOCK_W=pow2(wu), BLOCK_B=block_b, BLOCK_U=pow2(u), PDL=use_pdl,
+            num_warps=8 if block_b <= 2048 else 16, launch_pdl=use_pdl,
         )
         host = [_as_kernel_arg(t) for t in self.host]
         dev = self.dev
@@ -460,7 +463,7 @@ class HierarchicalKVStore(KVStore):
             layer * self.host_slots * per_layer, layer * self.device_slots * per_layer,
             self.device_slots, self.layout.num_kv_heads, b * s, BLOCK_S=pow2(b * s),
             HEAD_MAJOR=self.head_major, TWO=two, ROW=self.row_elems, COLS=min(COPY_COLS, pow2(self.row_elems)),
-            num_warps=COPY_WARPS,
+            PDL=use_pdl, num_warps=COPY_WARPS, launch_pdl=use_pdl,
         )
         if start is not None:
             self._stop_timer(layer, start)

@@ -1,0 +1,62 @@
+"""Programmatic dependent launch (PDL) for the decode path's kernels, on sm_90+ GPUs.
+
+Why: a decode layer is a chain of ~12 small kernels (docs/performance.md), most of them a few
+microseconds long, so each one's launch and ramp-up — the time between its predecessor's last
+store and its own first useful load — is a visible share of the step. With PDL a kernel is
+launched (`launch_pdl=True`) while its predecessor still runs; its programs become resident,
+do what does not depend on the predecessor, and block in `griddepcontrol.wait` until the
+predecessor has completed and its writes are visible.
+
+The contract every kernel launched this way follows, so that a chain is safe whatever
+precedes it (an engine's own kernels included):
+
+* `wait` (griddepcontrol.wait) runs in every program, before the program reads anything its
+  predecessor may write and before it writes anything. Most kernels call it first thing.
+* `wait` is followed by `launch_dependents`, so a kernel's successor can launch only once
+  every program of the kernel has passed its wait: by then the kernel's own predecessor has
+  completed. A kernel whose predecessor is one of ours (same function, known order) may
+  therefore read, *before* its wait, data that the predecessor does not write — the top-k's
+  radix passes load their chunk of scores that way (kernels/topk.py).
+* A kernel launched without PDL (torch ops, any kernel not listed here) waits for its
+  predecessor to complete, as always, so mixing is safe.
+
+`enabled(device)` says whether to launch with PDL: "auto" (the default) on CUDA devices of
+compute capability 9.0 or more; never under the interpreter or on the CPU. Set `PDL` to "off"
+to compare (benchmarks/decode_layer.py --pdl off) or "on" to force it.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["PDL", "enabled", "wait"]
+
+PDL = "auto"  # "auto" | "on" | "off"
+_MODES = ("auto", "on", "off")
+
+
+@cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL (see the module docstring)."""
+    if PDL not in _MODES:
+        raise ValueError(f"kernels.pdl.PDL must be one of {_MODES}, got {PDL!r}")
+    if PDL == "off" or device.type != "cuda":
+        return False
+    return PDL == "on" or _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """With PDL: wait for the predecessor kernel (its writes visible), then let the successor
+    launch. Without: nothing (the launch itself waited)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
