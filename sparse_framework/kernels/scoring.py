@@ -73,13 +73,16 @@ SNAPKV_BLOCK_W, SNAPKV_BLOCK_K, SNAPKV_WARPS = 32, 128, 4  # pass 2: window rows
 # DSA, per variant: tokens per block, blocks per program (one pipelined loop over them: the
 # program's setup, for "fp8q" the query quantisation, is shared by all), its pipeline stages,
 # warps. "16bit": bf16/fp16/float32 keys; "fp8": fp8 keys, the queries as given; "fp8q": fp8
-# keys, queries quantised in the kernel (what DSA runs). "fp8q" is the fastest of 24 shapes
-# at 8 x 131072 tokens on an H100 (60.5 µs, floor 46; `python benchmarks/tune_dsa_index.py`).
+# keys, queries quantised in the kernel (what DSA runs). "fp8q" is the fastest of 42 shapes
+# at 8 x 131072 tokens on an H100 (54 µs, floor 46; `python benchmarks/tune_dsa_index.py`).
+# Steps are cut where the grid would fall under DSA_MIN_PROGRAMS (2 per H100 SM): at 8 x
+# 131072 tokens all 32 steps, for one request of 131072 tokens 4.
 DSA_TUNING = {
     "16bit": {"block_n": 128, "steps": 1, "stages": 1, "warps": 4},
     "fp8": {"block_n": 128, "steps": 1, "stages": 1, "warps": 4},
-    "fp8q": {"block_n": 128, "steps": 8, "stages": 2, "warps": 4},
+    "fp8q": {"block_n": 128, "steps": 32, "stages": 3, "warps": 4},
 }
+DSA_MIN_PROGRAMS = 264
 FP8_DECODE = "auto"  # "auto" | "native" (tl.float8e4nv) | "arith" (integer decode, any GPU)
 # "fp8q" multiplies with an fp8 tensor-core dot where fp8 is native: "auto" (compiled only),
 # "on" (also interpreted: tests), "off" (float16 dots of decoded values, exact)
@@ -560,7 +563,8 @@ def _dsa_launch(
     mode, kdt = _dot_mode(torch.float16 if quantize else index_q.dtype, index_k.dtype)
     tune = DSA_TUNING["fp8q" if quantize else "fp8" if fp8 else "16bit"]
     block_n = tune["block_n"]
-    steps = max(1, min(tune["steps"], triton.cdiv(n, block_n)))
+    blocks = triton.cdiv(n, block_n)  # per row
+    steps = max(1, min(tune["steps"], blocks, triton.cdiv(b * blocks, DSA_MIN_PROGRAMS)))
     grid = (b, triton.cdiv(n, block_n * steps))
     hist, lens, sink, recent = first_pass if first_pass is not None else (out, slot_ids, 0, 0)
     use_pdl = pdl.enabled(index_q.device)
