@@ -3,10 +3,21 @@
 For MHA rows (8 KV heads x 128 dims, bf16: K + V = 4 KiB per token) and MLA rows (576
 dims, bf16: 1152 B) it selects 2048 tokens per request and layer, of which a fixed fraction
 is missing from the device buffer (a sliding window over a random permutation of the
-context, so every call misses exactly that many tokens), and times `ensure_resident` —
-the whole decode-path step: map look-ups, LRU victim choice, map updates and the zero-copy
-gather from pinned host memory — eagerly and replayed from a CUDA graph, plus the copy
-kernel alone. Medians over `--iters` calls after warm-up, with the ceiling beside them.
+context, so every call misses that many tokens), and times `ensure_resident` — the whole
+decode-path step: map look-ups, LRU victim choice, map updates and the zero-copy gather
+from pinned host memory — eagerly and replayed from a CUDA graph, plus the copy kernel
+alone. Medians over `--iters` calls after warm-up, with the ceiling beside them.
+
+Two graph figures:
+  graph_us            one call (layer 0) per graph, the new selection copied into the
+                      graph's input before each replay: it carries the graph launch and
+                      that copy (~20-40 µs) in full, which a decode step pays once.
+  graph_per_layer_us  one call for each of L layers (each with its own selections)
+                      captured in one graph, as the layers of one decode step are, one copy
+                      of all L selections before each replay; the replay time / L, so the
+                      launch and the copy are amortised over the layers as in a step.
+                      L = `--graph-layers`, fewer where the host pool of L layers would
+                      exceed `--host-gib`.
 
     python benchmarks/swap_in.py --json results.json
 """
@@ -18,6 +29,7 @@ import gc
 import json
 import statistics
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -26,9 +38,9 @@ from sparse_framework.kv_store.copy import copy_rows
 from sparse_framework.kv_store.hierarchical import HierarchicalKVStore
 
 PCIE_GBPS = 55.0  # measured pinned host -> device, contiguous (DESIGN.md)
-LAYOUTS = {
-    "mha": lambda: KVLayout(num_layers=1, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda"),
-    "mla": lambda: KVLayout.mla(1, dtype=torch.bfloat16, device="cuda"),
+LAYOUTS: dict[str, Callable[[int], KVLayout]] = {  # by number of layers
+    "mha": lambda n: KVLayout(num_layers=n, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16, device="cuda"),
+    "mla": lambda n: KVLayout.mla(n, dtype=torch.bfloat16, device="cuda"),
 }
 
 
@@ -45,9 +57,12 @@ def windows(context: int, selected: int, miss: int, calls: int, batch: int, seed
     return out
 
 
-def time_calls(fn, calls: int) -> list[float]:
+def time_calls(fn: Callable[[int], object], calls: int, before: Callable[[], object] | None = None) -> list[float]:
+    """µs of each of `calls` calls fn(i), from CUDA events; `before` runs untimed ahead of each."""
     times = []
     for i in range(calls):
+        if before is not None:
+            before()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn(i)
@@ -57,8 +72,67 @@ def time_calls(fn, calls: int) -> list[float]:
     return times
 
 
+def layers_within(args: argparse.Namespace, kind: str, batch: int) -> int:
+    """Layers of the multi-layer graph: `--graph-layers`, fewer where the pinned host pool
+    (every token of every request in every layer) would exceed `--host-gib`; at least 1."""
+    per_layer = batch * args.context * LAYOUTS[kind](1).bytes_per_token_per_layer
+    return max(1, min(args.graph_layers, int(args.host_gib * 2**30 // per_layer)))
+
+
+def time_layers_graph(
+    store: HierarchicalKVStore, b: Batch, lengths: torch.Tensor, layers: int, miss: int, args: argparse.Namespace,
+) -> tuple[list[float], list[float]]:
+    """One decode step's swap-ins: `ensure_resident` of layers 0..layers-1 captured in one CUDA
+    graph, each replay after one copy of every layer's next selection into the graph's input.
+    Returns the replay times (µs, after `--warmup`) and, per layer, the misses per call that
+    the store counted over all timed replays.
+
+    Each layer slides over its own windows (seed 2 + layer). Before each step the recency
+    clock advances, untimed (`begin_step`, as in decode), so the LRU victims are the units
+    held longest: the few units a selection leaves in a buffer are those its last window
+    dropped, never ones the next window asks for, and every call misses exactly `miss` per
+    request. The warm-up slides far enough that units left from earlier calls (layer 0's
+    single-call windows, which never advanced the clock) are evicted before timing."""
+    sel_n, calls = args.selected, args.warmup + args.iters
+    spare = store.buffer_tokens - sel_n  # buffer units a selection leaves over
+    rounds = 2 + (-(-spare // miss) if miss else 0)
+    per_layer = [torch.stack(windows(args.context, sel_n, miss, rounds + calls, len(b), seed=2 + layer))
+                 for layer in range(layers)]
+    steps = torch.stack(per_layer, dim=1).cuda()  # [rounds + calls, L, B, 1, W], stacked before timing
+    static = steps[0].clone()
+
+    def step() -> None:
+        for layer in range(layers):
+            store.ensure_resident(layer, b, Selection(static[layer], lengths))
+
+    store.timing = False  # no timing events inside a graph
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for r in range(rounds):
+            static.copy_(steps[r])
+            store.begin_step(b)
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # records only: the buffers still hold steps[rounds - 1]
+        step()
+
+    def replay(i: int) -> None:
+        static.copy_(steps[rounds + i])
+        graph.replay()
+
+    torch.cuda.synchronize()
+    m0 = store.misses[:layers].clone()
+    times = time_calls(replay, calls, before=lambda: store.begin_step(b))
+    torch.cuda.synchronize()
+    misses = ((store.misses[:layers] - m0) / calls).tolist()
+    return times[args.warmup :], misses
+
+
 def bench(kind: str, batch: int, fraction: float, args: argparse.Namespace) -> dict:
-    layout = LAYOUTS[kind]()
+    layers = layers_within(args, kind, batch)
+    layout = LAYOUTS[kind](layers)
     sel_n, context = args.selected, args.context
     store = HierarchicalKVStore(
         layout, page_size=64, device_buffer_tokens=sel_n + 64, sink_tokens=0, recent_tokens=0,
@@ -71,7 +145,8 @@ def bench(kind: str, batch: int, fraction: float, args: argparse.Namespace) -> d
         r = Request(f"r{i}", context, seq_len=context, slot=i)
         store.admit(r)
         k = torch.randn(context, layout.num_kv_heads, layout.head_dim, device="cuda", generator=g).to(layout.dtype)
-        store.write_prefill(0, r, k, None if layout.is_mla else k.roll(1, 0))
+        for layer in range(layers):  # the same rows in every layer: only where they live matters
+            store.write_prefill(layer, r, k, None if layout.is_mla else k.roll(1, 0))
         reqs.append(r)
     b = Batch(reqs)
     b.prepare("cuda")
@@ -109,15 +184,11 @@ def bench(kind: str, batch: int, fraction: float, args: argparse.Namespace) -> d
         graph.replay()
 
     graph_us = time_calls(replay, calls)[args.warmup :]
-    # without misses: `--graph-layers` calls captured in one graph, as the layers of one decode
-    # step are (the selection, made inside the step's graph, needs no copy), per call
-    per_layer_us = None
-    if miss == 0 and args.graph_layers > 0:
-        many = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(many):
-            for _ in range(args.graph_layers):
-                store.ensure_resident(0, b, Selection(static, lengths))
-        per_layer_us = [t / args.graph_layers for t in time_calls(lambda i: many.replay(), calls)[args.warmup :]]
+    # every layer's call in one graph, as in a decode step: launch and selection copy amortised
+    step_us, layer_misses = time_layers_graph(store, b, lengths, layers, miss, args)
+    if any(m != batch * miss for m in layer_misses):
+        print(f"warning: {kind} B={batch} miss={fraction}: {layers}-layer graph missed {layer_misses} "
+              f"per layer call, want {batch * miss}", file=sys.stderr, flush=True)
     # the copy kernel alone: `miss` random host rows per request into device slots
     n = batch * miss
     host_rows = torch.randint(0, store.host_slots, (max(n, 1),), device="cuda")[:n]
@@ -132,17 +203,26 @@ def bench(kind: str, batch: int, fraction: float, args: argparse.Namespace) -> d
     kernel_us = time_calls(kernel, calls)[args.warmup :] if n else [0.0]
     moved = misses_per_call * row_bytes
     med = statistics.median
+    per_layer_us = med(step_us) / layers
+    graph_misses = statistics.fmean(layer_misses)
+    per_layer_gbps = graph_misses * row_bytes / per_layer_us / 1e3 if miss else 0.0
     res = {
         "layout": kind, "row_bytes": row_bytes, "batch": batch, "selected": sel_n, "miss_fraction": fraction,
         "misses_per_call": misses_per_call, "expected_misses_per_call": batch * miss,
         "eager_us": med(eager_us), "graph_us": med(graph_us), "kernel_us": med(kernel_us),
-        "graph_per_layer_us": med(per_layer_us) if per_layer_us else None, "graph_layers": args.graph_layers,
+        "graph_layers": layers, "graph_per_layer_us": per_layer_us,
+        "graph_misses_per_layer_call": graph_misses, "graph_per_layer_gbps": per_layer_gbps,
+        "graph_per_layer_pct_of_ceiling": 100 * per_layer_gbps / PCIE_GBPS,
         "moved_bytes": moved,
         "eager_gbps": moved / med(eager_us) / 1e3 if miss else 0.0,
         "graph_gbps": moved / med(graph_us) / 1e3 if miss else 0.0,
         "kernel_gbps": moved / med(kernel_us) / 1e3 if miss else 0.0,
         "pcie_ceiling_gbps": PCIE_GBPS,
     }
+    # free the pools (pinned host memory above all) and the graphs' memory before the next store
+    del graph, store
+    gc.collect()
+    torch.cuda.empty_cache()
     return res
 
 
@@ -182,7 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--graph-layers", type=int, default=8,
-                        help="at 0%% misses, also time this many calls captured in one CUDA graph (per call)")
+                        help="most layers whose calls are captured in one CUDA graph, as in a decode step "
+                             "(reported per layer); fewer where their host pool would exceed --host-gib")
+    parser.add_argument("--host-gib", type=float, default=8.0,
+                        help="upper bound of the pinned host pool (GiB), which bounds the graph's layers")
     parser.add_argument("--json", help="write results to this JSON file")
     parser.add_argument("--sweep-kernel", action="store_true", help="only tune the copy kernel's launch parameters")
     parser.add_argument("--copy-shapes", default=None,
@@ -207,25 +290,23 @@ def main(argv: list[str] | None = None) -> int:
                 for batch in [int(x) for x in args.batches.split(",")]:
                     for fraction in [float(x) for x in args.misses.split(",")]:
                         r = bench(kind, batch, fraction, args)
-                        gc.collect()
-                        torch.cuda.empty_cache()
                         print(f"copy {shape} {kind} B={batch} miss={fraction}: graph {r['graph_us']:.1f}us "
-                              f"{r['graph_gbps']:.1f}GB/s eager {r['eager_us']:.1f}us", flush=True)
+                              f"{r['graph_gbps']:.1f}GB/s eager {r['eager_us']:.1f}us | {r['graph_layers']}-layer "
+                              f"graph {r['graph_per_layer_us']:.1f}us/layer {r['graph_per_layer_gbps']:.1f}GB/s",
+                              flush=True)
         return 0
     for kind in args.layouts.split(","):
         for batch in [int(x) for x in args.batches.split(",")]:
             for fraction in [float(x) for x in args.misses.split(",")]:
                 r = bench(kind, batch, fraction, args)
-                gc.collect()  # free the last store's pinned host pool before the next one
-                torch.cuda.empty_cache()
                 results.append(r)
                 print(
                     f"{kind} {r['row_bytes']:>5}B B={batch:<3} miss={fraction:<4} misses/call={r['misses_per_call']:.0f}"
                     f" (want {r['expected_misses_per_call']}) eager {r['eager_us']:8.1f}us {r['eager_gbps']:5.1f}GB/s"
-                    f" | graph {r['graph_us']:8.1f}us {r['graph_gbps']:5.1f}GB/s | kernel {r['kernel_us']:8.1f}us"
-                    f" {r['kernel_gbps']:5.1f}GB/s | ceiling {PCIE_GBPS} GB/s"
-                    + (f" | {r['graph_layers']} calls in one graph: {r['graph_per_layer_us']:.1f}us per call"
-                       if r["graph_per_layer_us"] is not None else ""),
+                    f" | graph: 1 call {r['graph_us']:8.1f}us {r['graph_gbps']:5.1f}GB/s,"
+                    f" {r['graph_layers']} layers {r['graph_per_layer_us']:8.1f}us/layer {r['graph_per_layer_gbps']:5.1f}GB/s"
+                    f" ({r['graph_per_layer_pct_of_ceiling']:.0f}%, misses/layer call {r['graph_misses_per_layer_call']:.0f})"
+                    f" | kernel {r['kernel_us']:8.1f}us {r['kernel_gbps']:5.1f}GB/s | ceiling {PCIE_GBPS} GB/s",
                     flush=True,
                 )
     if args.json:
