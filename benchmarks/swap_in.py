@@ -131,6 +131,15 @@ def time_layers_graph(
 
 
 def bench(kind: str, batch: int, fraction: float, args: argparse.Namespace) -> dict:
+    """One configuration's figures; its store (pinned host pool above all) and graphs are
+    freed before the next one is built."""
+    res = measure(kind, batch, fraction, args)
+    gc.collect()  # the store, its graphs and closures went with measure's frame
+    torch.cuda.empty_cache()
+    return res
+
+
+def measure(kind: str, batch: int, fraction: float, args: argparse.Namespace) -> dict:
     layers = layers_within(args, kind, batch)
     layout = LAYOUTS[kind](layers)
     sel_n, context = args.selected, args.context
@@ -206,7 +215,7 @@ def bench(kind: str, batch: int, fraction: float, args: argparse.Namespace) -> d
     per_layer_us = med(step_us) / layers
     graph_misses = statistics.fmean(layer_misses)
     per_layer_gbps = graph_misses * row_bytes / per_layer_us / 1e3 if miss else 0.0
-    res = {
+    return {
         "layout": kind, "row_bytes": row_bytes, "batch": batch, "selected": sel_n, "miss_fraction": fraction,
         "misses_per_call": misses_per_call, "expected_misses_per_call": batch * miss,
         "eager_us": med(eager_us), "graph_us": med(graph_us), "kernel_us": med(kernel_us),
@@ -219,11 +228,6 @@ def bench(kind: str, batch: int, fraction: float, args: argparse.Namespace) -> d
         "kernel_gbps": moved / med(kernel_us) / 1e3 if miss else 0.0,
         "pcie_ceiling_gbps": PCIE_GBPS,
     }
-    # free the pools (pinned host memory above all) and the graphs' memory before the next store
-    del graph, store
-    gc.collect()
-    torch.cuda.empty_cache()
-    return res
 
 
 def sweep_kernel(rows: int = 16384) -> list[dict]:
