@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flush", default="read", choices=FLUSH_MODES,
                         help="how the L2 is flushed before each timed call (timing.py): read a 256 MB buffer (clean "
                              "lines left), write it (dirty lines left, each costs the timed kernel a write-back), or not")
-    parser.add_argument("--pdl", default="auto", choices=("auto", "on", "off"),
+    parser.add_argument("--pdl", default="auto", choices=pdl.MODES,
                         help="programmatic dependent launch of the decode path's kernels (kernels/pdl.py): auto = on "
                              "sm_90+ GPUs; off to compare")
     parser.add_argument("--json", default=None, help=f"write the results here (default on CUDA: {DEFAULT_JSON})")

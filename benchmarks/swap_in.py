@@ -36,6 +36,7 @@ import torch
 from sparse_framework import Batch, KVLayout, Request, Selection
 from sparse_framework.kv_store.copy import copy_rows
 from sparse_framework.kv_store.hierarchical import HierarchicalKVStore
+from timing import capture, warm_up_aside
 
 PCIE_GBPS = 55.0  # measured pinned host -> device, contiguous (DESIGN.md)
 LAYOUTS: dict[str, Callable[[int], KVLayout]] = {  # by number of layers
@@ -105,18 +106,15 @@ def time_layers_graph(
         for layer in range(layers):
             store.ensure_resident(layer, b, Selection(static[layer], lengths))
 
-    store.timing = False  # no timing events inside a graph
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    def warm_up() -> None:
         for r in range(rounds):
             static.copy_(steps[r])
             store.begin_step(b)
             step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):  # records only: the buffers still hold steps[rounds - 1]
-        step()
+
+    store.timing = False  # no timing events inside a graph
+    warm_up_aside(warm_up)
+    graph = capture(step)  # records only: the buffers still hold steps[rounds - 1]
 
     def replay(i: int) -> None:
         static.copy_(steps[rounds + i])
@@ -178,15 +176,12 @@ def measure(kind: str, batch: int, fraction: float, args: argparse.Namespace) ->
     # CUDA graph of the same step
     store.timing = False
     static = sels[calls + 1].clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            store.ensure_resident(0, b, Selection(static, lengths))
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def call() -> None:
         store.ensure_resident(0, b, Selection(static, lengths))
+
+    warm_up_aside(lambda: [call() for _ in range(2)])
+    graph = capture(call)
 
     def replay(i: int) -> None:
         static.copy_(sels[calls + 2 + i])

@@ -23,6 +23,25 @@ import torch
 FLUSH_MODES = ("read", "write", "none")
 
 
+def warm_up_aside(work: Callable[[], object]) -> None:
+    """Run `work` on a side stream, ordered after and before the current one: the warm-up
+    before a CUDA-graph capture (lazy initialisation, compilation and the allocator's first
+    blocks happen outside the capture, as torch.cuda.graphs asks)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        work()
+    torch.cuda.current_stream().wait_stream(side)
+
+
+def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """`fn` captured in a CUDA graph (warm it up first: `warm_up_aside`)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
 class Timer:
     """Median wall time of a callable in µs: CUDA events (L2 flushed before each call, see the
     module docstring) or perf_counter. flush: True (= "read"), False (= "none") or a FLUSH_MODES name."""
@@ -70,19 +89,13 @@ class Timer:
         as an engine that captures its decode step sees it); None where capture fails."""
         if not self.cuda:
             return None
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                fn()
-        except RuntimeError as e:  # e.g. an op that syncs with the host
-            print(f"  (CUDA graph capture failed: {str(e).splitlines()[0]})", file=sys.stderr)
-            return None
+        with torch.cuda.device(self.device):
+            warm_up_aside(lambda: [fn() for _ in range(3)])
+            try:
+                graph = capture(fn)
+            except RuntimeError as e:  # e.g. an op that syncs with the host
+                print(f"  (CUDA graph capture failed: {str(e).splitlines()[0]})", file=sys.stderr)
+                return None
         try:
             return self(graph.replay)
         finally:

@@ -33,10 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["PDL", "enabled", "wait"]
+__all__ = ["MODES", "PDL", "enabled", "wait"]
 
-PDL = "auto"  # "auto" | "on" | "off"
-_MODES = ("auto", "on", "off")
+MODES = ("auto", "on", "off")
+PDL = "auto"  # one of MODES
 
 
 @cache
@@ -46,8 +46,8 @@ def _capable(index: int) -> bool:
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL (see the module docstring)."""
-    if PDL not in _MODES:
-        raise ValueError(f"kernels.pdl.PDL must be one of {_MODES}, got {PDL!r}")
+    if PDL not in MODES:
+        raise ValueError(f"kernels.pdl.PDL must be one of {MODES}, got {PDL!r}")
     if PDL == "off" or device.type != "cuda":
         return False
     return PDL == "on" or _capable(device.index if device.index is not None else torch.cuda.current_device())

@@ -23,8 +23,6 @@ import triton.language as tl
 
 from . import pdl
 
-KEY_BITS = 20  # buffer units per stream < 2**20
-
 
 @triton.jit
 def plan_residency_kernel(

@@ -235,8 +235,7 @@ def _tiles(
     BLOCK_M: the GQA rows padded to 16, at most MAX_BLOCK_M and Q_TILE_BYTES of queries
     (64 MLA heads in bf16, 32 in float32). Eight warps when the float32 accumulator has 16K
     elements or more (64 MLA heads x 512: 128 registers a thread), else four."""
-    block_da = max(16, 1 << (d.bit_length() - 1))
-    block_db = _pow2(d - block_da, 16) if d > block_da else 0
+    block_da, block_db = _head_chunks(d)
     block_dv = _pow2(dv, 16)
     token_bytes = _token_bytes(d, dv, kv_bytes, v_shares_k)
     block_n = MAX_BLOCK_N
@@ -322,9 +321,10 @@ def _launch(
         v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
         and v_cache.dtype == k_cache.dtype
     )
-    shape = (q.device, rows, d, dv, q.element_size(), k_cache.element_size(), v_shares_k, KV_TILE_BYTES)
+    tile_args = (rows, d, dv, q.element_size(), k_cache.element_size(), v_shares_k)
+    shape = (q.device, *tile_args, KV_TILE_BYTES)
     while True:
-        tiles = _tiles(*shape[1:-1], tile_bytes=_FITTING_TILE.get(shape, KV_TILE_BYTES))
+        tiles = _tiles(*tile_args, tile_bytes=_FITTING_TILE.get(shape, KV_TILE_BYTES))
         try:
             _launch_tiles(q, k_cache, v_cache, table, lens, out, n_tokens, scale, tiles, indexed=indexed,
                           causal=causal, num_splits=num_splits, v_shares_k=v_shares_k)
@@ -337,10 +337,15 @@ def _launch(
             _FITTING_TILE[shape] = (block_n // 2) * _token_bytes(d, dv, k_cache.element_size(), v_shares_k)
 
 
+def _head_chunks(d: int) -> tuple[int, int]:
+    """(BLOCK_DA, BLOCK_DB): head dim d as two power-of-two chunks (see `_tiles`)."""
+    block_da = max(16, 1 << (d.bit_length() - 1))
+    return block_da, _pow2(d - block_da, 16) if d > block_da else 0
+
+
 def _token_bytes(d: int, dv: int, kv_bytes: int, v_shares_k: bool) -> int:
     """Bytes of one token's K (+ V) tile rows, as `_tiles` counts them."""
-    block_da = max(16, 1 << (d.bit_length() - 1))
-    block_db = _pow2(d - block_da, 16) if d > block_da else 0
+    block_da, block_db = _head_chunks(d)
     v_from_k = v_shares_k and dv == block_da
     return ((block_da + block_db) + (0 if v_from_k else _pow2(dv, 16))) * kv_bytes
 
