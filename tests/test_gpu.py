@@ -179,9 +179,10 @@ def test_whole_decode_layer_captures_in_a_cuda_graph(config, backend) -> None:
     """attention_begin (store write, select, ensure_resident, adapt) + attend has no host
     synchronisation: captured once, replays with new queries and keys give the eager outputs.
     The graph's kernels launch with PDL where the GPU has it (kernels/pdl.py), the eager call
-    they are compared with without: bit for bit the same."""
+    they are compared with without: bit for bit the same; so are eager calls whose kernels
+    are re-launched directly (kernels/launch.py) and through Triton."""
     from sparse_framework.coordinator import SparseCoordinator
-    from sparse_framework.kernels import pdl
+    from sparse_framework.kernels import launch, pdl
 
     layout = KVLayout(num_layers=1, num_kv_heads=4, head_dim=128, dtype=torch.bfloat16, device="cuda")
     cfg = {"top_k": 256, "page_size": 16, "sink_tokens": 16, "recent_tokens": 32, "device_buffer_tokens": 512,
@@ -209,12 +210,39 @@ def test_whole_decode_layer_captures_in_a_cuda_graph(config, backend) -> None:
             t.copy_(torch.randn_like(t, dtype=torch.float32))
         graph.replay()
         torch.cuda.synchronize()
-        pdl.PDL = "off"
+        direct = layer()  # eager, kernels re-launched through kernels/launch.py's direct path
+        pdl.PDL, launch.FAST = "off", "off"
         try:
-            want = layer()
+            want = layer()  # eager, every kernel through Triton's own launch
         finally:
-            pdl.PDL = "auto"
+            pdl.PDL, launch.FAST = "auto", "auto"
         torch.testing.assert_close(out, want, atol=0, rtol=0)
+        torch.testing.assert_close(direct, want, atol=0, rtol=0)
+
+
+def test_direct_launch_respects_triton_specialisation() -> None:
+    """kernels/launch.py on a real kernel: an int argument that Triton specialises (1, a
+    multiple of 16, beyond int32) or a misaligned tensor gets its own compiled kernel, so
+    every call computes what Triton's own launch computes; repeated signatures reuse it."""
+    import triton
+    import triton.language as tl
+
+    from sparse_framework.kernels import launch
+
+    @triton.jit
+    def scale_kernel(x_ptr, out_ptr, n, m, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = i < n
+        tl.store(out_ptr + i, tl.load(x_ptr + i, mask=live) * (m % 1000), mask=live)
+
+    launch.clear()
+    x = torch.arange(300, device="cuda", dtype=torch.int64)
+    for m in (3, 1, 3, 16, 1, 7, 2**33 + 5, 3, 2**33 + 7):
+        for src in (x, x[1:]):  # 16-byte aligned, then not
+            out = torch.empty_like(src)
+            launch.launch(scale_kernel, (triton.cdiv(src.numel(), 128),), src, out, src.numel(), m, BLOCK=128)
+            torch.testing.assert_close(out, src * (m % 1000))
+    assert launch.cache_size() == 8  # 4 int signatures (3/7, 1, 16, > int32) x 2 alignments
 
 
 @pytest.mark.parametrize("pow2", [True, False])

@@ -47,11 +47,12 @@ def test_every_kernel_launched_with_pdl_waits() -> None:
     launched = set()
     for path in root.rglob("*.py"):
         text = path.read_text()
-        for call in re.finditer(r"(\w+)\[[^\n]*\]\(", text):
+        # kernel[grid](...) or kernels/launch.py's launch(kernel, grid, ...)
+        for call in re.finditer(r"(?:(\w+)\[[^\n]*\]\(|\blaunch\((\w+_kernel),)", text):
             rest = text[call.end(): call.end() + 1500]
             end = rest.find("\n    )")
             if "launch_pdl=" in rest[: end if end >= 0 else None]:
-                launched.add(call.group(1))
+                launched.add(call.group(1) or call.group(2))
     assert {"_topk_hist_kernel", "_topk_write_kernel", "dsa_index_kernel", "_decode_split_kernel",
             "plan_residency_kernel", "copy_missing_kernel"} <= launched
     kernels = root / "kernels"

@@ -29,8 +29,9 @@ import triton.language as tl
 
 from ..adaptors.flash_attention import page_table_torch
 from ..kv_store.copy import write_token_rows
-from ..kv_store.pages import paged_slots_rows, pow2
+from ..kv_store.pages import cdiv, paged_slots_rows, pow2
 from . import pdl
+from .launch import launch
 
 __all__ = [
     "paged_slots_rows", "paged_slots_rows_triton", "write_token_rows", "write_token_rows_triton",
@@ -77,7 +78,7 @@ def paged_slots_rows_triton(
     if out.numel():
         block = min(1024, pow2(n))
         use_pdl = pdl.enabled(pos.device)
-        paged_slots_kernel[(b, triton.cdiv(n, block))](
+        launch(paged_slots_kernel, (b, cdiv(n, block)),
             table, rows, flat, out, n, table.shape[1], page_size, table.stride(0), BLOCK=block, PDL=use_pdl,
             launch_pdl=use_pdl,
         )
@@ -133,7 +134,7 @@ def write_token_rows_triton(
     s_slot, s_h = (bufs[0].stride(1), bufs[0].stride(0)) if head_major else (bufs[0].stride(0), bufs[0].stride(1))
     two = len(bufs) == 2
     use_pdl = pdl.enabled(rows.device)
-    write_token_rows_kernel[(n, h)](
+    launch(write_token_rows_kernel, (n, h),
         rows, seq_lens, table, slots,
         data[0], bufs[0], data[-1], bufs[-1],
         table.shape[1], page_size, table.stride(0), d,
@@ -177,7 +178,7 @@ def page_table_triton(
     if b * h:
         block = min(1024, pow2(max(n_pages, 1)))
         use_pdl = pdl.enabled(slots.device)
-        page_table_kernel[(b * h, max(1, triton.cdiv(n_pages, block)))](
+        launch(page_table_kernel, (b * h, max(1, cdiv(n_pages, block))),
             slots, lengths, table, seqlens, h, width, n_pages, page_size,
             num_slots // page_size if h > 1 else 0, BLOCK=block, PDL=use_pdl, launch_pdl=use_pdl,
         )

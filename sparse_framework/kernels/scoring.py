@@ -37,6 +37,8 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from ..kv_store.pages import cdiv
+from .launch import launch
 from .topk import check_first_pass, first_digit_histogram, window
 from ..algorithms.reference_scores import (
     FP8_BLOCK,
@@ -200,9 +202,9 @@ def quest_scores_triton(
         return out
     block_d = _pow2(d)
     block_p = max(1, min(_pow2(n_pages), QUEST_TILE // block_d))
-    grid = (b, hkv, triton.cdiv(n_pages, block_p))
+    grid = (b, hkv, cdiv(n_pages, block_p))
     use_pdl = pdl.enabled(q.device)
-    quest_scores_kernel[grid](
+    launch(quest_scores_kernel, grid,
         q, page_min, page_max, slot_ids, out, n_pages, d, *q.stride(), *page_min.stride(),
         HKV=hkv, G=g, REDUCE=REDUCTIONS[reduce], BLOCK_P=block_p, BLOCK_D=block_d, PDL=use_pdl,
         num_warps=QUEST_WARPS, launch_pdl=use_pdl,
@@ -264,8 +266,8 @@ def pqcache_scores_triton(
     if out.numel() == 0:
         return out
     block_n = min(PQ_BLOCK_N, _pow2(n))
-    grid = (b, hkv, triton.cdiv(n, block_n))
-    pqcache_scores_kernel[grid](
+    grid = (b, hkv, cdiv(n, block_n))
+    launch(pqcache_scores_kernel, grid,
         table, codes, slot_ids, out, n, *codes.stride(),
         HKV=hkv, G=g, M=m, K=k, REDUCE=PQ_REDUCTIONS[reduce], BLOCK_M=_pow2(m), BLOCK_N=block_n, num_warps=PQ_WARPS,
     )
@@ -359,16 +361,16 @@ def snapkv_window_mass_triton(q_window: torch.Tensor, keys: torch.Tensor) -> tor
     qk_scale = 1.4426950408889634 / math.sqrt(d)
     block_n = SNAPKV_BLOCK_N
     split = max(block_n, SNAPKV_SPLIT // block_n * block_n)
-    n_splits = triton.cdiv(n, split)
+    n_splits = cdiv(n, split)
     part = torch.empty(hq, w, n_splits, dtype=torch.float32, device=keys.device)
-    row_blocks = triton.cdiv(group * w, SNAPKV_BLOCK_M)
-    snapkv_lse_kernel[(hkv * row_blocks, n_splits)](
+    row_blocks = cdiv(group * w, SNAPKV_BLOCK_M)
+    launch(snapkv_lse_kernel, (hkv * row_blocks, n_splits),
         q_window, keys, part, n, w, d, split, n_splits, qk_scale, *q_window.stride(), *keys.stride(),
         G=group, MODE=mode, KDT=kdt, BLOCK_M=SNAPKV_BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=SNAPKV_WARPS,
     )
     lse = part.logsumexp(-1).contiguous()  # [Hq, w]
     block_w = min(SNAPKV_BLOCK_W, _pow2(w, 16))
-    snapkv_mass_kernel[(hkv, triton.cdiv(n - w, SNAPKV_BLOCK_K))](
+    launch(snapkv_mass_kernel, (hkv, cdiv(n - w, SNAPKV_BLOCK_K)),
         q_window, keys, lse, out, n, w, d, qk_scale, *q_window.stride(), *keys.stride(),
         G=group, MODE=mode, KDT=kdt, BLOCK_W=block_w, BLOCK_K=SNAPKV_BLOCK_K, BLOCK_D=block_d, num_warps=SNAPKV_WARPS,
     )
@@ -563,12 +565,12 @@ def _dsa_launch(
     mode, kdt = _dot_mode(torch.float16 if quantize else index_q.dtype, index_k.dtype)
     tune = DSA_TUNING["fp8q" if quantize else "fp8" if fp8 else "16bit"]
     block_n = tune["block_n"]
-    blocks = triton.cdiv(n, block_n)  # per row
-    steps = max(1, min(tune["steps"], blocks, triton.cdiv(b * blocks, DSA_MIN_PROGRAMS)))
-    grid = (b, triton.cdiv(n, block_n * steps))
+    blocks = cdiv(n, block_n)  # per row
+    steps = max(1, min(tune["steps"], blocks, cdiv(b * blocks, DSA_MIN_PROGRAMS)))
+    grid = (b, cdiv(n, block_n * steps))
     hist, lens, sink, recent = first_pass if first_pass is not None else (out, slot_ids, 0, 0)
     use_pdl = pdl.enabled(index_q.device)
-    dsa_index_kernel[grid](
+    launch(dsa_index_kernel, grid,
         index_q, weights, index_k, scale, slot_ids, out, hist, lens, n, h, sink, recent,
         *index_q.stride(), *weights.stride(), *index_k.stride(), *(scale.stride() if fp8 else (0, 0, 0)),
         DI=di, FP8=fp8, NATIVE=native, MODE=mode, KDT=kdt,

@@ -52,6 +52,8 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from ..kv_store.pages import cdiv
+from .launch import launch
 from .scoring import _dot, _dot_mode, _pow2
 
 try:  # raised at launch when a kernel needs more shared memory than the GPU has
@@ -258,12 +260,12 @@ def choose_num_splits(
     `device` None or not CUDA): batch 8 x 8 KV heads over 2048 tokens, 64 programs -> 5 splits
     (320 programs); MLA batch 8 x 2 blocks of 64 heads -> 9 splits; batch 64 x 8 KV heads ->
     1 split (the output is written directly, no combine)."""
-    blocks = triton.cdiv(max(n_tokens, 0), block_n)
+    blocks = cdiv(max(n_tokens, 0), block_n)
     if blocks <= 1 or programs <= 0:
         return 1
     sms = DEFAULT_NUM_SMS if device is None else _num_sms(torch.device(device))
     target = sms * max(1, TARGET_WARPS_PER_SM // num_warps)
-    return max(1, min(triton.cdiv(target, programs), blocks, MAX_SPLITS))
+    return max(1, min(cdiv(target, programs), blocks, MAX_SPLITS))
 
 
 # -- launchers ----------------------------------------------------------------------------------
@@ -365,11 +367,11 @@ def _launch_tiles(
     block_m, block_n, block_da, block_db, block_dv, warps = tiles
     warps = WARPS_OVERRIDE or warps
     v_from_k = v_shares_k and dv == block_da
-    programs = ns * hk * triton.cdiv(rows, block_m)
+    programs = ns * hk * cdiv(rows, block_m)
     if num_splits is None:
         num_splits = choose_num_splits(programs, n_tokens, block_n, warps, q.device)
-    split_len = triton.cdiv(triton.cdiv(max(n_tokens, 1), max(1, num_splits)), block_n) * block_n
-    num_splits = max(1, triton.cdiv(n_tokens, split_len))  # no program whose split is past every sequence
+    split_len = cdiv(cdiv(max(n_tokens, 1), max(1, num_splits)), block_n) * block_n
+    num_splits = max(1, cdiv(n_tokens, split_len))  # no program whose split is past every sequence
     split = num_splits > 1
     if split:
         part = torch.empty(ns * hk * rows * num_splits * dv, dtype=torch.float32, device=q.device)
@@ -379,7 +381,7 @@ def _launch_tiles(
     qk_mode, kdt = _dot_mode(q.dtype, k_cache.dtype)
     pv_mode, vdt = _dot_mode(v_cache.dtype, v_cache.dtype)
     use_pdl = pdl.enabled(q.device)
-    _decode_split_kernel[(programs, num_splits)](
+    launch(_decode_split_kernel, (programs, num_splits),
         q, k_cache, v_cache, table, table if lens is None else lens, out, part, lse,
         n_tokens, split_len, num_splits, scale * 1.4426950408889634,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *table.stride(), *out.stride(),
@@ -389,7 +391,7 @@ def _launch_tiles(
         PDL=use_pdl, num_warps=warps, num_stages=NUM_STAGES, launch_pdl=use_pdl,
     )
     if split:
-        _combine_kernel[(ns * hk * rows,)](
+        launch(_combine_kernel, (ns * hk * rows,),
             part, lse, out, num_splits, *out.stride(),
             HK=hk, G=group, S=s_q, DV=dv, BLOCK_SPLITS=_pow2(num_splits), BLOCK_DV=block_dv,
             PDL=use_pdl, num_warps=max(1, min(4, block_dv // 128)), launch_pdl=use_pdl,

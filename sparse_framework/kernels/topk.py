@@ -68,6 +68,8 @@ import triton.language as tl
 
 from ..batch import Selection
 from . import pdl
+from ..kv_store.pages import cdiv
+from .launch import launch
 
 __all__ = ["topk_selection_triton", "first_pass_buffer", "check_first_pass", "first_digit_histogram", "window"]
 
@@ -294,9 +296,9 @@ def _block(rows: int, n_units: int) -> int:
     if BLOCK_OVERRIDE is not None:
         return BLOCK_OVERRIDE
     block = min(MAX_BLOCK, _pow2(n_units))
-    while block > MIN_BLOCK and rows * triton.cdiv(n_units, block) < TARGET_PROGRAMS:
+    while block > MIN_BLOCK and rows * cdiv(n_units, block) < TARGET_PROGRAMS:
         block //= 2
-    return max(block, _pow2(triton.cdiv(n_units, MAX_CHUNKS)))  # huge rows: cap the chunk count
+    return max(block, _pow2(cdiv(n_units, MAX_CHUNKS)))  # huge rows: cap the chunk count
 
 
 def topk_selection_triton(
@@ -331,7 +333,7 @@ def topk_selection_triton(
     if rows == 0 or width == 0:
         return Selection(indices=indices, lengths=torch.zeros(b, h, dtype=torch.int32, device=device), page_size=unit)
     block = _block(rows, n_units)
-    n_chunks = triton.cdiv(n_units, block)
+    n_chunks = cdiv(n_units, block)
     if n_chunks * block * unit >= 2**31:
         raise ValueError(f"topk_selection: {n_units} units of {unit} tokens overflow int32 token ids")
     lengths = torch.empty(b, h, dtype=torch.int32, device=device)
@@ -359,10 +361,10 @@ def topk_selection_triton(
     for p in range(first, _PASSES + 1):
         # the scores may be read before the wait unless the previous kernel wrote them (pass
         # 1 follows the memset; pass 2 after a fused first pass follows the scores' producer)
-        _topk_hist_kernel[grid](scores, lens, hist, state, sure, suffix, *common, budget,
+        launch(_topk_hist_kernel, grid, scores, lens, hist, state, sure, suffix, *common, budget,
                                 PASS=p, UNIT=unit, BLOCK=block, PDL=use_pdl, EARLY=p == 1 or p > first,
                                 num_warps=warps, launch_pdl=use_pdl)
-    _topk_write_kernel[grid](scores, lens, hist, state, sure, suffix, indices, lengths, *common, n_chunks, width,
+    launch(_topk_write_kernel, grid, scores, lens, hist, state, sure, suffix, indices, lengths, *common, n_chunks, width,
                              UNIT=unit, BLOCK=block, CBLOCK=_pow2(n_chunks), PDL=use_pdl,
                              num_warps=warps, launch_pdl=use_pdl)
     return Selection(indices=indices, lengths=lengths, page_size=unit)

@@ -70,6 +70,7 @@ def copy_rows(
         dst.view(-1)[d.to(dst.device)] = src.view(-1)[s.to(src.device)].to(dst.device)
         return
     from ..kernels.copy_rows import copy_rows_kernel
+    from ..kernels.launch import launch
 
     n = src_off.numel()
     if n == 0:
@@ -77,7 +78,7 @@ def copy_rows(
     rows_per_program, cols, warps = TUNING
     cols = min(cols, pow2(row))
     grid = (-(-n // rows_per_program),)
-    copy_rows_kernel[grid](
+    launch(copy_rows_kernel, grid,
         _as_kernel_arg(src), _as_kernel_arg(dst), src_off, dst_off, n,
         ROW=row, ROWS_PER_PROGRAM=rows_per_program, COLS=cols, num_warps=warps,
     )

@@ -430,6 +430,7 @@ class HierarchicalKVStore(KVStore):
     def _ensure_resident_fused(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
         """`ensure_resident` in two kernel launches (kernels/residency.py)."""
         from ..kernels import pdl
+        from ..kernels.launch import launch
         from ..kernels.residency import copy_missing_kernel, plan_residency_kernel
         from .copy import _as_kernel_arg
 
@@ -444,7 +445,7 @@ class HierarchicalKVStore(KVStore):
         n_todo = torch.empty(b * s, dtype=torch.int32, device=self.device)  # every entry written
         start = self._timer() if self.timing else None
         use_pdl = pdl.enabled(idx.device)
-        plan_residency_kernel[(b * s,)](
+        launch(plan_residency_kernel, (b * s,),
             idx, batch.slot_ids, batch.seq_lens, self.l2s[layer], self.s2l[layer], self.last_used[layer],
             self.clock, self.dev_table[layer], slots, todo, n_todo, scratch, self.counts[layer],
             s, w, wu, self.max_units, self.buffer_units, u, self.page_size, self.dev_table.shape[-1],
@@ -456,7 +457,7 @@ class HierarchicalKVStore(KVStore):
         dev = self.dev
         two = len(dev) == 2
         per_layer = self.layout.stored_row_elems
-        copy_missing_kernel[(COPY_PROGRAMS,)](
+        launch(copy_missing_kernel, (COPY_PROGRAMS,),
             todo, n_todo, idx, slots, batch.slot_ids, self.host_table,
             host[0], dev[0], host[1] if two else host[0], dev[1] if two else dev[0],
             s, w, self.page_size, self.host_table.shape[-1],
