@@ -177,6 +177,8 @@ assert got.indices[0, 0, : got.lengths[0, 0]].tolist() == list(range(42)) + list
 x = torch.randint(0, 4, (1, 2, 160), generator=g).float()
 for budget in (1, 37, 80):
     run(x, [160], 32, budget_units=budget, **kw)
+# a chunk too big for the write kernel's packed scan (> 2^14 units): its two-scan path
+run(torch.randint(0, 4, (1, 1, 20000), generator=g).float(), [20000], 32768, budget_units=3000, **kw)
 # NaN / -inf / -max tie at the bottom; +inf / +max at the top
 x = torch.tensor([[[1.0, float("nan"), -BIG, float("-inf"), 2.0, float("inf"), BIG, -0.0, 0.0, 0.0, -1.0, 5.0]]])
 for budget in range(0, 13):
@@ -291,7 +293,7 @@ def test_topk_selection_dispatches_to_the_kernel(monkeypatch) -> None:
     monkeypatch.setattr(tk, "topk_selection_triton", lambda *a, **kw: calls.append(kw) or "sel")
     kw = dict(unit=2, budget_units=3, sink_tokens=1, recent_tokens=4, width_units=9)
     assert topk_selection(torch.zeros(1, 1, 4), torch.tensor([8]), impl="triton", **kw) == "sel"
-    assert calls == [{**kw, "first_pass": None}]
+    assert calls == [{**kw, "first_pass": None, "zeroed": None}]
     assert topk_selection(torch.zeros(1, 1, 4), torch.tensor([8]), impl="auto", **kw) != "sel"  # CPU: torch
 
 

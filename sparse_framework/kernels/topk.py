@@ -71,7 +71,8 @@ from . import pdl
 from ..kv_store.pages import cdiv
 from .launch import launch
 
-__all__ = ["topk_selection_triton", "first_pass_buffer", "check_first_pass", "first_digit_histogram", "window"]
+__all__ = ["topk_selection_triton", "first_pass_buffer", "histogram_scratch", "check_first_pass", "first_digit_histogram",
+           "window"]
 
 # launch shapes (module attributes, so that tests and benchmarks can change them): BLOCK units
 # per program, the largest power of two in [MIN_BLOCK, MAX_BLOCK] that still gives about
@@ -246,9 +247,18 @@ def _topk_write_kernel(
     my_tied_before = tl.sum(tl.where(c < chunk, tied, 0), 0)
 
     is_tie = eligible & (key == thr)
-    tie_rank = my_tied_before + tl.cumsum(is_tie.to(tl.int32), 0) - 1
-    keep = forced | (eligible & (key > thr)) | (is_tie & (tie_rank < n_tie))
-    slot = base + tl.cumsum(keep.to(tl.int32), 0) - 1
+    sure = forced | (eligible & (key > thr))  # kept whatever the ties (forced units are not eligible)
+    quota = tl.maximum(n_tie - my_tied_before, 0)  # this chunk's ties that are kept: its first `quota`
+    if BLOCK <= 16384:
+        # one scan for both counts: sure units in the high bits, ties in the low 16 (< 2^14 each)
+        both = tl.cumsum(sure.to(tl.int32) * 65536 + is_tie.to(tl.int32), 0)
+        ties_incl = both & 0xFFFF
+        sure_incl = both >> 16
+    else:
+        ties_incl = tl.cumsum(is_tie.to(tl.int32), 0)
+        sure_incl = tl.cumsum(sure.to(tl.int32), 0)
+    keep = sure | (is_tie & (ties_incl <= quota))
+    slot = base + sure_incl + tl.minimum(ties_incl, quota) - 1
     ok = keep & (slot < width)
     out_row = out_ptr + row.to(tl.int64) * (width * UNIT)
     for o in range(UNIT):
@@ -272,6 +282,12 @@ def _topk_write_kernel(
 def first_pass_buffer(rows: int, device: torch.device | str) -> torch.Tensor:
     """The zeroed histograms of `rows` score rows, for a producer that does pass 1 itself."""
     return torch.zeros(rows * _HIST_ROW, dtype=torch.int32, device=device)
+
+
+def histogram_scratch(rows: int, device: torch.device | str) -> torch.Tensor:
+    """Uninitialised histograms of `rows` score rows, for a producer that zeroes them
+    (`topk_selection_triton(zeroed=...)`)."""
+    return torch.empty(rows * _HIST_ROW, dtype=torch.int32, device=device)
 
 
 def check_first_pass(hist: torch.Tensor, rows: int, device: torch.device, who: str) -> None:
@@ -311,6 +327,7 @@ def topk_selection_triton(
     recent_tokens: int,
     width_units: int,
     first_pass: torch.Tensor | None = None,
+    zeroed: torch.Tensor | None = None,
 ) -> Selection:
     """Triton version of `topk_selection` (same arguments and result; ties at the threshold
     keep the lowest unit ids). scores: float32 [B, H, n_units] on CUDA (or the CPU under
@@ -318,7 +335,10 @@ def topk_selection_triton(
 
     first_pass: a `first_pass_buffer` whose rows' first 256 entries the producer of the scores
     has filled with `first_digit_histogram` (same seq_lens, sink and recent window, clamped by
-    `window`): pass 1 is then skipped (its launch and the memset)."""
+    `window`): pass 1 is then skipped (its launch and the memset).
+    zeroed: a `first_pass_buffer`-shaped buffer that the producer of the scores has zeroed
+    (DSA's indexer, `dsa_index_scores_fp8q_triton(zero_hist=...)`): used as the histograms
+    instead of a fresh zeroed one, so no memset runs between the producer and pass 1."""
     if scores.dim() != 3:
         raise ValueError(f"topk_selection: scores must be [B, H, n_units], got {tuple(scores.shape)}")
     if unit < 1:
@@ -341,11 +361,13 @@ def topk_selection_triton(
     lens = seq_lens.to(device=device)
     if lens.dtype not in (torch.int32, torch.int64):
         lens = lens.to(torch.int64)
-    if first_pass is None:
-        hist = first_pass_buffer(rows, device)  # the one memset
+    if first_pass is not None and zeroed is not None:
+        raise ValueError("topk_selection: first_pass and zeroed exclude each other")
+    if first_pass is not None or zeroed is not None:
+        hist = first_pass if first_pass is not None else zeroed
+        check_first_pass(hist, rows, device, "topk_selection")
     else:
-        check_first_pass(first_pass, rows, device, "topk_selection")
-        hist = first_pass
+        hist = first_pass_buffer(rows, device)  # the one memset
     # written before they are read: state by each row's chunk 0, the rest by every program
     scratch = torch.empty(rows * (_STATE_ROW + n_chunks * (1 + _NB)), dtype=torch.int32, device=device)
     state = scratch[: rows * _STATE_ROW]
@@ -359,10 +381,11 @@ def topk_selection_triton(
     use_pdl = pdl.enabled(device)
     first = 1 if first_pass is None else 2
     for p in range(first, _PASSES + 1):
-        # the scores may be read before the wait unless the previous kernel wrote them (pass
-        # 1 follows the memset; pass 2 after a fused first pass follows the scores' producer)
+        # the scores may be read before the wait unless the previous kernel wrote them: the
+        # first pass launched follows the scores' producer, except pass 1 after the memset
+        early = p > first or zeroed is None and first_pass is None
         launch(_topk_hist_kernel, grid, scores, lens, hist, state, sure, suffix, *common, budget,
-                                PASS=p, UNIT=unit, BLOCK=block, PDL=use_pdl, EARLY=p == 1 or p > first,
+                                PASS=p, UNIT=unit, BLOCK=block, PDL=use_pdl, EARLY=early,
                                 num_warps=warps, launch_pdl=use_pdl)
     launch(_topk_write_kernel, grid, scores, lens, hist, state, sure, suffix, indices, lengths, *common, n_chunks, width,
                              UNIT=unit, BLOCK=block, CBLOCK=_pow2(n_chunks), PDL=use_pdl,
