@@ -174,14 +174,12 @@ NAN = float("nan")
 SETTINGS = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck),
                 phases=[Phase.explicit, Phase.reuse, Phase.generate])
 DEFAULTS = (sd.MAX_BLOCK_N, sd.MAX_BLOCK_M)
-FUSE_DEFAULT = sd.FUSE_COMBINE
 
 def tunables(block_n, block_m):
     sd.MAX_BLOCK_N, sd.MAX_BLOCK_M = block_n, block_m
 
 def restore():
     sd.MAX_BLOCK_N, sd.MAX_BLOCK_M = DEFAULTS
-    sd.FUSE_COMBINE = FUSE_DEFAULT
 
 def check(got, want, dtype, what):
     assert got.dtype == dtype and got.shape == want.shape, (what, got.dtype, got.shape, want.shape)
@@ -218,19 +216,16 @@ def paged_case(g, n, hk, group, s_q, d, dv_kind, page, max_pages, lengths, dtype
        page=st.sampled_from([1, 4, 16]), max_pages=st.integers(1, 5),
        fill=st.lists(st.floats(0, 1), min_size=3, max_size=3),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), splits=st.sampled_from([None, 1, 2, 5]),
-       block_n=st.sampled_from([16, 64]), block_m=st.sampled_from([16, 64]), fused=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_paged(n, hk, group, s_q, causal, d, dv_kind, page, max_pages, fill, dtype, splits, block_n, block_m, fused, seed):
+       block_n=st.sampled_from([16, 64]), block_m=st.sampled_from([16, 64]), seed=st.integers(0, 2**16))
+def test_paged(n, hk, group, s_q, causal, d, dv_kind, page, max_pages, fill, dtype, splits, block_n, block_m, seed):
     g = torch.Generator().manual_seed(seed)
     cap = max_pages * page
     lengths = [0 if f < 0.1 else cap if f > 0.9 else int(f * cap) for f in fill[:n]]  # empty, full, partial
     q, k, v, table, lens = paged_case(g, n, hk, group, s_q, d, dv_kind, page, max_pages, lengths, dtype)
     tunables(block_n, block_m)
-    sd.FUSE_COMBINE = fused  # the last split merges (fused) or _combine_kernel does
     scale = d**-0.5
     got = sd.paged_decode(q, k, v, table, lens, scale, causal=causal, num_splits=splits)
     check(got, reference_paged(q, k, v, table, lens, scale, causal), dtype, ("paged", lengths))
-    assert all(int(c.abs().sum()) == 0 for c in sd._COUNTERS.values()), "a split counter was not reset"
     if s_q == 1:  # q [N, Hq, D] -> [N, Hq, Dv]
         check(sd.paged_decode(q[:, 0], k, v, table, lens, scale, num_splits=splits),
               paged_attention(q[:, 0], k, v, table, lens, scale), dtype, "paged 3d")

@@ -293,7 +293,7 @@ def test_topk_selection_dispatches_to_the_kernel(monkeypatch) -> None:
     monkeypatch.setattr(tk, "topk_selection_triton", lambda *a, **kw: calls.append(kw) or "sel")
     kw = dict(unit=2, budget_units=3, sink_tokens=1, recent_tokens=4, width_units=9)
     assert topk_selection(torch.zeros(1, 1, 4), torch.tensor([8]), impl="triton", **kw) == "sel"
-    assert calls == [{**kw, "first_pass": None, "zeroed": None}]
+    assert calls == [{**kw, "first_pass": None}]
     assert topk_selection(torch.zeros(1, 1, 4), torch.tensor([8]), impl="auto", **kw) != "sel"  # CPU: torch
 
 

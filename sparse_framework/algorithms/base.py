@@ -188,12 +188,9 @@ class ScoringAlgorithm(SparseAlgorithm):
         scores = self.score(layer, queries, batch, inputs=inputs).float()
         return self.top_units(scores, batch)
 
-    def top_units(
-        self, scores: torch.Tensor, batch: Batch, first_pass: torch.Tensor | None = None,
-        zeroed: torch.Tensor | None = None,
-    ) -> Selection:
-        """`topk_selection` of this algorithm's scores with its config (first_pass, zeroed:
-        see kernels/topk.py; only with topk_impl "triton")."""
+    def top_units(self, scores: torch.Tensor, batch: Batch, first_pass: torch.Tensor | None = None) -> Selection:
+        """`topk_selection` of this algorithm's scores with its config (first_pass: see
+        kernels/topk.py; only with topk_impl "triton")."""
         assert batch.seq_lens is not None, "forward_begin fills seq_lens"
         return topk_selection(
             scores,
@@ -205,7 +202,6 @@ class ScoringAlgorithm(SparseAlgorithm):
             width_units=_max_units(self.config, self.unit, self.budget_units(self.config)),
             impl=self.topk_impl,
             first_pass=first_pass,
-            zeroed=zeroed,
         )
 
 
@@ -220,7 +216,6 @@ def topk_selection(
     width_units: int,
     impl: str = "torch",
     first_pass: torch.Tensor | None = None,
-    zeroed: torch.Tensor | None = None,
 ) -> Selection:
     """Turn unit scores into a Selection without a host sync.
 
@@ -230,17 +225,17 @@ def topk_selection(
     impl: "torch" (this code), "triton" (`kernels.topk.topk_selection_triton`: the same
     result, up to which units tied at the threshold are kept — it keeps the lowest ids — in a
     few kernels instead of ~15 torch ops and torch.topk) or "auto" (Triton on CUDA). Triton
-    is imported only when chosen. first_pass / zeroed: the Triton path's histograms, filled
-    with pass 1 / zeroed by the producer of the scores (`topk_selection_triton`).
+    is imported only when chosen. first_pass: the Triton path's pass-1 histograms, filled by
+    the producer of the scores (`topk_selection_triton`).
     """
     if resolve_impl(impl, scores.device) == "triton":
         from ..kernels.topk import topk_selection_triton
         return topk_selection_triton(
             scores, seq_lens, unit=unit, budget_units=budget_units, sink_tokens=sink_tokens,
-            recent_tokens=recent_tokens, width_units=width_units, first_pass=first_pass, zeroed=zeroed,
+            recent_tokens=recent_tokens, width_units=width_units, first_pass=first_pass,
         )
-    if first_pass is not None or zeroed is not None:
-        raise ValueError("topk_selection: first_pass and zeroed need impl 'triton'")
+    if first_pass is not None:
+        raise ValueError("topk_selection: first_pass needs impl 'triton'")
     b, h, n_units = scores.shape
     device = scores.device
     lens = seq_lens.to(device=device, dtype=torch.long).view(b, 1, 1)

@@ -48,10 +48,6 @@ from .base import NO_INPUTS, Inputs, ScoringAlgorithm, group_probabilities, key_
 # histograms made the indexer 18 µs slower (74 -> 92 µs) to save a 7.9 µs pass. A module
 # attribute, so that tests and benchmarks can switch it on
 FUSE_TOPK_FIRST_PASS = False
-# whether the Triton indexer zeroes the top-k's histograms (its chunk-0 programs store 1024
-# zeros per row), so that no memset sits between it and the top-k's first pass: the memset
-# node also broke the chain of programmatic dependent launches (kernels/pdl.py)
-ZERO_TOPK_HIST = True
 
 
 class DSAOptions(BaseModel):
@@ -162,24 +158,18 @@ class DSA(ScoringAlgorithm):
         self._store_index_keys(layer, batch.slot_ids, pos, inputs["index_k"])
 
     def select(self, layer: int, queries: torch.Tensor, batch: Batch, *, inputs: Inputs = NO_INPUTS) -> Selection:
-        """Scores and top-k. With FP8 keys on the Triton path the indexer kernel also zeroes
-        the top-k's histograms (no memset between the two, ZERO_TOPK_HIST) or, with
-        FUSE_TOPK_FIRST_PASS, does the top-k's first radix pass, which saves that launch."""
-        if not (self.options.source == "indexer" and self.fp8 and self.topk_impl == "triton"
-                and (FUSE_TOPK_FIRST_PASS or ZERO_TOPK_HIST)):
+        """Scores and top-k; with FP8 keys on the Triton path (and FUSE_TOPK_FIRST_PASS) the
+        indexer kernel also does the top-k's first radix pass, which saves that launch."""
+        if not (FUSE_TOPK_FIRST_PASS and self.options.source == "indexer" and self.fp8 and self.topk_impl == "triton"):
             return super().select(layer, queries, batch, inputs=inputs)
-        from ..kernels.topk import first_pass_buffer, histogram_scratch
+        from ..kernels.topk import first_pass_buffer
 
         assert batch.seq_lens is not None and batch.slot_ids is not None and self.k_scale is not None
-        rows, device = batch.seq_lens.shape[0], batch.seq_lens.device
-        args = (inputs["index_q"], inputs["index_weights"], self.index_k[layer], self.k_scale[layer],
-                batch.slot_ids, batch.max_seq_len)
-        if FUSE_TOPK_FIRST_PASS:
-            hist = first_pass_buffer(rows, device)
-            window = (hist, batch.seq_lens, self.config.sink_tokens, self.config.recent_tokens)
-            return self.top_units(self.index_scores(*args, first_pass=window).unsqueeze(1), batch, first_pass=hist)
-        hist = histogram_scratch(rows, device)  # zeroed by the indexer
-        return self.top_units(self.index_scores(*args, zero_hist=hist).unsqueeze(1), batch, zeroed=hist)
+        hist = first_pass_buffer(batch.seq_lens.shape[0], batch.seq_lens.device)
+        window = (hist, batch.seq_lens, self.config.sink_tokens, self.config.recent_tokens)
+        scores = self.index_scores(inputs["index_q"], inputs["index_weights"], self.index_k[layer], self.k_scale[layer],
+                                   batch.slot_ids, batch.max_seq_len, first_pass=window)
+        return self.top_units(scores.unsqueeze(1), batch, first_pass=hist)
 
     def score(
         self, layer: int, queries: torch.Tensor, batch: Batch, *, inputs: Inputs = NO_INPUTS

@@ -463,11 +463,9 @@ def dsa_index_kernel(
     the ReLU: q_scale folds into the head weights and k_scale multiplies the token's sum,
     leaving the epilogue ReLU, weight and sum only.
 
-    HIST 1: also top-k's first radix pass over these scores (kernels/topk.py,
+    HIST: also top-k's first radix pass over these scores (kernels/topk.py,
     `first_digit_histogram`; row b of length lens[b], the sink and recent window forced),
     added into hist[b, 0:256] once per program: the top-k then skips that pass.
-    HIST 2: only zero the top-k's histograms hist[b, 0:1024] (the programs of chunk 0), so
-    that the top-k needs no memset between the two kernels.
 
     PDL: waits for the previous kernel first (kernels/pdl.py)."""
     pdl.wait(PDL)
@@ -490,10 +488,7 @@ def dsa_index_kernel(
         if FOLD:
             wts = wts * q_scales[0]
     first = tl.program_id(1) * (BLOCK_N * STEPS)
-    if HIST == 2:
-        if tl.program_id(1) == 0:
-            tl.store(hist_ptr + b.to(tl.int64) * 1024 + tl.arange(0, 1024), tl.zeros([1024], tl.int32))
-    if HIST == 1:
+    if HIST:
         ln = tl.load(lens_ptr + b).to(tl.int32)
         hist = tl.zeros([256], tl.int32)
     for step in tl.range(0, STEPS, num_stages=STAGES):
@@ -536,9 +531,9 @@ def dsa_index_kernel(
         if FOLD:
             score = score * tl.load(s_row, mask=t_ok, other=0.0)
         tl.store(out_ptr + b * n + t, score, mask=t_ok)
-        if HIST == 1:
+        if HIST:
             hist += first_digit_histogram(score, t, ln, n, sink, recent, 1)
-    if HIST == 1:
+    if HIST:
         tl.atomic_add(hist_ptr + b.to(tl.int64) * 1024 + tl.arange(0, 256), hist, mask=hist > 0, sem="relaxed")
 
 
@@ -554,11 +549,10 @@ def _fp8_native(device: torch.device) -> bool:
 def _dsa_launch(
     index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, k_scale: torch.Tensor | None,
     slot_ids: torch.Tensor, n: int, b: int, h: int, di: int, quantize: bool, pow2_scales: bool,
-    first_pass: tuple[torch.Tensor, torch.Tensor, int, int] | None = None, zero_hist: torch.Tensor | None = None,
+    first_pass: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
 ) -> torch.Tensor:
     """Launch `dsa_index_kernel` on checked arguments (quantize: fp8 keys, raw queries;
-    first_pass: (hist, seq_lens, sink, recent) for top-k's pass 1; zero_hist: histograms
-    to zero; see the kernel's HIST)."""
+    first_pass: (hist, seq_lens, sink, recent) for top-k's pass 1, see the kernel)."""
     fp8 = k_scale is not None
     _launchable(index_q, weights, index_k, slot_ids, *([k_scale] if fp8 else []))
     out = torch.empty(b, n, dtype=torch.float32, device=index_q.device)
@@ -574,11 +568,7 @@ def _dsa_launch(
     blocks = cdiv(n, block_n)  # per row
     steps = max(1, min(tune["steps"], blocks, cdiv(b * blocks, DSA_MIN_PROGRAMS)))
     grid = (b, cdiv(n, block_n * steps))
-    if first_pass is not None:
-        hist, lens, sink, recent = first_pass
-    else:
-        hist, lens, sink, recent = (out if zero_hist is None else zero_hist), slot_ids, 0, 0
-    hist_mode = 1 if first_pass is not None else 2 if zero_hist is not None else 0
+    hist, lens, sink, recent = first_pass if first_pass is not None else (out, slot_ids, 0, 0)
     use_pdl = pdl.enabled(index_q.device)
     launch(dsa_index_kernel, grid,
         index_q, weights, index_k, scale, slot_ids, out, hist, lens, n, h, sink, recent,
@@ -586,7 +576,7 @@ def _dsa_launch(
         DI=di, FP8=fp8, NATIVE=native, MODE=mode, KDT=kdt,
         QUANT_Q=quantize, POW2=pow2_scales, FP8_DOT=fp8_dot, HW_ROUND=fp8_dot and not _interpreted(),
         BLOCK_H=_pow2(h, 16), BLOCK_D=FP8_BLOCK if fp8 else min(FP8_BLOCK, _pow2(di, 16)), BLOCK_N=block_n,
-        STEPS=steps, STAGES=tune["stages"], HIST=hist_mode, PDL=use_pdl,
+        STEPS=steps, STAGES=tune["stages"], HIST=first_pass is not None, PDL=use_pdl,
         num_warps=tune["warps"],
         launch_pdl=use_pdl,
     )
@@ -606,7 +596,7 @@ def dsa_index_scores_triton(
 def dsa_index_scores_fp8q_triton(
     index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, k_scale: torch.Tensor,
     slot_ids: torch.Tensor, n: int, pow2_scales: bool = True,
-    first_pass: tuple[torch.Tensor, torch.Tensor, int, int] | None = None, zero_hist: torch.Tensor | None = None,
+    first_pass: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
 ) -> torch.Tensor:
     """Triton version of `dsa_index_scores_fp8q_torch` in one kernel: each program quantises
     its row's raw queries (any float dtype; weights too) like `quantize_fp8_blocks`, then
@@ -614,14 +604,8 @@ def dsa_index_scores_fp8q_triton(
 
     first_pass: (hist, seq_lens, sink_tokens, recent_tokens): also do the first radix pass of
     the top-k over these scores into hist (`topk.first_pass_buffer(B, device)`), for
-    `topk_selection_triton(..., first_pass=hist)` with the same seq_lens and window.
-    zero_hist: a `topk.first_pass_buffer`-shaped buffer (any contents) that the kernel zeroes,
-    for `topk_selection_triton(..., zeroed=zero_hist)`: the top-k then needs no memset."""
+    `topk_selection_triton(..., first_pass=hist)` with the same seq_lens and window."""
     b, h, di = _check_dsa_fp8q(index_q, weights, index_k, k_scale, slot_ids, n)
-    if first_pass is not None and zero_hist is not None:
-        raise ValueError("dsa_index_scores: first_pass and zero_hist exclude each other (first_pass is zeroed already)")
-    if zero_hist is not None:
-        check_first_pass(zero_hist, b, index_q.device, "dsa_index_scores")
     if first_pass is not None:
         hist, lens, sink, recent = first_pass
         check_first_pass(hist, b, index_q.device, "dsa_index_scores")
@@ -630,4 +614,4 @@ def dsa_index_scores_fp8q_triton(
                              f"got {tuple(lens.shape)} on {lens.device}")
         first_pass = (hist, lens, *window(sink, recent))
     return _dsa_launch(index_q, weights, index_k, k_scale, slot_ids, n, b, h, di, quantize=True, pow2_scales=pow2_scales,
-                       first_pass=first_pass, zero_hist=zero_hist)
+                       first_pass=first_pass)

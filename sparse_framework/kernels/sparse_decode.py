@@ -77,17 +77,12 @@ WARPS_OVERRIDE: int | None = None  # warps per program instead of _tiles' choice
 DEFAULT_NUM_SMS = 132  # an H100 SXM; used where there is no GPU to ask (the interpreter)
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# the last split merges the partial outputs itself (no combine kernel): 2-4 µs less per
-# decode layer on an H100 (docs/performance.md); False launches `_combine_kernel` instead
-FUSE_COMBINE = True
-_COUNTERS: dict[int, torch.Tensor] = {}
-_RETIRED_COUNTERS: list[torch.Tensor] = []
 _FITTING_TILE: dict[tuple, int] = {}  # launch shape -> the KV tile bytes that fit this GPU (see _launch)
 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr, count_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
     n_tokens, split_len, num_splits, qk_scale,  # qk_scale = softmax scale * log2(e)
     s_qn, s_qs, s_qh, s_qd,
     s_kp, s_kt, s_kh, s_kd,
@@ -98,18 +93,11 @@ def _decode_split_kernel(
     PAGE: tl.constexpr, INDEXED: tl.constexpr, CAUSAL: tl.constexpr, SPLIT: tl.constexpr,
     V_FROM_K: tl.constexpr, QK_MODE: tl.constexpr, KDT: tl.constexpr, PV_MODE: tl.constexpr,
     VDT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DA: tl.constexpr,
-    BLOCK_DB: tl.constexpr, BLOCK_DV: tl.constexpr, FUSED: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_DB: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program: sequence n, KV head h, one block of BLOCK_M of its G*S query rows (row
     r = query head h*G + r // S, query token r % S), the tokens [sp*split_len, (sp+1)*split_len)
-    of split sp, in steps of BLOCK_N tokens. PDL: waits for the previous kernel first.
-
-    FUSED (with SPLIT): the split that finishes last merges the splits' partial outputs itself
-    (`_merge_splits`), so no combine kernel is launched. Each program counts itself in
-    count[pid] (an atomic, after a barrier: every thread's partial is stored first, and the
-    counter's release/acquire makes them visible to the last program); the last one resets
-    the counter to 0 for the next launch."""
+    of split sp, in steps of BLOCK_N tokens. PDL: waits for the previous kernel first."""
     pdl.wait(PDL)
     ROWS: tl.constexpr = G * S
     ROW_BLOCKS: tl.constexpr = (ROWS + BLOCK_M - 1) // BLOCK_M
@@ -188,41 +176,9 @@ def _decode_split_kernel(
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1.0)), float("-inf"))  # l >= 1 once seen
         tl.store(part_ptr + ws[:, None] * DV + dv[None, :], o, mask=out_mask)
         tl.store(lse_ptr + ws, lse, mask=row_ok)
-        if FUSED:
-            tl.debug_barrier()  # all of this program's partial rows are stored
-            arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
-            if arrived == num_splits - 1:  # the last split of this (n, h, row block)
-                tl.store(count_ptr + pid, 0)
-                first = ((n64 * HK + h) * ROWS + r) * num_splits
-                out_row = out_ptr + n64 * s_on + s * s_os + (h * G + g) * s_oh
-                _merge_splits(part_ptr, lse_ptr, first, num_splits, row_ok, out_row, s_od,
-                              DV, BLOCK_M, BLOCK_SPLITS, BLOCK_DV)
     else:
         out_row = out_ptr + n64 * s_on + s * s_os + (h * G + g) * s_oh
         tl.store(out_row[:, None] + dv[None, :] * s_od, o.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _merge_splits(part_ptr, lse_ptr, first, num_splits, row_ok, out_row, s_od,
-                  DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """out = Σ_i 2^(lse_i - max) o_i / Σ_i 2^(lse_i - max) for BLOCK_M rows whose splits'
-    workspace rows start at `first` [BLOCK_M]; splits that saw nothing have lse -inf and weigh
-    0; a row that saw nothing gets zeros. Loads bypass L1 (.cg): other SMs wrote them."""
-    i = tl.arange(0, BLOCK_SPLITS)
-    lse = tl.load(lse_ptr + first[:, None] + i[None, :], mask=row_ok[:, None] & (i[None, :] < num_splits),
-                  other=float("-inf"), cache_modifier=".cg")
-    top = tl.max(lse, axis=1)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.sum(tl.exp2(lse - top[:, None]), axis=1)
-    dv = tl.arange(0, BLOCK_DV)
-    mask = row_ok[:, None] & (dv[None, :] < DV)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for j in range(num_splits):  # one split at a time: [rows, splits, 512] would not fit registers
-        w = tl.exp2(tl.load(lse_ptr + first + j, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - top)
-        acc += w[:, None] * tl.load(part_ptr + (first + j)[:, None] * DV + dv[None, :], mask=mask, other=0.0,
-                                    cache_modifier=".cg")
-    o = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_row[:, None] + dv[None, :] * s_od, o.to(out_row.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -425,39 +381,21 @@ def _launch_tiles(
     qk_mode, kdt = _dot_mode(q.dtype, k_cache.dtype)
     pv_mode, vdt = _dot_mode(v_cache.dtype, v_cache.dtype)
     use_pdl = pdl.enabled(q.device)
-    fused = split and FUSE_COMBINE
-    counts = _split_counters(q.device, programs) if fused else table  # unused without FUSED
     launch(_decode_split_kernel, (programs, num_splits),
-        q, k_cache, v_cache, table, table if lens is None else lens, out, part, lse, counts,
+        q, k_cache, v_cache, table, table if lens is None else lens, out, part, lse,
         n_tokens, split_len, num_splits, scale * 1.4426950408889634,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *table.stride(), *out.stride(),
         HK=hk, G=group, S=s_q, D=d, DV=dv, PAGE=page, INDEXED=indexed, CAUSAL=causal, SPLIT=split,
         V_FROM_K=v_from_k, QK_MODE=qk_mode, KDT=kdt, PV_MODE=pv_mode, VDT=vdt,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DA=block_da, BLOCK_DB=block_db, BLOCK_DV=block_dv,
-        FUSED=fused, BLOCK_SPLITS=_pow2(num_splits), PDL=use_pdl, num_warps=warps, num_stages=NUM_STAGES,
-        launch_pdl=use_pdl,
+        PDL=use_pdl, num_warps=warps, num_stages=NUM_STAGES, launch_pdl=use_pdl,
     )
-    if split and not fused:
+    if split:
         launch(_combine_kernel, (ns * hk * rows,),
             part, lse, out, num_splits, *out.stride(),
             HK=hk, G=group, S=s_q, DV=dv, BLOCK_SPLITS=_pow2(num_splits), BLOCK_DV=block_dv,
             PDL=use_pdl, num_warps=max(1, min(4, block_dv // 128)), launch_pdl=use_pdl,
         )
-
-
-def _split_counters(device: torch.device, programs: int) -> torch.Tensor:
-    """The fused combine's arrival counters: int32, zero between launches (each launch's last
-    splits reset theirs). One buffer per device, grown by replacement; replaced buffers are
-    kept alive, since a captured CUDA graph may still point at them. Launches that overlap
-    on two streams of one device must not share it (the decode path runs on one stream)."""
-    key = device.index if device.type == "cuda" else -1
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < programs:
-        if buf is not None:
-            _RETIRED_COUNTERS.append(buf)
-        buf = torch.zeros(max(programs, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
 
 
 def paged_decode(

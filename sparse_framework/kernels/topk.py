@@ -71,8 +71,7 @@ from . import pdl
 from ..kv_store.pages import cdiv
 from .launch import launch
 
-__all__ = ["topk_selection_triton", "first_pass_buffer", "histogram_scratch", "check_first_pass", "first_digit_histogram",
-           "window"]
+__all__ = ["topk_selection_triton", "first_pass_buffer", "check_first_pass", "first_digit_histogram", "window"]
 
 # launch shapes (module attributes, so that tests and benchmarks can change them): BLOCK units
 # per program, the largest power of two in [MIN_BLOCK, MAX_BLOCK] that still gives about
@@ -284,12 +283,6 @@ def first_pass_buffer(rows: int, device: torch.device | str) -> torch.Tensor:
     return torch.zeros(rows * _HIST_ROW, dtype=torch.int32, device=device)
 
 
-def histogram_scratch(rows: int, device: torch.device | str) -> torch.Tensor:
-    """Uninitialised histograms of `rows` score rows, for a producer that zeroes them
-    (`topk_selection_triton(zeroed=...)`)."""
-    return torch.empty(rows * _HIST_ROW, dtype=torch.int32, device=device)
-
-
 def check_first_pass(hist: torch.Tensor, rows: int, device: torch.device, who: str) -> None:
     """Raise ValueError unless hist is a `first_pass_buffer(rows, device)`: the producer
     writes rows * 1024 int32 histograms into it, the top-k reads them."""
@@ -327,7 +320,6 @@ def topk_selection_triton(
     recent_tokens: int,
     width_units: int,
     first_pass: torch.Tensor | None = None,
-    zeroed: torch.Tensor | None = None,
 ) -> Selection:
     """Triton version of `topk_selection` (same arguments and result; ties at the threshold
     keep the lowest unit ids). scores: float32 [B, H, n_units] on CUDA (or the CPU under
@@ -335,10 +327,7 @@ def topk_selection_triton(
 
     first_pass: a `first_pass_buffer` whose rows' first 256 entries the producer of the scores
     has filled with `first_digit_histogram` (same seq_lens, sink and recent window, clamped by
-    `window`): pass 1 is then skipped (its launch and the memset).
-    zeroed: a `first_pass_buffer`-shaped buffer that the producer of the scores has zeroed
-    (DSA's indexer, `dsa_index_scores_fp8q_triton(zero_hist=...)`): used as the histograms
-    instead of a fresh zeroed one, so no memset runs between the producer and pass 1."""
+    `window`): pass 1 is then skipped (its launch and the memset)."""
     if scores.dim() != 3:
         raise ValueError(f"topk_selection: scores must be [B, H, n_units], got {tuple(scores.shape)}")
     if unit < 1:
@@ -361,13 +350,11 @@ def topk_selection_triton(
     lens = seq_lens.to(device=device)
     if lens.dtype not in (torch.int32, torch.int64):
         lens = lens.to(torch.int64)
-    if first_pass is not None and zeroed is not None:
-        raise ValueError("topk_selection: first_pass and zeroed exclude each other")
-    if first_pass is not None or zeroed is not None:
-        hist = first_pass if first_pass is not None else zeroed
-        check_first_pass(hist, rows, device, "topk_selection")
-    else:
+    if first_pass is None:
         hist = first_pass_buffer(rows, device)  # the one memset
+    else:
+        check_first_pass(first_pass, rows, device, "topk_selection")
+        hist = first_pass
     # written before they are read: state by each row's chunk 0, the rest by every program
     scratch = torch.empty(rows * (_STATE_ROW + n_chunks * (1 + _NB)), dtype=torch.int32, device=device)
     state = scratch[: rows * _STATE_ROW]
@@ -381,11 +368,10 @@ def topk_selection_triton(
     use_pdl = pdl.enabled(device)
     first = 1 if first_pass is None else 2
     for p in range(first, _PASSES + 1):
-        # the scores may be read before the wait unless the previous kernel wrote them: the
-        # first pass launched follows the scores' producer, except pass 1 after the memset
-        early = p > first or zeroed is None and first_pass is None
+        # the scores may be read before the wait unless the previous kernel wrote them (pass
+        # 1 follows the memset; pass 2 after a fused first pass follows the scores' producer)
         launch(_topk_hist_kernel, grid, scores, lens, hist, state, sure, suffix, *common, budget,
-                                PASS=p, UNIT=unit, BLOCK=block, PDL=use_pdl, EARLY=early,
+                                PASS=p, UNIT=unit, BLOCK=block, PDL=use_pdl, EARLY=p == 1 or p > first,
                                 num_warps=warps, launch_pdl=use_pdl)
     launch(_topk_write_kernel, grid, scores, lens, hist, state, sure, suffix, indices, lengths, *common, n_chunks, width,
                              UNIT=unit, BLOCK=block, CBLOCK=_pow2(n_chunks), PDL=use_pdl,
