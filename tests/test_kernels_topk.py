@@ -327,6 +327,15 @@ def test_gpu_full_shapes_match_torch(name, kind) -> None:
     check(got, scores, lens, **kw)
     again = topk_selection(scores, lens, impl="auto", **kw)  # auto is Triton on CUDA; deterministic
     assert torch.equal(again.indices, got.indices) and torch.equal(again.lengths, got.lengths)
+    from sparse_framework.kernels import topk as tk
+
+    assert any(tk._FUSED_SHAPES.values()), "the fused kernel never fit this GPU"
+    tk.FUSED = "off"  # the five kernels give the same selection as the fused one
+    try:
+        five = topk_selection(scores, lens, impl="triton", **kw)
+    finally:
+        tk.FUSED = "auto"
+    assert torch.equal(five.indices, got.indices) and torch.equal(five.lengths, got.lengths)
 
 
 @pytest.mark.gpu
@@ -384,4 +393,28 @@ def test_gpu_random_shapes(monkeypatch) -> None:
         monkeypatch.setattr(tk, "BLOCK_OVERRIDE", 256 if case % 7 == 0 else None)
         kw = dict(unit=unit, budget_units=budget, sink_tokens=sink, recent_tokens=recent, width_units=width)
         seq_lens = torch.tensor(lens, dtype=torch.int64).cuda()
-        check(topk_selection(scores, seq_lens, impl="triton", **kw), scores, seq_lens, **kw)
+        got = topk_selection(scores, seq_lens, impl="triton", **kw)  # fused where it fits
+        check(got, scores, seq_lens, **kw)
+        monkeypatch.setattr(tk, "FUSED", "off")
+        five = topk_selection(scores, seq_lens, impl="triton", **kw)
+        monkeypatch.setattr(tk, "FUSED", "auto")
+        assert torch.equal(five.indices, got.indices) and torch.equal(five.lengths, got.lengths), case
+
+
+def test_fused_kernel_switch(monkeypatch) -> None:
+    """FUSED picks the one cooperative kernel on CUDA only (never under the interpreter); a
+    bad value names the allowed ones."""
+    pytest.importorskip("triton")
+    from sparse_framework.kernels import topk as tk
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert tk._fused_wanted(torch.device("cuda", 0)) is True
+    assert tk._fused_wanted(torch.device("cpu")) is False
+    monkeypatch.setattr(tk, "FUSED", "off")
+    assert tk._fused_wanted(torch.device("cuda", 0)) is False
+    monkeypatch.setattr(tk, "FUSED", "auto")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert tk._fused_wanted(torch.device("cuda", 0)) is False
+    monkeypatch.setattr(tk, "FUSED", "on")
+    with pytest.raises(ValueError, match=r"FUSED must be 'auto' or 'off', got 'on'"):
+        tk._fused_wanted(torch.device("cuda", 0))

@@ -39,6 +39,9 @@ __all__ = [
 ]
 
 
+SLOTS_PROGRAMS = 256  # paged_slots_kernel's grid aims at this many programs
+
+
 def _launchable(*tensors: torch.Tensor) -> None:
     if tensors[0].device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("the decode-slot kernels need CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
@@ -48,17 +51,20 @@ def _launchable(*tensors: torch.Tensor) -> None:
 @triton.jit
 def paged_slots_kernel(
     table_ptr, rows_ptr, pos_ptr, out_ptr,
-    N, TP, P, s_table,
-    BLOCK: tl.constexpr, PDL: tl.constexpr,
+    N, TP, s_table,
+    P: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    # P is a constexpr: a division by a power-of-two constant is a shift, not a 64-bit
+    # division routine per element; positions stay in their own (int32) type until the address
     pdl.wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = i < N
     r = tl.load(rows_ptr + b).to(tl.int64)
-    pos = tl.load(pos_ptr + b * N + i, mask=live, other=-1).to(tl.int64)
-    ok = (pos >= 0) & (pos // P < TP)
-    page = tl.load(table_ptr + r * s_table + pos // P, mask=live & ok, other=-1).to(tl.int64)
+    pos = tl.load(pos_ptr + b * N + i, mask=live, other=-1)
+    page_no = pos // P
+    ok = (pos >= 0) & (page_no < TP)
+    page = tl.load(table_ptr + r * s_table + page_no, mask=live & ok, other=-1).to(tl.int64)
     slot = tl.where(ok & (page >= 0), page * P + pos % P, -1)
     tl.store(out_ptr + b * N + i, slot.to(out_ptr.dtype.element_ty), mask=live)
 
@@ -76,11 +82,12 @@ def paged_slots_rows_triton(
     n = flat.shape[1]
     out = torch.empty((b, n), dtype=dtype, device=pos.device)
     if out.numel():
-        block = min(1024, pow2(n))
+        # small blocks: the kernel is a chain of dependent loads, so many programs hide it
+        block = max(64, min(1024, pow2(cdiv(b * n, SLOTS_PROGRAMS))))
         use_pdl = pdl.enabled(pos.device)
         launch(paged_slots_kernel, (b, cdiv(n, block)),
-            table, rows, flat, out, n, table.shape[1], page_size, table.stride(0), BLOCK=block, PDL=use_pdl,
-            launch_pdl=use_pdl,
+            table, rows, flat, out, n, table.shape[1], table.stride(0), P=page_size, BLOCK=block, PDL=use_pdl,
+            num_warps=max(1, min(4, block // 32)), launch_pdl=use_pdl,
         )
     return out.view(pos.shape)
 
