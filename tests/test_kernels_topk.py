@@ -329,7 +329,8 @@ def test_gpu_full_shapes_match_torch(name, kind) -> None:
     assert torch.equal(again.indices, got.indices) and torch.equal(again.lengths, got.lengths)
     from sparse_framework.kernels import topk as tk
 
-    assert any(tk._FUSED_SHAPES.values()), "the fused kernel never fit this GPU"
+    if name == "quest":  # 64 rows x 4 chunks: on an H100 all 256 programs fit at once (DSA's do not)
+        assert any(tk._FUSED_SHAPES.values()), "the fused kernel never fit this GPU"
     tk.FUSED = "off"  # the five kernels give the same selection as the fused one
     try:
         five = topk_selection(scores, lens, impl="triton", **kw)

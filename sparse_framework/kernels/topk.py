@@ -88,6 +88,7 @@ WARPS_OVERRIDE: int | None = None  # warps per program (default: 8 for blocks of
 FUSED = "auto"
 _FUSED_SHAPES: dict[tuple, tuple[int, int] | None] = {}
 
+
 # radix digits: 4 x 8 bits (256 bins; the kernels spell these numbers out); per row, `hist`
 # holds the 4 histograms, `state` the prefix and rank chosen after passes 1, 2 and 3
 _NB, _PASSES = 256, 4
@@ -317,7 +318,7 @@ def _row_barrier(count_ptr, n):
     release, so the programs that acquire after the last arrival see them."""
     tl.debug_barrier()
     seen = tl.atomic_add(count_ptr, 1, sem="release", scope="gpu") + 1
-    while seen < n:
+    while seen < n:  # (polling with volatile loads and one acquire after was slower on an H100)
         seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
 
@@ -359,29 +360,28 @@ def _fused_wanted(device: torch.device) -> bool:
 
 def _fused_shape(device: torch.device, rows: int, n_units: int, unit: int, block: int, use_pdl: bool,
                  call: Callable[[int, int], tuple[tuple, dict]]) -> tuple[int, int] | None:
-    """(BLOCK, warps) of the fused kernel for this problem, or None to use the five kernels:
-    the first candidate shape whose programs are all resident on the GPU at once, the
-    cooperative launch's condition. Decided from the compiled
-    kernel's registers and shared memory, compiling (not launching) candidates the first time
-    a shape is asked about; remembered per shape."""
+    """(BLOCK, warps) of the fused kernel for this problem — the five kernels' shape — or None
+    to use the five kernels: None unless all its programs are resident on the GPU at once, the
+    cooperative launch's condition, judged from the compiled kernel's registers and shared
+    memory (compiled, not launched, the first time a shape is asked about; remembered).
+
+    Not tried, because measured slower than the five kernels at 8 x 131072 (DSA) on an H100:
+    the DSA shape with registers capped at 128 so that two programs share an SM (39.2 against
+    38.6 µs), half-size 4-warp programs (40.2), one program per SM with twice the keys (65.9)."""
     key = (device.index, rows, n_units, unit, block, use_pdl, WARPS_OVERRIDE)
     if key in _FUSED_SHAPES:
         return _FUSED_SHAPES[key]
     props = torch.cuda.get_device_properties(device)
+    warps = WARPS_OVERRIDE or (8 if block >= 2048 else 4)
+    args, opts = call(block, warps)
+    compiled = _topk_fused_kernel.warmup(*args, grid=(rows, cdiv(n_units, block)), **opts)
     chosen = None
-    # the default shape, then half-size 4-warp programs (twice as many, fewer registers each).
-    # Not larger blocks: one program per SM holding twice the keys made the DSA shape slower
-    # than the five kernels (65.9 against 38.6 µs at 8 x 131072 on an H100)
-    for blk, warps in ((block, WARPS_OVERRIDE or (8 if block >= 2048 else 4)), (block // 2, 4)):
-        if blk < MIN_BLOCK:
-            break
-        args, opts = call(blk, warps)
-        compiled = _topk_fused_kernel.warmup(*args, grid=(rows, cdiv(n_units, blk)), **opts)
-        try:
-            compiled._init_handles()  # loads the module: n_regs is known from then on
-            n_regs, shared = int(compiled.n_regs), int(getattr(compiled.metadata, "shared", 0))
-        except AttributeError:  # another Triton's CompiledKernel: do not guess, use the five kernels
-            break
+    try:
+        compiled._init_handles()  # loads the module: n_regs is known from then on
+        n_regs, shared = int(compiled.n_regs), int(getattr(compiled.metadata, "shared", 0))
+    except AttributeError:  # another Triton's CompiledKernel: do not guess, use the five kernels
+        n_regs = None
+    if n_regs is not None:
         regs = warps * 32 * (-(-max(n_regs, 1) // 8) * 8)  # allocated per warp in 8-register steps
         per_sm = min(
             getattr(props, "regs_per_multiprocessor", 65536) // regs,
@@ -389,9 +389,8 @@ def _fused_shape(device: torch.device, rows: int, n_units: int, unit: int, block
             getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) // (shared + 1024) if shared else 32,
             32,
         )
-        if per_sm * props.multi_processor_count >= rows * cdiv(n_units, blk):
-            chosen = (blk, warps)
-            break
+        if per_sm * props.multi_processor_count >= rows * cdiv(n_units, block):
+            chosen = (block, warps)
     _FUSED_SHAPES[key] = chosen
     return chosen
 
