@@ -4,9 +4,12 @@ scores a decode step really ranks: DSA's indexer scores (8 requests x 131072 tok
 both from decode_layer.py's cells. Every shape is timed twice, in two sweeps of shuffled
 order, as CUDA-graph replays (medians of CUDA events after warm-up), and checked against the
 default shape's selection. Also prints each kernel's GPU time for the default shape
-(torch.profiler), so the passes can be compared.
+(torch.profiler), so the passes can be compared. The sweep runs the five kernels
+(`topk.FUSED = "off"`); the default shape is then timed both ways: five kernels, and one
+cooperative kernel where its programs fit on the GPU at once (`FUSED = "auto"`).
 
     python benchmarks/tune_topk.py --json benchmarks/results/tune_topk_h100.json
+    python benchmarks/tune_topk.py --no-sweep            # only the default shape, fused or not
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=40)
     parser.add_argument("--blocks", default="512,1024,2048,4096")
     parser.add_argument("--warps", default="4,8,16")
+    parser.add_argument("--no-sweep", action="store_true", help="time the default shape only (five kernels and fused)")
     parser.add_argument("--json", default=None, help="write the sweep here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -73,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         def run() -> object:
             return tk.topk_selection_triton(scores, lens, **kw)
 
+        tk.FUSED = "off"
         ref = run()
         default = (tk.BLOCK_OVERRIDE, tk.WARPS_OVERRIDE)
         rows_n, n_units = scores.shape[0] * scores.shape[1], scores.shape[2]
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, us in per_kernel:
             print(f"   {name:40} {us:6.1f} us", flush=True)
         shapes = [(bl, w) for bl, w in itertools.product([int(x) for x in args.blocks.split(",")],
-                                                      [int(x) for x in args.warps.split(",")]) if bl <= n_units]
+                                                      [int(x) for x in args.warps.split(",")]) if bl <= n_units and not args.no_sweep]
         times: dict[tuple[int, int], list[float]] = {s: [] for s in shapes}
         for sweep in range(2):
             random.Random(sweep).shuffle(shapes)
@@ -93,12 +98,21 @@ def main(argv: list[str] | None = None) -> int:
                 times[(bl, w)].append(us if same else float("nan"))
         tk.BLOCK_OVERRIDE, tk.WARPS_OVERRIDE = default
         default_us = timer.graph(run)
+        tk.FUSED = "auto"
+        fused = run()
+        assert torch.equal(fused.indices, ref.indices) and torch.equal(fused.lengths, ref.lengths), "fused != five kernels"
+        fused_us = timer.graph(run)
+        key = next((k for k in tk._FUSED_SHAPES if k[1:3] == (rows_n, n_units)), None)
+        fused_shape = tk._FUSED_SHAPES.get(key) if key else None
         rows = [{"block": bl, "warps": w, "us": t} for (bl, w), t in sorted(times.items())]
         for r in rows:
             print(f"   block {r['block']:5} warps {r['warps']:2}: " + "  ".join(f"{t:6.1f}" for t in r["us"]) + " us", flush=True)
-        print(f"   default: {default_us:.1f} us", flush=True)
+        print(f"   default: {default_us:.1f} us as five kernels; FUSED auto: {fused_us:.1f} us "
+              f"({'one cooperative kernel, block %d, %d warps' % fused_shape if fused_shape else 'does not fit: five kernels'})",
+              flush=True)
         result["cases"][algo] = {"scores_shape": list(scores.shape), **kw, "default_block": tk._block(rows_n, n_units),
-                                 "default_us": default_us, "per_kernel_us": per_kernel, "sweep": rows}
+                                 "default_us": default_us, "fused_auto_us": fused_us, "fused_shape": fused_shape,
+                                 "per_kernel_us": per_kernel, "sweep": rows}
         del scores
     if args.json:
         with open(args.json, "w") as f:

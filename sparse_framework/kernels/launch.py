@@ -1,12 +1,13 @@
 """Cheap re-launches of compiled Triton kernels, for the eager decode path.
 
 Why: `kernel[grid](*args)` binds every argument, derives its specialisation and looks the
-compiled kernel up on each call. On the H100 machine's host that costs 35-50 µs per launch of
-our 15-30-argument kernels, and an eager decode layer launches 8-11 of them: half of the
-layer's ~1 ms of host time (docs/performance.md, "Eager overhead"). `launch` does the lookup
-once per call site and specialisation: the first call goes through Triton (which compiles
-and launches) and remembers the compiled kernel; later calls with an argument signature that
-Triton would specialise the same way call the compiled kernel's launcher directly.
+compiled kernel up on each call: on the H100 machine's host 25-29 µs for a 15-argument kernel,
+of which the compiled kernel's own launcher is ~10 µs, and an eager decode layer launches
+8-11 kernels. `launch` does the lookup once per call site and specialisation: the first call
+goes through Triton (which compiles and launches) and remembers the compiled kernel; later
+calls with an argument signature that Triton would specialise the same way call the compiled
+kernel's launcher directly. A layer's host time falls by 75-100 µs (11-13%,
+benchmarks/eager_overhead.py, docs/performance.md "Eager overhead").
 
 The cache key holds everything Triton 3.6 specialises on, and more: per tensor its dtype and
 whether its address is 16-byte aligned; per int whether it is 1, a multiple of 16, and in

@@ -43,6 +43,17 @@ the next kernel. Launches per call: 1 memset (the histograms) + 5 kernels, each 
 scores once; no host sync, every buffer sized from shapes (the largest: `suffix`, 1 KiB per
 program), so the call can be captured in a CUDA graph.
 
+Fused (`FUSED = "auto"`, CUDA only): the same passes and write step in one cooperative launch
+of the same grid, `_topk_fused_kernel`. Each program keeps its chunk's keys in registers and
+the row's programs meet at a barrier (`_row_barrier`: an arrival counter per row and pass,
+zeroed by the one memset with the histograms) where a kernel would end. Every program must
+be resident for that, so the fused kernel runs only where the compiled kernel's registers
+and shared memory let the whole grid sit on the GPU at once (`_fused_shape`); otherwise the
+five kernels run. On an H100 that is Quest's 64 x 8192 pages (49.6 -> 40.7 µs), not DSA's
+8 x 131072 tokens (two 8-warp programs per SM would need <= 128 registers a thread).
+The interpreter runs programs one after another, so it cannot run the barrier: the fused
+kernel is checked against the five kernels, bit for bit, on the GPU (tests/test_kernels_topk.py).
+
 Why 8-bit digits (4 histogram passes, not 3 of 11 bits): tl.histogram's cost grows with its
 bins. Triton 3.6 lowers it (HistogramOpToLLVM.cpp) to a warp-ballot algorithm: per element,
 log2(bins) + 1 warp votes, then each lane popcounts the ballots for each of the bins / 32 bins
