@@ -419,3 +419,47 @@ def test_fused_kernel_switch(monkeypatch) -> None:
     monkeypatch.setattr(tk, "FUSED", "on")
     with pytest.raises(ValueError, match=r"FUSED must be 'auto' or 'off', got 'on'"):
         tk._fused_wanted(torch.device("cuda", 0))
+
+
+def test_fused_shape_follows_the_occupancy_of_the_compiled_kernel(monkeypatch) -> None:
+    """_fused_shape's decision, with a stand-in compiled kernel and GPU: the default shape
+    when every program of the grid is resident at once, else None (the five kernels); None
+    too when the compiled kernel does not say its registers; remembered per shape."""
+    pytest.importorskip("triton")
+    import types
+
+    from sparse_framework.kernels import topk as tk
+
+    props = types.SimpleNamespace(regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048,
+                                  shared_memory_per_multiprocessor=228 * 1024, multi_processor_count=132)
+    monkeypatch.setattr(tk.torch.cuda, "get_device_properties", lambda device: props)
+    compiled: dict = {}
+
+    class Compiled:
+        def _init_handles(self) -> None:
+            if "regs" not in compiled:
+                raise AttributeError("n_regs")
+            self.n_regs = compiled["regs"]
+            self.metadata = types.SimpleNamespace(shared=compiled["shared"])
+
+    warmups = []
+    monkeypatch.setattr(tk._topk_fused_kernel, "warmup", lambda *a, **kw: warmups.append(kw["grid"]) or Compiled())
+    monkeypatch.setattr(tk, "_FUSED_SHAPES", {})
+    cuda = torch.device("cuda", 0)
+    call = lambda blk, warps: ((), {"num_warps": warps})  # noqa: E731
+
+    def shape(rows: int, n_units: int, block: int):  # type: ignore[no-untyped-def]
+        return tk._fused_shape(cuda, rows, n_units, 1, block, True, call)
+
+    compiled.update(regs=128, shared=20 * 1024)  # 8 warps x 128 registers: 2 programs per SM, 264 in all
+    assert shape(64, 8192, 2048) == (2048, 8)  # 64 x 4 = 256 programs fit
+    compiled.update(regs=129)  # rounded up to 136: one program per SM
+    assert shape(64, 8192, 2048) == (2048, 8)  # remembered: not compiled again
+    assert len(warmups) == 1
+    assert shape(8, 131072, 4096) is None  # 8 x 32 = 256 programs > 132
+    compiled.update(regs=64, shared=100 * 1024)  # shared memory: 2 programs per SM (228 KiB)
+    assert shape(8, 131072 - 1, 4096) == (4096, 8)
+    compiled.update(shared=120 * 1024)  # 1 per SM
+    assert shape(8, 131072 - 2, 4096) is None
+    compiled.clear()  # another Triton's CompiledKernel: no register count, no guess
+    assert shape(8, 4096, 512) is None
