@@ -26,6 +26,7 @@ class FakeKernel:
     """A JITFunction stand-in: params (x, n, BLOCK, PDL); records slow-path launches."""
 
     arg_names = ["x", "n", "BLOCK", "PDL"]
+    constexprs = [2, 3]
 
     def __init__(self) -> None:
         self.slow: list[tuple] = []
@@ -99,7 +100,8 @@ def test_what_cannot_be_keyed_always_goes_through_triton(direct) -> None:
         launch.launch(k, (1,), x, 5, BLOCK=x, PDL=True)  # a tensor by keyword
         launch.launch(k, (1,), x, 5, BLOCK=[64], PDL=True)  # an unhashable keyword value
         launch.launch(k, (1,), x, 5, BLOCK=64)  # a parameter left to its default: order unknown
-    assert len(k.slow) == 8 and launch.cache_size() == 0
+        launch.launch(k, (1,), x, 5, 64, PDL=True)  # a constexpr by position: its value is not keyed
+    assert len(k.slow) == 10 and launch.cache_size() == 0
 
 
 def test_a_changed_global_goes_through_triton(direct) -> None:

@@ -13,8 +13,8 @@ The cache key holds everything Triton 3.6 specialises on, and more: per tensor i
 whether its address is 16-byte aligned; per int whether it is 1, a multiple of 16, and in
 int32 / uint64 range; the type of other scalars; every keyword argument (constexprs and
 launch options, by value). Any argument it cannot key (a tensor passed by keyword, an object
-of another type), a launch hook (profilers), or a changed global that the kernel reads sends
-the call through Triton as usual.
+of another type, a constexpr passed by position), a launch hook (profilers), or a changed
+global that the kernel reads sends the call through Triton as usual.
 
 `FAST`: "auto" (the default) uses the direct path on CUDA with a Triton version it was
 checked against (`VERIFIED`); "on" uses it with any Triton version (its launcher's calling
@@ -139,7 +139,9 @@ def launch(kernel: Any, grid: Sequence[int], *args: object, **kwargs: object) ->
     if hit is None or _globals_changed(kernel):
         compiled = kernel[grid](*args, **kwargs)
         order = tuple(kernel.arg_names[len(args):])
-        if compiled is not None and all(name in kwargs for name in order):
+        # a constexpr passed by position is keyed by its class only, not its value: never cache it
+        by_position = any(i < len(args) for i in getattr(kernel, "constexprs", ()))
+        if compiled is not None and not by_position and all(name in kwargs for name in order):
             if len(_compiled) >= MAX_ENTRIES:
                 _compiled.clear()
             _compiled[key] = (compiled, order)
