@@ -72,12 +72,14 @@ class Cell:
     """One (shape, algorithm, context, batch): a coordinator with every request prefilled and
     one decode step prepared, whose layer call can be timed with any backend."""
 
-    def __init__(self, shape: str, algo: str, ctx: int, batch: int, device: torch.device, seed: int) -> None:
+    def __init__(self, shape: str, algo: str, ctx: int, batch: int, device: torch.device, seed: int,
+                 graphs: bool = False) -> None:
         spec = SHAPES[shape]
         self.layout = KVLayout(**spec["layout"], dtype=torch.bfloat16, device=device)
         self.q_heads, self.ctx, self.batch = spec["q_heads"], ctx, batch
         self.config = {**COMMON, **ALGORITHMS[algo], "backend": "torch_ref"}
-        self.coord = SparseCoordinator(self.config, self.layout, max_requests=batch, max_seq_len=ctx + 8)
+        self.coord = SparseCoordinator(self.config, self.layout, max_requests=batch, max_seq_len=ctx + 8,
+                                       decode_graphs=graphs)
         self.coord.store.timing = False  # no timing events inside a CUDA graph
         self.gen = torch.Generator(device=device).manual_seed(seed)
         self.device = device

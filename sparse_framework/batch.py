@@ -49,6 +49,7 @@ class Batch:
     dense_rows: torch.Tensor | None = None  # int64 [batch - num_sparse]
     sparse_batch: Batch | None = None  # the sparse rows as a batch (self when all are sparse)
     dense_batch: Batch | None = None
+    composition: tuple = ()  # decode graphs: the batch's shape (size, dense flags), set by forward_begin
     # per-layer scratch the coordinator keeps between attention_begin and attention_end
     pending: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 

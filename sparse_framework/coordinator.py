@@ -11,6 +11,11 @@
 The step's metadata is passed explicitly (no globals): `attention_begin` returns an
 `AttentionMetadata` holding the logical selection, its physical slots, the adaptor's plan and
 the paged K/V views, which is all a kernel needs.
+
+With `decode_graphs=True` (CUDA) a decode layer's whole work — store write, select, make
+resident, adapt, attend and the append of `attention_end` — is captured in a CUDA graph per
+batch composition and replayed by `attention_begin` (decode_graphs.py says how and why);
+`attend` then returns the output already computed and `attention_end` has nothing left to do.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 from .algorithms.base import Inputs, dense_layer_set
 from .batch import Batch, Request, Selection
 from .config import SparseConfig, load_config
+from .decode_graphs import DecodeGraphs, signature
 from .errors import CapacityError, ConfigError
 from .kv_store.hierarchical import HierarchicalKVStore
 from .kv_store.layout import KVLayout
@@ -48,6 +54,7 @@ class AttentionMetadata:
     plan: Any = None
     k_cache: torch.Tensor | None = None
     v_cache: torch.Tensor | None = None
+    output: torch.Tensor | None = None  # decode graphs: the layer's attention, already computed
 
 
 class SparseCoordinator:
@@ -57,6 +64,13 @@ class SparseCoordinator:
     representations, page tables, slot maps). device_capacity_tokens / host_capacity_tokens
     size the device pool (per layer) and the host pool; the defaults fit max_requests
     sequences of max_seq_len in either (use `plan_capacity` to size them for real).
+
+    decode_graphs: replay each decode layer from a CUDA graph (CUDA layouts only; see
+    decode_graphs.py): the host's work per layer drops to copying the inputs in and one graph
+    launch. graph_bucket_tokens: the context width one graph serves (the scored width is
+    rounded up to it); max_graphs: graphs kept (least recently used dropped), default 4 per
+    layer. The metadata of a replayed layer is the graph's and is overwritten when the layer
+    is replayed again; the output is the caller's.
     """
 
     def __init__(
@@ -68,9 +82,17 @@ class SparseCoordinator:
         max_seq_len: int = 32768,
         device_capacity_tokens: int | None = None,
         host_capacity_tokens: int | None = None,
+        decode_graphs: bool = False,
+        graph_bucket_tokens: int = 1024,
+        max_graphs: int | None = None,
     ) -> None:
         self.config = load_config(config)
         self.layout = layout
+        self._device_type = torch.device(layout.device).type
+        if decode_graphs and self._device_type != "cuda":
+            raise ConfigError(f"decode_graphs=True needs a CUDA layout device (CUDA graphs), got {layout.device!r}")
+        if graph_bucket_tokens < 1 or (max_graphs is not None and max_graphs < 1):
+            raise ConfigError(f"graph_bucket_tokens and max_graphs must be >= 1, got {graph_bucket_tokens}, {max_graphs}")
         bad = [layer for layer in self.config.dense_layers if layer >= layout.num_layers]
         if bad:
             raise ConfigError(
@@ -111,6 +133,11 @@ class SparseCoordinator:
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self.requests: dict[str, Request] = {}
         self.retracted: set[str] = set()
+        self.graphs: DecodeGraphs | None = None
+        if decode_graphs:
+            self.store.timing = False  # no timing events inside a graph
+            cap = max_graphs if max_graphs is not None else 4 * layout.num_layers
+            self.graphs = DecodeGraphs(self.store, graph_bucket_tokens, max_seq_len, cap)
 
     # -- request lifecycle ------------------------------------------------------------------
     def on_request_begin(self, request: Request) -> None:
@@ -197,6 +224,8 @@ class SparseCoordinator:
                     r.seq_len = n
                 raise
         batch.prepare(self.layout.device)
+        if self.graphs is not None and not batch.is_prefill:
+            batch.composition = self.graphs.bind(batch)
         self.store.begin_step(batch)
 
     def forward_end(self, batch: Batch) -> None:
@@ -221,6 +250,8 @@ class SparseCoordinator:
         declares in `algorithm.prefill_inputs` / `decode_inputs` (e.g. DSA's indexer queries, weights and
         keys), rows aligned with q's.
         """
+        if self.graphs is not None and not batch.is_prefill:
+            return self._graphed_decode(layer, q, k, v, batch, inputs)
         self._check_inputs(layer, q, k, v, batch)
         inputs = self._check_model_inputs(q.shape[0], inputs, batch.is_prefill)
         batch.pending[layer] = {"q": q, "k": k, "v": v, "inputs": inputs}
@@ -232,6 +263,34 @@ class SparseCoordinator:
                 offset += r.prompt_len
             v_rows = k[..., : self.layout.v_head_dim] if v is None else v
             return AttentionMetadata(layer, True, plan=batch.query_lens, k_cache=k, v_cache=v_rows)
+        return self._decode_metadata(layer, q, k, v, batch, inputs)
+
+    def _graphed_decode(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, batch: Batch, inputs: Inputs | None
+    ) -> AttentionMetadata:
+        """A decode layer through the decode graphs: the whole layer (the append of
+        `attention_end` included) replayed, captured or run eagerly (decode_graphs.py)."""
+        assert self.graphs is not None
+        given = inputs or {}
+        key = (layer, batch.composition, batch.max_seq_len, self.backend, self.adaptor,
+               tuple(given), signature(q, k, v, *given.values()))
+        if not self.graphs.captured(key):  # a captured key's inputs were checked when first seen
+            self._check_inputs(layer, q, k, v, batch)
+            given = self._check_model_inputs(q.shape[0], inputs, False)
+
+        def body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, inputs: Inputs) -> tuple[AttentionMetadata, torch.Tensor]:
+            meta = self._decode_metadata(layer, q, k, v, batch, inputs)
+            out = self.backend.run(q, meta.k_cache, meta.v_cache, meta.plan)
+            self._append(layer, batch, k, inputs)
+            return meta, out
+
+        batch.pending[layer] = {"q": q, "k": k, "v": v, "inputs": given, "appended": True}
+        return self.graphs.run(key, body, q, k, v, given)
+
+    def _decode_metadata(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, batch: Batch, inputs: Inputs
+    ) -> AttentionMetadata:
+        """A decode layer's store write, selection, residency and plan."""
         self.store.write_decode(layer, batch, k, v)
         selection, slots = self._select_and_place(layer, q, batch, inputs)
         plan = self.adaptor.plan(slots, selection.lengths, page_size=selection.page_size, num_slots=self.store.num_slots)
@@ -240,9 +299,12 @@ class SparseCoordinator:
 
     def attend(self, layer: int, q: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """Run attention for the layer: the configured backend at decode; dense causal
-        attention (float32) at prefill. Returns q's shape and dtype."""
+        attention (float32) at prefill. Returns q's shape and dtype. A layer replayed from a
+        decode graph already holds its output (`metadata.output`), which is returned."""
         if metadata.is_prefill:
             return _causal_prefill(q, metadata.k_cache, metadata.v_cache, metadata.plan)
+        if metadata.output is not None:
+            return metadata.output
         return self.backend.run(q, metadata.k_cache, metadata.v_cache, metadata.plan)
 
     def attention_end(self, layer: int, output: torch.Tensor | None, batch: Batch) -> None:
@@ -250,7 +312,7 @@ class SparseCoordinator:
         the layer's attention output (None when the engine did not compute it); built-in
         algorithms do not read it."""
         pending = batch.pending.pop(layer)
-        if layer in self.dense_layers:
+        if layer in self.dense_layers or pending.get("appended"):
             return
         if batch.is_prefill:
             offset = 0
@@ -262,10 +324,13 @@ class SparseCoordinator:
                     self.algorithm.build(layer, r, pending["k"][rows], queries, inputs=inputs)
                 offset += r.prompt_len
             return
+        self._append(layer, batch, pending["k"], pending["inputs"])
+
+    def _append(self, layer: int, batch: Batch, k: torch.Tensor, inputs: Inputs) -> None:
+        """A decode step's new keys into the algorithm's representations (sparse rows only)."""
         sub = batch.sparse_batch
-        if sub is not None:
-            keys, inputs = _rows(batch, pending["k"]), {n: _rows(batch, t) for n, t in pending["inputs"].items()}
-            self.algorithm.append(layer, sub, keys, inputs=inputs)
+        if sub is not None and layer not in self.dense_layers:
+            self.algorithm.append(layer, sub, _rows(batch, k), inputs={n: _rows(batch, t) for n, t in inputs.items()})
 
     # -- helpers --------------------------------------------------------------------------
     def _select_and_place(
@@ -319,7 +384,7 @@ class SparseCoordinator:
                 got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 shape = ", ".join(map(str, (tokens, *known[n])))
                 raise ValueError(f"input {n!r} of algorithm {name!r} must be [{shape}], got {got}")
-            if t.device.type != torch.device(self.layout.device).type:
+            if t.device.type != self._device_type:
                 raise ValueError(f"input {n!r} is on {t.device}, the KV layout on {self.layout.device}")
         return given
 

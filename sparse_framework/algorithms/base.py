@@ -223,8 +223,8 @@ def topk_selection(
     token, a token of the recent window or the newest token, or is among the `budget_units`
     best-scoring remaining valid units. Output width is min(width_units, n_units) * unit.
     impl: "torch" (this code), "triton" (`kernels.topk.topk_selection_triton`: the same
-    result, up to which units tied at the threshold are kept — it keeps the lowest ids — in a
-    few kernels instead of ~15 torch ops and torch.topk) or "auto" (Triton on CUDA). Triton
+    result in a few kernels instead of ~15 torch ops and a sort; both keep the lowest ids
+    among units tied at the threshold) or "auto" (Triton on CUDA). Triton
     is imported only when chosen. first_pass: the Triton path's pass-1 histograms, filled by
     the producer of the scores (`topk_selection_triton`).
     """
@@ -253,7 +253,10 @@ def topk_selection(
     k = min(budget_units, n_units)
     keep = forced.clone()
     if k > 0:
-        top_ids = ranked.topk(k, dim=-1).indices
+        # ties at the threshold keep the lowest ids (a stable sort; torch.topk's choice among
+        # ties depends on the row's length), as the Triton path does: the selection does not
+        # change when the scored width grows past the longest request (decode graphs)
+        top_ids = ranked.sort(dim=-1, descending=True, stable=True).indices[..., :k]
         keep |= torch.zeros_like(keep).scatter_(-1, top_ids, eligible.gather(-1, top_ids))
     width = min(width_units, n_units)
     # kept unit ids, ascending, compacted by a prefix sum (O(n), no sort of every unit); the

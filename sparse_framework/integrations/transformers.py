@@ -119,8 +119,13 @@ def enable(
     max_seq_len: int = 8192,
     device_capacity_tokens: int | None = None,
     host_capacity_tokens: int | None = None,
+    decode_graphs: bool = False,
 ) -> SparseHandle:
     """Run `model`'s decode through a SparseCoordinator built from `config`.
+
+    decode_graphs: on CUDA, replay each layer's sparse decode (store write, select, make
+    resident, attend) from a CUDA graph instead of launching it from Python (see
+    sparse_framework/decode_graphs.py); the model itself still runs eagerly.
 
     max_requests: the most rows one generate() may have (all caches alive at once together).
     max_seq_len: the longest prompt + generated tokens of a row (padding excluded); the
@@ -143,6 +148,7 @@ def enable(
     coord = SparseCoordinator(
         config, layout, max_requests=max_requests, max_seq_len=max_seq_len,
         device_capacity_tokens=device_capacity_tokens, host_capacity_tokens=host_capacity_tokens,
+        decode_graphs=decode_graphs,
     )
     algo = coord.algorithm
     if algo.prefill_inputs or algo.decode_inputs:

@@ -342,6 +342,21 @@ class HierarchicalKVStore(KVStore):
         self.rows_out[layer] += (host_off >= 0).sum()
         self._pending.append((layer, dev_off.flatten(), host_off.flatten()))
 
+    def pending_mark(self) -> int:
+        """How many host writes are queued (see `take_pending`)."""
+        return len(self._pending)
+
+    def take_pending(self, mark: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Unqueue and return the host writes queued since `mark`: a decode layer captured in a
+        CUDA graph queues its writes once, while captured; `queue_pending` queues them again
+        after every replay (their offset tensors are the graph's, refilled by the replay)."""
+        taken = self._pending[mark:]
+        del self._pending[mark:]
+        return taken
+
+    def queue_pending(self, writes: list[tuple[int, torch.Tensor, torch.Tensor]] | None) -> None:
+        self._pending.extend(writes or ())
+
     def end_step(self, batch: Batch) -> None:
         """Start this step's device→host writes (on a side stream on CUDA)."""
         if not self._pending:

@@ -1,0 +1,192 @@
+"""CUDA-graph replay of decode layers inside the coordinator (`decode_graphs=True`).
+
+Why: one decode layer is ~15 kernel launches and ~40 torch ops issued from Python — 0.4–0.7 ms
+of host time at batch 8 on an H100's host, several times the ~0.13 ms the GPU needs for it
+(docs/performance.md). An engine that runs its layers eagerly (transformers, a research loop)
+then waits on Python. With `decode_graphs` the coordinator captures each layer's decode work —
+store write, select, make resident, adapt, attend, append — once per batch composition and
+replays it: per layer the host copies the inputs into the graph's buffers and launches one graph.
+
+What a captured graph depends on is held fixed or in device memory:
+- the step's tensors (lengths, state rows, the sparse / dense split) live in static tensors
+  per batch composition, refreshed in place by `bind` at `forward_begin` (once per step);
+- the context width the algorithms score (`batch.max_seq_len`) is rounded up to `bucket`
+  tokens — score entries past a request's length are ignored by the algorithms' contract —
+  so one graph serves `bucket` consecutive steps;
+- the store's device→host writes, which it queues in Python while the layer is captured, are
+  queued again after every replay (`HierarchicalKVStore.take_pending` / `queue_pending`);
+- swap-in time is not measured (no timing events inside a graph); hits, misses and rows moved
+  are counted on the device as before.
+
+A (layer, composition, width, input signature) seen for the first time runs eagerly, which
+compiles the kernels and makes lazily allocated buffers outside any capture; the second time
+it is captured and replayed. If a capture fails (a backend that synchronises with the host,
+say) that key runs eagerly from then on, with one warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .batch import Batch
+
+# the step tensors of a Batch (and of its sparse / dense sub-batches) that graphs read
+STEP_TENSORS = ("seq_lens", "slot_ids", "sparse_mask", "sparse_rows", "dense_rows")
+
+Body = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", dict[str, torch.Tensor]], tuple[Any, torch.Tensor]]
+
+
+def bucket_width(max_len: int, bucket: int, cap: int) -> int:
+    """`max_len` rounded up to a multiple of `bucket`, at most `cap` (and at least max_len)."""
+    return max(max_len, min(-(-max_len // bucket) * bucket, cap))
+
+
+@dataclass
+class _Entry:
+    """One captured layer: its graph (None once a capture failed), its static inputs, the
+    metadata and output it writes, and the store writes it queues."""
+
+    graph: torch.cuda.CUDAGraph | None
+    inputs: list[torch.Tensor]
+    meta: Any = None
+    output: torch.Tensor | None = None
+    pending: list | None = None
+
+
+class DecodeGraphs:
+    """The coordinator's captured decode layers, least recently used dropped past `max_graphs`.
+
+    store: the coordinator's store (its queued host writes are replayed); bucket: tokens of
+    context width one graph serves; cap: the longest width (the coordinator's max_seq_len).
+    Counters: `eager` (calls run eagerly: first sightings and failed captures), `captures`,
+    `replays`.
+    """
+
+    def __init__(self, store: Any, bucket: int, cap: int, max_graphs: int) -> None:
+        self.store, self.bucket, self.cap, self.max_graphs = store, bucket, cap, max_graphs
+        self.pool = torch.cuda.graph_pool_handle()
+        self._stream: torch.cuda.Stream | None = None
+        self._batches: dict[tuple, list[torch.Tensor]] = {}
+        self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
+        self._seen: set[tuple] = set()
+        self._warned = False
+        self.eager = self.captures = self.replays = 0
+
+    # -- per step -------------------------------------------------------------------------
+    def bind(self, batch: Batch) -> tuple:
+        """Point a prepared decode batch's step tensors at this composition's static tensors
+        (values copied in) and round its width up to the bucket. Returns the composition."""
+        parts = [batch] + [b for b in (batch.sparse_batch, batch.dense_batch) if b is not None and b is not batch]
+        comp = (len(batch), tuple(r.dense for r in batch.requests))
+        fresh = [getattr(p, name) for p in parts for name in STEP_TENSORS]
+        static = self._batches.get(comp)
+        if static is None:
+            static = self._batches[comp] = [t.clone() for t in fresh]
+        else:
+            torch._foreach_copy_(static, fresh)
+        it = iter(static)
+        width = bucket_width(batch.max_seq_len, self.bucket, self.cap)
+        for p in parts:
+            for name in STEP_TENSORS:
+                setattr(p, name, next(it))
+            p.max_seq_len = width
+        return comp
+
+    # -- per layer ------------------------------------------------------------------------
+    def captured(self, key: tuple) -> bool:
+        """Whether `key` has a graph (its inputs passed the coordinator's checks before)."""
+        entry = self._entries.get(key)
+        return entry is not None and entry.graph is not None
+
+    def run(self, key: tuple, body: Body, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+            inputs: dict[str, torch.Tensor]) -> Any:
+        """`body(q, k, v, inputs) -> (metadata, output)` for this call: replayed from the graph
+        captured for `key`, captured now (second sighting) or run eagerly (first sighting, or a
+        key whose capture failed). Returns the metadata with `output` set to a fresh tensor;
+        a replayed layer's metadata object and tensors are the graph's and are overwritten
+        when this layer is replayed again."""
+        entry = self._entries.get(key)
+        if entry is None:
+            if key not in self._seen:
+                self._seen.add(key)
+                return self._eager(body, q, k, v, inputs)
+            entry = self._capture(key, body, q, k, v, inputs)
+        else:
+            self._entries.move_to_end(key)
+            if entry.graph is not None:
+                torch._foreach_copy_(entry.inputs, _flat(q, k, v, inputs))  # one launch for all
+        if entry.graph is None:
+            return self._eager(body, q, k, v, inputs)
+        entry.graph.replay()
+        self.replays += 1
+        self.store.queue_pending(entry.pending)
+        assert entry.output is not None
+        entry.meta.output = entry.output.clone()
+        return entry.meta
+
+    def _eager(self, body: Body, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+               inputs: dict[str, torch.Tensor]) -> Any:
+        self.eager += 1
+        meta, out = body(q, k, v, inputs)
+        meta.output = out
+        return meta
+
+    def _capture(self, key: tuple, body: Body, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                 inputs: dict[str, torch.Tensor]) -> _Entry:
+        static = [t.clone() for t in _flat(q, k, v, inputs)]
+        sq, sk = static[0], static[1]
+        sv = static[2] if v is not None else None
+        sin = dict(zip(inputs, static[3 if v is not None else 2:]))
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=q.device)
+        current = torch.cuda.current_stream(q.device)
+        self._stream.wait_stream(current)
+        graph = torch.cuda.CUDAGraph()
+        mark = self.store.pending_mark()
+        try:
+            with torch.cuda.stream(self._stream):
+                graph.capture_begin(pool=self.pool)
+                try:
+                    meta, out = body(sq, sk, sv, sin)
+                finally:
+                    graph.capture_end()
+        except Exception as exc:  # e.g. a backend that synchronises with the host
+            self.store.take_pending(mark)
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"decode_graphs: capturing a decode layer failed ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}); that layer runs eagerly",
+                              RuntimeWarning, stacklevel=3)
+            entry = _Entry(None, [])
+        else:
+            current.wait_stream(self._stream)
+            self.captures += 1
+            entry = _Entry(graph, static, meta, out, self.store.take_pending(mark))
+        self._entries[key] = entry
+        while len(self._entries) > self.max_graphs:
+            self._entries.popitem(last=False)
+        return entry
+
+    def clear(self) -> None:
+        """Drop every graph (their memory returns to the pool) and forget what was seen."""
+        self._entries.clear()
+        self._seen.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def signature(*tensors: torch.Tensor | None) -> tuple:
+    """What a captured graph is specialised on per input: shape, dtype and device (None:
+    absent). Strides are not: inputs are copied into the graph's own buffers."""
+    return tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors)
+
+
+def _flat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    return [q, k, *([] if v is None else [v]), *inputs.values()]

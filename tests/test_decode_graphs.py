@@ -1,0 +1,160 @@
+"""decode_graphs.py: the coordinator's CUDA-graph replay of decode layers.
+
+CPU: the width rounding, the config errors, and the contract a graph relies on — scoring a
+wider context than the longest request changes no selection. GPU: a coordinator replaying
+its layers from graphs against an eager twin fed the same inputs, step by step, bit for bit,
+through page and bucket boundaries, a mixed dense / sparse batch, retract / resume and a
+request leaving and another joining; afterwards both stores hold the same host KV and counters.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparse_framework import Batch, ConfigError, Request
+from sparse_framework.decode_graphs import bucket_width
+from test_coordinator import Driver, make
+
+
+@given(st.integers(1, 10_000), st.integers(1, 4096), st.integers(1, 20_000))
+def test_bucket_width_rounds_up_within_the_cap(max_len: int, bucket: int, cap: int) -> None:
+    w = bucket_width(max_len, bucket, cap)
+    assert w >= max_len
+    assert w <= max(cap, max_len)
+    if max_len <= cap:
+        assert w % bucket == 0 or w == cap
+        assert w - max_len < bucket
+
+
+def test_decode_graphs_need_cuda_and_sane_sizes() -> None:
+    with pytest.raises(ConfigError, match="decode_graphs=True needs a CUDA layout device"):
+        make(decode_graphs=True)
+    with pytest.raises(ConfigError, match="graph_bucket_tokens and max_graphs must be >= 1"):
+        make(graph_bucket_tokens=0)
+    with pytest.raises(ConfigError, match="graph_bucket_tokens and max_graphs must be >= 1"):
+        make(max_graphs=0)
+
+
+ALGORITHMS = {
+    "quest": {"algorithm": "quest", "extra": {"dense_first_layers": 0}},
+    "dsa": {"algorithm": "dsa", "extra": {"index_heads": 4, "index_dim": 128}},
+    "dsa-keys": {"algorithm": "dsa", "extra": {"source": "keys"}},
+    "snapkv": {"algorithm": "snapkv", "extra": {"window": 8}},
+    "pqcache": {"algorithm": "pqcache", "extra": {"iterations": 3, "bits": 3}},
+}
+
+
+def _valid(sel) -> list[list[list[int]]]:  # type: ignore[no-untyped-def]
+    """The selected indices of every row, without padding."""
+    idx, lens = sel.indices.tolist(), sel.lengths.tolist()
+    return [[row[:n] for row, n in zip(rows, ns)] for rows, ns in zip(idx, lens)]
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+@settings(max_examples=6, deadline=None)
+@given(lens=st.lists(st.integers(40, 150), min_size=1, max_size=3), extra=st.integers(1, 300), seed=st.integers(0, 99))
+def test_a_wider_scored_context_selects_the_same_tokens(name: str, lens: list[int], extra: int, seed: int) -> None:
+    """What lets one graph serve `graph_bucket_tokens` steps: `batch.max_seq_len` rounded up
+    (scores past each request's length exist but are ignored) selects exactly the same tokens."""
+    coord = make({**ALGORITHMS[name], "top_k": 16}, max_seq_len=512)
+    drv = Driver(coord, q_heads=4, seed=seed)
+    reqs = [Request(f"r{i}", n) for i, n in enumerate(lens)]
+    drv.prefill(reqs)
+    batch = Batch(reqs)
+    coord.forward_begin(batch)
+    b = len(reqs)
+    q = drv.randn(b, 4, coord.layout.head_dim)
+    inputs = drv.model_inputs(b, prefill=False)
+    exact = coord.algorithm.select(1, q, batch, inputs=inputs)
+    batch.max_seq_len = min(batch.max_seq_len + extra, coord.max_seq_len)
+    wider = coord.algorithm.select(1, q, batch, inputs=inputs)
+    assert _valid(wider) == _valid(exact)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+GRAPH_CONFIGS = {
+    "quest-triton": {"algorithm": "quest", "backend": "triton", "extra": {"dense_first_layers": 0}},
+    "quest-torch_ref": {"algorithm": "quest", "backend": "torch_ref", "extra": {"dense_first_layers": 0}},
+    "dsa-triton": {"algorithm": "dsa", "backend": "triton", "extra": {"index_heads": 8, "index_dim": 128}},
+    "dsa-keys-triton": {"algorithm": "dsa", "backend": "triton", "extra": {"source": "keys"}},
+    "quest-resident": {"algorithm": "quest", "backend": "triton", "store": "resident", "extra": {"dense_first_layers": 0}},
+}
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("name", sorted(GRAPH_CONFIGS))
+def test_replayed_layers_equal_eager_ones_step_by_step(name: str) -> None:
+    cfg = {**GRAPH_CONFIGS[name], "top_k": 64, "page_size": 16, "sink_tokens": 16, "recent_tokens": 32,
+           "device_buffer_tokens": 256, "min_sparse_prompt_len": 200, "dense_layers": [1]}
+    kw = dict(layers=3, kv_heads=2, head_dim=128, device="cuda", max_requests=4, max_seq_len=1024)
+    eager = make(cfg, **kw)
+    graphed = make(cfg, decode_graphs=True, graph_bucket_tokens=48, **kw)
+    assert graphed.graphs is not None and graphed.store.timing is False
+    drivers = [Driver(eager, q_heads=8, seed=3), Driver(graphed, q_heads=8, seed=3)]
+    twins = [{rid: Request(rid, n) for rid, n in (("a", 400), ("b", 150), ("c", 330), ("d", 260))} for _ in drivers]
+
+    def both(action):  # type: ignore[no-untyped-def]
+        return [action(drv, reqs) for drv, reqs in zip(drivers, twins)]
+
+    def steps(names: str, n: int) -> None:
+        for _ in range(n):
+            out_e, out_g = both(lambda drv, reqs: drv.decode([reqs[x] for x in names]))
+            for (e, _, _), (g, _, _) in zip(out_e, out_g):
+                torch.testing.assert_close(g, e, atol=0, rtol=0)
+
+    both(lambda drv, reqs: drv.prefill([reqs["a"], reqs["b"], reqs["c"]]))
+    steps("abc", 40)  # b decodes densely (prompt < 200) beside a and c; pages and buckets crossed
+    if cfg.get("store") != "resident":  # a resident store keeps no host copy to resume from
+        both(lambda drv, reqs: drv.coord.on_request_retract(reqs["b"]))
+        steps("ac", 6)  # another composition
+        both(lambda drv, reqs: drv.coord.on_request_resume(reqs["b"]))
+    both(lambda drv, reqs: drv.coord.on_request_end(reqs["c"]))
+    both(lambda drv, reqs: drv.prefill([reqs["d"]]))  # d takes c's state row
+    steps("abd", 30)
+    torch.cuda.synchronize()
+    g = graphed.graphs
+    assert g.captures > 0 and g.replays > g.captures, (g.captures, g.replays, g.eager)
+    assert torch.equal(graphed.store.counts, eager.store.counts)
+    assert torch.equal(graphed.store.rows_out, eager.store.rows_out)
+    for mine, theirs in zip(graphed.store.host, eager.store.host):
+        assert torch.equal(mine, theirs)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("backend", ["triton", "torch_ref"])
+def test_transformers_generate_with_decode_graphs_equals_without(backend: str) -> None:
+    """The shipped reference model through the transformers integration, eager layers and the
+    coordinator's decode graphs: the same tokens and the same selections, step for step."""
+    pytest.importorskip("transformers")
+    from sparse_framework.integrations.transformers import sparse
+    from sparse_framework.reference.model import load_reference_model
+    from sparse_framework.reference.tasks import TASKS, TaskConfig, draw
+
+    model = load_reference_model(torch.bfloat16, "cuda")
+    gen = torch.Generator().manual_seed(0)
+    seqs = [draw(TaskConfig(context=1500, **TASKS["passkey"]), gen) for _ in range(2)]
+    prompt = torch.stack([s.tokens[: s.prompt_len + 1] for s in seqs]).cuda()
+    config = {"algorithm": "quest", "backend": backend, "top_k": 256, "min_sparse_prompt_len": 0,
+              "extra": {"dense_first_layers": 0}}
+    runs = []
+    for graphs in (False, True):
+        seen: list[tuple[int, torch.Tensor]] = []
+        with sparse(model, config, max_requests=2, max_seq_len=2048, decode_graphs=graphs) as handle:
+            handle.observer = lambda ev: ev.selection is None or seen.append((ev.layer, ev.selection.indices.clone()))
+            out = model.generate(prompt, max_new_tokens=40, do_sample=False)
+            coord = handle.coordinator
+            assert (coord.graphs is not None) == graphs
+            if graphs:
+                assert coord.graphs.replays > 0
+        runs.append((out, seen))
+    (out_e, sel_e), (out_g, sel_g) = runs
+    assert torch.equal(out_g, out_e)
+    assert len(sel_g) == len(sel_e) > 0
+    for (la, a), (lb, b) in zip(sel_e, sel_g):
+        assert la == lb and torch.equal(a, b)
