@@ -13,6 +13,7 @@ What a captured graph depends on is held fixed or in device memory:
 - the context width the algorithms score (`batch.max_seq_len`) is rounded up to `bucket`
   tokens — score entries past a request's length are ignored by the algorithms' contract —
   so one graph serves `bucket` consecutive steps;
+- the inputs are copied into the graph's buffers with one kernel per dtype (`Staging`);
 - the store's device→host writes, which it queues in Python while the layer is captured, are
   queued again after every replay (`HierarchicalKVStore.take_pending` / `queue_pending`);
 - swap-in time is not measured (no timing events inside a graph); hits, misses and rows moved
@@ -47,13 +48,39 @@ def bucket_width(max_len: int, bucket: int, cap: int) -> int:
     return max(max_len, min(-(-max_len // bucket) * bucket, cap))
 
 
+class Staging:
+    """A graph's input buffers, laid out back to back in one flat buffer per dtype, so that
+    refilling them is one `torch.cat` kernel per dtype. Measured on an H100 (MHA DSA 128K
+    B=8, six bf16 inputs, 32 layers in a row): refilling with `torch._foreach_copy_` added
+    19 µs of GPU time per layer to the replay, one `cat` 7.5 µs."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.groups: list[tuple[torch.Tensor, list[int]]] = []
+        self.views: list[torch.Tensor] = [tensors[0]] * len(tensors)
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            idx = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+            flat = torch.empty(sum(tensors[i].numel() for i in idx), dtype=dtype, device=tensors[0].device)
+            offset = 0
+            for i in idx:
+                n = tensors[i].numel()
+                self.views[i] = flat[offset : offset + n].view(tensors[i].shape)
+                offset += n
+            self.groups.append((flat, idx))
+        self.fill(tensors)
+
+    def fill(self, tensors: list[torch.Tensor]) -> None:
+        """Copy `tensors` (the shapes and dtypes staged) into the buffers."""
+        for flat, idx in self.groups:
+            torch.cat([tensors[i].reshape(-1) for i in idx], out=flat)
+
+
 @dataclass
 class _Entry:
-    """One captured layer: its graph (None once a capture failed), its static inputs, the
+    """One captured layer: its graph (None once a capture failed), its staged inputs, the
     metadata and output it writes, and the store writes it queues."""
 
     graph: torch.cuda.CUDAGraph | None
-    inputs: list[torch.Tensor]
+    inputs: Staging | None
     meta: Any = None
     output: torch.Tensor | None = None
     pending: list | None = None
@@ -119,8 +146,8 @@ class DecodeGraphs:
             entry = self._capture(key, body, q, k, v, inputs)
         else:
             self._entries.move_to_end(key)
-            if entry.graph is not None:
-                torch._foreach_copy_(entry.inputs, _flat(q, k, v, inputs))  # one launch for all
+            if entry.inputs is not None:
+                entry.inputs.fill(_flat(q, k, v, inputs))
         if entry.graph is None:
             return self._eager(body, q, k, v, inputs)
         entry.graph.replay()
@@ -139,7 +166,8 @@ class DecodeGraphs:
 
     def _capture(self, key: tuple, body: Body, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
                  inputs: dict[str, torch.Tensor]) -> _Entry:
-        static = [t.clone() for t in _flat(q, k, v, inputs)]
+        staging = Staging(_flat(q, k, v, inputs))
+        static = staging.views
         sq, sk = static[0], static[1]
         sv = static[2] if v is not None else None
         sin = dict(zip(inputs, static[3 if v is not None else 2:]))
@@ -163,11 +191,11 @@ class DecodeGraphs:
                 warnings.warn(f"decode_graphs: capturing a decode layer failed ({type(exc).__name__}: "
                               f"{str(exc).splitlines()[0] if str(exc) else ''}); that layer runs eagerly",
                               RuntimeWarning, stacklevel=3)
-            entry = _Entry(None, [])
+            entry = _Entry(None, None)
         else:
             current.wait_stream(self._stream)
             self.captures += 1
-            entry = _Entry(graph, static, meta, out, self.store.take_pending(mark))
+            entry = _Entry(graph, staging, meta, out, self.store.take_pending(mark))
         self._entries[key] = entry
         while len(self._entries) > self.max_graphs:
             self._entries.popitem(last=False)

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparse_framework import Batch, ConfigError, Request
-from sparse_framework.decode_graphs import bucket_width
+from sparse_framework.decode_graphs import Staging, bucket_width
 from test_coordinator import Driver, make
 
 
@@ -27,6 +27,32 @@ def test_bucket_width_rounds_up_within_the_cap(max_len: int, bucket: int, cap: i
     if max_len <= cap:
         assert w % bucket == 0 or w == cap
         assert w - max_len < bucket
+
+
+@settings(max_examples=30, deadline=None)
+@given(shapes=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=3), min_size=1, max_size=6),
+       dtypes=st.lists(st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.bool]), min_size=6, max_size=6),
+       transpose=st.booleans())
+def test_staging_holds_each_input_and_refills_from_any_layout(shapes, dtypes, transpose) -> None:
+    """The graph's input buffers: one flat buffer per dtype, each input a contiguous view of
+    it; `fill` copies new values in, whatever the sources' strides."""
+    def draw(seed: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        out = []
+        for shape, dtype in zip(shapes, dtypes):
+            t = (torch.randn(*shape, generator=g) * 50).to(dtype)
+            out.append(t.t() if transpose and t.dim() == 2 else t)
+        return out
+
+    first = draw(0)
+    staging = Staging(first)
+    assert len(staging.groups) == len({t.dtype for t in first})
+    for got, want in zip(staging.views, first):
+        assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous() and torch.equal(got, want)
+    second = draw(1)
+    staging.fill(second)
+    for got, want in zip(staging.views, second):
+        assert torch.equal(got, want)
 
 
 def test_decode_graphs_need_cuda_and_sane_sizes() -> None:

@@ -1,0 +1,94 @@
+"""Where a decode-graphs layer's overhead goes: 32 calls in a row (one synchronisation at the
+end, µs per call, medians of 30 loops) of, cumulatively, the bare replay of the captured
+layer, + refilling its inputs (`Staging.fill`: one `torch.cat` per dtype, what the
+coordinator does), the same with `torch._foreach_copy_` instead (what it did first), + the
+output's copy, and the whole coordinator call (attention_begin + attend + attention_end).
+
+    python benchmarks/graph_overhead_parts.py
+    python benchmarks/graph_overhead_parts.py --cells mha:dsa:131072:8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from decode_layer import Cell
+from eager_overhead import Layer, parse_cell
+from sparse_framework.decode_graphs import _flat
+
+DEFAULT_JSON = "benchmarks/results/graph_overhead_parts_h100.json"
+
+
+def in_a_row(fn: Callable[[], object], layers: int, loops: int) -> float:
+    times = []
+    for _ in range(loops):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(layers):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e6 / layers)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cells", default="mha:dsa:131072:8,mha:dsa:32768:8", help="shape:algorithm:context:batch, comma-separated")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--loops", type=int, default=30)
+    parser.add_argument("--json", default=DEFAULT_JSON)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (CUDA graphs)")
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    rows = []
+    for shape, algo, ctx, batch in (parse_cell(c) for c in args.cells.split(",")):
+        cell = Cell(shape, algo, ctx, batch, torch.device("cuda"), seed=ctx + batch, graphs=True)
+        cell.use("triton", None)
+        layer = Layer(cell)
+        layer.set("graphs")
+        for _ in range(3):  # first call eager, second captured
+            layer()
+        (entry,) = [e for e in layer.graphs._entries.values() if e.graph is not None]
+        src = _flat(cell.q, cell.k, cell.v, cell.step_inputs)
+        graph, staging, out = entry.graph, entry.inputs, entry.output
+        parts: dict[str, Callable[[], object]] = {
+            "replay": graph.replay,
+            "+ inputs (cat)": lambda: (staging.fill(src), graph.replay()),
+            "+ inputs (foreach_copy_)": lambda: (torch._foreach_copy_(staging.views, src), graph.replay()),
+            "+ inputs (cat) + output copy": lambda: (staging.fill(src), graph.replay(), out.clone()),
+            "coordinator call": layer,
+        }
+        row = {"shape": shape, "algorithm": algo, "context": ctx, "batch": batch,
+               **{name: in_a_row(fn, args.layers, args.loops) for name, fn in parts.items()}}
+        rows.append(row)
+        del cell, layer, entry, graph, staging, out
+        torch.cuda.empty_cache()
+    table = Table(title=f"decode graphs: µs per layer, {args.layers} calls in a row")
+    names = list(parts)
+    for col in ("shape", "algo", "L", "B", *names):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["shape"], r["algorithm"], str(r["context"]), str(r["batch"]), *(f"{r[n]:.1f}" for n in names))
+    console.print(table)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers, "loops": args.loops,
+            "command": "python benchmarks/graph_overhead_parts.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"meta": meta, "results": rows}, indent=1) + "\n")
+    console.print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
