@@ -116,8 +116,9 @@ class Driver:
                     assert same(k_rows[sl], want_k[toks]) and same(v_rows[sl], want_v[toks])
 
 
-def make(config: dict | None = None, *, layers: int = 2, kv_heads: int = 2, head_dim: int = 8, device: str = "cpu", **kw) -> SparseCoordinator:
-    layout = KVLayout(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, device=device)
+def make(config: dict | None = None, *, layers: int = 2, kv_heads: int = 2, head_dim: int = 8, device: str = "cpu",
+         dtype: torch.dtype = torch.float32, **kw) -> SparseCoordinator:
+    layout = KVLayout(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, device=device, dtype=dtype)
     cfg = {**BASE, **(config or {})}
     if cfg["algorithm"] != "quest" and "extra" not in (config or {}):
         del cfg["extra"]  # BASE's extra is Quest's

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparse_framework import Batch, ConfigError, Request
+from sparse_framework.backends.flash_attn import FlashAttnBackend
 from sparse_framework.decode_graphs import Staging, bucket_width
 from test_coordinator import Driver, make
 
@@ -108,6 +109,7 @@ GRAPH_CONFIGS = {
     "dsa-triton": {"algorithm": "dsa", "backend": "triton", "extra": {"index_heads": 8, "index_dim": 128}},
     "dsa-keys-triton": {"algorithm": "dsa", "backend": "triton", "extra": {"source": "keys"}},
     "quest-resident": {"algorithm": "quest", "backend": "triton", "store": "resident", "extra": {"dense_first_layers": 0}},
+    "dsa-flash_attn": {"algorithm": "dsa", "backend": "flash_attn", "extra": {"index_heads": 8, "index_dim": 128}},
 }
 
 
@@ -115,9 +117,13 @@ GRAPH_CONFIGS = {
 @cuda
 @pytest.mark.parametrize("name", sorted(GRAPH_CONFIGS))
 def test_replayed_layers_equal_eager_ones_step_by_step(name: str) -> None:
+    backend = GRAPH_CONFIGS[name]["backend"]
+    if backend == "flash_attn" and FlashAttnBackend.unavailable_reason() is not None:
+        pytest.skip("needs flash-attn")
     cfg = {**GRAPH_CONFIGS[name], "top_k": 64, "page_size": 16, "sink_tokens": 16, "recent_tokens": 32,
            "device_buffer_tokens": 256, "min_sparse_prompt_len": 200, "dense_layers": [1]}
-    kw = dict(layers=3, kv_heads=2, head_dim=128, device="cuda", max_requests=4, max_seq_len=1024)
+    dtype = torch.bfloat16 if backend == "flash_attn" else torch.float32  # flash-attn takes 16-bit KV only
+    kw = dict(layers=3, kv_heads=2, head_dim=128, device="cuda", dtype=dtype, max_requests=4, max_seq_len=1024)
     eager = make(cfg, **kw)
     graphed = make(cfg, decode_graphs=True, graph_bucket_tokens=48, **kw)
     assert graphed.graphs is not None and graphed.store.timing is False
@@ -184,3 +190,62 @@ def test_transformers_generate_with_decode_graphs_equals_without(backend: str) -
     assert len(sel_g) == len(sel_e) > 0
     for (la, a), (lb, b) in zip(sel_e, sel_g):
         assert la == lb and torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("adaptor", [None, "flashmla"])
+def test_mla_replayed_layers_equal_eager_ones(adaptor: str | None) -> None:
+    """DeepSeek-like MLA (one 576-dim latent per token, V its first 512, 16 query heads), DSA's
+    indexer, hierarchical store, the Triton kernel over a page table or FlashMLA's indices:
+    replayed layers equal an eager twin's bit for bit, step after step."""
+    from sparse_framework import KVLayout
+    from sparse_framework.coordinator import SparseCoordinator
+
+    layout = KVLayout.mla(2, dtype=torch.bfloat16, device="cuda")
+    cfg = {"algorithm": "dsa", "backend": "triton", "top_k": 128, "page_size": 16, "sink_tokens": 16,
+           "recent_tokens": 32, "device_buffer_tokens": 256, "min_sparse_prompt_len": 0,
+           "extra": {"index_heads": 8, "index_dim": 128}, **({"adaptor": adaptor} if adaptor else {})}
+    coords = [SparseCoordinator(cfg, layout, max_requests=3, max_seq_len=1024, **kw)
+              for kw in ({}, {"decode_graphs": True, "graph_bucket_tokens": 48})]
+    gen = torch.Generator().manual_seed(5)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to("cuda", torch.bfloat16)
+
+    def inputs(tokens: int, prefill: bool) -> dict[str, torch.Tensor]:
+        algo = coords[0].algorithm
+        return {n: randn(tokens, *s) for n, s in (algo.prefill_inputs if prefill else algo.decode_inputs).items()}
+
+    twins = [[Request("a", 500), Request("b", 300)] for _ in coords]
+    for coord, reqs in zip(coords, twins):
+        for r in reqs:
+            coord.on_request_begin(r)
+    n = 800
+    pre = [(randn(n, 16, 576), randn(n, 1, 576), inputs(n, True)) for _ in range(2)]
+    for coord, reqs in zip(coords, twins):
+        batch = Batch(reqs, is_prefill=True)
+        coord.forward_begin(batch)
+        for layer, (q, k, extra) in enumerate(pre):
+            coord.attention_begin(layer, q, k, None, batch, extra)
+            coord.attention_end(layer, None, batch)
+        coord.forward_end(batch)
+    for _ in range(60):
+        step = [(randn(2, 16, 576), randn(2, 1, 576), inputs(2, False)) for _ in range(2)]
+        outs = []
+        for coord, reqs in zip(coords, twins):
+            batch = Batch(reqs)
+            coord.forward_begin(batch)
+            for layer, (q, k, extra) in enumerate(step):
+                meta = coord.attention_begin(layer, q, k, None, batch, extra)
+                outs.append(coord.attend(layer, q, meta))
+                coord.attention_end(layer, outs[-1], batch)
+            coord.forward_end(batch)
+        for eager, graphed in zip(outs[:2], outs[2:]):
+            torch.testing.assert_close(graphed, eager, atol=0, rtol=0)
+    torch.cuda.synchronize()
+    g = coords[1].graphs
+    assert g is not None and g.captures > 0 and g.replays > g.captures
+    assert torch.equal(coords[1].store.counts, coords[0].store.counts)
+    for mine, theirs in zip(coords[1].store.host, coords[0].store.host):
+        assert torch.equal(mine, theirs)
