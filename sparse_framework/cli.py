@@ -71,6 +71,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--dtype", help="KV dtype: float32, float16, bfloat16")
     run.add_argument("--seed", type=int, help="workload seed")
     run.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
+    run.add_argument("--decode-graphs", action="store_true",
+                     help="replay each decode layer from a CUDA graph (CUDA devices; see docs/performance.md)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--help-workload", action="store_true", help="print the workload options and exit")
 
@@ -165,7 +167,7 @@ def _run(args: argparse.Namespace) -> int:
         task = progress.add_task("decode steps", total=total)
         for cfg in configs:
             progress.update(task, description=f"{cfg.algorithm} top_k={cfg.top_k}")
-            results += run_experiment(cfg, workload, on_step=lambda: progress.advance(task))
+            results += run_experiment(cfg, workload, on_step=lambda: progress.advance(task), decode_graphs=args.decode_graphs)
     console.print(_table(results))
     if args.json:
         payload = {"workload": workload.model_dump(), "results": [r.as_dict() for r in results]}

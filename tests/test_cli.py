@@ -46,6 +46,7 @@ def test_run_takes_a_config_file_and_several_configs(tmp_path, capsys) -> None:
         (["--dtype", "int4"], "dtype must be one of"),
         (["--device", "foo"], "device must be a torch device such as 'cpu'"),
         (["--json", "/nonexistent/dir/x.json"], "does not exist"),
+        (["--decode-graphs", "--device", "cpu"], "decode_graphs=True needs a CUDA layout device"),
     ],
 )
 def test_run_bad_input_exits_2_with_a_clear_message(args, message, capsys) -> None:

@@ -56,15 +56,18 @@ def run_experiment(
     config: SparseConfig,
     workload: WorkloadConfig,
     on_step: Callable[[], None] | None = None,
+    decode_graphs: bool = False,
 ) -> list[RequestResult]:
     """Prefill one request per context, decode them together for `decode_steps` steps, and
-    compare each step's attention with dense attention. Returns one result per request."""
+    compare each step's attention with dense attention. Returns one result per request.
+    decode_graphs: the coordinator replays each decode layer from a CUDA graph (CUDA only)."""
     gen = SyntheticWorkload(workload)
     layout = KVLayout(
         workload.num_layers, workload.num_kv_heads, workload.head_dim, workload.torch_dtype, workload.device
     )
     max_len = max(workload.contexts) + workload.decode_steps + 1
-    coord = SparseCoordinator(config, layout, max_requests=len(workload.contexts), max_seq_len=max_len)
+    coord = SparseCoordinator(config, layout, max_requests=len(workload.contexts), max_seq_len=max_len,
+                              decode_graphs=decode_graphs)
     data = [gen.request(c) for c in workload.contexts]
     requests = [Request(f"req{i}-{d.context}", d.context) for i, d in enumerate(data)]
     # the engine keeps its own full-precision K/V as the dense reference
