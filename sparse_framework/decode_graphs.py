@@ -51,8 +51,8 @@ def bucket_width(max_len: int, bucket: int, cap: int) -> int:
 class Staging:
     """A graph's input buffers, laid out back to back in one flat buffer per dtype, so that
     refilling them is one `torch.cat` kernel per dtype. Measured on an H100 (MHA DSA 128K
-    B=8, six bf16 inputs, 32 layers in a row): refilling with `torch._foreach_copy_` added
-    19 µs of GPU time per layer to the replay, one `cat` 7.5 µs."""
+    B=8, six bf16 inputs, 32 layers in a row, benchmarks/graph_overhead_parts.py): refilling
+    with `torch._foreach_copy_` added 18.7 µs per layer to the replay, one `cat` 6.3 µs."""
 
     def __init__(self, tensors: list[torch.Tensor]) -> None:
         self.groups: list[tuple[torch.Tensor, list[int]]] = []
