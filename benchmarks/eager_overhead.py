@@ -23,12 +23,10 @@ per layer = wall per call - bare replay per call. Medians over --loops loops.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import triton
@@ -37,6 +35,7 @@ from rich.table import Table
 
 from decode_layer import ALGORITHMS, SHAPES, Cell
 from sparse_framework.kernels import launch
+from timing import write_results
 
 DEFAULT_CELLS = "mha:dsa:131072:8,mha:quest:131072:8,mha:dsa:32768:8,mla:dsa:32768:8"
 DEFAULT_JSON = "benchmarks/results/eager_overhead_h100.json"
@@ -172,10 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['loop_us_graphs']:.0f} ({r['overhead_us_graphs']:+.0f})")
     console.print(table)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "steps": args.steps, "warmup": args.warmup, "layers": args.layers, "loops": args.loops,
-            "command": "python benchmarks/eager_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+            "steps": args.steps, "warmup": args.warmup, "layers": args.layers, "loops": args.loops}
+    write_results(args.json, meta, results, "eager_overhead.py", argv)
     console.print(f"wrote {args.json}")
     return 0
 

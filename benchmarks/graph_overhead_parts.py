@@ -11,12 +11,10 @@ output's copy, and the whole coordinator call (attention_begin + attend + attent
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -25,6 +23,7 @@ from rich.table import Table
 from decode_layer import Cell
 from eager_overhead import Layer, parse_cell
 from sparse_framework.decode_graphs import _flat
+from timing import write_results
 
 DEFAULT_JSON = "benchmarks/results/graph_overhead_parts_h100.json"
 
@@ -82,10 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         table.add_row(r["shape"], r["algorithm"], str(r["context"]), str(r["batch"]), *(f"{r[n]:.1f}" for n in names))
     console.print(table)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers, "loops": args.loops,
-            "command": "python benchmarks/graph_overhead_parts.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"meta": meta, "results": rows}, indent=1) + "\n")
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers, "loops": args.loops}
+    write_results(args.json, meta, rows, "graph_overhead_parts.py", argv)
     console.print(f"wrote {args.json}")
     return 0
 

@@ -12,10 +12,13 @@ FLUSH_MODES: "read" (default), "write" (the old way, kept to compare), "none".""
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -100,3 +103,12 @@ class Timer:
             return self(graph.replay)
         finally:
             del graph
+
+
+def write_results(path: str, meta: dict[str, Any], results: list, script: str, argv: list[str] | None) -> None:
+    """Write a benchmark's {"meta", "results"} JSON to `path` (its folder made if missing),
+    with the command line that produced it in meta."""
+    args = argv if argv is not None else sys.argv[1:]
+    meta = {**meta, "command": " ".join(["python", f"benchmarks/{script}", *args])}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
