@@ -99,7 +99,7 @@ class DecodeGraphs:
         self.store, self.bucket, self.cap, self.max_graphs = store, bucket, cap, max_graphs
         self.pool = torch.cuda.graph_pool_handle()
         self._stream: torch.cuda.Stream | None = None
-        self._batches: dict[tuple, list[torch.Tensor]] = {}
+        self._batches: dict[tuple, Staging] = {}
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self._seen: set[tuple] = set()
         self._warned = False
@@ -114,10 +114,10 @@ class DecodeGraphs:
         fresh = [getattr(p, name) for p in parts for name in STEP_TENSORS]
         static = self._batches.get(comp)
         if static is None:
-            static = self._batches[comp] = [t.clone() for t in fresh]
+            static = self._batches[comp] = Staging(fresh)
         else:
-            torch._foreach_copy_(static, fresh)
-        it = iter(static)
+            static.fill(fresh)
+        it = iter(static.views)
         width = bucket_width(batch.max_seq_len, self.bucket, self.cap)
         for p in parts:
             for name in STEP_TENSORS:
