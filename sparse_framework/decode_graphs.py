@@ -1,15 +1,16 @@
 """CUDA-graph replay of decode layers inside the coordinator (`decode_graphs=True`).
 
-Why: one decode layer is ~15 kernel launches and ~40 torch ops issued from Python — 0.4–0.7 ms
-of host time at batch 8 on an H100's host, several times the ~0.13 ms the GPU needs for it
-(docs/performance.md). An engine that runs its layers eagerly (transformers, a research loop)
+Why: one decode layer is ~15 kernel launches and ~40 torch ops issued from Python — 0.6–1.7 ms
+of host time at batch 8 on the H100 machines' hosts, several times the 0.1–0.2 ms the GPU needs
+for it (docs/performance.md). An engine that runs its layers eagerly (transformers, a research loop)
 then waits on Python. With `decode_graphs` the coordinator captures each layer's decode work —
 store write, select, make resident, adapt, attend, append — once per batch composition and
 replays it: per layer the host copies the inputs into the graph's buffers and launches one graph.
 
 What a captured graph depends on is held fixed or in device memory:
 - the step's tensors (lengths, state rows, the sparse / dense split) live in static tensors
-  per batch composition, refreshed in place by `bind` at `forward_begin` (once per step);
+  per batch composition, refreshed in place by `bind` at `forward_begin` (once per step, one
+  kernel per dtype: `Staging`);
 - the context width the algorithms score (`batch.max_seq_len`) is rounded up to `bucket`
   tokens — score entries past a request's length are ignored by the algorithms' contract —
   so one graph serves `bucket` consecutive steps;
