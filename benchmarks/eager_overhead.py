@@ -63,10 +63,10 @@ class Layer:
         c.coord.attention_end(0, out, c.step_batch)
         return out
 
-    def bare_replay(self):  # type: ignore[no-untyped-def]
-        """The graph the coordinator captured for this call (it has run in graph mode)."""
-        (entry,) = [e for e in self.graphs._entries.values() if e.graph is not None]
-        return entry.graph.replay
+    def captured(self):  # type: ignore[no-untyped-def]
+        """The coordinator's one captured graph of this call (it has run twice in graph mode)."""
+        (entry,) = self.graphs.captured_entries()
+        return entry
 
 
 def host_us(layer: Layer, steps: int) -> dict[str, list[float]]:
@@ -87,23 +87,27 @@ def host_us(layer: Layer, steps: int) -> dict[str, list[float]]:
     return times
 
 
+def row_us(fn: Callable[[], object], layers: int) -> float:
+    """Wall µs per call of `layers` calls of `fn` in a row, started on an idle GPU and ended
+    by one synchronisation."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(layers):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e6 / layers
+
+
 def loop_us(layer: Layer, layers: int, loops: int) -> dict[str, float]:
     """Median wall µs per call of `layers` calls in a row (one sync at the end): eager (direct
     re-launch), with decode graphs, and bare replays of the captured graph."""
-    replay = layer.bare_replay()
-    runs: dict[str, Callable[[], object]] = {"direct": layer, "graphs": layer, "replay": replay}
+    runs: dict[str, Callable[[], object]] = {"direct": layer, "graphs": layer, "replay": layer.captured().graph.replay}
     times: dict[str, list[float]] = {m: [] for m in runs}
     try:
         for i in range(len(runs) * loops):
             mode = list(runs)[i % len(runs)]
             layer.set("graphs" if mode == "graphs" else "direct")
-            fn = runs[mode]
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(layers):
-                fn()
-            torch.cuda.synchronize()
-            times[mode].append((time.perf_counter() - start) * 1e6 / layers)
+            times[mode].append(row_us(runs[mode], layers))
     finally:
         layer.set("direct")
     return {m: statistics.median(t) for m, t in times.items()}

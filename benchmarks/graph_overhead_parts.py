@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -21,23 +20,11 @@ from rich.console import Console
 from rich.table import Table
 
 from decode_layer import Cell
-from eager_overhead import Layer, parse_cell
+from eager_overhead import Layer, parse_cell, row_us
 from sparse_framework.decode_graphs import _flat
 from timing import write_results
 
 DEFAULT_JSON = "benchmarks/results/graph_overhead_parts_h100.json"
-
-
-def in_a_row(fn: Callable[[], object], layers: int, loops: int) -> float:
-    times = []
-    for _ in range(loops):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(layers):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e6 / layers)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         layer.set("graphs")
         for _ in range(3):  # first call eager, second captured
             layer()
-        (entry,) = [e for e in layer.graphs._entries.values() if e.graph is not None]
+        entry = layer.captured()
         src = _flat(cell.q, cell.k, cell.v, cell.step_inputs)
         graph, staging, out = entry.graph, entry.inputs, entry.output
         parts: dict[str, Callable[[], object]] = {
@@ -70,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             "coordinator call": layer,
         }
         row = {"shape": shape, "algorithm": algo, "context": ctx, "batch": batch,
-               **{name: in_a_row(fn, args.layers, args.loops) for name, fn in parts.items()}}
+               **{name: statistics.median(row_us(fn, args.layers) for _ in range(args.loops)) for name, fn in parts.items()}}
         rows.append(row)
         del cell, layer, entry, graph, staging, out
         torch.cuda.empty_cache()

@@ -127,6 +127,10 @@ class DecodeGraphs:
         return comp
 
     # -- per layer ------------------------------------------------------------------------
+    def captured_entries(self) -> list[_Entry]:
+        """The layers captured so far (for benchmarks that replay a graph bare)."""
+        return [e for e in self._entries.values() if e.graph is not None]
+
     def captured(self, key: tuple) -> bool:
         """Whether `key` has a graph (its inputs passed the coordinator's checks before)."""
         entry = self._entries.get(key)
@@ -201,14 +205,6 @@ class DecodeGraphs:
         while len(self._entries) > self.max_graphs:
             self._entries.popitem(last=False)
         return entry
-
-    def clear(self) -> None:
-        """Drop every graph (their memory returns to the pool) and forget what was seen."""
-        self._entries.clear()
-        self._seen.clear()
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
 
 def signature(*tensors: torch.Tensor | None) -> tuple:
