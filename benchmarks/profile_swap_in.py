@@ -21,7 +21,7 @@ def main() -> None:
     ap.add_argument("--miss", type=float, default=0.0)
     ap.add_argument("--context", type=int, default=16384)
     args = ap.parse_args()
-    layout = LAYOUTS[args.layout]()
+    layout = LAYOUTS[args.layout](1)
     b_n, sel_n = args.batch, 2048
     store = HierarchicalKVStore(layout, page_size=64, device_buffer_tokens=sel_n + 64, sink_tokens=0, recent_tokens=0,
                                 unit=1, max_requests=b_n, max_seq_len=args.context + 1,
