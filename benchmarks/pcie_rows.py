@@ -21,7 +21,7 @@ and where the rows lie: random or consecutive (a contiguous block), starts 256- 
 2048-byte aligned, a 64 MiB or an 8 GiB pool, the pool pinned by cudaHostAlloc or made of
 transparent huge pages and registered with cudaHostRegister. Every variant's output is
 checked against the host rows. Each figure is the median of `--iters` calls (CUDA events,
-after warm-up); each configuration is timed `--repeats` times and the table shows the median
+after warm-up, the L2 flushed before each: timing.Timer); each configuration is timed `--repeats` times and the table shows the median
 of those with their range, because PCIe figures move by a few percent between runs.
 
     python benchmarks/pcie_rows.py --json benchmarks/results/pcie_rows_h100.json
@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from timing import write_results
+from timing import Timer, write_results
 
 PCIE_GBPS = 55.0  # pinned host -> device, contiguous (DESIGN.md)
 HUGE_PAGE = 2 << 20
@@ -114,15 +114,63 @@ class HostPointer:
         return self.ptr
 
 
-class Pool:
-    """A copy of `data` (uint8) in pinned host memory: cudaHostAlloc (torch's pin_memory) or,
-    with huge=True, anonymous memory advised for transparent huge pages, registered."""
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
 
-    def __init__(self, data: torch.Tensor, huge: bool) -> None:
+
+class _AllocProp(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("handle_types", ctypes.c_int), ("location", _Location),
+                ("win32", ctypes.c_void_p), ("flags", ctypes.c_ubyte * 8)]
+
+
+class _AccessDesc(ctypes.Structure):
+    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
+
+
+def _vmm_host(nbytes: int) -> tuple[int, int]:
+    """Pinned host memory from the CUDA driver's virtual memory API (cuMemCreate with a host
+    location, mapped in 2 MiB granules): (address, mapped bytes). Raises if unsupported."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+
+    def check(what: str, err: int) -> None:
+        if err != 0:
+            raise RuntimeError(f"{what} failed with CUresult {err}")
+
+    prop = _AllocProp(type=1, handle_types=0, location=_Location(type=2, id=0))  # PINNED, HOST
+    gran = ctypes.c_size_t()
+    check("cuMemGetAllocationGranularity", cuda.cuMemGetAllocationGranularity(ctypes.byref(gran), ctypes.byref(prop), 0))
+    size = -(-nbytes // gran.value) * gran.value
+    handle = ctypes.c_ulonglong()
+    check("cuMemCreate", cuda.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(prop), 0))
+    ptr = ctypes.c_ulonglong()
+    check("cuMemAddressReserve", cuda.cuMemAddressReserve(ctypes.byref(ptr), ctypes.c_size_t(size),
+                                                          ctypes.c_size_t(gran.value), ctypes.c_ulonglong(0), 0))
+    check("cuMemMap", cuda.cuMemMap(ptr, ctypes.c_size_t(size), ctypes.c_size_t(0), handle, 0))
+    access = _AccessDesc(location=_Location(type=1, id=torch.cuda.current_device()), flags=3)  # DEVICE, RW
+    check("cuMemSetAccess", cuda.cuMemSetAccess(ptr, ctypes.c_size_t(size), ctypes.byref(access), 1))
+    print(f"vmm host pool: granularity {gran.value >> 10} KiB", flush=True)
+    return ptr.value, size
+
+
+class Pool:
+    """A copy of `data` (uint8) in pinned host memory, allocated by `kind`: "pinned"
+    (cudaHostAlloc, torch's pin_memory), "thp" (anonymous memory advised for transparent huge
+    pages, registered with cudaHostRegister) or "vmm" (the driver's virtual memory API, host
+    location: `_vmm_host`; filled by cuMemcpy, and `bytes` is then the source copy)."""
+
+    def __init__(self, data: torch.Tensor, kind: str) -> None:
         nbytes = self.nbytes = data.numel()
-        if not huge:
+        if kind == "pinned":
             self.bytes = data.pin_memory()
             self.ptr = self.bytes.data_ptr()
+            return
+        if kind == "vmm":
+            self.ptr, _ = _vmm_host(nbytes)
+            err = ctypes.CDLL("libcuda.so.1").cuMemcpy(ctypes.c_ulonglong(self.ptr), ctypes.c_ulonglong(data.data_ptr()),
+                                                       ctypes.c_size_t(nbytes))
+            if err != 0:
+                raise RuntimeError(f"cuMemcpy failed with CUresult {err}")
+            self.bytes = data
             return
         self._map = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
@@ -154,21 +202,6 @@ def row_ids(order: str, n: int, pool_rows: int, gen: torch.Generator, streams: i
     per = -(-n // streams)
     ids = [s * region + torch.randperm(region, generator=gen)[:per].sort().values for s in range(streams)]
     return torch.cat(ids)[:n]
-
-
-def median_us(fn, iters: int, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def gather(variant: str, pool: Pool, row_bytes: int, stride_bytes: int, offset_bytes: int, ids: torch.Tensor):
@@ -234,14 +267,17 @@ def main(argv: list[str] | None = None) -> int:
     block = torch.randint(0, 256, (min(nbytes, 1 << 30),), dtype=torch.uint8, generator=gen)
     copies = -(-nbytes // block.numel())
     data = (block.repeat(copies).view(copies, -1) + torch.arange(copies, dtype=torch.uint8)[:, None]).view(-1)[:nbytes]
-    big = Pool(data, huge=False)
-    pools = {"pinned-8g": big, "pinned-64m": Pool(data[: 64 << 20], huge=False), "thp-8g": None}
+    big = Pool(data, "pinned")
+    pools = {"pinned-8g": big, "pinned-64m": Pool(data[: 64 << 20], "pinned"), "thp-8g": None, "vmm-8g": None}
     configs = [  # (variant, pool, row bytes, stride, offset, order, rows)
         *[("rows-w8", "pinned-8g", rb, rb, 0, "streams", n) for rb in (1152, 4096) for n in (16384, 131072)],
         ("rows-w8", "pinned-8g", 1152, 1152, 0, "consecutive", 16384),
         ("rows-w8", "pinned-8g", 1152, 1152, 0, "random", 16384),
         ("rows-w8", "pinned-64m", 1152, 1152, 0, "random", 16384),
         ("rows-w8", "thp-8g", 1152, 1152, 0, "random", 16384),
+        ("rows-w8", "vmm-8g", 1152, 1152, 0, "random", 16384),
+        ("rows-w8", "vmm-8g", 1152, 1152, 0, "streams", 16384),
+        ("rows-w4", "vmm-8g", 1152, 1152, 0, "streams", 16384),
         ("rows-w8", "pinned-8g", 1152, 1280, 0, "streams", 16384),
         ("rows-w8", "pinned-8g", 1152, 2048, 0, "streams", 16384),
         ("rows-w2", "pinned-8g", 1152, 1152, 0, "streams", 16384),
@@ -253,11 +289,13 @@ def main(argv: list[str] | None = None) -> int:
         ("tma", "pinned-8g", 1152, 1152, 0, "streams", 16384),
         ("tma", "pinned-8g", 4096, 4096, 0, "streams", 16384),
     ]
+    timer = Timer(dev, warmup=5, iters=args.iters, flush=True)  # the L2 flushed (read) before each call
     results = []
     for variant, pool_name, rb, stride, offset, order, n in configs:
         if pools[pool_name] is None:
-            pools[pool_name] = Pool(data, huge=True)
-            print(f"huge-page pool: AnonHugePages {pools[pool_name].huge_kib()}", flush=True)
+            pools[pool_name] = Pool(data, pool_name.split("-")[0])
+            if pool_name.startswith("thp"):
+                print(f"huge-page pool: AnonHugePages {pools[pool_name].huge_kib()}", flush=True)
         pool = pools[pool_name]
         ids = row_ids(order, n, (pool.nbytes - offset - rb) // stride, gen).to(dev)
         call, dst, want = gather(variant, pool, rb, stride, offset, ids)
@@ -265,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
         if not torch.equal(dst.cpu().view(torch.uint8).view(n, rb), want):
             raise AssertionError(f"{variant}: gathered rows differ from the host rows")
-        gbps = [n * rb / median_us(call, args.iters) / 1e3 for _ in range(args.repeats)]
+        gbps = [n * rb / timer(call) / 1e3 for _ in range(args.repeats)]
         rec = dict(variant=variant, pool=pool_name, row_bytes=rb, stride=stride, offset=offset, order=order, rows=n,
                    gbps=statistics.median(gbps), gbps_runs=gbps)
         results.append(rec)
@@ -274,8 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     for nbytes in sorted({r["rows"] * r["row_bytes"] for r in results if r["variant"] == "rows-w8"} | {1 << 30}):
         src = big.bytes[:nbytes]
         d = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-        gbps = [nbytes / median_us(lambda: d.copy_(src, non_blocking=True), max(5, args.iters // 2)) / 1e3
-                for _ in range(args.repeats)]
+        gbps = [nbytes / timer(lambda: d.copy_(src, non_blocking=True)) / 1e3 for _ in range(args.repeats)]
         results.append(dict(variant="copy-engine", pool="pinned-8g", bytes=nbytes, order="contiguous",
                             gbps=statistics.median(gbps), gbps_runs=gbps))
         print(f"copy engine, contiguous {nbytes / 2**20:8.1f} MiB: {statistics.median(gbps):5.1f} GB/s "
