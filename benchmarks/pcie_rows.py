@@ -13,16 +13,18 @@ Variants of the gather, each a kernel below:
               8 warps (also 2 and 4)
   rows-int32x4  int32 elements, four rows per iteration (more bytes in flight per program)
   lines-256   whole 128-byte lines read from a 256-byte-aligned base, masked
-  ptx-L2::256B  each thread's 16-byte load an explicit `ld.global.L2::256B.v4.b32` (the L2
+  ptx.L2::256B  each thread's 16-byte load an explicit `ld.global.L2::256B.v4.b32` (the L2
               prefetch-size hint)
   tma         the tensor memory accelerator, one [1, 16, 64] box per row over a
               [rows, 9, 64] view (TMA reads only the 9 lines inside the view)
 and where the rows lie: random or consecutive (a contiguous block), starts 256- or
-2048-byte aligned, a 64 MiB or an 8 GiB pool, the pool pinned by cudaHostAlloc or made of
-transparent huge pages and registered with cudaHostRegister. Every variant's output is
+2048-byte aligned, a 64 MiB or an 8 GiB pool, the pool pinned by cudaHostAlloc, made of
+transparent huge pages and registered with cudaHostRegister, or allocated by the driver's
+virtual memory API (cuMemCreate, host location, 2 MiB granules). Every variant's output is
 checked against the host rows. Each figure is the median of `--iters` calls (CUDA events,
-after warm-up, the L2 flushed before each: timing.Timer); each configuration is timed `--repeats` times and the table shows the median
-of those with their range, because PCIe figures move by a few percent between runs.
+after warm-up, the L2 flushed before each: timing.Timer); each configuration is timed
+`--repeats` times and the table shows the median of those with their range, because PCIe
+figures move by a few percent between runs.
 
     python benchmarks/pcie_rows.py --json benchmarks/results/pcie_rows_h100.json
 """
@@ -256,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="figures per configuration (their median is shown)")
     parser.add_argument("--json", default="", help="write the results here")
     args = parser.parse_args(argv)
+    if args.pool_gib < 1:
+        parser.error(f"--pool-gib must be at least 1 (131072 rows of 4096 B spread over it), got {args.pool_gib}")
+    if args.iters < 1 or args.repeats < 1:
+        parser.error(f"--iters and --repeats must be at least 1, got {args.iters} and {args.repeats}")
     if not torch.cuda.is_available():
         print("pcie_rows.py needs a CUDA GPU", file=sys.stderr)
         return 2
