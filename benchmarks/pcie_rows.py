@@ -299,10 +299,16 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for variant, pool_name, rb, stride, offset, order, n in configs:
         if pools[pool_name] is None:
-            pools[pool_name] = Pool(data, pool_name.split("-")[0])
-            if pool_name.startswith("thp"):
+            try:
+                pools[pool_name] = Pool(data, pool_name.split("-")[0])
+            except (RuntimeError, OSError, AttributeError) as e:  # no THP / VMM host memory here
+                pools[pool_name] = f"{type(e).__name__}: {e}"
+            if pool_name.startswith("thp") and isinstance(pools[pool_name], Pool):
                 print(f"huge-page pool: AnonHugePages {pools[pool_name].huge_kib()}", flush=True)
         pool = pools[pool_name]
+        if isinstance(pool, str):
+            print(f"{variant} on {pool_name}: skipped, the pool could not be made ({pool})", flush=True)
+            continue
         ids = row_ids(order, n, (pool.nbytes - offset - rb) // stride, gen).to(dev)
         call, dst, want = gather(variant, pool, rb, stride, offset, ids)
         call()
