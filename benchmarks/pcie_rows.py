@@ -296,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
         ("tma", "pinned-8g", 4096, 4096, 0, "streams", 16384),
     ]
     timer = Timer(dev, warmup=5, iters=args.iters, flush=True)  # the L2 flushed (read) before each call
+    # settle: right after pinning GiBs the first figures came out at half speed on one machine
+    settle, _, _ = gather("rows-w8", big, 1152, 1152, 0, row_ids("streams", 16384, big.nbytes // 1152, gen).to(dev))
+    for _ in range(200):
+        settle()
+    torch.cuda.synchronize()
     results = []
     for variant, pool_name, rb, stride, offset, order, n in configs:
         if pools[pool_name] is None:
