@@ -36,7 +36,7 @@ import torch
 from sparse_framework import Batch, KVLayout, Request, Selection
 from sparse_framework.kv_store.copy import copy_rows
 from sparse_framework.kv_store.hierarchical import HierarchicalKVStore
-from timing import capture, warm_up_aside
+from timing import capture, warm_up_aside, write_results
 
 PCIE_GBPS = 55.0  # measured pinned host -> device, contiguous (DESIGN.md)
 LAYOUTS: dict[str, Callable[[int], KVLayout]] = {  # by number of layers
@@ -309,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "results": results}, f, indent=2)
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ceiling_gbps": PCIE_GBPS}
+        write_results(args.json, meta, results, "swap_in.py", argv)
     return 0
 
 
