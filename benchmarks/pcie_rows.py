@@ -207,7 +207,7 @@ def row_ids(order: str, n: int, pool_rows: int, gen: torch.Generator, streams: i
 
 
 def gather(variant: str, pool: Pool, row_bytes: int, stride_bytes: int, offset_bytes: int, ids: torch.Tensor):
-    """(a callable doing one gather, its output, the expected output's host flat view)."""
+    """(a callable doing one gather of rows `ids`, its output)."""
     n = ids.numel()
     dev = ids.device
     grid = (2048,)
@@ -243,10 +243,14 @@ def gather(variant: str, pool: Pool, row_bytes: int, stride_bytes: int, offset_b
                                BOX=triton.next_power_of_2(row_bytes // 128), num_warps=1)
     else:
         raise ValueError(f"unknown variant {variant!r}")
-    host_rows = pool.bytes[offset_bytes:].as_strided(((pool.nbytes - offset_bytes - row_bytes) // stride_bytes + 1,
-                                                      row_bytes), (stride_bytes, 1))
-    want = host_rows[ids.cpu()]
-    return call, dst, want
+    return call, dst
+
+
+def host_rows(pool: Pool, row_bytes: int, stride_bytes: int, offset_bytes: int, ids: torch.Tensor) -> torch.Tensor:
+    """The rows a gather of `ids` must return, read on the CPU: uint8 [len(ids), row_bytes]."""
+    rows = pool.bytes[offset_bytes:].as_strided(((pool.nbytes - offset_bytes - row_bytes) // stride_bytes + 1,
+                                                 row_bytes), (stride_bytes, 1))
+    return rows[ids.cpu()]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     timer = Timer(dev, warmup=5, iters=args.iters, flush=True)  # the L2 flushed (read) before each call
     # settle: right after pinning GiBs the first figures came out at half speed on one machine
-    settle, _, _ = gather("rows-w8", big, 1152, 1152, 0, row_ids("streams", 16384, big.nbytes // 1152, gen).to(dev))
+    settle, _ = gather("rows-w8", big, 1152, 1152, 0, row_ids("streams", 16384, big.nbytes // 1152, gen).to(dev))
     for _ in range(200):
         settle()
     torch.cuda.synchronize()
@@ -315,10 +319,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{variant} on {pool_name}: skipped, the pool could not be made ({pool})", flush=True)
             continue
         ids = row_ids(order, n, (pool.nbytes - offset - rb) // stride, gen).to(dev)
-        call, dst, want = gather(variant, pool, rb, stride, offset, ids)
+        call, dst = gather(variant, pool, rb, stride, offset, ids)
         call()
         torch.cuda.synchronize()
-        if not torch.equal(dst.cpu().view(torch.uint8).view(n, rb), want):
+        if not torch.equal(dst.cpu().view(torch.uint8).view(n, rb), host_rows(pool, rb, stride, offset, ids)):
             raise AssertionError(f"{variant}: gathered rows differ from the host rows")
         gbps = [n * rb / timer(call) / 1e3 for _ in range(args.repeats)]
         rec = dict(variant=variant, pool=pool_name, row_bytes=rb, stride=stride, offset=offset, order=order, rows=n,
