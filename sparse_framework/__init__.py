@@ -1,9 +1,9 @@
 """sparse-framework: pluggable decode-time sparse attention with a hierarchical KV store."""
 
-from .batch import Batch, Request, Selection
+from .common.batch import Batch, Request, Selection
 from .config import SparseConfig, config_schema, load_config
-from .errors import CapacityError, ConfigError, PluginError, SparseFrameworkError
-from .kv_store.layout import KVLayout
+from .common.errors import CapacityError, ConfigError, PluginError, SparseFrameworkError
+from .common.layout import KVLayout
 
 __all__ = [
     "Batch",

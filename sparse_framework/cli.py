@@ -14,15 +14,14 @@ from rich.table import Table
 from rich.text import Text
 
 from . import registry
-from .algorithms.base import dense_layer_set
-from .config import config_schema, load_config, read_json_object, validate
+from .config import dense_layer_set, config_schema, load_config, read_json_object, validate
 from .engine.loop import RequestResult, run_experiment
 from .engine.workload import WorkloadConfig
 from .engine.workload import DTYPES as LAYOUT_DTYPES
-from .errors import SparseFrameworkError, closest
+from .common.errors import SparseFrameworkError, closest
 from .eval import command as eval_command
-from .kv_store.capacity import PRESETS, plan_capacity
-from .kv_store.layout import KVLayout
+from .capacity import PRESETS, plan_capacity
+from .common.layout import KVLayout
 
 # The embedded default experiment: Quest at two budgets on a needle workload where one prompt
 # is short enough to take the dense path. The synthetic layers are all alike (no early layers

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from . import registry
-from .errors import ConfigError, PluginError
+from .common.errors import ConfigError, PluginError
 
 if TYPE_CHECKING:
     from .adaptors.base import BackendAdaptor
@@ -229,3 +229,9 @@ def config_schema(distribution: str | None = None) -> dict[str, Any]:
     schema["properties"]["algorithm"]["enum"] = usable
     schema["properties"]["backend"]["enum"] = [n for n in registry.names("backend", distribution) if _loads("backend", n)]
     return schema
+
+
+def dense_layer_set(config: SparseConfig, num_layers: int) -> frozenset[int]:
+    """Every layer that attends densely: `config.dense_layers` and the algorithm's own."""
+    own = config.algorithm_class.own_dense_layers(config, num_layers)
+    return frozenset(layer for layer in {*config.dense_layers, *own} if layer < num_layers)

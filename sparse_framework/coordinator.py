@@ -27,13 +27,13 @@ from typing import Any
 
 import torch
 
-from .algorithms.base import Inputs, dense_layer_set
-from .batch import Batch, Request, Selection
-from .config import SparseConfig, load_config
+from .algorithms.base import Inputs
+from .common.batch import Batch, Request, Selection
+from .config import SparseConfig, dense_layer_set, load_config
 from .decode_graphs import DecodeGraphs, signature
-from .errors import CapacityError, ConfigError
+from .common.errors import CapacityError, ConfigError
 from .kv_store.hierarchical import HierarchicalKVStore
-from .kv_store.layout import KVLayout
+from .common.layout import KVLayout
 
 
 @dataclass

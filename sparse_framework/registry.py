@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-from .errors import PluginError, closest
+from .common.errors import PluginError, closest
 
 GROUPS: dict[str, str] = {
     "algorithm": "sparse_framework.algorithms",

@@ -11,7 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparse_framework.algorithms.base import reduce_groups, topk_selection
+from sparse_framework.algorithms.base import topk_selection
+from sparse_framework.kernels.reference_scores import reduce_groups
 
 
 def forced_tokens(length: int, sink: int, recent: int) -> set[int]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparse_framework.errors import ConfigError
+from sparse_framework.common.errors import ConfigError
 from sparse_framework.eval.experiment import DEFAULT_EXPERIMENT, budget_fraction, expand, load_experiment, top_k_for
 from sparse_framework.eval.runner import AttentionProbe, kl_per_position
 from sparse_framework.eval.sweep import read_results, run_sweep
@@ -122,7 +122,7 @@ def test_full_budget_equals_dense_and_a_small_budget_is_measured(tmp_path: Path)
 
 def test_probe_measures_recall_against_dense_attention() -> None:
     """A selection of everything has recall 1 and zero error; of nothing but one token, less."""
-    from sparse_framework.batch import Batch, Request, Selection
+    from sparse_framework.common.batch import Batch, Request, Selection
     from sparse_framework.engine.metrics import dense_attention
     from sparse_framework.integrations.transformers import AttentionEvent
 

@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sparse_framework import ConfigError, KVLayout, Request, load_config, registry
-from sparse_framework.algorithms.base import SparseAlgorithm, dense_layer_set
+from sparse_framework.algorithms.base import SparseAlgorithm
+from sparse_framework.config import dense_layer_set
 from sparse_framework.config import SparseConfig, config_schema
 from sparse_framework.engine.loop import run_experiment
 from sparse_framework.engine.workload import WorkloadConfig

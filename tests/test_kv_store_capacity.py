@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sparse_framework import KVLayout, load_config
-from sparse_framework.kv_store.capacity import PRESETS, plan_capacity
+from sparse_framework.capacity import PRESETS, plan_capacity
 
 GiB = 2**30
 

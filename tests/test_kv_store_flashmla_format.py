@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparse_framework.kv_store.flashmla_format import PACKED_BYTES, pack_flashmla_fp8, unpack_flashmla_fp8
+from sparse_framework.common.flashmla_format import PACKED_BYTES, pack_flashmla_fp8, unpack_flashmla_fp8
 
 
 def e4m3(byte: int) -> float:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from sparse_framework import Batch, CapacityError, KVLayout, Request, Selection
-from sparse_framework.kv_store.flashmla_format import pack_flashmla_fp8, unpack_flashmla_fp8
+from sparse_framework.common.flashmla_format import pack_flashmla_fp8, unpack_flashmla_fp8
 from sparse_framework.kv_store.hierarchical import HierarchicalKVStore
 
 from helpers import run_interpreted

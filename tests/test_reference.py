@@ -111,7 +111,7 @@ def test_the_shipped_model_solves_held_out_retrieval_at_2k_densely(task: str) ->
 
 
 def test_missing_weights_are_a_clear_error(tmp_path) -> None:
-    from sparse_framework.errors import SparseFrameworkError
+    from sparse_framework.common.errors import SparseFrameworkError
     from sparse_framework.reference.model import load_reference_model
 
     with pytest.raises(SparseFrameworkError, match="train_reference.py"):

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from ..config import SparseConfig
-    from ..kv_store.layout import KVLayout
+    from ..common.settings import SparseSettings
+    from ..common.layout import KVLayout
 
 
 class BackendAdaptor(ABC):
@@ -29,11 +29,11 @@ class BackendAdaptor(ABC):
     """
 
     @classmethod
-    def check_config(cls, config: SparseConfig) -> None:
+    def check_config(cls, config: SparseSettings) -> None:
         """Reject settings the kernel family cannot serve (raise ValueError naming them)."""
 
     @classmethod
-    def check_layout(cls, layout: KVLayout, config: SparseConfig) -> None:
+    def check_layout(cls, layout: KVLayout, config: SparseSettings) -> None:
         """Reject a KV layout the kernel family cannot serve (raise ConfigError naming the
         constraint); called when a coordinator is built, before the first step."""
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv_store.layout import resolve_impl
+from ..common.layout import resolve_impl
 from .base import BackendAdaptor
 
 

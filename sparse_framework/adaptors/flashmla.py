@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import ConfigError
+from ..common.errors import ConfigError
 from .base import BackendAdaptor
 
 if TYPE_CHECKING:
-    from ..config import SparseConfig
-    from ..kv_store.layout import KVLayout
+    from ..common.settings import SparseSettings
+    from ..common.layout import KVLayout
 
 TOPK_BLOCK = 64  # FlashMLA's decode kernels: topk % 64 == 0 (TOPK_BLOCK_SIZE / B_TOPK)
 PAGE_BLOCK = 64  # the only page_block_size of FlashMLA's 2025-09 sparse release
@@ -70,12 +70,12 @@ class FlashMLAAdaptor(BackendAdaptor):
     """Physical slots → FlashMLA `indices`. Pure torch, no host synchronisation."""
 
     @classmethod
-    def check_config(cls, config: SparseConfig) -> None:
+    def check_config(cls, config: SparseSettings) -> None:
         """Nothing in the config itself is out of FlashMLA's reach: indices are token rows, so
         every page size and granularity maps to them; the layout is checked in check_layout."""
 
     @classmethod
-    def check_layout(cls, layout: KVLayout, config: SparseConfig) -> None:
+    def check_layout(cls, layout: KVLayout, config: SparseSettings) -> None:
         """FlashMLA's sparse decode is MLA in MQA form: one latent KV head of 576 dims whose
         first 512 are V. (Per-KV-head algorithms are fine: with one KV head their selection is
         one per request.)"""

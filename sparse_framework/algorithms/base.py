@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from ..batch import Batch, Request, Selection
-from ..kv_store.layout import KVLayout, resolve_impl
+from ..common.batch import Batch, Request, Selection
+from ..common.layout import KVLayout, resolve_impl
+from ..kernels.reference_scores import reduce_groups
 
 if TYPE_CHECKING:
-    from ..config import SparseConfig
+    from ..common.settings import SparseSettings
 
 Inputs = Mapping[str, torch.Tensor]
 """Extra per-token tensors from the model, by name (e.g. DeepSeek's indexer queries and keys):
@@ -60,7 +61,7 @@ class SparseAlgorithm(ABC):
     needs_prefill_queries: ClassVar[bool] = False
 
     def __init__(
-        self, config: SparseConfig, layout: KVLayout, max_requests: int, max_seq_len: int
+        self, config: SparseSettings, layout: KVLayout, max_requests: int, max_seq_len: int
     ) -> None:
         self.config = config
         self.options = config.extra_config
@@ -76,7 +77,7 @@ class SparseAlgorithm(ABC):
         return self.config.page_size if self.granularity == "page" else 1
 
     @classmethod
-    def check_config(cls, config: SparseConfig) -> None:
+    def check_config(cls, config: SparseSettings) -> None:
         """Reject, at config time, settings this algorithm cannot serve (raise ValueError)."""
         unit = config.page_size if cls.granularity == "page" else 1
         if config.top_k < unit:
@@ -93,22 +94,22 @@ class SparseAlgorithm(ABC):
             )
 
     @classmethod
-    def budget_units(cls, config: SparseConfig) -> int:
+    def budget_units(cls, config: SparseSettings) -> int:
         """Units the top-k keeps besides the forced ones (sink, recent, newest): top_k // unit."""
         return config.top_k // (config.page_size if cls.granularity == "page" else 1)
 
     @classmethod
-    def own_dense_layers(cls, config: SparseConfig, num_layers: int) -> set[int]:
+    def own_dense_layers(cls, config: SparseSettings, num_layers: int) -> set[int]:
         """Layers the algorithm's recipe keeps dense, on top of `config.dense_layers`."""
         return set()
 
     @classmethod
-    def representation_bytes_per_token(cls, layout: KVLayout, config: SparseConfig) -> float:
+    def representation_bytes_per_token(cls, layout: KVLayout, config: SparseSettings) -> float:
         """Device bytes of representation per token and layer (for capacity planning)."""
         return 0.0
 
     @classmethod
-    def max_selected_tokens(cls, config: SparseConfig) -> int:
+    def max_selected_tokens(cls, config: SparseSettings) -> int:
         """Upper bound of a selection's length: the static width of `Selection.indices`."""
         unit = config.page_size if cls.granularity == "page" else 1
         return _max_units(config, unit, cls.budget_units(config)) * unit
@@ -160,7 +161,7 @@ def key_dtype(layout: KVLayout) -> torch.dtype:
     return torch.bfloat16 if layout.is_fp8 else layout.dtype
 
 
-def _max_units(config: SparseConfig, unit: int, budget_units: int) -> int:
+def _max_units(config: SparseSettings, unit: int, budget_units: int) -> int:
     sink_units = -(-config.sink_tokens // unit)
     recent_units = -(-config.recent_tokens // unit) + 1  # a misaligned window spans one more
     return sink_units + budget_units + recent_units
@@ -272,19 +273,6 @@ def topk_selection(
     return Selection(indices=indices, lengths=ok.sum(-1, dtype=torch.int32), page_size=unit)
 
 
-def reduce_groups(scores: torch.Tensor, num_kv_heads: int, how: str) -> torch.Tensor:
-    """Combine per-query-head scores [B, Hq, N] into per-KV-head scores [B, Hkv, N] over
-    each GQA group (query heads h*G .. h*G+G-1 share KV head h)."""
-    b, hq, n = scores.shape
-    grouped = scores.view(b, num_kv_heads, hq // num_kv_heads, n)
-    if how == "max":
-        return grouped.amax(dim=2)
-    if how == "sum":
-        return grouped.sum(dim=2)
-    if how == "mean":
-        return grouped.mean(dim=2)
-    raise ValueError(f"gqa_reduce must be one of max, sum, mean; got {how!r}")
-
 
 def group_probabilities(logits: torch.Tensor, seq_lens: torch.Tensor, head_dim: int, how: str) -> torch.Tensor:
     """Each query head's softmax of its logits / √head_dim over the stored tokens (positions
@@ -298,11 +286,6 @@ def group_probabilities(logits: torch.Tensor, seq_lens: torch.Tensor, head_dim: 
     return reduce_groups(probs.view(b, hk * g, n), hk, how)
 
 
-def dense_layer_set(config: SparseConfig, num_layers: int) -> frozenset[int]:
-    """Every layer that attends densely: `config.dense_layers` and the algorithm's own."""
-    own = config.algorithm_class.own_dense_layers(config, num_layers)
-    return frozenset(layer for layer in {*config.dense_layers, *own} if layer < num_layers)
-
 
 def scoring_kernel(name: str, impl: str, device: str | torch.device) -> Callable[..., torch.Tensor]:
     """The scoring function `name` for `impl` ("auto": Triton on CUDA): the Triton kernel
@@ -311,5 +294,5 @@ def scoring_kernel(name: str, impl: str, device: str | torch.device) -> Callable
     if resolve_impl(impl, device) == "triton":
         from ..kernels import scoring
         return getattr(scoring, f"{name}_triton")
-    from . import reference_scores
+    from ..kernels import reference_scores
     return getattr(reference_scores, f"{name}_torch")

@@ -22,9 +22,9 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..batch import Batch, Request
-from ..errors import ConfigError
-from ..kv_store.layout import resolve_impl
+from ..common.batch import Batch, Request
+from ..common.errors import ConfigError
+from ..common.layout import resolve_impl
 from .base import NO_INPUTS, Inputs, ScoringAlgorithm, group_probabilities, scoring_kernel
 
 

@@ -24,8 +24,8 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..batch import Batch, Request
-from ..kv_store.layout import resolve_impl
+from ..common.batch import Batch, Request
+from ..common.layout import resolve_impl
 from .base import NO_INPUTS, Inputs, ScoringAlgorithm, key_dtype, scoring_kernel
 
 

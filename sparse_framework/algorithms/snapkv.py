@@ -20,9 +20,10 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..batch import Batch, Request
-from ..kv_store.layout import resolve_impl
-from .base import NO_INPUTS, Inputs, ScoringAlgorithm, reduce_groups, scoring_kernel
+from ..common.batch import Batch, Request
+from ..common.layout import resolve_impl
+from ..kernels.reference_scores import reduce_groups
+from .base import NO_INPUTS, Inputs, ScoringAlgorithm, scoring_kernel
 
 
 class SnapKVOptions(BaseModel):

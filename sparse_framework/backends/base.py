@@ -11,8 +11,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..errors import ConfigError
-from ..kv_store.layout import KVLayout
+from ..common.errors import ConfigError
+from ..common.layout import KVLayout
 
 
 class AttentionBackend(ABC):

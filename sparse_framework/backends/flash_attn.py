@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from ..adaptors.flash_attention import FlashAttentionMetadata
-from ..errors import ConfigError
-from ..kv_store.layout import KVLayout
+from ..common.errors import ConfigError
+from ..common.layout import KVLayout
 from .base import AttentionBackend
 
 INSTALL = 'pip install "sparse-framework[flash-attn]"'

@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from ..adaptors.flashmla import PAGE_BLOCK, TOPK_BLOCK, FlashMLAMetadata
-from ..errors import ConfigError
-from ..kv_store.flashmla_format import LATENT_DIM, NOPE_DIM, PACKED_BYTES
-from ..kv_store.layout import KVLayout
+from ..common.errors import ConfigError
+from ..common.flashmla_format import LATENT_DIM, NOPE_DIM, PACKED_BYTES
+from ..common.layout import KVLayout
 from .base import AttentionBackend
 
 KERNEL_HEADS = (64, 128)  # DISPATCH_NUM_HEADS / DecodeFeatures::HEAD_64, HEAD_128

@@ -11,8 +11,8 @@ import torch
 
 from ..adaptors.flash_attention import FlashAttentionMetadata
 from ..adaptors.flashmla import FlashMLAMetadata
-from ..kv_store.flashmla_format import NOPE_DIM, PACKED_BYTES, unpack_flashmla_fp8
-from ..kv_store.layout import FP8_DTYPES
+from ..common.flashmla_format import NOPE_DIM, PACKED_BYTES, unpack_flashmla_fp8
+from ..common.layout import FP8_DTYPES
 from .base import AttentionBackend
 
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
-from ..kv_store.layout import KVLayout
+from ..common.errors import ConfigError
+from ..common.layout import KVLayout
 from .base import AttentionBackend
 
 MAX_HEAD_DIM = 576  # the kernel keeps a [rows, head dim] query tile and a [rows, v dim] accumulator in registers

@@ -9,10 +9,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..batch import Batch, Request
+from ..common.batch import Batch, Request
 from ..config import SparseConfig
 from ..coordinator import SparseCoordinator
-from ..kv_store.layout import KVLayout
+from ..common.layout import KVLayout
 from .metrics import attention_recall, dense_attention, needle_hits, relative_error, selected_mask
 from .workload import SyntheticWorkload, WorkloadConfig
 

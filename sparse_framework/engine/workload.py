@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..kv_store.layout import check_device
+from ..common.layout import check_device
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

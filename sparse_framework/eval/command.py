@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.console import Console
 
-from ..errors import ConfigError
+from ..common.errors import ConfigError
 from .experiment import DEFAULT_EXPERIMENT, load_experiment
 from .report import make_plots, markdown_page
 from .runner import METRICS

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..config import SparseConfig, load_config, validate
 from ..engine.workload import DTYPES, WorkloadConfig, check_dtype_name
-from ..errors import ConfigError
+from ..common.errors import ConfigError
 from ..reference.tasks import TASKS
 
 HUGE_BUFFER = 1 << 40  # only to ask an algorithm how wide its largest selection is

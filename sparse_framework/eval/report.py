@@ -8,7 +8,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from ..errors import SparseFrameworkError
+from ..common.errors import SparseFrameworkError
 from .runner import METRICS, CellRecord
 from .sweep import COLUMNS, fmt
 

@@ -24,7 +24,7 @@ import torch
 from ..engine.loop import run_experiment
 from ..engine.metrics import attention_recall, dense_attention, needle_hits, relative_error, selected_mask
 from ..engine.workload import DTYPES, WorkloadConfig
-from ..errors import ConfigError
+from ..common.errors import ConfigError
 from .experiment import Cell, HFWorkload, ReferenceWorkload, SyntheticWorkload
 
 # What a cell reports (None where a workload cannot measure it), with how tables show it.

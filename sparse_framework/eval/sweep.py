@@ -16,9 +16,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ..errors import ConfigError
+from ..common.errors import ConfigError
 from ..engine.workload import DTYPES
-from ..kv_store.layout import KVLayout, check_device
+from ..common.layout import KVLayout, check_device
 from .experiment import Cell, Experiment, expand
 from .runner import METRICS, CellRecord, Runner, finite
 

@@ -64,11 +64,11 @@ from typing import Any
 
 import torch
 
-from ..batch import Batch, Request, Selection
+from ..common.batch import Batch, Request, Selection
 from ..config import SparseConfig
 from ..coordinator import SparseCoordinator
-from ..errors import SparseFrameworkError
-from ..kv_store.layout import KVLayout
+from ..common.errors import SparseFrameworkError
+from ..common.layout import KVLayout
 
 try:
     import transformers

@@ -12,8 +12,8 @@ that are already on the device, and each becomes one kernel here:
                      sequence lengths (`adaptors/flash_attention.py`)
 
 Each has a torch twin (the reference, used on the CPU, in the module that owns the data:
-kv_store/pages.py, kv_store/copy.py, adaptors/flash_attention.py) with the same signature,
-re-exported here; the tests
+kv_store/pages.py, kv_store/copy.py, adaptors/flash_attention.py) with the same signature;
+kernels import nothing above them, so the twins are not imported here. The tests
 compare them under TRITON_INTERPRET=1 on random inputs. None of them synchronises with the
 host, so a decode step that uses them still captures in a CUDA graph. On sm_90+ GPUs they
 launch with PDL (kernels/pdl.py), waiting for their predecessor first thing.
@@ -27,16 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..adaptors.flash_attention import page_table_torch
-from ..kv_store.copy import write_token_rows
-from ..kv_store.pages import cdiv, paged_slots_rows, pow2
+from ..common.arith import cdiv, pow2
 from . import pdl
 from .launch import launch
 
-__all__ = [
-    "paged_slots_rows", "paged_slots_rows_triton", "write_token_rows", "write_token_rows_triton",
-    "page_table_torch", "page_table_triton",
-]
+__all__ = ["paged_slots_rows_triton", "write_token_rows_triton", "page_table_triton"]
 
 
 SLOTS_PROGRAMS = 256  # paged_slots_kernel's grid aims at this many programs

@@ -1,5 +1,5 @@
 """Triton kernels of the algorithms' scoring hot paths (`*_triton`), each with the signature
-and float32 result of its torch reference in `algorithms/reference_scores.py` (re-exported
+and float32 result of its torch reference in `kernels/reference_scores.py` (re-exported
 here as `*_torch`):
 
   quest_scores          Σ_d max(q_d·min_d, q_d·max_d) per page, combined over a GQA group
@@ -37,10 +37,10 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from ..kv_store.pages import cdiv
+from ..common.arith import cdiv
 from .launch import launch
 from .topk import check_first_pass, first_digit_histogram, window
-from ..algorithms.reference_scores import (
+from .reference_scores import (
     FP8_BLOCK,
     PQ_REDUCTIONS,
     REDUCTIONS,

@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from ..kv_store.pages import cdiv
+from ..common.arith import cdiv
 from .launch import launch
 from .scoring import _dot, _dot_mode, _pow2
 

@@ -78,9 +78,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..batch import Selection
+from ..common.batch import Selection
 from . import pdl
-from ..kv_store.pages import cdiv
+from ..common.arith import cdiv
 from .launch import launch
 
 __all__ = ["topk_selection_triton", "first_pass_buffer", "check_first_pass", "first_digit_histogram", "window"]

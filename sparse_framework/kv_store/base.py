@@ -6,8 +6,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ..batch import Batch, Request, Selection
-from .layout import KVLayout
+from ..common.batch import Batch, Request, Selection
+from ..common.layout import KVLayout
 
 
 class KVStore(ABC):

@@ -12,7 +12,8 @@ import os
 
 import torch
 
-from .pages import paged_slots_rows, pow2
+from ..common.arith import pow2
+from .pages import paged_slots_rows
 
 
 class _HostPointer:

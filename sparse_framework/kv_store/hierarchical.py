@@ -27,14 +27,15 @@ import time
 
 import torch
 
-from ..batch import Batch, Request, Selection
-from ..errors import CapacityError
+from ..common.batch import Batch, Request, Selection
+from ..common.errors import CapacityError
 from .base import KVStore
 from .copy import copy_rows, put_rows, write_token_rows
-from .flashmla_format import pack_flashmla_fp8
+from ..common.flashmla_format import pack_flashmla_fp8
 from .host_pool import HostPool
-from .layout import KVLayout, resolve_impl
-from .pages import PageAllocator, allocate_pool, cdiv, paged_slots_rows, pow2
+from ..common.layout import KVLayout, resolve_impl
+from ..common.arith import cdiv, pow2
+from .pages import PageAllocator, allocate_pool, paged_slots_rows
 from .slot_maps import SlotMaps
 
 _RESIDENT, _BUFFERED = "resident", "buffered"

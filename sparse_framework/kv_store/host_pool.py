@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 
-from ..batch import Request
-from .layout import KVLayout
-from .pages import PageAllocator, allocate_pool, cdiv, paged_slots_rows
+from ..common.batch import Request
+from ..common.layout import KVLayout
+from ..common.arith import cdiv
+from .pages import PageAllocator, allocate_pool, paged_slots_rows
 
 
 class HostPool:

@@ -8,17 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CapacityError
-
-
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for non-negative ints."""
-    return -(-a // b)
-
-
-def pow2(n: int) -> int:
-    """The smallest power of two >= n (>= 1)."""
-    return 1 << max(0, (n - 1).bit_length())
+from ..common.arith import cdiv
+from ..common.errors import CapacityError
 
 
 def paged_slots_rows(

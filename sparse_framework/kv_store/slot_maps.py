@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .pages import cdiv
+from ..common.arith import cdiv
 
 
 

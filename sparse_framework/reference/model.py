@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..errors import SparseFrameworkError
+from ..common.errors import SparseFrameworkError
 from .tasks import BOS, PAD, VOCAB_SIZE
 
 WEIGHTS = Path(__file__).with_name("weights") / "reference.safetensors"

@@ -19,9 +19,8 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from sparse_framework import Batch, KVLayout, Request
 from sparse_framework.algorithms.base import NO_INPUTS, Inputs, ScoringAlgorithm
-from sparse_framework.batch import Batch, Request
-from sparse_framework.kv_store.layout import KVLayout
 
 if TYPE_CHECKING:
     from sparse_framework.config import SparseConfig

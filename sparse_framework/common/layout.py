@@ -40,7 +40,7 @@ class KVLayout:
     one KV head; K is the whole row and V its first `v_head_dim` (512) elements.
     Any floating dtype; fp8 rows are stored as bytes (`storage_dtype` uint8): an MHA fp8 row
     as its raw fp8 values, an fp8 MLA latent (float8_e4m3fn, 576 / 512 only) as FlashMLA's
-    656-byte "FP8 with scale" row (kv_store/flashmla_format.py), the one format FlashMLA's
+    656-byte "FP8 with scale" row (common/flashmla_format.py), the one format FlashMLA's
     sparse decode reads. `stored_head_dim` is the stored width either way.
     """
 

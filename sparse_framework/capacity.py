@@ -13,9 +13,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..algorithms.base import dense_layer_set
-from ..config import SparseConfig
-from .layout import KVLayout
+from .common.layout import KVLayout
+from .config import SparseConfig, dense_layer_set
 
 PRESETS: dict[str, KVLayout] = {
     "llama-3-8b": KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16),

@@ -16,12 +16,24 @@ import math
 
 import torch
 
-from .base import reduce_groups
 
 REDUCTIONS = {"max": 0, "sum": 1, "mean": 2}
 PQ_REDUCTIONS = {**REDUCTIONS, "none": 3}  # none: every query head's scores, [B, Hkv, G, n]
 FP8_BLOCK = 128  # values per fp8 scale
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+def reduce_groups(scores: torch.Tensor, num_kv_heads: int, how: str) -> torch.Tensor:
+    """Combine per-query-head scores [B, Hq, N] into per-KV-head scores [B, Hkv, N] over
+    each GQA group (query heads h*G .. h*G+G-1 share KV head h)."""
+    b, hq, n = scores.shape
+    grouped = scores.view(b, num_kv_heads, hq // num_kv_heads, n)
+    if how == "max":
+        return grouped.amax(dim=2)
+    if how == "sum":
+        return grouped.sum(dim=2)
+    if how == "mean":
+        return grouped.mean(dim=2)
+    raise ValueError(f"gqa_reduce must be one of max, sum, mean; got {how!r}")
 
 
 def _reduce(x: torch.Tensor, how: str) -> torch.Tensor:

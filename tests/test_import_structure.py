@@ -1,0 +1,140 @@
+"""The package's floors: no import circles, and each part imports only the floors below it.
+
+Every import counts — at module level, inside functions (lazy) and under TYPE_CHECKING — since
+each is a dependency a reader must follow and a circle a refactor can trip over.
+
+    common                      types and helpers everyone shares (imports nothing above)
+    kernels                     Triton kernels and their torch references
+    kv_store, algorithms,       the store and the three plugin families (backends may read
+    adaptors, backends          the adaptors' metadata types)
+    registry                    entry points, checked against the plugin base classes
+    config                      resolves plugins through the registry only
+    capacity, coordinator, ...  everything above may use everything below
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "sparse_framework"
+PLUGIN_BASES = {"algorithms.base", "adaptors.base", "backends.base"}
+
+# part -> the parts it may import (its own always allowed)
+ALLOWED: dict[str, set[str]] = {
+    "common": set(),
+    "kernels": {"common"},
+    "kv_store": {"common", "kernels"},
+    "algorithms": {"common", "kernels"},
+    "adaptors": {"common", "kernels"},
+    "backends": {"common", "kernels", "adaptors"},
+    "registry": {"common", *PLUGIN_BASES},
+    "config": {"common", "registry", *PLUGIN_BASES},  # the bases for type annotations only
+}
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)  # "" is the package itself
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports (relative to the package)."""
+    modules = {module_name(p): p for p in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, path in modules.items():
+        package = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+        package = [p for p in package if p]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package[: len(package) - node.level + 1]
+                    name = ".".join(base + ([node.module] if node.module else []))
+                elif node.module and node.module.startswith("sparse_framework"):
+                    name = node.module.removeprefix("sparse_framework").lstrip(".")
+                else:
+                    continue
+                for alias in node.names:
+                    sub = f"{name}.{alias.name}".lstrip(".")
+                    targets.append(sub if sub in modules else name)
+            elif isinstance(node, ast.Import):
+                targets = [
+                    a.name.removeprefix("sparse_framework").lstrip(".")
+                    for a in node.names
+                    if a.name.startswith("sparse_framework")
+                ]
+            graph[mod].update(t for t in targets if t in modules and t != mod)
+    return graph
+
+
+def part(module: str) -> str:
+    """The floor a module belongs to: its subpackage, or the top-level module's own name."""
+    return module.split(".")[0]
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_sees_relative_lazy_and_type_checking_imports() -> None:
+    graph = import_graph()
+    assert "common.layout" in graph["coordinator"]  # module level
+    assert "kernels.scoring" in graph["algorithms.base"]  # inside a function
+    assert "common.settings" in graph["adaptors.base"]  # under TYPE_CHECKING
+    assert "algorithms.base" in graph["registry"]
+
+
+def test_no_import_circles() -> None:
+    assert cycles(import_graph()) == []
+
+
+def test_cycle_finder_finds_a_circle() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("floor", sorted(ALLOWED))
+def test_each_floor_imports_only_below_it(floor: str) -> None:
+    graph = import_graph()
+    allowed = ALLOWED[floor] | {floor}
+    wrong = sorted(
+        f"{mod} -> {target}"
+        for mod, targets in graph.items()
+        if part(mod) == floor
+        for target in targets
+        if part(target) not in allowed and target not in allowed
+    )
+    assert wrong == [], f"{floor} may import only {sorted(allowed)}"
