@@ -31,7 +31,8 @@ from .algorithms.base import Inputs, dense_layer_set
 from .batch import Batch, Request, Selection
 from .config import SparseConfig, load_config
 from .decode_graphs import DecodeGraphs, signature
-from .errors import CapacityError, ConfigError
+from .errors import CapacityError, ConfigError, LimitError
+from .kv_store.footprint import check_footprint, reraise_allocation_error
 from .kv_store.hierarchical import HierarchicalKVStore
 from .kv_store.layout import KVLayout
 
@@ -109,7 +110,10 @@ class SparseCoordinator:
         self.config.adaptor_class.check_layout(layout, self.config)
         algorithm_cls = self.config.algorithm_class
         self.dense_layers = dense_layer_set(self.config, layout.num_layers)
-        self.algorithm = algorithm_cls(self.config, layout, max_requests, max_seq_len)
+        check_footprint(self.config, layout, max_requests=max_requests, max_seq_len=max_seq_len,
+                        device_capacity_tokens=device_capacity_tokens, host_capacity_tokens=host_capacity_tokens)
+        with reraise_allocation_error(f"algorithm {self.config.algorithm!r} representations", "max_requests / max_seq_len"):
+            self.algorithm = algorithm_cls(self.config, layout, max_requests, max_seq_len)
         self.adaptor = self.config.adaptor_class()
         self.backend = backend_cls()
         cfg = self.config
@@ -145,12 +149,15 @@ class SparseCoordinator:
         if request.rid in self.requests:
             raise ValueError(f"request {request.rid!r} is already active")
         if request.prompt_len >= self.max_seq_len:
-            raise ValueError(
+            raise LimitError(
                 f"request {request.rid!r}: prompt_len {request.prompt_len} leaves no room to decode "
-                f"within max_seq_len {self.max_seq_len}"
+                f"within max_seq_len {self.max_seq_len}; build the coordinator with a larger max_seq_len"
             )
         if not self._free_slots:
-            raise ValueError(f"all {len(self.requests)} request rows are in use (max_requests)")
+            raise LimitError(
+                f"request {request.rid!r}: all {len(self.requests)} request rows are in use (max_requests="
+                f"{len(self.requests)}); end a request first, or build the coordinator with a larger max_requests"
+            )
         request.slot = self._free_slots.pop()
         request.seq_len = 0
         request.dense = request.prompt_len < self.config.min_sparse_prompt_len
@@ -210,7 +217,7 @@ class SparseCoordinator:
             if not batch.is_prefill and r.seq_len == 0:
                 raise ValueError(f"request {r.rid!r} must be prefilled before decoding")
             if not batch.is_prefill and r.seq_len >= self.max_seq_len:
-                raise ValueError(f"request {r.rid!r} reached max_seq_len {self.max_seq_len}")
+                raise LimitError(f"request {r.rid!r} reached max_seq_len {self.max_seq_len}; end it, or build the coordinator with a larger max_seq_len")
         if len({r.rid for r in batch.requests}) != len(batch):
             raise ValueError("a request appears twice in the batch")
         before = [r.seq_len for r in batch.requests]

@@ -1,0 +1,108 @@
+"""Clear errors instead of allocator tracebacks and wrong messages (issue 19, item 6): sizes
+checked before anything is allocated, request limits as capacity errors, the resident
+store's retract."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparse_framework import Batch, KVLayout, Request
+from sparse_framework.cli import main
+from sparse_framework.config import load_config
+from sparse_framework.coordinator import SparseCoordinator
+from sparse_framework.errors import CapacityError, LimitError
+from sparse_framework.kv_store import footprint
+from helpers import SMALL_QUEST
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+
+
+# -- sizes checked up front -------------------------------------------------------------------
+def test_huge_max_seq_len_is_a_capacity_error_naming_the_settings() -> None:
+    """10**9 tokens of 8 requests: terabytes, more than any machine; it used to end in the
+    CPU allocator's RuntimeError from inside Quest's constructor."""
+    with pytest.raises(CapacityError) as info:
+        SparseCoordinator(SMALL_QUEST, LAYOUT, max_requests=8, max_seq_len=10**9)
+    msg = str(info.value)
+    assert "max_seq_len=1000000000" in msg and "max_requests=8" in msg
+    assert "device KV pool" in msg and "host KV pool" in msg and "device_capacity_tokens" in msg
+
+
+@pytest.mark.parametrize("store", ["hierarchical", "resident"])
+@pytest.mark.parametrize("algorithm, extra", [("quest", {"dense_first_layers": 0}), ("snapkv", {}), ("pqcache", {})])
+def test_footprint_estimate_matches_what_is_allocated(store, algorithm, extra) -> None:
+    """The estimate of each pool against the bytes of the tensors the coordinator built."""
+    cfg = {**SMALL_QUEST, "algorithm": algorithm, "extra": extra, "store": store}
+    if algorithm == "pqcache":
+        cfg["top_k"] = 64
+    coord = SparseCoordinator(cfg, LAYOUT, max_requests=3, max_seq_len=300)
+    parts = {p.what.split(" ")[0]: p for p in footprint.coordinator_parts(
+        coord.config, LAYOUT, max_requests=3, max_seq_len=300)}
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    assert parts["device"].bytes == nbytes(coord.store.dev)
+    assert parts["host"].bytes == nbytes(coord.store.host)
+    representation = [t for t in vars(coord.algorithm).values() if isinstance(t, torch.Tensor) and t.dim() >= 4]
+    # the per-token terms; per-request constants (PQCache's codebooks) are not counted
+    assert parts["algorithm"].bytes <= nbytes(representation)
+    assert parts["algorithm"].bytes > 0
+
+
+def test_footprint_checks_each_device_against_its_memory(monkeypatch) -> None:
+    cfg = load_config(SMALL_QUEST)
+    parts = footprint.coordinator_parts(cfg, LAYOUT, max_requests=4, max_seq_len=4096)
+    need = sum(p.bytes for p in parts)
+    monkeypatch.setattr(footprint, "available_bytes", lambda device: need)
+    SparseCoordinator(SMALL_QUEST, LAYOUT, max_requests=4, max_seq_len=4096)  # fits exactly
+    monkeypatch.setattr(footprint, "available_bytes", lambda device: need - 1)
+    with pytest.raises(CapacityError, match=r"max_requests=4, max_seq_len=4096 need .* on cpu"):
+        SparseCoordinator(SMALL_QUEST, LAYOUT, max_requests=4, max_seq_len=4096)
+    # smaller pools through the capacity settings fit again
+    SparseCoordinator(SMALL_QUEST, LAYOUT, max_requests=4, max_seq_len=4096,
+                      device_capacity_tokens=2048, host_capacity_tokens=2048)
+    monkeypatch.setattr(footprint, "available_bytes", lambda device: None)  # unknown: not checked
+    SparseCoordinator(SMALL_QUEST, LAYOUT, max_requests=4, max_seq_len=4096)
+
+
+def test_available_bytes_of_the_host_is_physical_memory() -> None:
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    assert abs(footprint.available_bytes("cpu") - total) < 2**30  # sysconf and meminfo agree
+
+
+def test_allocator_failures_become_capacity_errors(monkeypatch) -> None:
+    """The last resort when the estimate let through what the allocator refuses."""
+    from sparse_framework.algorithms.quest import Quest
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(Quest, "__init__", refuse)
+    with pytest.raises(CapacityError, match=r"algorithm 'quest' representations: .*can't allocate.*max_seq_len"):
+        SparseCoordinator(SMALL_QUEST, LAYOUT, max_requests=2, max_seq_len=64)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug, not memory")
+
+    monkeypatch.setattr(Quest, "__init__", broken)
+    with pytest.raises(RuntimeError, match="a bug") as info:
+        SparseCoordinator(SMALL_QUEST, LAYOUT, max_requests=2, max_seq_len=64)
+    assert not isinstance(info.value, CapacityError)
+
+
+def test_run_with_a_huge_context_names_contexts(capsys) -> None:
+    assert main(["run", "--contexts", "1000000000", "--steps", "1", "--no-progress"]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith("error: the workload does not fit")
+    assert "--contexts" in out and "max_seq_len=1000000002" in out and "Traceback" not in out
+
+
+# -- request limits ---------------------------------------------------------------------------
+def test_exceeding_max_requests_is_a_capacity_error() -> None:
+    coord = SparseCoordinator(SMALL_QUEST, LAYOUT, max_requests=1, max_seq_len=64)
+    coord.on_request_begin(Request("a", 8))
+    with pytest.raises(CapacityError, match=r"request 'b': all 1 request rows are in use \(max_requests=1\)") as info:
+        coord.on_request_begin(Request("b", 8))
+    assert isinstance(info.value, ValueError) and isinstance(info.value, LimitError)  # what callers caught before
+    with pytest.raises(CapacityError, match="prompt_len 64 leaves no room .* max_seq_len 64"):
+        coord.on_request_begin(Request("c", 64))
