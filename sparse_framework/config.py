@@ -180,6 +180,8 @@ def read_json_object(source: str | PathLike[str], what: str) -> Any:
         raise ConfigError(f"{what} must be a JSON object ({{...}}), got {text.strip()[:40]!r}")
     if not text.lstrip().startswith("{"):
         path = Path(text)
+        if path.is_dir():
+            raise ConfigError(f"{what} {text!r} is a directory; give a JSON file or a JSON object ({{...}})")
         if not path.is_file():
             raise ConfigError(f"{what} {text!r} is neither a JSON object nor an existing file")
         where = f"{what} file {str(path)!r}"

@@ -106,3 +106,47 @@ def test_exceeding_max_requests_is_a_capacity_error() -> None:
     assert isinstance(info.value, ValueError) and isinstance(info.value, LimitError)  # what callers caught before
     with pytest.raises(CapacityError, match="prompt_len 64 leaves no room .* max_seq_len 64"):
         coord.on_request_begin(Request("c", 64))
+
+
+# -- command-line inputs ----------------------------------------------------------------------
+def test_config_naming_a_directory_says_so(tmp_path, capsys) -> None:
+    assert main(["run", "--config", str(tmp_path), "--steps", "1", "--no-progress"]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"config '{tmp_path}' is a directory; give a JSON file or a JSON object" in out
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".yml", ".txt"])
+def test_experiment_file_of_another_type_is_refused_by_its_suffix(tmp_path, suffix) -> None:
+    """A .yaml experiment was parsed as JSON and then reported as "not valid YAML"."""
+    from sparse_framework.errors import ConfigError
+    from sparse_framework.eval.experiment import load_experiment
+
+    path = tmp_path / f"exp{suffix}"
+    path.write_text("name: small\ncontexts: [256]\n")
+    with pytest.raises(ConfigError, match=rf"unsupported file type '{suffix}'; allowed: .json, .toml") as info:
+        load_experiment(path)
+    assert "not valid" not in str(info.value)
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_experiment(tmp_path)
+
+
+def test_plan_of_a_context_no_request_fits_is_an_error(capsys) -> None:
+    assert main(["plan", "--context", "100000000000"]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith("error: --context 100000000000: not one request fits")
+    assert "--gpu-gb 60" in out and "gain" not in out
+
+
+def test_plan_gain_is_not_a_ratio_over_zero_resident_requests(tmp_path, capsys) -> None:
+    """1M tokens: no request fits resident in 60 GiB, some do hierarchically; the gain column
+    must not divide by a clamped zero."""
+    import json
+
+    out_json = tmp_path / "plan.json"
+    assert main(["plan", "--context", "1000000", "--json", str(out_json)]) == 0
+    rows = json.loads(out_json.read_text())
+    assert rows[0]["resident_requests"] == 0 and rows[0]["hierarchical_requests"] > 0
+    assert rows[0]["gain"] is None
+    table = capsys.readouterr().out
+    line = next(line for line in table.splitlines() if "1000000" in line)
+    assert f"{rows[0]['hierarchical_requests']:.2f}x" not in line
