@@ -168,8 +168,8 @@ def test_missing_file(tmp_path):
     path = tmp_path / "nope.json"
     msg = config_error(path)
     assert msg == f"config {str(path)!r} is neither a JSON object nor an existing file"
-    # a directory is not a config file either
-    assert "neither a JSON object nor an existing file" in config_error(tmp_path)
+    # a directory is not a config file either, and the message says it is a directory
+    assert config_error(tmp_path) == f"config {str(tmp_path)!r} is a directory; give a JSON file or a JSON object ({{...}})"
 
 
 def test_non_object_json():
