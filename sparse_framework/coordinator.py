@@ -177,7 +177,10 @@ class SparseCoordinator:
             raise ValueError(f"request {request.rid!r} is already retracted")
         if request.seq_len == 0:
             raise ValueError(f"request {request.rid!r} must be prefilled before it is retracted")
-        self.store.retract(request)
+        try:
+            self.store.retract(request)
+        except CapacityError as exc:
+            raise CapacityError(_retract_advice(request, exc, self.store.host_slots, self.config.store)) from None
         self.retracted.add(request.rid)
 
     def on_request_resume(self, request: Request) -> None:
@@ -417,6 +420,22 @@ class SparseCoordinator:
                 f"q must be [{tokens}, num_q_heads, {lay.head_dim}] with num_q_heads a multiple of "
                 f"{lay.num_kv_heads} KV heads, got {list(q.shape)}"
             )
+
+
+def _retract_advice(request: Request, exc: CapacityError, host_slots: int, store: str) -> str:
+    """Why a retract found no host room, and the setting that gives it some: a request whose
+    K/V is all on the device (resident store, dense requests) is copied to the host pool,
+    which the resident store leaves empty unless host_capacity_tokens is given."""
+    why = (
+        "the resident store keeps no host copy, so its host pool is empty by default"
+        if host_slots == 0 and store == "resident"
+        else f"the host pool ({host_slots} tokens) is full"
+    )
+    return (
+        f"cannot retract request {request.rid!r} ({request.seq_len} tokens): its K/V is copied to the host "
+        f"pool and {why}; build the coordinator with host_capacity_tokens >= the tokens of the requests "
+        f"you retract at once (e.g. max_requests x max_seq_len). ({exc})"
+    )
 
 
 def _rows(batch: Batch, t: torch.Tensor) -> torch.Tensor:

@@ -150,3 +150,54 @@ def test_plan_gain_is_not_a_ratio_over_zero_resident_requests(tmp_path, capsys) 
     table = capsys.readouterr().out
     line = next(line for line in table.splitlines() if "1000000" in line)
     assert f"{rows[0]['hierarchical_requests']:.2f}x" not in line
+
+
+# -- retract on the resident store --------------------------------------------------------------
+def test_resident_store_retract_names_host_capacity_tokens() -> None:
+    """The resident store's host pool is empty by default: retract used to fail with "host KV
+    pool full… 0 of 0 pages". It now says why and names the setting, and changes nothing; with
+    host_capacity_tokens the same retract/resume works (attention as if never retracted)."""
+    cfg = {**SMALL_QUEST, "store": "resident"}
+    gen = torch.Generator().manual_seed(0)
+    n, heads = 40, 4
+    prompt = [torch.randn(n, 2, 16, generator=gen) for _ in range(3)]  # k, v, q-ish
+    q_dec = torch.randn(1, heads, 16, generator=gen)
+    k_dec, v_dec = torch.randn(1, 2, 16, generator=gen), torch.randn(1, 2, 16, generator=gen)
+
+    def prefill(coord: SparseCoordinator) -> Request:
+        r = Request("r", n)
+        coord.on_request_begin(r)
+        b = Batch([r], is_prefill=True)
+        coord.forward_begin(b)
+        q = torch.cat([prompt[2], prompt[2]], 1)
+        for layer in range(LAYOUT.num_layers):
+            coord.attention_begin(layer, q, prompt[0], prompt[1], b)
+            coord.attention_end(layer, None, b)
+        coord.forward_end(b)
+        return r
+
+    def decode(coord: SparseCoordinator, r: Request) -> list[torch.Tensor]:
+        b = Batch([r])
+        coord.forward_begin(b)
+        outs = []
+        for layer in range(LAYOUT.num_layers):
+            meta = coord.attention_begin(layer, q_dec, k_dec, v_dec, b)
+            outs.append(coord.attend(layer, q_dec, meta))
+            coord.attention_end(layer, outs[-1], b)
+        coord.forward_end(b)
+        return outs
+
+    coord = SparseCoordinator(cfg, LAYOUT, max_requests=2, max_seq_len=64)
+    r = prefill(coord)
+    with pytest.raises(CapacityError, match=r"cannot retract request 'r' \(40 tokens\).*resident store keeps no "
+                                            r"host copy.*host_capacity_tokens") :
+        coord.on_request_retract(r)
+    assert not coord.retracted
+    reference = decode(coord, r)  # the failed retract changed nothing
+
+    coord = SparseCoordinator(cfg, LAYOUT, max_requests=2, max_seq_len=64, host_capacity_tokens=64)
+    r = prefill(coord)
+    coord.on_request_retract(r)
+    coord.on_request_resume(r)
+    for got, want in zip(decode(coord, r), reference):
+        assert torch.equal(got, want)
