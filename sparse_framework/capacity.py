@@ -54,7 +54,9 @@ class CapacityPlan:
         return self.resident_device_bytes / self.buffer_kv_bytes
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "gain": self.gain, "kv_only_gain": self.kv_only_gain}
+        # no request fits resident: there is no ratio (null, not hierarchical_requests / 1)
+        gain = self.gain if self.resident_requests else None
+        return {**asdict(self), "gain": gain, "kv_only_gain": self.kv_only_gain}
 
 
 def plan_capacity(

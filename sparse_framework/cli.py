@@ -18,9 +18,9 @@ from .config import dense_layer_set, config_schema, load_config, read_json_objec
 from .engine.loop import RequestResult, run_experiment
 from .engine.workload import WorkloadConfig
 from .engine.workload import DTYPES as LAYOUT_DTYPES
-from .common.errors import SparseFrameworkError, closest
+from .common.errors import CapacityError, SparseFrameworkError, closest
 from .eval import command as eval_command
-from .capacity import PRESETS, plan_capacity
+from .capacity import PRESETS, CapacityPlan, plan_capacity
 from .common.layout import KVLayout
 
 # The embedded default experiment: Quest at two budgets on a needle workload where one prompt
@@ -224,17 +224,29 @@ def _plan(args: argparse.Namespace) -> int:
     for context in contexts:
         for cfg in configs:
             p = plan_capacity(layout, gpu, host, context, cfg)
+            _check_fits(context, p, args)
             plans.append({"model": name, **p.as_dict()})
             table.add_row(str(context), str(p.device_buffer_tokens), _mib(p.resident_device_bytes),
                           _mib(p.hierarchical_device_bytes), _mib(p.hierarchical_host_bytes),
                           str(p.resident_requests), str(p.hierarchical_requests), p.limited_by,
-                          f"{p.gain:.2f}x", f"{p.kv_only_gain:.2f}x")
+                          f"{p.gain:.2f}x" if p.resident_requests else "-", f"{p.kv_only_gain:.2f}x")
     console.print(table)
     if args.json:
         _check_parent(args.json, "--json")
         Path(args.json).write_text(json.dumps(plans, indent=2))
         console.print(f"plan written to {args.json}")
     return 0
+
+
+def _check_fits(context: int, p: CapacityPlan, args: argparse.Namespace) -> None:
+    """A context of which not one request fits either way is an error, not a row of zeros."""
+    if p.resident_requests == 0 and p.hierarchical_requests == 0:
+        raise CapacityError(
+            f"--context {context}: not one request fits: resident, one needs {_mib(p.resident_device_bytes)} "
+            f"of device memory, hierarchical {_mib(p.hierarchical_device_bytes)} of device and "
+            f"{_mib(p.hierarchical_host_bytes)} of host memory, for --gpu-gb {args.gpu_gb:g} and --host-gb "
+            f"{args.host_gb:g}; lower --context or raise --gpu-gb / --host-gb"
+        )
 
 
 def _check_parent(path: str, flag: str) -> None:

@@ -43,7 +43,9 @@ class SparseConfig(BaseModel):
         None, description="metadata adaptor; default: the one the backend consumes"
     )
     top_k: int = Field(2048, ge=1, description="retrieved tokens per selection (pages: top_k // page_size)")
-    page_size: int = Field(16, ge=1, description="tokens per page (page-granular algorithms, paged KV)")
+    page_size: int = Field(
+        16, ge=1, description="tokens per page (page-granular algorithms, paged KV); a power of two"
+    )
     device_buffer_tokens: int = Field(
         4096, ge=1, description="device slots per request and layer in hierarchical mode "
         "(rounded up to whole pages)"
@@ -70,6 +72,17 @@ class SparseConfig(BaseModel):
         if len(set(layers)) != len(layers):
             raise ValueError(f"layer indices must be unique, got {layers}")
         return sorted(layers)
+
+    @field_validator("page_size")
+    @classmethod
+    def _power_of_two(cls, page_size: int) -> int:
+        # the kernels, adaptors and backends are tested with power-of-two pages only (FlashMLA
+        # and FlashAttention page sizes are powers of two); other sizes are refused here rather
+        # than half supported
+        if page_size >= 1 and page_size & (page_size - 1):
+            low = 1 << (page_size.bit_length() - 1)
+            raise ValueError(f"page_size must be a power of two (1, 2, 4, 8, 16, ...), e.g. {low} or {2 * low}")
+        return page_size
 
     @field_validator("algorithm", "backend", "adaptor")
     @classmethod
@@ -180,6 +193,8 @@ def read_json_object(source: str | PathLike[str], what: str) -> Any:
         raise ConfigError(f"{what} must be a JSON object ({{...}}), got {text.strip()[:40]!r}")
     if not text.lstrip().startswith("{"):
         path = Path(text)
+        if path.is_dir():
+            raise ConfigError(f"{what} {text!r} is a directory; give a JSON file or a JSON object ({{...}})")
         if not path.is_file():
             raise ConfigError(f"{what} {text!r} is neither a JSON object nor an existing file")
         where = f"{what} file {str(path)!r}"

@@ -31,7 +31,8 @@ from .algorithms.base import Inputs
 from .common.batch import Batch, Request, Selection
 from .config import SparseConfig, dense_layer_set, load_config
 from .decode_graphs import DecodeGraphs, signature
-from .common.errors import CapacityError, ConfigError
+from .common.errors import CapacityError, ConfigError, LimitError
+from .footprint import check_footprint, reraise_allocation_error
 from .kv_store.hierarchical import HierarchicalKVStore
 from .common.layout import KVLayout
 
@@ -109,7 +110,10 @@ class SparseCoordinator:
         self.config.adaptor_class.check_layout(layout, self.config)
         algorithm_cls = self.config.algorithm_class
         self.dense_layers = dense_layer_set(self.config, layout.num_layers)
-        self.algorithm = algorithm_cls(self.config, layout, max_requests, max_seq_len)
+        check_footprint(self.config, layout, max_requests=max_requests, max_seq_len=max_seq_len,
+                        device_capacity_tokens=device_capacity_tokens, host_capacity_tokens=host_capacity_tokens)
+        with reraise_allocation_error(f"algorithm {self.config.algorithm!r} representations", "max_requests / max_seq_len"):
+            self.algorithm = algorithm_cls(self.config, layout, max_requests, max_seq_len)
         self.adaptor = self.config.adaptor_class()
         self.backend = backend_cls()
         cfg = self.config
@@ -145,12 +149,15 @@ class SparseCoordinator:
         if request.rid in self.requests:
             raise ValueError(f"request {request.rid!r} is already active")
         if request.prompt_len >= self.max_seq_len:
-            raise ValueError(
+            raise LimitError(
                 f"request {request.rid!r}: prompt_len {request.prompt_len} leaves no room to decode "
-                f"within max_seq_len {self.max_seq_len}"
+                f"within max_seq_len {self.max_seq_len}; build the coordinator with a larger max_seq_len"
             )
         if not self._free_slots:
-            raise ValueError(f"all {len(self.requests)} request rows are in use (max_requests)")
+            raise LimitError(
+                f"request {request.rid!r}: all {len(self.requests)} request rows are in use (max_requests="
+                f"{len(self.requests)}); end a request first, or build the coordinator with a larger max_requests"
+            )
         request.slot = self._free_slots.pop()
         request.seq_len = 0
         request.dense = request.prompt_len < self.config.min_sparse_prompt_len
@@ -170,7 +177,10 @@ class SparseCoordinator:
             raise ValueError(f"request {request.rid!r} is already retracted")
         if request.seq_len == 0:
             raise ValueError(f"request {request.rid!r} must be prefilled before it is retracted")
-        self.store.retract(request)
+        try:
+            self.store.retract(request)
+        except CapacityError as exc:
+            raise CapacityError(_retract_advice(request, exc, self.store.host_slots, self.config.store)) from None
         self.retracted.add(request.rid)
 
     def on_request_resume(self, request: Request) -> None:
@@ -210,7 +220,7 @@ class SparseCoordinator:
             if not batch.is_prefill and r.seq_len == 0:
                 raise ValueError(f"request {r.rid!r} must be prefilled before decoding")
             if not batch.is_prefill and r.seq_len >= self.max_seq_len:
-                raise ValueError(f"request {r.rid!r} reached max_seq_len {self.max_seq_len}")
+                raise LimitError(f"request {r.rid!r} reached max_seq_len {self.max_seq_len}; end it, or build the coordinator with a larger max_seq_len")
         if len({r.rid for r in batch.requests}) != len(batch):
             raise ValueError("a request appears twice in the batch")
         before = [r.seq_len for r in batch.requests]
@@ -410,6 +420,22 @@ class SparseCoordinator:
                 f"q must be [{tokens}, num_q_heads, {lay.head_dim}] with num_q_heads a multiple of "
                 f"{lay.num_kv_heads} KV heads, got {list(q.shape)}"
             )
+
+
+def _retract_advice(request: Request, exc: CapacityError, host_slots: int, store: str) -> str:
+    """Why a retract found no host room, and the setting that gives it some: a request whose
+    K/V is all on the device (resident store, dense requests) is copied to the host pool,
+    which the resident store leaves empty unless host_capacity_tokens is given."""
+    why = (
+        "the resident store keeps no host copy, so its host pool is empty by default"
+        if host_slots == 0 and store == "resident"
+        else f"the host pool ({host_slots} tokens) is full"
+    )
+    return (
+        f"cannot retract request {request.rid!r} ({request.seq_len} tokens): its K/V is copied to the host "
+        f"pool and {why}; build the coordinator with host_capacity_tokens >= the tokens of the requests "
+        f"you retract at once (e.g. max_requests x max_seq_len). ({exc})"
+    )
 
 
 def _rows(batch: Batch, t: torch.Tensor) -> torch.Tensor:

@@ -67,11 +67,19 @@ def names(kind: str, distribution: str | None = None) -> list[str]:
     reference — does not depend on which plugins happen to be installed.
     """
     _check_kind(kind)
-    return sorted(
-        name
-        for name, eps in _entry_points(kind).items()
-        if distribution is None or any(_dist_name(ep) == distribution for ep in eps)
-    )
+    out = []
+    for name, eps in _entry_points(kind).items():
+        mine = [ep for ep in eps if distribution is None or _dist_name(ep) == distribution]
+        if mine:
+            out.append(name)
+        if len(eps) > 1:  # every clashing registration stays reachable, and listed, by its full name
+            out += [qualified(ep) for ep in mine if distribution is None and _dist_name(ep) != BUILTIN]
+    return sorted(out)
+
+
+def qualified(ep: EntryPoint) -> str:
+    """"distribution:name", the name that selects this entry point whatever else is installed."""
+    return f"{_dist_name(ep)}:{ep.name}"
 
 
 def _base_class(kind: str) -> type:
@@ -88,29 +96,54 @@ def _base_class(kind: str) -> type:
     return AttentionBackend
 
 
-@functools.lru_cache(maxsize=None)
-def load(kind: str, name: str) -> Any:
-    """The plugin class registered as `name`; imports its module on first use.
+BUILTIN = "sparse-framework"  # the distribution of the built-in plugins
 
-    Raises PluginError for an unknown name (listing the registered ones and the closest),
-    a name registered by two distributions (naming both), an import failure (with the
-    exception), or an object that is not a subclass of the kind's base class.
-    """
-    _check_kind(kind)
+
+def _choose(kind: str, name: str) -> EntryPoint:
+    """The entry point a name selects (the rule of docs/plugins.md, "Name clashes"):
+    "dist:name" selects that distribution's; a bare name registered once selects it; a bare
+    name registered by the built-ins and by others selects the built-in (the others are
+    listed by `plugins` and reachable as "dist:name"); a bare name registered by two or more
+    other distributions is refused, naming them."""
     registered = _entry_points(kind)
+    dist, sep, bare = name.rpartition(":")
+    if sep:
+        eps = [ep for ep in registered.get(bare, []) if _dist_name(ep) == dist]
+        if not eps:
+            owners = ", ".join(f"'{_dist_name(ep)}'" for ep in registered.get(bare, [])) or "no distribution"
+            raise PluginError(f"{kind} {name!r}: distribution {dist!r} registers no {kind} {bare!r} ({bare!r} is registered by {owners})")
+        return eps[0]
     if name not in registered:
         known = ", ".join(sorted(registered)) or "none"
         raise PluginError(
             f"unknown {kind} {name!r}; registered {kind}s: {known}.{closest(name, registered)}"
         )
     eps = registered[name]
-    if len(eps) > 1:
-        owners = " and ".join(f"'{_dist_name(ep)}' ({ep.value})" for ep in eps)
-        raise PluginError(
-            f"{kind} name {name!r} is registered by more than one distribution: {owners}; "
-            "uninstall one of them or rename its entry point"
-        )
-    ep = eps[0]
+    if len(eps) == 1:
+        return eps[0]
+    builtin = [ep for ep in eps if _dist_name(ep) == BUILTIN]
+    if builtin:
+        return builtin[0]
+    eps = sorted(eps, key=_dist_name)
+    owners = " and ".join(f"'{_dist_name(ep)}' ({ep.value})" for ep in eps)
+    choices = " or ".join(f"'{qualified(ep)}'" for ep in eps)
+    raise PluginError(
+        f"{kind} name {name!r} is registered by more than one distribution: {owners}; select one as "
+        f"{choices}, or uninstall one of them"
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def load(kind: str, name: str) -> Any:
+    """The plugin class registered as `name` (or "distribution:name"); imports its module on
+    first use. A name several distributions register is resolved by `_choose`'s rule.
+
+    Raises PluginError for an unknown name (listing the registered ones and the closest),
+    a bare name two third-party distributions register (naming both), an import failure
+    (with the exception), or an object that is not a subclass of the kind's base class.
+    """
+    _check_kind(kind)
+    ep = _choose(kind, name)
     try:
         obj = ep.load()
     except Exception as exc:  # a plugin may fail in any way; report it, keep the rest working
@@ -131,14 +164,15 @@ def describe(kind: str) -> list[PluginInfo]:
     _check_kind(kind)
     infos = []
     for name, eps in sorted(_entry_points(kind).items()):
-        try:
-            load(kind, name)
-            error = None
-        except PluginError as exc:
-            error = str(exc)
-        dists = ", ".join(_dist_name(ep) for ep in eps)
-        targets = ", ".join(ep.value for ep in eps)
-        infos.append(PluginInfo(kind, name, targets, dists, error))
+        # one row per registration, the built-in first: a clash hides none of them
+        for ep in sorted(eps, key=lambda ep: (_dist_name(ep) != BUILTIN, _dist_name(ep))):
+            shown = name if len(eps) == 1 or _dist_name(ep) == BUILTIN else qualified(ep)
+            try:
+                load(kind, shown)
+                error = None
+            except PluginError as exc:
+                error = str(exc)
+            infos.append(PluginInfo(kind, shown, ep.value, _dist_name(ep), error))
     return infos
 
 

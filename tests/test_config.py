@@ -168,8 +168,8 @@ def test_missing_file(tmp_path):
     path = tmp_path / "nope.json"
     msg = config_error(path)
     assert msg == f"config {str(path)!r} is neither a JSON object nor an existing file"
-    # a directory is not a config file either
-    assert "neither a JSON object nor an existing file" in config_error(tmp_path)
+    # a directory is not a config file either, and the message says it is a directory
+    assert config_error(tmp_path) == f"config {str(tmp_path)!r} is a directory; give a JSON file or a JSON object ({{...}})"
 
 
 def test_non_object_json():
@@ -215,7 +215,7 @@ def test_schema_has_quest_extra_and_algorithm_enum():
 # -- property ---------------------------------------------------------------------------------
 @st.composite
 def valid_configs(draw):
-    page = draw(st.integers(1, 64))
+    page = 2 ** draw(st.integers(0, 6))  # powers of two, 1..64
     top_k = draw(st.integers(page, 4096))
     sink = draw(st.integers(0, 256))
     recent = draw(st.integers(0, 256))
@@ -249,3 +249,12 @@ def test_valid_configs_parse_and_round_trip(case):
     # one token less of device buffer than the widest selection is rejected
     with pytest.raises(ConfigError, match=f"at least {need}"):
         load_config({**data, "device_buffer_tokens": need - 1})
+
+
+@pytest.mark.parametrize("page_size", [3, 6, 24, 100])
+def test_page_size_must_be_a_power_of_two(page_size):
+    """page_size 3 used to be accepted; only powers of two are accepted (the sizes the kernels are tested with)."""
+    with pytest.raises(ConfigError, match=rf"`page_size` = {page_size}: page_size must be a power of two"):
+        load_config({"page_size": page_size, "top_k": 256})
+    for ok in (1, 2, 4, 64):
+        assert load_config({"page_size": ok, "top_k": 256}).page_size == ok

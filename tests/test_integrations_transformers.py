@@ -242,3 +242,86 @@ def test_mistral_with_a_window_that_never_binds() -> None:
         seq, logits = greedy(mistral, ids)
     assert torch.equal(seq, dense_seq)
     assert torch.allclose(logits, dense_logits, atol=1e-5, rtol=0)
+
+
+# -- clear errors at the right moment (issue 19, item 6) --------------------------------------
+def test_compiled_model_decodes_like_the_uncompiled_one(llama) -> None:
+    """`model.compile()` used to end in "TypeError: 'SparseCache' object is not callable"
+    (dynamo traced the cache update and replaced the weak reference to the cache)."""
+    ids = prompt(80, seed=21)
+    with tf.sparse(llama, SMALL, max_requests=1, max_seq_len=128) as handle:
+        ref_seq, ref_logits = greedy(llama, ids, new=4)
+        assert handle.stats()["read_fraction"] < 1.0  # the budget binds: a sparse run
+    compiled = torch.compile(llama, backend="eager")  # dynamo tracing only: fast on the CPU
+    try:
+        with tf.sparse(compiled, SMALL, max_requests=1, max_seq_len=128) as handle:  # the wrapper is accepted
+            seq, logits = greedy(compiled, ids, new=4)
+            assert handle.stats()["decode_steps"] == 3
+        llama.compile(backend="eager")  # in place: the path that raised the TypeError
+        with tf.sparse(llama, SMALL, max_requests=1, max_seq_len=128):
+            seq2, logits2 = greedy(llama, ids, new=4)
+    finally:
+        llama._compiled_call_impl = None  # the module fixture is shared
+    assert torch.equal(seq, ref_seq) and torch.equal(seq2, ref_seq)
+    assert torch.allclose(logits, ref_logits, atol=1e-5, rtol=0)
+    assert torch.allclose(logits2, ref_logits, atol=1e-5, rtol=0)
+
+
+def test_cache_implementation_passed_to_generate_is_refused(llama) -> None:
+    ids = prompt(20, seed=22)
+    with tf.sparse(llama, SMALL, max_requests=1, max_seq_len=64) as handle:
+        with pytest.raises(tf.UnsupportedModelError, match=r"cache_implementation='static'.*SparseCache"):
+            llama.generate(ids, max_new_tokens=2, cache_implementation="static")
+        assert not handle.coordinator.requests  # refused before anything was admitted
+        gen = transformers.GenerationConfig(cache_implementation="static", max_new_tokens=2, pad_token_id=0)
+        with pytest.raises(tf.UnsupportedModelError, match="cache_implementation='static'"):
+            llama.generate(ids, generation_config=gen)
+
+
+def test_cache_implementation_of_the_model_config_is_set_aside(llama) -> None:
+    """A hub default such as Gemma's "hybrid" is the model's, not the caller's: sparse generate
+    runs with its own cache and leaves the model's generation_config as it was."""
+    ids = prompt(30, seed=23)
+    with tf.sparse(llama, FULL, max_requests=1, max_seq_len=64):
+        ref, _ = greedy(llama, ids, new=3)
+    llama.generation_config.cache_implementation = "dynamic"
+    try:
+        with tf.sparse(llama, FULL, max_requests=1, max_seq_len=64):
+            seq, _ = greedy(llama, ids, new=3)
+        assert llama.generation_config.cache_implementation == "dynamic"
+    finally:
+        llama.generation_config.cache_implementation = None
+    assert torch.equal(seq, ref)
+
+
+def test_attention_sinks_are_refused_at_enable() -> None:
+    cfg = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=2, num_experts_per_tok=1, sliding_window=128,
+    )
+    model = transformers.GptOssForCausalLM(cfg).eval()
+    before = model.config._attn_implementation
+    with pytest.raises(tf.UnsupportedModelError, match=r"model\.layers\.0\.self_attn has attention sinks"):
+        tf.enable(model, SMALL, max_requests=1, max_seq_len=64)
+    assert model.config._attn_implementation == before and "generate" not in vars(model)
+
+
+def test_prompt_length_in_errors_of_a_windowed_model_is_the_real_one() -> None:
+    """The first layer of Mistral is windowed: the last row of its mask sees only the last
+    `window` tokens, which used to be reported as the prompt length (450 tokens as 64)."""
+    mistral = build(MistralForCausalLM, MistralConfig, seed=4, sliding_window=64)
+    ids, mask = left_pad([prompt(450, seed=24), prompt(30, seed=25)])
+    n, window = 450, 64
+    pos = torch.arange(n)
+    real = mask.bool()
+    causal = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < window)
+    sliding = causal[None, None] & real[:, None, None, :]  # what sdpa builds for a windowed layer
+    assert torch.equal(tf._prompt_tokens(sliding, 2, n, "cpu"), real)
+    unmasked = sliding | ~sliding.any(-1, keepdim=True)  # old torch: fully masked pad rows attend to all
+    assert torch.equal(tf._prompt_tokens(unmasked, 2, n, "cpu"), real)
+    additive = torch.zeros(sliding.shape).masked_fill(~sliding, float("-inf"))
+    assert torch.equal(tf._prompt_tokens(additive, 2, n, "cpu"), real)
+    with tf.sparse(mistral, SMALL, max_requests=2, max_seq_len=64) as handle:
+        with pytest.raises(ValueError, match="prompt_len 450 leaves no room to decode within max_seq_len 64"):
+            mistral.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+        assert not handle.coordinator.requests

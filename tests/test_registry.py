@@ -207,32 +207,51 @@ def test_broken_plugin_disappears_after_refresh_once_uninstalled(tmp_path, monke
 
 # -- duplicates ---------------------------------------------------------------------------
 def test_same_name_from_two_distributions_names_both(tmp_path, monkeypatch):
+    """Two third-party distributions, one name: the bare name is refused naming both and how
+    to choose; each stays usable and listed by its full "distribution:name"."""
     target = "sparse_framework.algorithms.quest:Quest"  # loadable: the only problem is the clash
     make_dist(tmp_path, "fake-dup-one", {ALGO_GROUP: {"dup_algo": target}})
     make_dist(tmp_path, "fake-dup-two", {ALGO_GROUP: {"dup_algo": target}})
     install_fake(monkeypatch, tmp_path)
 
     assert registry.names("algorithm").count("dup_algo") == 1
+    assert {"fake-dup-one:dup_algo", "fake-dup-two:dup_algo"} <= set(registry.names("algorithm"))
     with pytest.raises(PluginError) as info:
         registry.load("algorithm", "dup_algo")
     msg = str(info.value)
     assert "'dup_algo'" in msg and "more than one distribution" in msg
-    assert "fake-dup-one" in msg and "fake-dup-two" in msg
+    assert "fake-dup-one" in msg and "fake-dup-two" in msg and "'fake-dup-one:dup_algo'" in msg
+    assert registry.load("algorithm", "fake-dup-two:dup_algo") is Quest
 
-    (dup,) = [i for i in registry.describe("algorithm") if i.name == "dup_algo"]
-    assert set(dup.distribution.split(", ")) == {"fake-dup-one", "fake-dup-two"}
-    assert dup.error is not None and "fake-dup-one" in dup.error
+    rows = {i.name: i for i in registry.describe("algorithm") if "dup_algo" in i.name}
+    assert set(rows) == {"fake-dup-one:dup_algo", "fake-dup-two:dup_algo"}
+    assert rows["fake-dup-one:dup_algo"].distribution == "fake-dup-one" and rows["fake-dup-one:dup_algo"].error is None
     assert registry.load("algorithm", "quest") is Quest
+    with pytest.raises(PluginError, match="distribution 'fake-dup-three' registers no algorithm 'dup_algo'"):
+        registry.load("algorithm", "fake-dup-three:dup_algo")
 
 
-def test_third_party_shadowing_a_builtin_is_a_conflict(tmp_path, monkeypatch):
-    make_dist(tmp_path, "fake-shadow", {ALGO_GROUP: {"quest": "sparse_framework.algorithms.quest:Quest"}})
+def test_third_party_shadowing_a_builtin_loses_to_it_and_stays_selectable(tmp_path, monkeypatch):
+    """A second distribution registering `quest` used to disable the built-in everywhere and
+    vanish from `schema`. The rule (docs/plugins.md): the built-in wins the bare name; the
+    other is "fake-shadow:quest", listed by `plugins` and `schema`, never dropped."""
+    from sparse_framework.algorithms.snapkv import SnapKV
+
+    make_dist(tmp_path, "fake-shadow", {ALGO_GROUP: {"quest": "sparse_framework.algorithms.snapkv:SnapKV"}})
     install_fake(monkeypatch, tmp_path)
-    with pytest.raises(PluginError) as info:
-        registry.load("algorithm", "quest")
-    assert "'sparse-framework'" in str(info.value) and "'fake-shadow'" in str(info.value)
-    with pytest.raises(ConfigError, match="more than one distribution"):
-        load_config({"algorithm": "quest", **SMALL})
+    assert registry.load("algorithm", "quest") is Quest
+    assert registry.load("algorithm", "fake-shadow:quest") is SnapKV
+    assert registry.load("algorithm", "sparse-framework:quest") is Quest
+    assert load_config({"algorithm": "quest", **SMALL}).algorithm_class is Quest
+    assert load_config({"algorithm": "fake-shadow:quest", **SMALL}).algorithm_class is SnapKV
+
+    rows = [(i.name, i.distribution, i.error) for i in registry.describe("algorithm") if i.name.endswith("quest")]
+    assert rows == [("quest", "sparse-framework", None), ("fake-shadow:quest", "fake-shadow", None)]
+    schema = config_schema()
+    assert {"quest", "fake-shadow:quest"} <= set(schema["properties"]["algorithm"]["enum"])
+    assert "extra_quest" in schema["$defs"] and "extra_fake-shadow:quest" in schema["$defs"]
+    # the built-ins' reference (docs/config.md) does not depend on what else is installed
+    assert "fake-shadow:quest" not in config_schema("sparse-framework")["properties"]["algorithm"]["enum"]
 
 
 # -- wrong kind of object -----------------------------------------------------------------

@@ -22,6 +22,11 @@ class CapacityError(SparseFrameworkError, RuntimeError):
     """A KV pool cannot hold what was asked; the message gives the requested and free sizes."""
 
 
+class LimitError(CapacityError, ValueError):
+    """A request exceeds a limit the coordinator was built with (max_requests, max_seq_len).
+    A CapacityError, like a full pool; also a ValueError, as these errors were before."""
+
+
 def closest(name: str, choices: Iterable[str]) -> str:
     """' Did you mean 'x'?' for the closest choice, or '' when nothing is close."""
     match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)

@@ -12,6 +12,7 @@ import torch
 from ..common.batch import Batch, Request
 from ..config import SparseConfig
 from ..coordinator import SparseCoordinator
+from ..common.errors import CapacityError
 from ..common.layout import KVLayout
 from .metrics import attention_recall, dense_attention, needle_hits, relative_error, selected_mask
 from .workload import SyntheticWorkload, WorkloadConfig
@@ -66,8 +67,14 @@ def run_experiment(
         workload.num_layers, workload.num_kv_heads, workload.head_dim, workload.torch_dtype, workload.device
     )
     max_len = max(workload.contexts) + workload.decode_steps + 1
-    coord = SparseCoordinator(config, layout, max_requests=len(workload.contexts), max_seq_len=max_len,
-                              decode_graphs=decode_graphs)
+    try:
+        coord = SparseCoordinator(config, layout, max_requests=len(workload.contexts), max_seq_len=max_len,
+                                  decode_graphs=decode_graphs)
+    except CapacityError as exc:
+        raise CapacityError(
+            f"the workload does not fit: its contexts {workload.contexts} (--contexts) with {workload.decode_steps} "
+            f"decode steps (--steps) set max_seq_len and max_requests: {exc}"
+        ) from None
     data = [gen.request(c) for c in workload.contexts]
     requests = [Request(f"req{i}-{d.context}", d.context) for i, d in enumerate(data)]
     # the engine keeps its own full-precision K/V as the dense reference

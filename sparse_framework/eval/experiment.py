@@ -192,17 +192,29 @@ class Cell:
         return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
+# file suffix -> the format it is parsed as; anything else is refused (never guessed)
+EXPERIMENT_FORMATS = {".json": "JSON", ".toml": "TOML"}
+
+
 def load_experiment(source: str | Path | dict[str, Any]) -> Experiment:
     """An experiment from a dict, a .json or a .toml file; errors name the key."""
     if isinstance(source, dict):
         return validate(Experiment, source, "experiment")
     path = Path(source)
+    if path.is_dir():
+        raise ConfigError(f"experiment file {str(path)!r} is a directory; give a .json or .toml file")
     if not path.is_file():
         raise ConfigError(f"experiment file {str(path)!r} does not exist")
+    fmt = EXPERIMENT_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise ConfigError(
+            f"experiment file {str(path)!r}: unsupported file type {path.suffix or '(none)'!r}; "
+            f"allowed: {', '.join(EXPERIMENT_FORMATS)} (convert YAML to JSON or TOML)"
+        )
     try:
-        data = tomllib.loads(path.read_text()) if path.suffix == ".toml" else json.loads(path.read_text())
+        data = tomllib.loads(path.read_text()) if fmt == "TOML" else json.loads(path.read_text())
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"experiment file {str(path)!r} is not valid {path.suffix.lstrip('.').upper() or 'JSON'}: {exc}") from None
+        raise ConfigError(f"experiment file {str(path)!r} is not valid {fmt}: {exc}") from None
     return validate(Experiment, data, f"experiment file {str(path)!r}")
 
 

@@ -19,6 +19,11 @@ How it plugs in
   this model instance) that passes a fresh `SparseCache` as `past_key_values` and closes it
   when generation returns. `disable()` (or leaving the `with` block) undoes all three.
 
+  A cache_implementation in the model's own generation_config (Gemma's "hybrid" from the
+  hub) is set aside for the sparse generate; one the caller passes to generate is refused.
+  `torch.compile`: enable the uncompiled model or the compiled wrapper (its `_orig_mod` is
+  patched); the cache updates and the attention function run eagerly (graph breaks).
+
   Per layer the model applies RoPE, calls `cache.update(k, v, layer)` and then the attention
   function. `SparseCache.update` only counts tokens (transformers derives positions and mask
   sizes from the cache's length, which includes left padding) and returns this step's K/V
@@ -47,7 +52,7 @@ Requests and padding
 Not supported (clear errors): beam search and assisted decoding (the cache cannot reorder or
 crop requests), several tokens per row after the prefill (chunked prefill, multi-turn reuse
 of a cache: start a new cache), sliding-window layers whose window is shorter than
-`max_seq_len`, logit soft-capping, attention sinks, MLA models, algorithms that need extra
+`max_seq_len`, logit soft-capping, attention sinks (GPT-OSS; refused at enable), MLA models, algorithms that need extra
 model inputs (DSA's lightning indexer; DSA with `extra.source = "keys"` works), multimodal
 models. One forward at a time per handle (no thread safety).
 """
@@ -134,6 +139,7 @@ def enable(
     the model, and the handle is also a context manager (`with sparse(...) as handle:`).
     """
     check_transformers_version()
+    model = _uncompiled(model)
     if model in _ENABLED:
         raise ValueError("sparse decode is already enabled on this model; disable its handle first")
     cfg = _text_config(model)
@@ -145,6 +151,7 @@ def enable(
         device=model.device,
     )
     _check_windows(cfg, max_seq_len)
+    _check_attention_modules(model)
     coord = SparseCoordinator(
         config, layout, max_requests=max_requests, max_seq_len=max_seq_len,
         device_capacity_tokens=device_capacity_tokens, host_capacity_tokens=host_capacity_tokens,
@@ -354,6 +361,7 @@ class SparseCache(Cache):
         """The coordinator's requests of this cache, one per batch row (empty before prefill)."""
         return list(self.live.requests)
 
+    @torch.compiler.disable(recursive=True)
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -506,8 +514,13 @@ def _prompt_tokens(mask: torch.Tensor | None, b: int, n: int, device: str | torc
     if mask is None:
         return torch.ones(b, n, dtype=torch.bool, device=device)
     if mask.dim() == 4:
-        last = mask[:, 0, -1, -n:]
-        valid = last if last.dtype == torch.bool else last == 0  # additive float masks: 0 = attend
+        attend = mask[:, 0, -n:, -n:]
+        attend = attend if attend.dtype == torch.bool else attend == 0  # additive float masks: 0 = attend
+        # the last row attends to every real token under a causal mask, but only to the last
+        # `window` ones under a sliding-window mask: a real token also attends to itself (the
+        # diagonal); a fully masked pad row that an old torch fix unmasked attends to all
+        diagonal = attend.diagonal(dim1=1, dim2=2) & ~attend.all(-1)
+        valid = attend[:, -1] | diagonal
     elif mask.dim() == 2:
         valid = mask[:, -n:].bool()
     else:
@@ -515,6 +528,7 @@ def _prompt_tokens(mask: torch.Tensor | None, b: int, n: int, device: str | torc
     return valid.expand(b, n).to(device)
 
 
+@torch.compiler.disable(recursive=True)
 def sparse_attention_forward(
     module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, **kwargs: Any,
@@ -545,6 +559,16 @@ def _wrap_generate(handle: SparseHandle, generate: Callable[..., Any]) -> Callab
             raise ValueError(
                 f"sparse decode is enabled: pass no past_key_values (or handle.new_cache()), not a {type(cache).__name__}"
             )
+        if kwargs.get("cache_implementation") is not None or "generation_config" in kwargs:
+            _check_cache_implementation(kwargs.get("cache_implementation", getattr(gen_config, "cache_implementation", None)))
+        elif getattr(gen_config, "cache_implementation", None) is not None:
+            # the model's own default (e.g. Gemma's "hybrid" from the hub), not the caller's
+            # request: set aside while this generate runs
+            saved, gen_config.cache_implementation = gen_config.cache_implementation, None
+            try:
+                return sparse_generate(*args, **kwargs)
+            finally:
+                gen_config.cache_implementation = saved
         if cache is not None or use_cache is False:
             return generate(*args, past_key_values=cache, **kwargs)
         cache = handle.new_cache()
@@ -593,4 +617,32 @@ def _check_windows(cfg: Any, max_seq_len: int) -> None:
         raise UnsupportedModelError(
             f"the model has sliding-window layers (window {window}) and sparse decode attends to the whole "
             f"sequence: set max_seq_len <= {window} so that the window never binds"
+        )
+
+
+def _uncompiled(model: Any) -> Any:
+    """The module `torch.compile(model)` wraps: the integration patches the model itself,
+    which the compiled wrapper calls (its attention and cache steps run eagerly)."""
+    orig = getattr(model, "_orig_mod", None)
+    return orig if isinstance(model, torch.nn.Module) and isinstance(orig, torch.nn.Module) else model
+
+
+def _check_attention_modules(model: Any) -> None:
+    """Refuse, at enable, attention modules whose extra terms sparse decode would drop."""
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "layer_idx", None), int) and getattr(module, "sinks", None) is not None:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: {name} has attention sinks (learned per-head logits, as in "
+                "GPT-OSS), which sparse decode does not support"
+            )
+
+
+def _check_cache_implementation(value: Any) -> None:
+    """Sparse decode brings its own cache (a SparseCache); a cache_implementation the caller
+    passes to generate would make transformers build another one."""
+    if value is not None:
+        raise UnsupportedModelError(
+            f"generate(cache_implementation={value!r}) asks transformers for its own cache, but sparse decode "
+            "keeps the K/V in its SparseCache; pass no cache_implementation while sparse decode is enabled, "
+            "or disable the handle"
         )
