@@ -3,6 +3,7 @@ parity check in test_kv_store_hierarchical.py)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -50,3 +51,10 @@ def test_victims_with_need_are_the_need_first_of_the_eviction_order_sorted(owner
     chosen = victims(m, UB, need)
     n = min(need, eligible)
     assert chosen == sorted(order[:n]) + [UB] * (UB - n)
+
+
+def test_a_buffer_smaller_than_sink_and_recent_window_is_refused_with_its_size() -> None:
+    maps = SlotMaps(num_layers=1, max_requests=1, streams=1, max_units=64, buffer_units=2, unit=4,
+                    sink_tokens=8, recent_tokens=8, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"exceed device_buffer_tokens \(8 tokens\)"):
+        maps.initial_units(64)

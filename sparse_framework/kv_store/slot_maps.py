@@ -56,7 +56,7 @@ class SlotMaps:
         if len(units) > self.buffer_units:
             raise ValueError(
                 f"sink + recent window ({len(units)} units of {u}) exceed device_buffer_tokens "
-                f"({self.buffer_tokens})"
+                f"({self.buffer_units * self.unit} tokens)"
             )
         return torch.tensor(units, dtype=torch.long, device=self.device)
 
