@@ -22,6 +22,20 @@ class CapacityError(SparseFrameworkError, RuntimeError):
     """A KV pool cannot hold what was asked; the message gives the requested and free sizes."""
 
 
+class HookOrderError(SparseFrameworkError, ValueError):
+    """A `SparseCoordinator` hook was called out of order, or on a request that cannot take it
+    now. The message names the hook, the layer and what was expected; the call changed nothing.
+
+    `hook`: the hook refused ("attention_begin", ...); `layer`: its layer, None for step- and
+    request-level hooks.
+    """
+
+    def __init__(self, message: str, hook: str, layer: int | None = None) -> None:
+        super().__init__(message)
+        self.hook = hook
+        self.layer = layer
+
+
 def closest(name: str, choices: Iterable[str]) -> str:
     """' Did you mean 'x'?' for the closest choice, or '' when nothing is close."""
     match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
