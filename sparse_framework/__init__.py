@@ -2,13 +2,14 @@
 
 from .batch import Batch, Request, Selection
 from .config import SparseConfig, config_schema, load_config
-from .errors import CapacityError, ConfigError, PluginError, SparseFrameworkError
+from .errors import CapacityError, ConfigError, HookOrderError, PluginError, SparseFrameworkError
 from .kv_store.layout import KVLayout
 
 __all__ = [
     "Batch",
     "CapacityError",
     "ConfigError",
+    "HookOrderError",
     "KVLayout",
     "PluginError",
     "Request",

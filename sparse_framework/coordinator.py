@@ -334,14 +334,6 @@ class SparseCoordinator:
         if not self.graphs.captured(key):  # a captured key's inputs were checked when first seen
             self._check_inputs(layer, q, k, v, batch)
             given = self._check_model_inputs(q.shape[0], inputs, False)
-        with self.steps.work("attention_begin", layer, writes=True):
-            return self._graphed_run(layer, q, k, v, batch, given, key)
-
-    def _graphed_run(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, batch: Batch, given: Inputs,
-        key: tuple,
-    ) -> AttentionMetadata:
-        assert self.graphs is not None
 
         def body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, inputs: Inputs) -> tuple[AttentionMetadata, torch.Tensor]:
             meta = self._decode_metadata(layer, q, k, v, batch, inputs)
@@ -349,8 +341,9 @@ class SparseCoordinator:
             self._append(layer, batch, k, inputs)
             return meta, out
 
-        batch.pending[layer] = {"q": q, "k": k, "v": v, "inputs": given, "appended": True}
-        return self.graphs.run(key, body, q, k, v, given)
+        with self.steps.work("attention_begin", layer, writes=True):
+            batch.pending[layer] = {"q": q, "k": k, "v": v, "inputs": given, "appended": True}
+            return self.graphs.run(key, body, q, k, v, given)
 
     def _decode_metadata(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, batch: Batch, inputs: Inputs

@@ -215,7 +215,9 @@ class StepOrder:
             raise HookOrderError(f"{at}: layer {layer} out of range 0..{self.num_layers - 1}", hook, layer)
         step = self.step
         if step is None:
-            raise HookOrderError(f"{at}: no step is open; expected forward_begin(batch) first; {self.order}", hook, layer)
+            raise HookOrderError(
+                f"{at}: no step is open; expected forward_begin(batch) first; {self.order}", hook, layer
+            )
         if batch is not step.batch:
             raise HookOrderError(
                 f"{at}: this batch is not the open step's ({_describe(step.batch)}); pass the batch given to "

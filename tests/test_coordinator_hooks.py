@@ -98,6 +98,7 @@ def started(config: dict = SPARSE, lens: tuple[int, ...] = (20, 30)) -> tuple[Sp
 
 
 def twin(lens: tuple[int, ...] = (20, 30), config: dict = SPARSE) -> tuple[SparseCoordinator, list[Request]]:
+    """The reference: the same requests and steps, through legal calls only."""
     coord, _, reqs = started(config, lens)
     return coord, reqs
 
@@ -117,7 +118,7 @@ def test_forward_begin_twice_is_refused_and_changes_nothing() -> None:
                        r".*expected forward_end\(batch\), or abort_step\(batch\)") as err:
         coord.forward_begin(batch)
     assert err.value.hook == "forward_begin" and isinstance(err.value, ValueError)
-    assert [r.seq_len for r in reqs] == [22, 32]  # advanced once
+    assert [r.seq_len for r in reqs] == [r.prompt_len + 2 for r in reqs]  # the prefill, one step, this one
     coord.abort_step(batch)
     ref, ref_reqs = twin()
     assert_same_steps(coord, data, reqs, ref, ref_reqs)
@@ -202,7 +203,7 @@ def test_hooks_between_steps_and_an_unfinished_step_are_refused() -> None:
         coord.forward_begin(Batch(reqs))
     with pytest.raises(HookOrderError, match="this batch is not the open step's"):
         coord.forward_end(Batch(reqs))
-    assert [r.seq_len for r in reqs] == [22, 32]
+    assert [r.seq_len for r in reqs] == [r.prompt_len + 2 for r in reqs]
     coord.forward_end(batch)
     ref, ref_reqs = twin()
     run_step(ref, data, ref_reqs, False)
@@ -284,7 +285,7 @@ def test_abort_after_a_layer_stored_kv_requires_ending_the_requests() -> None:
     with pytest.raises(HookOrderError, match="abort_step: this batch is not the open step's"):
         coord.abort_step(Batch(reqs))
     coord.abort_step(batch)
-    assert [r.seq_len for r in reqs] == [21, 31]
+    assert [r.seq_len for r in reqs] == [r.prompt_len + 1 for r in reqs]  # back to before the step
     for call, hook in ((lambda: coord.forward_begin(Batch(reqs)), "forward_begin"),
                        (lambda: coord.on_request_retract(reqs[0]), "on_request_retract")):
         with pytest.raises(HookOrderError, match=rf"{hook}\(request 'r0'\): it was in a decode batch of \['r0', 'r1'\] "
@@ -359,13 +360,18 @@ class HookMachine(RuleBasedStateMachine):
     # -- helpers ----------------------------------------------------------------------------
     def refused(self, call, hook: str) -> None:
         """`call` must raise HookOrderError naming `hook` and change nothing."""
-        lens = {rid: r.seq_len for rid, r in self.ra.items()}
-        state = None if self.step is None else (set(self.step["done"]), self.step["open"])
+        def snapshot() -> tuple:
+            open_step = self.a.steps.step
+            inside = None if open_step is None else (
+                open_step.batch, set(open_step.begun), set(open_step.ended), open_step.layer, open_step.broken)
+            return ({rid: r.seq_len for rid, r in self.ra.items()}, dict(self.a.steps.tainted), inside,
+                    set(self.a.requests), self.a.store.used_tokens())
+
+        before = snapshot()
         with pytest.raises(HookOrderError, match=hook) as err:
             call()
         event(f"refused {err.value.hook}")
-        assert {rid: r.seq_len for rid, r in self.ra.items()} == lens
-        assert state == (None if self.step is None else (set(self.step["done"]), self.step["open"]))
+        assert snapshot() == before
 
     def in_step(self, rid: str) -> bool:
         return self.step is not None and rid in self.step["rids"]
@@ -510,8 +516,10 @@ class HookMachine(RuleBasedStateMachine):
             return
         self.a.abort_step(step["batch"])
         self.seq.update(step["before"])
-        if step["written"]:
+        if step["written"]:  # the requests hold part of the step: refused until ended
             self.tainted |= set(step["rids"])
+            again = Batch(list(step["batch"].requests), is_prefill=step["prefill"])
+            self.refused(lambda: self.a.forward_begin(again), "abandoned with abort_step")
         event("abort after a layer stored" if step["written"] else "abort before any layer")
         self.step = None
 
