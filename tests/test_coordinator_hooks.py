@@ -332,6 +332,24 @@ def test_a_hook_failing_midway_leaves_a_broken_step_that_only_abort_closes(monke
     assert coord.store.used_tokens() == 0
 
 
+def test_benchmarks_rewind_a_layer_to_time_it_again() -> None:
+    """benchmarks/decode_layer.py and eager_overhead.py call one layer again and again on one
+    prepared step: `steps.rewind(layer)` lets them (the repeated calls give the same output)."""
+    coord, data, reqs = started(COVERING)
+    batch = Batch(reqs)
+    coord.forward_begin(batch)
+    q, k, v = data.step(reqs, 0, False, begun=True)
+    outs = []
+    for end in (False, True, True):
+        coord.steps.rewind(0)
+        outs.append(coord.attend(0, q, coord.attention_begin(0, q, k, v, batch)))
+        if end:
+            coord.attention_end(0, outs[-1], batch)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    with pytest.raises(HookOrderError, match="called twice"):
+        coord.attention_begin(0, q, k, v, batch)
+
+
 def test_errors_are_sparse_framework_value_errors() -> None:
     assert issubclass(HookOrderError, SparseFrameworkError) and issubclass(HookOrderError, ValueError)
 
