@@ -2,13 +2,14 @@
 
 from .common.batch import Batch, Request, Selection
 from .config import SparseConfig, config_schema, load_config
-from .common.errors import CapacityError, ConfigError, PluginError, SparseFrameworkError
+from .common.errors import CapacityError, ConfigError, HookOrderError, PluginError, SparseFrameworkError
 from .common.layout import KVLayout
 
 __all__ = [
     "Batch",
     "CapacityError",
     "ConfigError",
+    "HookOrderError",
     "KVLayout",
     "PluginError",
     "Request",

@@ -5,8 +5,15 @@
       attention_begin(layer, q, k, v, batch)  store K/V; select -> make resident -> adapt
       attend(layer, q, metadata)              run the configured backend (or your kernel)
       attention_end(layer, output, batch)     build / append the algorithm's representations
-    forward_end(batch)
+    forward_end(batch)                        (or abort_step(batch) to abandon the step)
     on_request_end(request)                   free everything
+
+The order is checked (step_order.py): a hook called out of order raises `HookOrderError`
+naming the hook, the layer and what was expected, and changes nothing. Every layer of the
+layout, dense ones included, runs attention_begin then attention_end once per step, one layer
+open at a time. After an exception mid-step an engine calls `abort_step(batch)`: it restores
+the lengths; if some layer had already stored the step's K/V, the batch's requests must then
+be ended (and begun again to re-prefill) — the coordinator refuses to batch them otherwise.
 
 The step's metadata is passed explicitly (no globals): `attention_begin` returns an
 `AttentionMetadata` holding the logical selection, its physical slots, the adaptor's plan and
@@ -33,6 +40,7 @@ from .config import SparseConfig, dense_layer_set, load_config
 from .decode_graphs import DecodeGraphs, signature
 from .common.errors import CapacityError, ConfigError, LimitError
 from .footprint import check_footprint, reraise_allocation_error
+from .step_order import StepOrder
 from .kv_store.hierarchical import HierarchicalKVStore
 from .common.layout import KVLayout
 
@@ -137,6 +145,7 @@ class SparseCoordinator:
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self.requests: dict[str, Request] = {}
         self.retracted: set[str] = set()
+        self.steps = StepOrder(layout.num_layers)  # the open step, checked hook by hook
         self.graphs: DecodeGraphs | None = None
         if decode_graphs:
             self.store.timing = False  # no timing events inside a graph
@@ -145,7 +154,8 @@ class SparseCoordinator:
 
     # -- request lifecycle ------------------------------------------------------------------
     def on_request_begin(self, request: Request) -> None:
-        """Admit a request: decide dense or sparse, reserve its KV and a state row."""
+        """Admit a request: decide dense or sparse, reserve its KV and a state row. Allowed
+        during a step (the new request is in no batch)."""
         if request.rid in self.requests:
             raise ValueError(f"request {request.rid!r} is already active")
         if request.prompt_len >= self.max_seq_len:
@@ -173,6 +183,7 @@ class SparseCoordinator:
         """Preempt a request between steps: its device KV is released, its host KV and the
         algorithm's representations are kept; `on_request_resume` brings it back."""
         self._active(request)
+        self.steps.check_request("on_request_retract", request)
         if request.rid in self.retracted:
             raise ValueError(f"request {request.rid!r} is already retracted")
         if request.seq_len == 0:
@@ -186,6 +197,7 @@ class SparseCoordinator:
     def on_request_resume(self, request: Request) -> None:
         """Resume a retracted request (CapacityError, with nothing changed, if it does not fit)."""
         self._active(request)
+        self.steps.check_request("on_request_resume", request)
         if request.rid not in self.retracted:
             raise ValueError(f"request {request.rid!r} is not retracted")
         self.store.resume(request)
@@ -196,9 +208,13 @@ class SparseCoordinator:
             raise ValueError(f"request {request.rid!r} is not active (call on_request_begin first)")
 
     def on_request_end(self, request: Request) -> None:
-        """Finish a request: free its KV, its representations and its state row."""
-        if self.requests.pop(request.rid, None) is None:
+        """Finish a request: free its KV, its representations and its state row. Refused for
+        a request of the open step's batch (forward_end or abort_step first)."""
+        if self.requests.get(request.rid) is None:
             raise ValueError(f"request {request.rid!r} is not active")
+        self.steps.check_request("on_request_end", request)
+        self.requests.pop(request.rid)
+        self.steps.forget(request)
         self.retracted.discard(request.rid)
         self.algorithm.release(request)
         self.store.release(request)
@@ -207,9 +223,11 @@ class SparseCoordinator:
 
     # -- step -----------------------------------------------------------------------------
     def forward_begin(self, batch: Batch) -> None:
-        """Prepare the step once: advance lengths, make room, build the step's tensors."""
+        """Prepare the step once: advance lengths, make room, build the step's tensors.
+        Refused while another step is open; on any error nothing changes."""
         if not batch.requests:
             raise ValueError("empty batch")
+        self.steps.check_forward_begin(batch)
         for r in batch.requests:
             if self.requests.get(r.rid) is not r:
                 raise ValueError(f"request {r.rid!r} was not begun with on_request_begin")
@@ -226,22 +244,48 @@ class SparseCoordinator:
         before = [r.seq_len for r in batch.requests]
         for r in batch.requests:
             r.seq_len = r.prompt_len if batch.is_prefill else r.seq_len + 1
-        if not batch.is_prefill:
-            try:
-                self.store.grow(batch)
-            except CapacityError:
-                for r, n in zip(batch.requests, before):
-                    r.seq_len = n
-                raise
-        batch.prepare(self.layout.device)
-        if self.graphs is not None and not batch.is_prefill:
-            batch.composition = self.graphs.bind(batch)
-        self.store.begin_step(batch)
+        try:
+            if not batch.is_prefill:
+                self.store.grow(batch)  # all or nothing; pages kept on a later error are reused
+            batch.prepare(self.layout.device)
+            if self.graphs is not None and not batch.is_prefill:
+                batch.composition = self.graphs.bind(batch)
+            self.store.begin_step(batch)
+        except BaseException:
+            for r, n in zip(batch.requests, before):
+                r.seq_len = n
+            raise
+        batch.pending.clear()
+        self.steps.opened(batch, before)
 
     def forward_end(self, batch: Batch) -> None:
-        """End of the step: start the store's asynchronous host writes, drop the scratch."""
-        self.store.end_step(batch)
+        """End of the step: start the store's asynchronous host writes, drop the scratch.
+        Refused unless every layer ran attention_begin then attention_end in this step."""
+        self.steps.check_forward_end(batch)
+        with self.steps.work("forward_end", None):
+            self.store.end_step(batch)
         batch.pending.clear()
+        self.steps.closed()
+
+    def abort_step(self, batch: Batch) -> None:
+        """Abandon the open step, e.g. after an exception between forward_begin and
+        forward_end: each request's seq_len goes back to its value before forward_begin, the
+        step's queued host writes and scratch are dropped, and the step is closed (a later
+        forward_begin is accepted). Pages reserved for the step stay with the requests.
+
+        If no layer's attention_begin had stored K/V, nothing else changed and the requests
+        can be batched again. Otherwise their stored KV and the algorithm's representations
+        may hold part of the step: they are marked, and every hook but `on_request_end`
+        refuses them (end them, then begin them again to prefill anew). No step open: does
+        nothing, so an engine can call it from any error handler."""
+        step = self.steps.check_abort(batch)
+        if step is None:
+            return
+        for r, n in zip(step.batch.requests, step.seq_lens):
+            r.seq_len = n
+        self.store.take_pending(0)  # the step's host writes: end_step cleared the last step's
+        batch.pending.clear()
+        self.steps.abandoned(step)
 
     def attention_begin(
         self,
@@ -259,11 +303,24 @@ class SparseCoordinator:
         latent [tokens, 1, 576] and v is None. inputs: the extra tensors the algorithm
         declares in `algorithm.prefill_inputs` / `decode_inputs` (e.g. DSA's indexer queries, weights and
         keys), rows aligned with q's.
+
+        Refused (HookOrderError, nothing changed) outside a step, while another layer is
+        open, or for a layer that already ran in this step.
         """
+        self.steps.check_attention_begin(layer, batch)
         if self.graphs is not None and not batch.is_prefill:
-            return self._graphed_decode(layer, q, k, v, batch, inputs)
-        self._check_inputs(layer, q, k, v, batch)
-        inputs = self._check_model_inputs(q.shape[0], inputs, batch.is_prefill)
+            meta = self._graphed_decode(layer, q, k, v, batch, inputs)
+        else:
+            self._check_inputs(layer, q, k, v, batch)
+            inputs = self._check_model_inputs(q.shape[0], inputs, batch.is_prefill)
+            with self.steps.work("attention_begin", layer, writes=True):
+                meta = self._eager_begin(layer, q, k, v, batch, inputs)
+        self.steps.began(layer)
+        return meta
+
+    def _eager_begin(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, batch: Batch, inputs: Inputs
+    ) -> AttentionMetadata:
         batch.pending[layer] = {"q": q, "k": k, "v": v, "inputs": inputs}
         if batch.is_prefill:
             offset = 0
@@ -294,8 +351,9 @@ class SparseCoordinator:
             self._append(layer, batch, k, inputs)
             return meta, out
 
-        batch.pending[layer] = {"q": q, "k": k, "v": v, "inputs": given, "appended": True}
-        return self.graphs.run(key, body, q, k, v, given)
+        with self.steps.work("attention_begin", layer, writes=True):
+            batch.pending[layer] = {"q": q, "k": k, "v": v, "inputs": given, "appended": True}
+            return self.graphs.run(key, body, q, k, v, given)
 
     def _decode_metadata(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, batch: Batch, inputs: Inputs
@@ -320,7 +378,15 @@ class SparseCoordinator:
     def attention_end(self, layer: int, output: torch.Tensor | None, batch: Batch) -> None:
         """Build (prefill) or extend (decode) the algorithm's representations. `output` is
         the layer's attention output (None when the engine did not compute it); built-in
-        algorithms do not read it."""
+        algorithms do not read it. Refused (HookOrderError, nothing changed) unless `layer`
+        is the layer begun last in this step; with decode graphs it has nothing left to do but
+        must still be called."""
+        self.steps.check_attention_end(layer, batch)
+        with self.steps.work("attention_end", layer):
+            self._end(layer, batch)
+        self.steps.ended(layer)
+
+    def _end(self, layer: int, batch: Batch) -> None:
         pending = batch.pending.pop(layer)
         if layer in self.dense_layers or pending.get("appended"):
             return
@@ -399,11 +465,7 @@ class SparseCoordinator:
         return given
 
     def _check_inputs(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, batch: Batch) -> None:
-        lay = self.layout
-        if not 0 <= layer < lay.num_layers:
-            raise ValueError(f"layer {layer} out of range 0..{lay.num_layers - 1}")
-        if batch.seq_lens is None:
-            raise ValueError("call forward_begin(batch) before attention_begin")
+        lay = self.layout  # the layer and the step were checked by self.steps
         tokens = sum(batch.query_lens)
         want_kv = (tokens, lay.num_kv_heads, lay.head_dim)
         if lay.is_mla:

@@ -199,6 +199,7 @@ def test_whole_decode_layer_captures_in_a_cuda_graph(config, backend) -> None:
     inputs = drv.model_inputs(3, prefill=False)
 
     def layer() -> torch.Tensor:
+        coord.steps.rewind(0)  # the same layer call, again and again on one step
         meta = coord.attention_begin(0, q, k, v, batch, inputs)
         return coord.attend(0, q, meta)
 

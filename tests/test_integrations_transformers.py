@@ -206,6 +206,38 @@ def test_request_lifecycle(llama) -> None:
         llama(ids[:, -1:], past_key_values=kept, use_cache=True)
 
 
+def test_a_forward_failing_midway_abandons_its_step(llama) -> None:
+    """An exception in the model between two layers leaves the coordinator's step open; the
+    cache's reset (or generate's own clean-up) abandons it with abort_step and ends the
+    requests: nothing stays allocated and the next generation equals a clean one."""
+    ids, mask = left_pad([prompt(20, seed=21), prompt(12, seed=22)])
+
+    def fail_at_layer_1(event: tf.AttentionEvent) -> None:
+        if event.layer == 1:
+            raise RuntimeError("the model failed")
+
+    with tf.sparse(llama, SMALL, max_requests=2, max_seq_len=64) as handle:
+        coord = handle.coordinator
+        clean = greedy(llama, ids, mask)
+        cache = handle.new_cache()
+        out = llama(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        handle.observer = fail_at_layer_1
+        with pytest.raises(RuntimeError, match="the model failed"):
+            llama(nxt, attention_mask=torch.cat([mask, torch.ones_like(nxt)], 1), past_key_values=cache, use_cache=True)
+        handle.observer = None
+        assert coord.steps.step is not None and coord.steps.step.ended == {0, 1}
+        cache.reset()
+        assert coord.steps.step is None and coord.requests == {} and coord.store.used_tokens() == 0
+        handle.observer = fail_at_layer_1  # now inside generate: at the prefill, then at a decode step
+        with pytest.raises(RuntimeError, match="the model failed"):
+            greedy(llama, ids, mask)
+        handle.observer = None
+        assert coord.steps.step is None and coord.requests == {} and coord.store.used_tokens() == 0
+        again = greedy(llama, ids, mask)
+    assert torch.equal(again[0], clean[0]) and torch.equal(again[1], clean[1])
+
+
 def test_errors_are_clear(llama, monkeypatch) -> None:
     with pytest.raises(ImportError, match=r"transformers >= 4\.56.*found 4\.40\.0"):
         tf.check_transformers_version("4.40.0")

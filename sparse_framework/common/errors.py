@@ -27,6 +27,20 @@ class LimitError(CapacityError, ValueError):
     A CapacityError, like a full pool; also a ValueError, as these errors were before."""
 
 
+class HookOrderError(SparseFrameworkError, ValueError):
+    """A `SparseCoordinator` hook was called out of order, or on a request that cannot take it
+    now. The message names the hook, the layer and what was expected; the call changed nothing.
+
+    `hook`: the hook refused ("attention_begin", ...); `layer`: its layer, None for step- and
+    request-level hooks.
+    """
+
+    def __init__(self, message: str, hook: str, layer: int | None = None) -> None:
+        super().__init__(message)
+        self.hook = hook
+        self.layer = layer
+
+
 def closest(name: str, choices: Iterable[str]) -> str:
     """' Did you mean 'x'?' for the closest choice, or '' when nothing is close."""
     match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)

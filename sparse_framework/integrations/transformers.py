@@ -289,9 +289,9 @@ class _Requests:
 
     def end(self) -> None:
         coord = self.coordinator
-        if self.batch is not None:
+        if self.batch is not None:  # a forward that raised before its last layer: abandon its step
             self.batch, batch = None, self.batch
-            coord.forward_end(batch)
+            coord.abort_step(batch)
         for r in self.requests:
             if coord.requests.get(r.rid) is r:
                 coord.on_request_end(r)
@@ -461,8 +461,8 @@ class SparseCache(Cache):
                     self.handle.observer(AttentionEvent(layer, batch, q, k, v, attended, meta.selection))
                 out = attended.unsqueeze(1)
         if layer == coord.layout.num_layers - 1:
-            live.batch = None
             coord.forward_end(batch)
+            live.batch = None  # after: a refused forward_end leaves the step for end() to abort
             if not batch.is_prefill:
                 self.handle._decode_steps += 1
         return out, None
