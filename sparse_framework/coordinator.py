@@ -31,6 +31,7 @@ from .algorithms.base import Inputs, dense_layer_set
 from .batch import Batch, Request, Selection
 from .config import SparseConfig, load_config
 from .decode_graphs import DecodeGraphs, signature
+from .dense_fallback import DenseTally
 from .errors import CapacityError, ConfigError
 from .kv_store.hierarchical import HierarchicalKVStore
 from .kv_store.layout import KVLayout
@@ -133,6 +134,8 @@ class SparseCoordinator:
         self._free_slots = list(range(max_requests - 1, -1, -1))
         self.requests: dict[str, Request] = {}
         self.retracted: set[str] = set()
+        # requests and decode layer-steps that attended densely, and why (`dense_report`)
+        self.dense_tally = DenseTally()
         self.graphs: DecodeGraphs | None = None
         if decode_graphs:
             self.store.timing = False  # no timing events inside a graph
@@ -161,6 +164,7 @@ class SparseCoordinator:
             request.slot = -1
             raise
         self.requests[request.rid] = request
+        self.dense_tally.admit(request.dense)
 
     def on_request_retract(self, request: Request) -> None:
         """Preempt a request between steps: its device KV is released, its host KV and the
@@ -227,6 +231,20 @@ class SparseCoordinator:
         if self.graphs is not None and not batch.is_prefill:
             batch.composition = self.graphs.bind(batch)
         self.store.begin_step(batch)
+        if not batch.is_prefill:
+            dense_requests = len(batch) - batch.num_sparse
+            self.dense_tally.decode_step(len(batch), dense_requests, self.layout.num_layers, len(self.dense_layers))
+
+    def dense_report(self) -> dict[str, Any]:
+        """How much of the decoding so far fell back to dense attention, and why (counts since
+        the coordinator was built; see dense_fallback.py): requests, dense requests by
+        reason, decode layer-steps (request x layer x step), the dense ones by reason, the
+        dense layers and the prompt length below which a request decodes densely."""
+        return {
+            **self.dense_tally.as_dict(),
+            "dense_layers": sorted(self.dense_layers),
+            "min_sparse_prompt_len": self.config.min_sparse_prompt_len,
+        }
 
     def forward_end(self, batch: Batch) -> None:
         """End of the step: start the store's asynchronous host writes, drop the scratch."""
