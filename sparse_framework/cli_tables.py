@@ -17,11 +17,12 @@ from .engine.loop import RequestResult
 from .kv_store.capacity import CapacityPlan
 
 
-def new_table(title: str, caption: str | None = None) -> Table:
-    """A table in the style of every CLI table: a rule under the header, one space between
-    columns (narrow enough for 100 columns), the caption left-aligned under it."""
+def new_table(title: str, caption: str | None = None, tight: bool = False) -> Table:
+    """A table in the style of every CLI table: a rule under the header, two spaces between
+    columns (one when `tight`, for tables of many numeric columns), the caption left-aligned
+    under it: narrow enough for a 100-column terminal."""
     return Table(title=title, caption=caption, caption_justify="left", box=box.SIMPLE_HEAD,
-                 padding=(0, 1, 0, 0), pad_edge=False)
+                 padding=0 if tight else (0, 1, 0, 0), pad_edge=False)
 
 
 def mode_label(r: RequestResult) -> str:

@@ -199,3 +199,27 @@ def test_readme_from_python_runs_as_written(capsys) -> None:
     exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
     out = capsys.readouterr().out
     assert "'dense_layer_steps': {'dense layer': 4}" in out and "'layer_steps': 16" in out
+
+
+@pytest.mark.parametrize(
+    ("module", "results", "args"),
+    [
+        ("decode_layer", "decode_layer_h100", ()),
+        ("eager_overhead", "eager_overhead_h100", (64,)),
+        ("graph_overhead_parts", "graph_overhead_parts_h100", None),
+        ("selection", "selection_h100", ("cuda", 8)),
+    ],
+)
+def test_benchmark_tables_fit_100_columns(module: str, results: str, args, monkeypatch) -> None:
+    """Each benchmark's printed table, from the results it committed (H100), at width 100."""
+    root = Path(__file__).resolve().parent.parent / "benchmarks"
+    monkeypatch.syspath_prepend(str(root))
+    bench = __import__(module)
+    rows = json.loads((root / "results" / f"{results}.json").read_text())["results"]
+    if args is None:  # the parts are the columns after the cell's own
+        args = ([k for k in rows[0] if k not in ("shape", "algorithm", "context", "batch")], 64)
+    con = Console(width=WIDTH, record=True, color_system=None)
+    con.print(bench.results_table(rows, *args))
+    text = con.export_text()
+    check_readable(text)
+    assert str(rows[0]["context"]) in text
