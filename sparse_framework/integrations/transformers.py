@@ -8,7 +8,7 @@
 
 Works with decoder models whose attention goes through transformers' attention-function
 registry (`AttentionInterface`: Llama, Qwen2/3, Mistral, Gemma, ...) on transformers
->= 4.56 (`MIN_TRANSFORMERS`; tested with 4.56.2 and 5.23.0).
+>= 4.56 (`MIN_TRANSFORMERS`; tested with 4.56.2 and 5.24.0).
 
 How it plugs in
   `enable(model, config)` builds a coordinator whose `KVLayout` comes from the model config
