@@ -35,6 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sparse_framework import Batch, KVLayout, Request, registry
+from sparse_framework.cli_tables import new_table
 from sparse_framework.coordinator import SparseCoordinator
 from sparse_framework.kernels import pdl
 from timing import FLUSH_MODES, Timer
@@ -219,6 +220,36 @@ def run_cell(shape: str, algo: str, ctx: int, batch: int, args: argparse.Namespa
     return rows
 
 
+DENSE_SHORT = {"torch SDPA": "sdpa", "flash_attn paged": "fa", "triton paged": "triton"}
+
+
+def results_table(results: list[dict]) -> Table:
+    """The cells' figures in a 100-column terminal: a section per (shape, algorithm, context,
+    batch) whose own figures (dense best, floor) appear once, then a row per backend."""
+    table = new_table("one decode layer, bf16, top-2048: µs (CUDA-graph replay; eager in brackets)", (
+        "select: scoring + top-k; attend: the backend; step: the whole layer; dense: the fastest dense "
+        "attention (sdpa: torch SDPA, fa: flash_attn paged, triton: triton paged); speedup: dense / step; "
+        "floor: the sparse layer's bytes at the HBM ceiling; x floor: step / floor"), tight=True)
+    for col in ("cell", "L", "B", "dense", "floor", "backend", "select", "attend", "step", "speedup", "x floor"):
+        table.add_column(col, justify="left" if col in ("cell", "backend", "dense") else "right")
+    last = None
+    for r in results:
+        if "step_eager_us" not in r:
+            continue
+        key = (r["shape"], r["algorithm"], r["context"], r["batch"])
+        first = key != last
+        if first and last is not None:
+            table.add_section()
+        last = key
+        step = r["step_graph_us"] if r["step_graph_us"] is not None else float("nan")
+        dense = f"{r['dense_best_us']:.0f} {DENSE_SHORT.get(r['dense_best'], r['dense_best'])}"
+        own = [f"{r['shape']} {r['algorithm']}", str(r["context"]), str(r["batch"]), dense, f"{r['sparse_floor_us']:.0f}"]
+        table.add_row(*(own if first else [""] * len(own)), r["backend"], f"{r['select_us']:.0f}",
+                      f"{r['attend_us'] or float('nan'):.0f}", f"{step:.0f} ({r['step_eager_us']:.0f})",
+                      f"{r['speedup_vs_dense']:.1f}x", f"{r['x_floor']:.2f}")
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -249,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         parser.error(f"unknown algorithm or shape: {', '.join(bad)}")
     timer = Timer(torch.device(args.device), args.warmup, args.iters, flush=args.flush)
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    console = Console(width=None if sys.stdout.isatty() else 100)
     results: list[dict] = []
     for shape in args.shapes.split(","):
         for algo in args.algorithms.split(","):
@@ -266,18 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                     gc.collect()  # free the cell's pools before the next one
                     if cuda:
                         torch.cuda.empty_cache()
-    table = Table(title="one decode layer, bf16, top-2048: µs (CUDA-graph replay; eager in brackets)")
-    for col in ("shape", "algo", "L", "B", "backend", "select", "attend", "step", "dense best", "speedup", "floor", "x floor"):
-        table.add_column(col, justify="left" if col in ("shape", "algo", "backend", "dense best") else "right")
-    for r in results:
-        if "step_eager_us" not in r:
-            continue
-        step = r["step_graph_us"] if r["step_graph_us"] is not None else float("nan")
-        table.add_row(r["shape"], r["algorithm"], str(r["context"]), str(r["batch"]), r["backend"], f"{r['select_us']:.0f}",
-                      f"{r['attend_us'] or float('nan'):.0f}", f"{step:.0f} ({r['step_eager_us']:.0f})",
-                      f"{r['dense_best_us']:.0f} {r['dense_best']}", f"{r['speedup_vs_dense']:.1f}x",
-                      f"{r['sparse_floor_us']:.0f}", f"{r['x_floor']:.2f}")
-    console.print(table)
+    console.print(results_table(results))
     if not json_path:
         return 0
     import triton

@@ -34,6 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from decode_layer import ALGORITHMS, SHAPES, Cell
+from sparse_framework.cli_tables import new_table
 from sparse_framework.kernels import launch
 from timing import write_results
 
@@ -125,6 +126,23 @@ def parse_cell(text: str) -> tuple[str, str, int, int]:
     return cell
 
 
+def results_table(results: list[dict], layers: int) -> Table:
+    """Host time per call, and per call of `layers` calls in a row, in a 100-column terminal."""
+    table = new_table("decode layer: host µs per call, median (min)", (
+        f"in a row: µs per call over {layers} calls in a row, and the overhead over the bare graph replay "
+        "in brackets. host: the host's time per call: direct (eager), through Triton's launcher, and "
+        "with decode graphs"))
+    for col in ("shape", "algo", "L", "B", "host:\ndirect", "host:\nTriton", "host:\ngraphs",
+                "in a row:\nreplay", "in a row:\neager", "in a row:\ngraphs"):
+        table.add_column(col, justify="left" if col in ("shape", "algo") else "right")
+    for r in results:
+        table.add_row(r["shape"], r["algorithm"], str(r["context"]), str(r["batch"]),
+                      *(f"{r[f'host_us_{m}']:.0f} ({r[f'host_us_{m}_min']:.0f})" for m in MODES),
+                      f"{r['loop_us_replay']:.0f}", f"{r['loop_us_direct']:.0f} ({r['overhead_us_direct']:+.0f})",
+                      f"{r['loop_us_graphs']:.0f} ({r['overhead_us_graphs']:+.0f})")
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -142,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.steps, args.layers, args.loops) < 1 or args.warmup < 2:
         parser.error("--steps, --layers and --loops must be >= 1 and --warmup >= 2 (a graph is captured on its second call)")
     cells = [parse_cell(c) for c in args.cells.split(",")]
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    console = Console(width=None if sys.stdout.isatty() else 100)
     results = []
     for shape, algo, ctx, batch in cells:
         cell = Cell(shape, algo, ctx, batch, torch.device("cuda"), seed=ctx + batch, graphs=True)
@@ -164,17 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"(eager / graphs), bare replay {loop['replay']:.0f}", highlight=False)
         del cell, layer
         torch.cuda.empty_cache()
-    table = Table(title=f"decode layer: host µs per call (median, min in brackets); {args.layers} calls in a row: "
-                        "µs per call and overhead over the bare graph replay")
-    for col in ("shape", "algo", "L", "B", "host: direct", "host: Triton launch", "host: decode graphs",
-                "in a row: bare replay", "eager (overhead)", "decode graphs (overhead)"):
-        table.add_column(col)
-    for r in results:
-        table.add_row(r["shape"], r["algorithm"], str(r["context"]), str(r["batch"]),
-                      *(f"{r[f'host_us_{m}']:.0f} ({r[f'host_us_{m}_min']:.0f})" for m in MODES),
-                      f"{r['loop_us_replay']:.0f}", f"{r['loop_us_direct']:.0f} ({r['overhead_us_direct']:+.0f})",
-                      f"{r['loop_us_graphs']:.0f} ({r['overhead_us_graphs']:+.0f})")
-    console.print(table)
+    console.print(results_table(results, args.layers))
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "steps": args.steps, "warmup": args.warmup, "layers": args.layers, "loops": args.loops}
     write_results(args.json, meta, results, "eager_overhead.py", argv)

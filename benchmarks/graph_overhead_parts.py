@@ -21,10 +21,21 @@ from rich.table import Table
 
 from decode_layer import Cell
 from eager_overhead import Layer, parse_cell, row_us
+from sparse_framework.cli_tables import new_table
 from sparse_framework.decode_graphs import _flat
 from timing import write_results
 
 DEFAULT_JSON = "benchmarks/results/graph_overhead_parts_h100.json"
+
+
+def results_table(rows: list[dict], names: list[str], layers: int) -> Table:
+    """µs per layer of each part, a column per part (its name broken at spaces to fit 100 columns)."""
+    table = new_table(f"decode graphs: µs per layer, {layers} calls in a row")
+    for col in ("shape", "algo", "L", "B", *(n.replace(" (", "\n(").replace(" + ", "\n+ ") for n in names)):
+        table.add_column(col, justify="left" if col in ("shape", "algo") else "right")
+    for r in rows:
+        table.add_row(r["shape"], r["algorithm"], str(r["context"]), str(r["batch"]), *(f"{r[n]:.1f}" for n in names))
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (CUDA graphs)")
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    console = Console(width=None if sys.stdout.isatty() else 100)
     rows = []
     for shape, algo, ctx, batch in (parse_cell(c) for c in args.cells.split(",")):
         cell = Cell(shape, algo, ctx, batch, torch.device("cuda"), seed=ctx + batch, graphs=True)
@@ -61,13 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         del cell, layer, entry, graph, staging, out
         torch.cuda.empty_cache()
-    table = Table(title=f"decode graphs: µs per layer, {args.layers} calls in a row")
-    names = list(parts)
-    for col in ("shape", "algo", "L", "B", *names):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(r["shape"], r["algorithm"], str(r["context"]), str(r["batch"]), *(f"{r[n]:.1f}" for n in names))
-    console.print(table)
+    console.print(results_table(rows, list(parts), args.layers))
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers, "loops": args.loops}
     write_results(args.json, meta, rows, "graph_overhead_parts.py", argv)
     console.print(f"wrote {args.json}")

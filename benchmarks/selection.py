@@ -32,6 +32,7 @@ from rich.table import Table
 
 from sparse_framework.algorithms.base import topk_selection
 from sparse_framework.algorithms.base import group_probabilities
+from sparse_framework.cli_tables import new_table
 from sparse_framework.kernels import scoring
 from timing import Timer
 
@@ -144,6 +145,25 @@ def bench(algo: str, impl: str, ctx: int, args: argparse.Namespace, timer: Timer
     return out
 
 
+def pair(r: dict, name: str) -> str:
+    """Eager µs, and " / graph µs" where a CUDA graph was captured."""
+    graph = r[f"{name}_graph_us"]
+    return f"{r[f'{name}_us']:.1f}" + ("" if graph is None else f" / {graph:.1f}")
+
+
+def results_table(results: list[dict], device: torch.device | str, batch: int) -> Table:
+    """A row per (context, algorithm, impl), sized for a 100-column terminal."""
+    table = new_table(f"selection: scoring + top-{TOP_K} ({device}, decode batch {batch}): µs eager / CUDA-graph replay",
+                      tight=True)
+    for col in ("algorithm", "impl", "context", "rows", "score", "top-k", "score+top-k", "MB", "GB/s", "% of\n3.0 TB/s"):
+        table.add_column(col, justify="left" if col in ("algorithm", "impl") else "right",
+                         no_wrap=col in ("score", "top-k", "score+top-k"))
+    for r in results:
+        table.add_row(r["algorithm"], r["impl"], str(r["context"]), str(r["batch"]), pair(r, "score"), pair(r, "topk"),
+                      pair(r, "score_topk"), f"{r['bytes'] / 1e6:.2f}", f"{r['gbps']:.4g}", f"{r['ceiling_pct']:.3g}")
+    return table
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -178,17 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [int(x) for x in args.contexts.split(",")]
     timer = Timer(device, args.warmup, args.iters, flush=not args.no_flush)
 
-    console = Console(width=None if sys.stdout.isatty() else 160)
-    table = Table(title=f"selection: scoring + top-{TOP_K} ({device}, decode batch {args.batch}; "
-                        "µs eager / CUDA-graph replay)")
-    for col in ("algorithm", "impl", "context", "rows", "score µs", "top-k µs", "score+top-k µs",
-                "bytes (MB)", "GB/s", "% of 3.0 TB/s"):
-        table.add_column(col, justify="left" if col in ("algorithm", "impl") else "right")
-
-    def pair(r: dict, name: str) -> str:
-        graph = r[f"{name}_graph_us"]
-        return f"{r[f'{name}_us']:.1f}" + ("" if graph is None else f" / {graph:.1f}")
-
+    console = Console(width=None if sys.stdout.isatty() else 100)
     results = []
     for ctx in contexts:
         for algo in algos:
@@ -198,13 +208,10 @@ def main(argv: list[str] | None = None) -> int:
                 console.print(f"{algo:9} {impl:6} L={ctx:<7} score {pair(r, 'score')} µs  top-k {pair(r, 'topk')} µs"
                               f"  both {pair(r, 'score_topk')} µs  {r['gbps']:.4g} GB/s ({r['ceiling_pct']:.3g}%)",
                               highlight=False)
-                table.add_row(algo, impl, str(ctx), str(r["batch"]), pair(r, "score"), pair(r, "topk"),
-                              pair(r, "score_topk"), f"{r['bytes'] / 1e6:.2f}", f"{r['gbps']:.4g}",
-                              f"{r['ceiling_pct']:.3g}")
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-    console.print(table)
+    console.print(results_table(results, device, args.batch))
     console.print("GB/s: the representation bytes over the scoring time (CUDA-graph replay where captured). "
                   "SnapKV: 'score' is the prefill vote computation of one prompt; 'top-k' the decode top-k over "
                   "stored votes, 'score+top-k' SnapKV's decode step (gather, +inf from the window, top-k).")

@@ -13,8 +13,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from . import registry
-from .config import dense_layer_set, config_schema, load_config, read_json_object, validate
+from . import __version__, registry
+from .cli_tables import new_table, plan_table, plugins_table, run_table, size_text
+from .config import config_schema, dense_layer_set, load_config, read_json_object, validate
 from .engine.loop import RequestResult, run_experiment
 from .engine.workload import WorkloadConfig
 from .engine.workload import DTYPES as LAYOUT_DTYPES
@@ -33,11 +34,11 @@ DEFAULT_CONFIGS: list[dict[str, Any]] = [
 ]
 # `plan` without --config: Quest at top-2048 with every layer sparse (the headline comparison)
 PLAN_DEFAULT: dict[str, Any] = {"top_k": 2048, "extra": {"dense_first_layers": 0}}
-DEFAULT_WORKLOAD: dict[str, Any] = {"contexts": [1024, 4096, 8192], "decode_steps": 16, "needle_strength": 1.25}
+# The workload of `run` is WorkloadConfig's defaults (one place: `--help-workload` prints them)
 
 console = Console()
-if not console.is_terminal:  # piped or captured: keep the whole table readable
-    console = Console(width=200)
+if not console.is_terminal:  # piped or captured: the tables are made to fit 100 columns
+    console = Console(width=100)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="sparse-framework",
         description="Pluggable decode-time sparse attention: run experiments, inspect configs and plugins.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser(
@@ -78,7 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     schema = sub.add_parser("schema", help="print the JSON Schema of the config, with every algorithm's extra-config")
     schema.add_argument("--output", metavar="PATH", help="write to PATH instead of stdout")
 
-    sub.add_parser("plugins", help="list registered algorithms, adaptors and backends, with load errors")
+    sub.add_parser("plugins", help="list registered algorithms, adaptors and backends: load errors, "
+                   "and whether each backend can run on this machine")
 
     eval_command.add_parser(sub)
 
@@ -111,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _workload(args: argparse.Namespace) -> WorkloadConfig:
-    data = dict(DEFAULT_WORKLOAD)
+    data: dict[str, Any] = {}
     if args.workload:
         workload = read_json_object(args.workload, "--workload")
         if not isinstance(workload, dict):
@@ -125,25 +128,20 @@ def _workload(args: argparse.Namespace) -> WorkloadConfig:
     return validate(WorkloadConfig, data, "workload")
 
 
-def _table(results: list[RequestResult]) -> Table:
-    table = Table(title="sparse attention vs dense (means over decode steps and layers)")
-    for name in ("algorithm", "backend", "context", "mode", "top_k", "selected", "rel err", "recall",
-                 "needles", "KV read", "dev KV", "hit rate", "swap KiB/step", "ms/step"):
-        table.add_column(name, justify="left" if name in ("algorithm", "backend", "mode") else "right", no_wrap=True)
-    for r in results:
-        hits = "-" if r.needle_hit_rate is None else f"{r.needle_hit_rate:.1%}"
-        table.add_row(
-            r.algorithm, r.backend, str(r.context), r.mode, str(r.top_k), f"{r.selected_tokens:.0f}",
-            f"{r.rel_error:.2e}", f"{r.recall:.3f}", hits, f"{r.kv_read_fraction:.1%}",
-            f"{r.device_kv_fraction:.1%}", "-" if r.hit_rate is None else f"{r.hit_rate:.1%}",
-            f"{r.swap_in_kib_per_step:.0f}", f"{r.ms_per_step:.1f}",
-        )
+def workload_help() -> Table:
+    """The workload options with the defaults `run` uses (WorkloadConfig's own)."""
+    table = new_table("workload options (--workload JSON; --contexts, --steps, --device, --dtype, --seed "
+                      "set some of them)")
+    for name in ("option", "default", "meaning"):
+        table.add_column(name, overflow="fold")
+    for name, field in WorkloadConfig.model_fields.items():
+        table.add_row(name, json.dumps(field.default), field.description or "")
     return table
 
 
 def _run(args: argparse.Namespace) -> int:
     if args.help_workload:
-        console.print_json(json.dumps(WorkloadConfig.model_json_schema()))
+        console.print(workload_help())
         return 0
     configs = [load_config(c) for c in args.config] if args.config else [load_config(c) for c in DEFAULT_CONFIGS]
     workload = _workload(args)
@@ -157,7 +155,7 @@ def _run(args: argparse.Namespace) -> int:
                 f"workload attends densely (dense_layers {sorted(cfg.dense_layers)} plus the algorithm's own: "
                 f"{sorted(dense)}); for Quest set extra.dense_first_layers to 0, or raise num_layers in --workload"
             )
-    results: list[RequestResult] = []
+    results: list[list[RequestResult]] = []
     total = len(configs) * workload.decode_steps
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -166,24 +164,22 @@ def _run(args: argparse.Namespace) -> int:
         task = progress.add_task("decode steps", total=total)
         for cfg in configs:
             progress.update(task, description=f"{cfg.algorithm} top_k={cfg.top_k}")
-            results += run_experiment(cfg, workload, on_step=lambda: progress.advance(task), decode_graphs=args.decode_graphs)
-    console.print(_table(results))
+            results.append(
+                run_experiment(cfg, workload, on_step=lambda: progress.advance(task), decode_graphs=args.decode_graphs)
+            )
+    console.print(f"sparse attention vs dense: means over {workload.decode_steps} decode steps and "
+                  f"{workload.num_layers} layers of a synthetic needle workload (--help-workload)")
+    for batch in results:
+        console.print(run_table(batch))
     if args.json:
-        payload = {"workload": workload.model_dump(), "results": [r.as_dict() for r in results]}
+        payload = {"workload": workload.model_dump(), "results": [r.as_dict() for batch in results for r in batch]}
         Path(args.json).write_text(json.dumps(payload, indent=2))
         console.print(f"results written to {args.json}")
     return 0
 
 
 def _plugins() -> int:
-    table = Table(title="registered plugins")
-    for name in ("kind", "name", "target", "distribution", "status"):
-        table.add_column(name)
-    for kind in registry.GROUPS:
-        for info in registry.describe(kind):
-            status = Text("ok", style="green") if info.error is None else Text("error: " + info.error, style="red")
-            table.add_row(kind, info.name, info.target, info.distribution, status)
-    console.print(table)
+    console.print(plugins_table())
     return 0
 
 
@@ -215,22 +211,16 @@ def _plan(args: argparse.Namespace) -> int:
     if args.gpu_gb <= 0 or args.host_gb <= 0:
         raise SparseFrameworkError(f"--gpu-gb and --host-gb must be > 0, got {args.gpu_gb:g} and {args.host_gb:g}")
     gpu, host = int(args.gpu_gb * 2**30), int(args.host_gb * 2**30)
-    table = Table(title=f"{name}: {layout.num_layers} layers, {layout.bytes_per_token_per_layer} B/token/layer, "
-                        f"{args.gpu_gb:g} GiB device, {args.host_gb:g} GiB host, {base.algorithm} top_k={base.top_k}")
-    for col in ("context", "buffer", "resident/req", "hier. device/req", "host/req", "resident reqs",
-                "hier. reqs", "limited by", "gain", "KV-only gain"):
-        table.add_column(col, justify="right", no_wrap=True)
-    plans = []
+    title = (f"{name}: {layout.num_layers} layers, {layout.bytes_per_token_per_layer} B/token/layer, "
+             f"{args.gpu_gb:g} GiB device, {args.host_gb:g} GiB host, {base.algorithm} top_k={base.top_k}")
+    plans, rows = [], []
     for context in contexts:
-        for cfg in configs:
+        for cfg, which in zip(configs, ("config", "min")):
             p = plan_capacity(layout, gpu, host, context, cfg)
             _check_fits(context, p, args)
-            plans.append({"model": name, **p.as_dict()})
-            table.add_row(str(context), str(p.device_buffer_tokens), _mib(p.resident_device_bytes),
-                          _mib(p.hierarchical_device_bytes), _mib(p.hierarchical_host_bytes),
-                          str(p.resident_requests), str(p.hierarchical_requests), p.limited_by,
-                          f"{p.gain:.2f}x" if p.resident_requests else "-", f"{p.kv_only_gain:.2f}x")
-    console.print(table)
+            plans.append({"model": name, "buffer": which, **p.as_dict()})
+            rows.append((p, which))
+    console.print(plan_table(title, rows))
     if args.json:
         _check_parent(args.json, "--json")
         Path(args.json).write_text(json.dumps(plans, indent=2))
@@ -242,9 +232,9 @@ def _check_fits(context: int, p: CapacityPlan, args: argparse.Namespace) -> None
     """A context of which not one request fits either way is an error, not a row of zeros."""
     if p.resident_requests == 0 and p.hierarchical_requests == 0:
         raise CapacityError(
-            f"--context {context}: not one request fits: resident, one needs {_mib(p.resident_device_bytes)} "
-            f"of device memory, hierarchical {_mib(p.hierarchical_device_bytes)} of device and "
-            f"{_mib(p.hierarchical_host_bytes)} of host memory, for --gpu-gb {args.gpu_gb:g} and --host-gb "
+            f"--context {context}: not one request fits: resident, one needs {size_text(p.resident_device_bytes)} "
+            f"of device memory, hierarchical {size_text(p.hierarchical_device_bytes)} of device and "
+            f"{size_text(p.hierarchical_host_bytes)} of host memory, for --gpu-gb {args.gpu_gb:g} and --host-gb "
             f"{args.host_gb:g}; lower --context or raise --gpu-gb / --host-gb"
         )
 
@@ -253,10 +243,6 @@ def _check_parent(path: str, flag: str) -> None:
     parent = Path(path).resolve().parent
     if not parent.is_dir():
         raise SparseFrameworkError(f"{flag} {path!r}: the directory {str(parent)!r} does not exist")
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.0f} MiB"
 
 
 def _int_list(text: str, flag: str) -> list[int]:

@@ -39,6 +39,7 @@ from .common.batch import Batch, Request, Selection
 from .config import SparseConfig, dense_layer_set, load_config
 from .decode_graphs import DecodeGraphs, signature
 from .common.errors import CapacityError, ConfigError, LimitError
+from .dense_fallback import DenseTally
 from .footprint import check_footprint, reraise_allocation_error
 from .step_order import StepOrder
 from .kv_store.hierarchical import HierarchicalKVStore
@@ -146,6 +147,8 @@ class SparseCoordinator:
         self.requests: dict[str, Request] = {}
         self.retracted: set[str] = set()
         self.steps = StepOrder(layout.num_layers)  # the open step, checked hook by hook
+        # requests and decode layer-steps that attended densely, and why (`dense_report`)
+        self.dense_tally = DenseTally()
         self.graphs: DecodeGraphs | None = None
         if decode_graphs:
             self.store.timing = False  # no timing events inside a graph
@@ -178,6 +181,7 @@ class SparseCoordinator:
             request.slot = -1
             raise
         self.requests[request.rid] = request
+        self.dense_tally.admit(request.dense)
 
     def on_request_retract(self, request: Request) -> None:
         """Preempt a request between steps: its device KV is released, its host KV and the
@@ -258,6 +262,17 @@ class SparseCoordinator:
         batch.pending.clear()
         self.steps.opened(batch, before)
 
+    def dense_report(self) -> dict[str, Any]:
+        """How much of the decoding so far fell back to dense attention, and why (counts since
+        the coordinator was built; see dense_fallback.py): requests, dense requests by
+        reason, decode layer-steps (request x layer x step), the dense ones by reason, the
+        dense layers and the prompt length below which a request decodes densely."""
+        return {
+            **self.dense_tally.as_dict(),
+            "dense_layers": sorted(self.dense_layers),
+            "min_sparse_prompt_len": self.config.min_sparse_prompt_len,
+        }
+
     def forward_end(self, batch: Batch) -> None:
         """End of the step: start the store's asynchronous host writes, drop the scratch.
         Refused unless every layer ran attention_begin then attention_end in this step."""
@@ -266,6 +281,9 @@ class SparseCoordinator:
             self.store.end_step(batch)
         batch.pending.clear()
         self.steps.closed()
+        if not batch.is_prefill:  # counted once the step is complete (an aborted one is not)
+            dense_requests = len(batch) - batch.num_sparse
+            self.dense_tally.decode_step(len(batch), dense_requests, self.layout.num_layers, len(self.dense_layers))
 
     def abort_step(self, batch: Batch) -> None:
         """Abandon the open step, e.g. after an exception between forward_begin and

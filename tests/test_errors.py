@@ -147,9 +147,11 @@ def test_plan_gain_is_not_a_ratio_over_zero_resident_requests(tmp_path, capsys) 
     rows = json.loads(out_json.read_text())
     assert rows[0]["resident_requests"] == 0 and rows[0]["hierarchical_requests"] > 0
     assert rows[0]["gain"] is None
-    table = capsys.readouterr().out
-    line = next(line for line in table.splitlines() if "1000000" in line)
-    assert f"{rows[0]['hierarchical_requests']:.2f}x" not in line
+    table = capsys.readouterr().out.splitlines()
+    resident = next(line for line in table if "1,000,000" in line)
+    buffers = [line for line in table if line.strip().startswith("buffer")]
+    assert resident.split()[-2:] == ["-", "1.00x"]
+    assert buffers and all(line.split()[-2] == "-" for line in buffers)  # gain, then KV-only gain
 
 
 # -- retract on the resident store --------------------------------------------------------------

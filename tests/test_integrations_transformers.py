@@ -6,11 +6,13 @@ requests' lifecycle, and the errors."""
 from __future__ import annotations
 
 import gc
+import warnings
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from packaging.version import Version  # noqa: E402
 tf = pytest.importorskip("sparse_framework.integrations.transformers")
 
 from transformers import (  # noqa: E402
@@ -173,21 +175,22 @@ def test_request_lifecycle(llama) -> None:
     ids, mask = left_pad([prompt(20, seed=11), prompt(12, seed=12)])
     with tf.sparse(llama, SMALL, max_requests=2, max_seq_len=32) as handle:
         coord = handle.coordinator
+        kw = handle.cache_kwarg  # "cache" on transformers >= 5.24, "past_key_values" before
         cache = handle.new_cache()
-        out = llama(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        out = llama(ids, attention_mask=mask, **{kw: cache}, use_cache=True)
         assert [r.prompt_len for r in cache.requests] == [20, 12]  # pad tokens stripped
         assert [r.seq_len for r in cache.requests] == [20, 12] and len(coord.requests) == 2
         assert cache.get_seq_length() == 20  # transformers' view: padded positions
         nxt = out.logits[:, -1:].argmax(-1)
-        llama(nxt, attention_mask=torch.cat([mask, torch.ones_like(nxt)], 1), past_key_values=cache, use_cache=True)
+        llama(nxt, attention_mask=torch.cat([mask, torch.ones_like(nxt)], 1), **{kw: cache}, use_cache=True)
         assert [r.seq_len for r in cache.requests] == [21, 13] and cache.get_seq_length() == 21
         with pytest.raises(tf.UnsupportedModelError, match="one token per row"):
-            llama(ids[:, :2], past_key_values=cache, use_cache=True)
-        llama(nxt, past_key_values=cache, use_cache=True)  # the refused forward changed nothing
+            llama(ids[:, :2], **{kw: cache}, use_cache=True)
+        llama(nxt, **{kw: cache}, use_cache=True)  # the refused forward changed nothing
         assert [r.seq_len for r in cache.requests] == [22, 14] and cache.get_seq_length() == 22
         cache.reset()  # ends the requests; the cache can prefill again
         assert coord.requests == {} and coord.store.used_tokens() == 0
-        llama(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        llama(ids, attention_mask=mask, **{kw: cache}, use_cache=True)
         assert len(coord.requests) == 2
         del cache, out
         gc.collect()  # a garbage-collected cache ends its requests
@@ -200,10 +203,10 @@ def test_request_lifecycle(llama) -> None:
         assert out.shape == (2, 23) and coord.requests == {}
         # disabling ends the requests of caches still alive
         kept = handle.new_cache()
-        llama(ids, attention_mask=mask, past_key_values=kept, use_cache=True)
+        llama(ids, attention_mask=mask, **{kw: kept}, use_cache=True)
     assert coord.requests == {}
     with pytest.raises(RuntimeError, match="disabled"):
-        llama(ids[:, -1:], past_key_values=kept, use_cache=True)
+        llama(ids[:, -1:], **{kw: kept}, use_cache=True)
 
 
 def test_a_forward_failing_midway_abandons_its_step(llama) -> None:
@@ -263,7 +266,7 @@ def test_errors_are_clear(llama, monkeypatch) -> None:
         with pytest.raises(tf.UnsupportedModelError, match="beam search"):
             llama.generate(ids, max_new_tokens=3, num_beams=2, do_sample=False)
         with pytest.raises(ValueError, match="not a DynamicCache"):
-            llama.generate(ids, max_new_tokens=3, past_key_values=transformers.DynamicCache())
+            llama.generate(ids, max_new_tokens=3, **{tf.cache_kwarg(llama): transformers.DynamicCache()})
 
 
 def test_mistral_with_a_window_that_never_binds() -> None:
@@ -357,3 +360,54 @@ def test_prompt_length_in_errors_of_a_windowed_model_is_the_real_one() -> None:
         with pytest.raises(ValueError, match="prompt_len 450 leaves no room to decode within max_seq_len 64"):
             mistral.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
         assert not handle.coordinator.requests
+
+
+def test_no_past_key_values_deprecation_warning(llama) -> None:
+    """transformers 5.24 deprecates `past_key_values` (removal in 5.40): neither generate nor the
+    evaluation's teacher-forced decode through the integration may pass it there."""
+    from sparse_framework.eval.runner import teacher_forced
+
+    ids = prompt(24, seed=21)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*", category=FutureWarning)
+        warnings.filterwarnings("error", message=".*past_key_values.*", category=DeprecationWarning)
+        with tf.sparse(llama, SMALL, max_requests=1, max_seq_len=64) as handle:
+            greedy(llama, ids, new=3)
+            cache = handle.new_cache()
+            teacher_forced(llama, torch.cat([ids, prompt(4, seed=22)], 1), 24, cache)
+            cache.close()
+    assert handle.stats()["decode_steps"] == 2 + 3  # both decoded through the sparse cache
+    expected = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
+    assert tf.cache_kwarg(llama) == expected
+
+
+def test_stats_show_dense_fallbacks(llama) -> None:
+    """A short prompt, dense layers and use_cache=False all decode densely; stats() says so,
+    with the reason, instead of looking like a sparse run at full budget."""
+    ids = prompt(24, seed=23)
+    layers = TINY["num_hidden_layers"]
+    with tf.sparse(llama, SMALL, max_requests=1, max_seq_len=64) as handle:  # min_sparse_prompt_len 0
+        greedy(llama, ids, new=3)
+        dense = handle.stats()["dense"]
+        assert dense["requests"] == 1 and dense["dense_requests"] == {}
+        assert dense["layer_steps"] == 2 * layers and dense["dense_layer_steps"] == {}  # 2 decode steps
+        assert handle.stats()["sparse_fraction"] == 1.0
+    short = {**SMALL, "min_sparse_prompt_len": 100}
+    with tf.sparse(llama, short, max_requests=1, max_seq_len=64) as handle:
+        greedy(llama, ids, new=3)
+        stats = handle.stats()
+        assert stats["dense"]["dense_requests"] == {"short prompt": 1}
+        assert stats["dense"]["dense_layer_steps"] == {"dense request": 2 * layers}
+        assert stats["sparse_fraction"] == 0.0 and stats["read_fraction"] == 1.0
+        assert "1 of 1 requests dense (short prompt: 1)" in handle.dense_summary()
+    one_dense = {**SMALL, "dense_layers": [0]}
+    with tf.sparse(llama, one_dense, max_requests=1, max_seq_len=64) as handle:
+        greedy(llama, ids, new=3)
+        assert handle.stats()["dense"]["dense_layer_steps"] == {"dense layer": 2}  # layer 0, 2 steps
+        assert handle.stats()["sparse_fraction"] == pytest.approx(1 - 1 / layers)
+    with tf.sparse(llama, SMALL, max_requests=1, max_seq_len=64) as handle:
+        llama.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False, use_cache=False)
+        stats = handle.stats()
+        # 3 forwards (each generates a token), every layer dense sdpa, one row
+        assert stats["dense"]["dense_layer_steps"] == {"no cache (use_cache=False)": 3 * layers}
+        assert stats["decode_steps"] == 0 and stats["sparse_fraction"] == 0.0

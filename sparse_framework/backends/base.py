@@ -37,6 +37,20 @@ class AttentionBackend(ABC):
         return None
 
     @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        """(True, "") when the backend can run on this machine, else (False, a short reason):
+        no device of a declared type (a CUDA backend without a GPU), or `unavailable_reason`.
+        Cheap: `sparse-framework plugins` calls it for every backend, so overrides look for
+        libraries with `importlib.util.find_spec` rather than importing them."""
+        reasons = []
+        if not _device_present(cls.device_types):
+            reasons.append(f"needs a {' or '.join(cls.device_types)} device (no CUDA GPU visible)")
+        why = cls.unavailable_reason()
+        if why:
+            reasons.append(why)
+        return not reasons, "; ".join(reasons)
+
+    @classmethod
     def check_layout(cls, layout: KVLayout) -> None:
         """Raise ConfigError naming the first declaration the layout breaks. Messages start
         with a verb: the coordinator prefixes "backend '<registered name>' "."""
@@ -70,3 +84,19 @@ class AttentionBackend(ABC):
         view [num_pages, page_size, heads, head_dim] that matches the metadata (heads = 1
         when the metadata folds KV heads into the batch; v_cache's dim is 512 for an MLA
         latent of 576). Returns [batch, num_q_heads, v_dim] in q's dtype."""
+
+
+def _device_present(device_types: tuple[str, ...]) -> bool:
+    """Whether this machine has a device of one of the types (the CPU always; CUDA if visible)."""
+    return "cpu" in device_types or ("cuda" in device_types and torch.cuda.is_available())
+
+
+def module_missing(name: str, install: str) -> str | None:
+    """"<name> not installed (<install>)" when the module cannot be found, without importing it."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package missing or broken
+        found = False
+    return None if found else f"{name} not installed ({install})"

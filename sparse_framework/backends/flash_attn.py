@@ -29,7 +29,7 @@ import torch
 from ..adaptors.flash_attention import FlashAttentionMetadata
 from ..common.errors import ConfigError
 from ..common.layout import KVLayout
-from .base import AttentionBackend
+from .base import AttentionBackend, module_missing
 
 INSTALL = 'pip install "sparse-framework[flash-attn]"'
 
@@ -79,6 +79,18 @@ class FlashAttnBackend(AttentionBackend):
     def unavailable_reason(cls) -> str | None:
         found = _find_library()
         return found if isinstance(found, str) else None
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        """flash-attn 4 or 3 installed (looked up, not imported) and a CUDA GPU."""
+        reasons = []
+        if all(module_missing(m, INSTALL) for m in ("flash_attn_interface", "flash_attn")):
+            reasons.append(f"flash_attn not installed ({INSTALL})")
+        elif module_missing("flash_attn_interface", INSTALL) and module_missing("flash_attn.cute", INSTALL):
+            reasons.append(f"only flash-attn 2 is installed, which cannot read sparse pages ({INSTALL})")
+        if not torch.cuda.is_available():
+            reasons.append("needs a CUDA GPU (none visible)")
+        return not reasons, "; ".join(reasons)
 
     @classmethod
     def check_layout(cls, layout: KVLayout) -> None:

@@ -39,7 +39,7 @@ from ..adaptors.flashmla import PAGE_BLOCK, TOPK_BLOCK, FlashMLAMetadata
 from ..common.errors import ConfigError
 from ..common.flashmla_format import LATENT_DIM, NOPE_DIM, PACKED_BYTES
 from ..common.layout import KVLayout
-from .base import AttentionBackend
+from .base import AttentionBackend, module_missing
 
 KERNEL_HEADS = (64, 128)  # DISPATCH_NUM_HEADS / DecodeFeatures::HEAD_64, HEAD_128
 
@@ -100,6 +100,17 @@ class FlashMLABackend(AttentionBackend):
         if why is None:
             return None
         return f"the `flash_mla` package (FlashMLA) cannot be imported ({why}). {INSTALL}"
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        """flash_mla installed (looked up, not imported) and a CUDA GPU (SM90 or SM100)."""
+        reasons = [r for r in (module_missing("flash_mla", "built from source: docs/backends.md"),) if r]
+        if not torch.cuda.is_available():
+            reasons.append("needs a CUDA GPU, SM90 or SM100 (none visible)")
+        elif torch.cuda.get_device_capability()[0] not in (9, 10):
+            major, minor = torch.cuda.get_device_capability()
+            reasons.append(f"needs an SM90 or SM100 GPU, this one is SM{major}{minor}")
+        return not reasons, "; ".join(reasons)
 
     @classmethod
     def check_layout(cls, layout: KVLayout) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from ..common.errors import ConfigError
 from ..common.layout import KVLayout
-from .base import AttentionBackend
+from .base import AttentionBackend, module_missing
 
 MAX_HEAD_DIM = 576  # the kernel keeps a [rows, head dim] query tile and a [rows, v dim] accumulator in registers
 
@@ -58,6 +58,14 @@ class TritonBackend(AttentionBackend):
     @classmethod
     def unavailable_reason(cls) -> str | None:
         return _triton_missing()
+
+    @classmethod
+    def availability(cls) -> tuple[bool, str]:
+        """Triton installed, and a CUDA GPU (or the interpreter, TRITON_INTERPRET=1, for tests)."""
+        reasons = [r for r in (module_missing("triton", "pip install triton"),) if r]
+        if not torch.cuda.is_available() and not _interpreted():
+            reasons.append("needs a CUDA GPU (none visible; TRITON_INTERPRET=1 runs it slowly on the CPU, for tests)")
+        return not reasons, "; ".join(reasons)
 
     @classmethod
     def check_layout(cls, layout: KVLayout) -> None:

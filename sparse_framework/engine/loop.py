@@ -14,6 +14,7 @@ from ..config import SparseConfig
 from ..coordinator import SparseCoordinator
 from ..common.errors import CapacityError
 from ..common.layout import KVLayout
+from ..dense_fallback import SHORT_PROMPT, DenseTally
 from .metrics import attention_recall, dense_attention, needle_hits, relative_error, selected_mask
 from .workload import SyntheticWorkload, WorkloadConfig
 
@@ -37,9 +38,19 @@ class RequestResult:
     hit_rate: float | None  # device-buffer hits / selected tokens of the batch's buffered rows (None: dense)
     swap_in_kib_per_step: float  # host -> device KiB per decode step (whole batch, all layers)
     config: dict = field(default_factory=dict)
+    dense_reason: str | None = None  # why the whole request decoded densely ("short prompt"), or None
+    layer_steps: int = 0  # this request's decode layer-steps (layers x steps)
+    dense_layer_steps: dict[str, int] = field(default_factory=dict)  # the dense ones, by reason
+    num_layers: int = 0
+    dense_layers: list[int] = field(default_factory=list)  # layers that always attend densely
+
+    @property
+    def sparse_fraction(self) -> float:
+        """Share of this request's decode layer-steps that attended sparsely."""
+        return 1.0 - sum(self.dense_layer_steps.values()) / self.layer_steps if self.layer_steps else 0.0
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "sparse_fraction": self.sparse_fraction}
 
 
 @dataclass
@@ -95,6 +106,8 @@ def run_experiment(
         coord.forward_end(batch)
 
     tallies = [_Tally() for _ in requests]
+    dense_tallies = [DenseTally() for _ in requests]
+    dense_layers = sorted(coord.dense_layers)
     step_seconds = 0.0
     timed_steps = max(1, workload.decode_steps - 1)  # the first step warms up (kernel compilation)
     for step in range(workload.decode_steps):
@@ -134,6 +147,8 @@ def run_experiment(
                 hit, total = needle_hits(data[i].needles[layer], mask)
                 t.hits += hit
                 t.needles += total
+        for r, dt in zip(requests, dense_tallies):
+            dt.decode_step(1, int(r.dense), layout.num_layers, len(dense_layers))
         if on_step is not None:
             on_step()
 
@@ -141,7 +156,7 @@ def run_experiment(
     hits, misses = sum(x["hits"] for x in stats), sum(x["misses"] for x in stats)
     swapped = sum(x["bytes_in"] for x in stats) / 1024 / workload.decode_steps
     results = []
-    for r, t in zip(requests, tallies):
+    for r, t, dt in zip(requests, tallies, dense_tallies):
         device_tokens = coord.store.device_tokens(r)
         results.append(
             RequestResult(
@@ -160,6 +175,11 @@ def run_experiment(
                 hit_rate=hits / (hits + misses) if hits + misses and not r.dense else None,
                 swap_in_kib_per_step=swapped,
                 config=config.model_dump(),
+                dense_reason=SHORT_PROMPT if r.dense else None,
+                layer_steps=dt.layer_steps,
+                dense_layer_steps=dt.as_dict()["dense_layer_steps"],
+                num_layers=layout.num_layers,
+                dense_layers=dense_layers,
             )
         )
     for r in requests:

@@ -33,15 +33,15 @@ class WorkloadConfig(BaseModel):
 
     contexts: list[int] = Field([1024, 4096, 8192], min_length=1, description="prompt length of each request")
     decode_steps: int = Field(16, ge=1, description="batched decode steps")
-    num_layers: int = Field(2, ge=1)
-    num_q_heads: int = Field(8, ge=1)
-    num_kv_heads: int = Field(2, ge=1)
-    head_dim: int = Field(64, ge=1)
+    num_layers: int = Field(2, ge=1, description="attention layers (all alike)")
+    num_q_heads: int = Field(8, ge=1, description="query heads")
+    num_kv_heads: int = Field(2, ge=1, description="KV heads (num_q_heads must be a multiple)")
+    head_dim: int = Field(64, ge=1, description="dimension of a head")
     needles: int = Field(4, ge=0, description="needle tokens per request and layer")
-    needle_strength: float = Field(1.0, gt=0, description="needle key scale along the query direction")
-    seed: int = 0
+    needle_strength: float = Field(1.25, gt=0, description="needle key scale along the query direction")
+    seed: int = Field(0, description="seed of every random draw")
     dtype: str = Field("float32", description="KV dtype: " + ", ".join(DTYPES))
-    device: str = "cpu"
+    device: str = Field("cpu", description="torch device of the KV and the attention")
 
     @field_validator("contexts")
     @classmethod

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 from ..common.errors import SparseFrameworkError
 from .runner import METRICS, CellRecord
-from .sweep import COLUMNS, fmt
+from .sweep import COLUMNS, budget_label, fmt, series_name
 
 PLOTS = {
     "accuracy_vs_budget": ("accuracy", "task accuracy"),
@@ -23,10 +22,6 @@ MARKERS = "osD^vP*X"  # series that coincide stay visible
 
 def _ok(records: list[CellRecord]) -> list[CellRecord]:
     return [r for r in records if r.status == "ok"]
-
-
-def _series_name(r: CellRecord) -> str:
-    return r.algorithm if r.backend in ("torch_ref", "dense") else f"{r.algorithm} [{r.backend}]"
 
 
 def make_plots(records: list[CellRecord], directory: Path) -> list[Path]:
@@ -64,7 +59,7 @@ def make_plots(records: list[CellRecord], directory: Path) -> list[Path]:
                 if r.top_k is None:
                     ax.axhline(r.metrics[metric], color="black", linestyle="--", linewidth=1, label="dense")
                 else:
-                    lines[_series_name(r)].append((r.top_k / context, r.metrics[metric]))
+                    lines[series_name(r)].append((r.top_k / context, r.metrics[metric]))
             for n, (label, points) in enumerate(sorted(lines.items())):
                 xs, ys = zip(*sorted(points))
                 ax.plot(xs, ys, marker=MARKERS[n % len(MARKERS)], markersize=8 - n % 4, alpha=0.85, label=label)
@@ -88,7 +83,7 @@ def make_plots(records: list[CellRecord], directory: Path) -> list[Path]:
             for r in timed:
                 if r.workload != workload:
                     continue
-                k = (_series_name(r), r.context)
+                k = (series_name(r), r.context)
                 if k not in smallest or (r.top_k or 1 << 62) < (smallest[k].top_k or 1 << 62):
                     smallest[k] = r
             lines = defaultdict(list)
@@ -112,16 +107,6 @@ def make_plots(records: list[CellRecord], directory: Path) -> list[Path]:
 def _save(fig: Any, path: Path) -> Path:
     fig.savefig(path, dpi=110, metadata={"Software": None})  # no version stamp: stable files
     return path
-
-
-def _budget_label(r: CellRecord) -> str:
-    if r.top_k is None:
-        return "dense"
-    try:
-        frac = Fraction(r.budget)
-        return f"{r.budget} ({r.top_k})" if frac < 1 or "/" in r.budget else str(r.top_k)
-    except ValueError:
-        return str(r.top_k)
 
 
 def markdown_page(
@@ -161,13 +146,13 @@ def markdown_page(
         for context in sorted({r.context for r in rows}):
             here = sorted(
                 (r for r in rows if r.context == context),
-                key=lambda r: (r.top_k is not None, _series_name(r), r.top_k or 0),
+                key=lambda r: (r.top_k is not None, series_name(r), r.top_k or 0),
             )
-            head = ["algorithm", "budget (top_k)"] + [heading for _, heading, _ in shown]
+            head = ["algorithm", "budget (top_k)"] + [heading.replace("\n", " ") for _, heading, _ in shown]
             lines += [f"### {workload}, {context} tokens", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
             for r in here:
-                values = [fmt(r.metrics.get(key), spec) for key, _, spec in shown]
-                lines.append("| " + " | ".join([_series_name(r), _budget_label(r), *values]) + " |")
+                values = [fmt(r.metrics.get(key), spec, key) for key, _, spec in shown]
+                lines.append("| " + " | ".join([series_name(r), budget_label(r), *values]) + " |")
             lines.append("")
     if plots:
         lines += ["## Plots", ""]

@@ -36,6 +36,9 @@ METRICS: dict[str, str] = {
     "needle_hit_rate": "share of the asked fact's tokens (reference) or needles (synthetic) selected",
     "device_kv_fraction": "device KV bytes held / dense device KV bytes",
     "moved_kib_per_token": "host→device KiB copied per decode step (all layers and rows)",
+    "sparse_fraction": "share of the decode layer-steps (request x layer x step) that attended sparsely; "
+    "the rest fell back to dense: prompts below min_sparse_prompt_len, dense layers. 'never': the "
+    "cell measured dense attention only",
     "ms_per_token": "wall time per decode step of the batch (first step excluded; Python and kernels, "
     "with any first-use compilation of a new shape: benchmarks/, not this, measure speed)",
 }
@@ -107,16 +110,19 @@ def teacher_forced(
 ) -> Decoded:
     """Prefill tokens[:, :prompt_len] into `cache`, then feed the rest one token per step. The
     time of each step excludes what the `probe` (an AttentionProbe) spent measuring."""
+    from ..integrations.transformers import cache_kwarg
+
     steps = tokens.shape[1] - 1 - prompt_len
+    name = cache_kwarg(model)  # "cache" from transformers 5.24, "past_key_values" before
     with torch.no_grad():
-        model(input_ids=tokens[:, :prompt_len], past_key_values=cache, use_cache=True)
+        model(input_ids=tokens[:, :prompt_len], **{name: cache}, use_cache=True)
         logits, seconds = [], 0.0
         for j in range(steps):
             p = prompt_len + j
             if before_step is not None:
                 before_step(p)
             start, measuring = time.perf_counter(), probe.seconds if probe is not None else 0.0
-            out = model(input_ids=tokens[:, p : p + 1], past_key_values=cache, use_cache=True)
+            out = model(input_ids=tokens[:, p : p + 1], **{name: cache}, use_cache=True)
             step_logits = out.logits[:, -1].float()
             if tokens.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -286,7 +292,9 @@ class Runner:
             finally:
                 cache.close()
             moved = (_bytes_in(store) - before) / 1024 / max(1, decoded.logits.shape[1])
-        stats = {"device_kv_fraction": sum(fractions) / len(fractions), "moved_kib_per_token": moved}
+            sparse_fraction = handle.dense_tally().sparse_fraction
+        stats = {"device_kv_fraction": sum(fractions) / len(fractions), "moved_kib_per_token": moved,
+                 "sparse_fraction": sparse_fraction}
         return decoded, probe.result(), stats
 
     def _synthetic(self, cell: Cell) -> dict[str, Any]:
@@ -305,6 +313,7 @@ class Runner:
             "recall": r.recall, "rel_error": r.rel_error, "needle_hit_rate": r.needle_hit_rate,
             "device_kv_fraction": r.device_kv_fraction,
             "moved_kib_per_token": r.swap_in_kib_per_step, "ms_per_token": r.ms_per_step,
+            "sparse_fraction": r.sparse_fraction if cell.config is not None else None,
             "rows": 1, "decode_steps": workload.decode_steps,
         }
 

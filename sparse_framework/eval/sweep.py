@@ -8,13 +8,16 @@ import json
 import time
 import traceback
 from collections.abc import Iterable
+from fractions import Fraction
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
+from rich import box
+from rich.console import Console, Group
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from ..common.errors import ConfigError
 from ..engine.workload import DTYPES
@@ -22,16 +25,18 @@ from ..common.layout import KVLayout, check_device
 from .experiment import Cell, Experiment, expand
 from .runner import METRICS, CellRecord, Runner, finite
 
-# (metric, column heading, format) of the terminal table and the markdown page
+# (metric, column heading, format) of the terminal table and the markdown page (where a line
+# break in a heading becomes a space: the terminal table breaks long headings to fit 100 columns)
 COLUMNS: list[tuple[str, str, str]] = [
+    ("sparse_fraction", "sparse", "{:.0%}"),
     ("accuracy", "acc", "{:.3f}"),
     ("recall", "recall", "{:.3f}"),
-    ("rel_error", "rel err", "{:.3f}"),
-    ("kl", "KL", "{:.2e}"),
+    ("rel_error", "rel\nerr", "{:.3f}"),
+    ("kl", "KL", "{:.1e}"),
     ("needle_hit_rate", "needle", "{:.3f}"),
-    ("device_kv_fraction", "dev KV", "{:.3f}"),
-    ("moved_kib_per_token", "moved KiB/tok", "{:.1f}"),
-    ("ms_per_token", "ms/tok", "{:.1f}"),
+    ("device_kv_fraction", "dev\nKV", "{:.3f}"),
+    ("moved_kib_per_token", "moved\nKiB/tok", "{:.1f}"),
+    ("ms_per_token", "ms/\ntok", "{:.1f}"),
 ]
 
 
@@ -130,23 +135,70 @@ def run_sweep(
     return records
 
 
-def fmt(value: Any, spec: str) -> str:
-    """A metric for a table cell: '–' where the workload could not measure it."""
-    return "–" if value is None else spec.format(value)
+NEVER_SPARSE = "never"
 
 
-def results_table(records: Iterable[CellRecord], title: str = "") -> Table:
-    table = Table(title=title)
-    for heading in ("workload", "context", "algorithm", "backend", "budget", "top_k"):
-        table.add_column(heading, justify="right" if heading in ("context", "top_k") else "left")
-    for _, heading, _ in COLUMNS:
-        table.add_column(heading, justify="right")
-    table.add_column("status")
+def fmt(value: Any, spec: str, key: str = "") -> str:
+    """A metric for a table cell: '–' where the workload could not measure it; a cell whose
+    decoding never attended sparsely says "never" in its `sparse_fraction`."""
+    if value is None:
+        return "–"
+    if key == "sparse_fraction" and value == 0:
+        return NEVER_SPARSE
+    return spec.format(value)
+
+
+def series_name(r: CellRecord) -> str:
+    """The algorithm, with its backend unless that is the reference (or dense)."""
+    return r.algorithm if r.backend in ("torch_ref", "dense") else f"{r.algorithm} [{r.backend}]"
+
+
+def budget_label(r: CellRecord) -> str:
+    """"dense", top_k, or "1/16 (128)" for a budget given as a fraction of the context."""
+    if r.top_k is None:
+        return "dense"
+    try:
+        frac = Fraction(r.budget)
+        return f"{r.budget} ({r.top_k})" if frac < 1 or "/" in r.budget else str(r.top_k)
+    except ValueError:
+        return str(r.top_k)
+
+
+def results_table(records: Iterable[CellRecord], title: str = "") -> Group:
+    """The sweep for a 100-column terminal: a table per workload (a row per cell: context,
+    algorithm, budget, then the metrics that workload measures), failed cells listed below with
+    their whole error, and a note when a cell never attended sparsely."""
+    records = list(records)
+    parts: list[Any] = [Text(title, style="bold")] if title else []
+    ok = [r for r in records if r.status == "ok"]
+    for workload in dict.fromkeys(r.workload for r in ok):
+        rows = sorted((r for r in ok if r.workload == workload),
+                      key=lambda r: (r.context, r.top_k is not None, series_name(r), r.top_k or 0))
+        shown = [(k, h, f) for k, h, f in COLUMNS if any(r.metrics.get(k) is not None for r in rows)]
+        # one space between columns and headings on two lines: 12 columns fit in 100
+        table = Table(title=workload, box=box.SIMPLE_HEAD, padding=0, pad_edge=False, title_justify="left")
+        for heading in ("context", "algorithm", "budget"):
+            table.add_column(heading, justify="right" if heading == "context" else "left", overflow="fold")
+        for _, heading, _ in shown:
+            table.add_column(heading, justify="right", overflow="fold")
+        last = None
+        for r in rows:
+            if last is not None and r.context != last:
+                table.add_section()
+            cells = [fmt(r.metrics.get(k), f, k) for k, _, f in shown]
+            style = "yellow" if r.metrics.get("sparse_fraction") == 0 else ""
+            table.add_row("" if r.context == last else str(r.context), series_name(r), budget_label(r), *cells, style=style)
+            last = r.context
+        parts.append(table)
+    if any(r.metrics.get("sparse_fraction") == 0 for r in ok):
+        parts.append(Text(f"sparse {NEVER_SPARSE}: the cell decoded densely throughout (prompts below "
+                          "min_sparse_prompt_len, or every layer dense), so its figures are dense attention's",
+                          style="yellow"))
     for r in records:
-        cells = [fmt(r.metrics.get(key), spec) for key, _, spec in COLUMNS]
-        status = "ok" if r.status == "ok" else f"[red]{(r.error or '')[:60]}[/red]"
-        table.add_row(r.workload, str(r.context), r.algorithm, r.backend, r.budget, fmt(r.top_k, "{}"), *cells, status)
-    return table
+        if r.status != "ok":
+            parts.append(Text(f"failed: {r.workload} {r.context} {r.algorithm} {r.backend} {r.budget}: {r.error}",
+                              style="red"))
+    return Group(*parts)
 
 
 def metric_help() -> list[str]:

@@ -8,7 +8,7 @@
 
 Works with decoder models whose attention goes through transformers' attention-function
 registry (`AttentionInterface`: Llama, Qwen2/3, Mistral, Gemma, ...) on transformers
->= 4.56 (`MIN_TRANSFORMERS`; tested with 4.56.2 and 5.23.0).
+>= 4.56 (`MIN_TRANSFORMERS`; tested with 4.56.2 and 5.24.0).
 
 How it plugs in
   `enable(model, config)` builds a coordinator whose `KVLayout` comes from the model config
@@ -16,8 +16,9 @@ How it plugs in
   registers an attention function and the sdpa mask function under the name
   "sparse_framework" (`AttentionInterface` / `AttentionMaskInterface`), switches the model to
   it (`set_attn_implementation`) and gives `model.generate` a thin wrapper (an attribute of
-  this model instance) that passes a fresh `SparseCache` as `past_key_values` and closes it
-  when generation returns. `disable()` (or leaving the `with` block) undoes all three.
+  this model instance) that passes a fresh `SparseCache` as the cache argument (`cache` from
+  transformers 5.24, which deprecates `past_key_values`; `past_key_values` before: see
+  `cache_kwarg`) and closes it when generation returns. `disable()` (or leaving the `with` block) undoes all three.
 
   A cache_implementation in the model's own generation_config (Gemma's "hybrid" from the
   hub) is set aside for the sparse generate; one the caller passes to generate is refused.
@@ -37,8 +38,10 @@ How it plugs in
              configured backend) + attention_end, one query token per row.
   Layer 0 of a forward opens the step (`forward_begin`), the last layer closes it
   (`forward_end`). The coordinator scales q·k by 1/sqrt(head_dim); a model with another
-  scale (Gemma's query_pre_attn_scalar) has its queries multiplied to match. Calls that do not come through a SparseCache (`model(...)` with no cache
-  or a DynamicCache, `use_cache=False`) get transformers' sdpa attention: dense, unchanged.
+  scale (Gemma's query_pre_attn_scalar) has its queries multiplied to match. Calls that do
+  not come through a SparseCache (`model(...)` with no cache or a DynamicCache,
+  `use_cache=False`) get transformers' sdpa attention: dense, unchanged, and counted as dense
+  layer-steps in `handle.stats()["dense"]` with the reason.
 
 Requests and padding
   The first forward through a SparseCache is its prefill: each batch row becomes a
@@ -59,6 +62,7 @@ models. One forward at a time per handle (no thread safety).
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 import weakref
@@ -74,6 +78,7 @@ from ..config import SparseConfig
 from ..coordinator import SparseCoordinator
 from ..common.errors import SparseFrameworkError
 from ..common.layout import KVLayout
+from ..dense_fallback import NO_CACHE, DenseTally
 
 try:
     import transformers
@@ -86,6 +91,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 
 NAME = "sparse_framework"
 MIN_TRANSFORMERS = "4.56"
+# a forward through the integration's attention function without a SparseCache, other than
+# generate(use_cache=False): e.g. model(ids) or a DynamicCache
+NOT_SPARSE_CACHE = "not a sparse cache (a forward without handle.new_cache())"
 
 
 class UnsupportedModelError(SparseFrameworkError, ValueError):
@@ -105,6 +113,15 @@ def check_transformers_version(version: str | None = None) -> None:
 
 
 check_transformers_version()
+
+
+def cache_kwarg(model: Any) -> str:
+    """The keyword under which `model(...)` and `model.generate(...)` take a cache: "cache"
+    where the model's forward names it so (transformers >= 5.24, which deprecates
+    `past_key_values` for removal in 5.40), "past_key_values" before."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
 
 from transformers import AttentionInterface, AttentionMaskInterface  # noqa: E402
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
@@ -190,6 +207,11 @@ class SparseHandle:
         # the evaluation harness measures recall and errors against dense attention with it
         self.observer: Callable[[AttentionEvent], None] | None = None
         self._decode_steps = self._layer_steps = 0
+        # layer-steps that bypassed the coordinator (dense sdpa), by reason; `_uncached` is set
+        # while a generate(use_cache=False) runs
+        self._outside = DenseTally()
+        self._uncached = False
+        self.cache_kwarg = cache_kwarg(model)
         _register()
         model.set_attn_implementation(NAME)
         if model.config._attn_implementation != NAME:
@@ -206,24 +228,46 @@ class SparseHandle:
         self.enabled = True
 
     def new_cache(self) -> SparseCache:
-        """A cache for manual forwards: `model(ids, attention_mask=..., past_key_values=cache)`
-        prefills, then one token per row per call decodes; `cache.close()` ends its requests."""
+        """A cache for manual forwards: `model(ids, attention_mask=..., cache=cache)`
+        (`past_key_values=cache` before transformers 5.24; `handle.cache_kwarg` names it) prefills, then one token per row per call decodes; `cache.close()` ends its requests."""
         if not self.enabled:
             raise RuntimeError("this sparse_framework handle is disabled")
         return SparseCache(self)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, Any]:
         """Over the decode steps so far: steps, (step, layer) pairs, tokens selected (summed
         over requests and selection heads), tokens in context (same sum, every token), and
-        their ratio: the fraction of the KV the decode attention read. Syncs the device."""
+        their ratio: the fraction of the KV the decode attention read. Syncs the device.
+
+        A dense fallback reads every token, so `read_fraction` alone cannot tell a dense run
+        from a sparse one at full budget: "dense" says how much fell back and why: requests
+        (dense ones by reason: "short prompt", below min_sparse_prompt_len) and layer-steps
+        (one request in one layer of one step; dense ones by reason: "dense layer", "dense
+        request", "no cache (use_cache=False)", or a forward without a SparseCache), with
+        `sparse_fraction` the share that attended sparsely (None before any step)."""
         selected, context = (int(x) for x in self._counts.tolist())
+        dense = self.dense_tally()
         return {
             "decode_steps": self._decode_steps,
             "layer_steps": self._layer_steps,
             "selected_tokens": selected,
             "context_tokens": context,
             "read_fraction": selected / context if context else 0.0,
+            "sparse_fraction": dense.sparse_fraction,
+            "dense": {**self.coordinator.dense_report(), **dense.as_dict()},
         }
+
+    def dense_tally(self) -> DenseTally:
+        """The coordinator's dense counts plus the forwards that bypassed it."""
+        return self.coordinator.dense_tally + self._outside
+
+    def dense_summary(self) -> str:
+        """`stats()["dense"]` as one line for a person."""
+        return self.dense_tally().summary()
+
+    def _count_bypass(self, rows: int) -> None:
+        """One layer of a forward that did not go through a SparseCache: dense for every row."""
+        self._outside.dense_steps(NO_CACHE if self._uncached else NOT_SPARSE_CACHE, rows)
 
     def disable(self) -> None:
         """End every live request, restore the model's attention implementation and generate."""
@@ -539,6 +583,8 @@ def sparse_attention_forward(
     cache = handle._active() if handle is not None and handle._active is not None else None
     if cache is not None and cache._claims(module.layer_idx, key):
         return cache._attend(module, query, key, value, attention_mask, scaling, kwargs)
+    if handle is not None:
+        handle._count_bypass(query.shape[0])
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
@@ -549,16 +595,21 @@ def _register() -> None:
 
 
 def _wrap_generate(handle: SparseHandle, generate: Callable[..., Any]) -> Callable[..., Any]:
-    """generate(...) with a fresh SparseCache as past_key_values, closed when it returns."""
+    """generate(...) with a fresh SparseCache as its cache (under `handle.cache_kwarg`: no
+    deprecation warning on transformers >= 5.24), closed when it returns. Takes a cache the
+    caller made with `handle.new_cache()` under either name."""
+    name = handle.cache_kwarg
 
     def sparse_generate(*args: Any, **kwargs: Any) -> Any:
-        cache = kwargs.pop("past_key_values", None)
+        given = [kwargs.pop(k) for k in ("past_key_values", "cache") if kwargs.get(k) is not None]
+        kwargs.pop("past_key_values", None)
+        kwargs.pop("cache", None)
+        cache = given[0] if given else None
         gen_config = kwargs.get("generation_config") or handle.model.generation_config
         use_cache = kwargs.get("use_cache", getattr(gen_config, "use_cache", True))
-        if cache is not None and not isinstance(cache, SparseCache):
-            raise ValueError(
-                f"sparse decode is enabled: pass no past_key_values (or handle.new_cache()), not a {type(cache).__name__}"
-            )
+        if len(given) > 1 or (cache is not None and not isinstance(cache, SparseCache)):
+            what = "two caches" if len(given) > 1 else f"a {type(cache).__name__}"
+            raise ValueError(f"sparse decode is enabled: pass no {name} (or one handle.new_cache()), not {what}")
         if kwargs.get("cache_implementation") is not None or "generation_config" in kwargs:
             _check_cache_implementation(kwargs.get("cache_implementation", getattr(gen_config, "cache_implementation", None)))
         elif getattr(gen_config, "cache_implementation", None) is not None:
@@ -566,14 +617,20 @@ def _wrap_generate(handle: SparseHandle, generate: Callable[..., Any]) -> Callab
             # request: set aside while this generate runs
             saved, gen_config.cache_implementation = gen_config.cache_implementation, None
             try:
-                return sparse_generate(*args, **kwargs)
+                return sparse_generate(*args, **({name: cache} if cache is not None else {}), **kwargs)
             finally:
                 gen_config.cache_implementation = saved
-        if cache is not None or use_cache is False:
-            return generate(*args, past_key_values=cache, **kwargs)
+        if cache is not None:
+            return generate(*args, **{name: cache}, **kwargs)
+        if use_cache is False:  # every layer of every step runs dense sdpa: counted as such
+            handle._uncached = True
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                handle._uncached = False
         cache = handle.new_cache()
         try:
-            return generate(*args, past_key_values=cache, **kwargs)
+            return generate(*args, **{name: cache}, **kwargs)
         finally:
             cache.close()
 
