@@ -17,6 +17,8 @@ shape spent 26 s in `torch.zeros(..., pin_memory=True)` for 17 GiB. This script 
   thp_register_chunks the same, registered in chunks from the thread pool
   torch_host_register torch's own option (`pinned_use_cuda_host_register`, with
                      `pinned_num_register_threads`): malloc, pages mapped by threads, register
+  store              what the store's host pool does: `kv_store/pinned.py`'s pinned_zeros
+                     (loaded from its file: no package dependencies needed)
 
 Each way runs in its own process (no allocator cache, no pages left over from another). For
 each: seconds, GB/s (bytes / seconds), the bandwidth of a 1 GiB host->device copy out of the
@@ -45,7 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 METHODS = ("torch_zeros", "torch_empty", "register", "register_threads", "register_chunks",
-           "thp_register", "thp_register_chunks", "torch_host_register")
+           "thp_register", "thp_register_chunks", "torch_host_register", "store")
 HUGE_PAGE = 2 << 20
 
 
@@ -73,9 +75,25 @@ def _thp_region(nbytes: int) -> tuple[mmap.mmap, torch.Tensor, int]:
     return region, torch.frombuffer(region, dtype=torch.uint8)[off : off + nbytes], base + off
 
 
+def _store_module():
+    """kv_store/pinned.py loaded from its file (beside this script, or in the package)."""
+    import importlib.util
+
+    here = Path(__file__).resolve().parent
+    for path in (here.parent / "sparse_framework" / "kv_store" / "pinned.py", here / "pinned.py"):
+        if path.exists():
+            spec = importlib.util.spec_from_file_location("pinned", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+    raise FileNotFoundError("kv_store/pinned.py not found")
+
+
 def allocate(method: str, nbytes: int, threads: int, chunk: int) -> tuple[torch.Tensor, object, int]:
     """(zero-filled pinned uint8 tensor, whatever keeps it alive, registration chunk bytes)."""
     pool = ThreadPoolExecutor(threads)
+    if method == "store":
+        return _store_module().pinned_zeros((nbytes,), torch.uint8, "host KV pool"), None, nbytes
     if method == "torch_zeros":
         return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True), None, nbytes
     if method == "torch_empty":
@@ -165,7 +183,7 @@ def run_one(method: str, gib: float, threads: int, chunk_mib: int) -> dict:
     except Exception as exc:  # noqa: BLE001 (reported, not fatal)
         zero_copy = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
     try:  # torch's host allocator rounds each block up to a power of two: what it really holds
-        held = {k: v for k, v in torch.cuda.host_memory_stats().items() if k.startswith("reserved_bytes")}
+        held = {k: v for k, v in torch.cuda.host_memory_stats().items() if "bytes" in k and "current" in k}
     except Exception:  # noqa: BLE001 (older torch)
         held = {}
     del keep
@@ -226,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                    "--chunk-mib", str(args.chunk_mib)]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=_env(method, args.threads))
             if proc.returncode != 0:
-                err = (proc.stderr.strip().splitlines() or ["?"])[-1][:150]
+                lines = [x for x in proc.stderr.strip().splitlines() if "Error" in x or "error" in x]
+                err = " | ".join(lines[-2:])[:300] or (proc.stderr.strip().splitlines() or ["?"])[-1][:150]
                 results.append({"method": method, "gib": args.gib, "error": err})
                 print(f"{method:<22}  failed: {err}", flush=True)
                 continue
