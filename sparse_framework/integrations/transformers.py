@@ -128,9 +128,13 @@ def enable(
     sparse_framework/decode_graphs.py); the model itself still runs eagerly.
 
     max_requests: the most rows one generate() may have (all caches alive at once together).
-    max_seq_len: the longest prompt + generated tokens of a row (padding excluded); the
-    store's pools are sized from both unless device/host_capacity_tokens are given
-    (`sparse-framework plan` sizes them). Returns the handle; `handle.disable()` restores
+    max_seq_len: the longest prompt + generated tokens of a row (padding excluded). The
+    store's device pools are sized per layer kind from both and the config: dense layers
+    max_requests x max_seq_len, sparse layers max_requests x the larger of
+    device_buffer_tokens and min_sparse_prompt_len (docs/kv_store.md);
+    device_capacity_tokens replaces the sparse layers' tokens per layer, host_capacity_tokens
+    the host pool's (`sparse-framework plan` counts the same bytes; `handle.stats()["pools"]`
+    and the INFO log say what was allocated). Returns the handle; `handle.disable()` restores
     the model, and the handle is also a context manager (`with sparse(...) as handle:`).
     """
     check_transformers_version()
@@ -205,10 +209,12 @@ class SparseHandle:
             raise RuntimeError("this sparse_framework handle is disabled")
         return SparseCache(self)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, Any]:
         """Over the decode steps so far: steps, (step, layer) pairs, tokens selected (summed
         over requests and selection heads), tokens in context (same sum, every token), and
-        their ratio: the fraction of the KV the decode attention read. Syncs the device."""
+        their ratio: the fraction of the KV the decode attention read. `pools`: the store's
+        device pools (per layer kind) and host pool, how each was sized and what it holds
+        (`SparseCoordinator.memory_stats`). Syncs the device."""
         selected, context = (int(x) for x in self._counts.tolist())
         return {
             "decode_steps": self._decode_steps,
@@ -216,6 +222,7 @@ class SparseHandle:
             "selected_tokens": selected,
             "context_tokens": context,
             "read_fraction": selected / context if context else 0.0,
+            "pools": self.coordinator.memory_stats(),
         }
 
     def disable(self) -> None:
