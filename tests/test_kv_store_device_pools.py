@@ -171,3 +171,27 @@ def test_stats_and_logs_say_how_the_pools_were_sized_and_what_they_hold(caplog) 
     assert "max_requests 2 x 48 tokens" in pools[SPARSE_LAYERS]["rule"]
     assert coord.store.device_bytes() == (pools[DENSE_LAYERS]["used_bytes"] + pools[SPARSE_LAYERS]["used_bytes"])
     assert [s["pool"] for s in coord.store.stats()] == [DENSE_LAYERS, SPARSE_LAYERS, SPARSE_LAYERS]
+
+
+def test_host_pinning_fills_zeros_and_logs_large_pools(monkeypatch, caplog) -> None:
+    """pinned.py on the CPU: the huge-page region (registration stubbed: no CUDA here) comes
+    back zero-filled in the asked shape and dtype, logs size, progress and rate for a pool
+    above LOG_BYTES, and nothing for a small one."""
+    from sparse_framework.kv_store import pinned
+
+    registered = []
+    monkeypatch.setattr(pinned._Region, "register", lambda self: registered.append(self.nbytes))
+    monkeypatch.setattr(pinned, "LOG_BYTES", 1 << 20)
+    monkeypatch.setattr(pinned, "CHUNK", 1 << 18)
+    monkeypatch.setattr(pinned, "PROGRESS_SECONDS", 0.0)
+    with caplog.at_level(logging.INFO, logger="sparse_framework.kv_store.pinned"):
+        small = pinned.pinned_zeros((3, 5), torch.bfloat16, "host KV pool")
+        assert caplog.text == ""
+        big = pinned.pinned_zeros((2, 1 << 20), torch.float16, "host KV pool")
+    assert small.shape == (3, 5) and small.dtype == torch.bfloat16 and not small.any()
+    assert big.shape == (2, 1 << 20) and big.dtype == torch.float16 and not big.any()
+    assert registered == [30, 4 << 20]
+    assert "pinning 0.0 GiB of host memory for the host KV pool" in caplog.text
+    assert "(50%)" in caplog.text and "huge pages + cudaHostRegister" in caplog.text
+    big[1, 7] = 3.0  # writable, the exact size
+    assert float(big.sum()) == 3.0
