@@ -196,12 +196,12 @@ def measure(kind: str, batch: int, fraction: float, args: argparse.Namespace) ->
     # the copy kernel alone: `miss` random host rows per request into device slots
     n = batch * miss
     host_rows = torch.randint(0, store.host_slots, (max(n, 1),), device="cuda")[:n]
-    dev_rows = torch.randperm(store.device_slots, device="cuda")[:n]
+    dev_rows = torch.randperm(store.layer_slots(0), device="cuda")[:n]
     src = store.host_pool.offsets(0, host_rows)
     dst = store._dev_off(0, dev_rows)
 
     def kernel(i: int) -> None:
-        for dev_buf, host_buf in zip(store.dev, store.host):
+        for dev_buf, host_buf in zip(store.pool_of(0).tensors, store.host):
             copy_rows(host_buf, dev_buf, src, dst, store.row_elems)
 
     kernel_us = time_calls(kernel, calls)[args.warmup :] if n else [0.0]

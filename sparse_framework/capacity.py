@@ -1,8 +1,11 @@
 """How many concurrent requests fit: everything resident vs the hierarchical store.
 
-Resident: every token of every layer on the device. Hierarchical: per request and sparse
-layer a fixed device buffer, dense layers in full, plus the store's slot maps and the
-algorithm's representation on the device; the full KV on the host, which then bounds too.
+Resident: every token of every layer on the device. Hierarchical: per request what the store's
+device pools reserve per request row (device_pools.py): in a sparse layer the larger of the
+buffer and the room of a short prompt that decodes densely (`min_sparse_prompt_len`), dense
+layers in full, plus the store's slot maps and the algorithm's representation on the device;
+the full KV on the host, which then bounds too. So `max_requests` requests of `context_len`
+plan exactly the device pool bytes a store with max_seq_len = context_len allocates.
 Every size is the stored one (`KVLayout.bytes_per_token_per_layer`): an fp8 MLA latent
 counts its 656-byte FlashMLA row.
 """
@@ -15,6 +18,7 @@ import torch
 
 from .common.layout import KVLayout
 from .config import SparseConfig, dense_layer_set
+from .kv_store.device_pools import buffer_pages, row_share_pages
 
 PRESETS: dict[str, KVLayout] = {
     "llama-3-8b": KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16),
@@ -35,6 +39,7 @@ class CapacityPlan:
 
     context_len: int
     device_buffer_tokens: int
+    device_share_tokens: int  # device tokens per request row and sparse layer (>= the buffer)
     resident_device_bytes: int
     hierarchical_device_bytes: int
     buffer_kv_bytes: int  # the KV part of hierarchical_device_bytes (no maps, no representation)
@@ -72,17 +77,20 @@ def plan_capacity(
     full = _round_up(context_len, p)
     dense_layers = len(dense_layer_set(config, layout.num_layers))
     sparse_layers = layout.num_layers - dense_layers
-    buffer = min(_round_up(config.device_buffer_tokens, p), full)
+    buffer = buffer_pages(config.device_buffer_tokens, p, context_len) * p
+    share = p * row_share_pages(device_buffer_tokens=config.device_buffer_tokens,
+                                min_sparse_prompt_len=config.min_sparse_prompt_len, page_size=p, max_seq_len=context_len)
     maps = sparse_layers * streams * (4 * (full // unit + 1) + 12 * (buffer // unit + 1))
     representation = int(algo.representation_bytes_per_token(layout, config) * full * sparse_layers)
     resident = layout.num_layers * full * per_layer
-    buffer_kv = sparse_layers * buffer * per_layer + dense_layers * full * per_layer
+    buffer_kv = sparse_layers * share * per_layer + dense_layers * full * per_layer
     device = buffer_kv + maps + representation
     host = layout.num_layers * full * per_layer
     by_device, by_host = gpu_bytes // device, host_bytes // host
     return CapacityPlan(
         context_len=context_len,
         device_buffer_tokens=buffer,
+        device_share_tokens=share,
         resident_device_bytes=resident,
         hierarchical_device_bytes=device,
         buffer_kv_bytes=buffer_kv,

@@ -71,9 +71,14 @@ class SparseCoordinator:
     """Drives one algorithm, one store, one adaptor and one backend for an engine.
 
     max_requests / max_seq_len size the pooled per-request state (algorithm
-    representations, page tables, slot maps). device_capacity_tokens / host_capacity_tokens
-    size the device pool (per layer) and the host pool; the defaults fit max_requests
-    sequences of max_seq_len in either (use `plan_capacity` to size them for real).
+    representations, page tables, slot maps) and, by default, the store's pools, one per
+    layer kind (kv_store/device_pools.py): dense layers max_requests x max_seq_len (they keep
+    every token); sparse layers max_requests x the larger of device_buffer_tokens and
+    min_sparse_prompt_len (a sparse request's buffer, or a short prompt that decodes densely);
+    the resident store max_requests x max_seq_len. device_capacity_tokens replaces the sparse
+    layers' (the resident store's) tokens per layer; host_capacity_tokens the host pool's
+    (default: every token of max_requests sequences of max_seq_len). `memory_stats()` and the
+    INFO log say how each pool was sized; `plan_capacity` counts the same bytes.
 
     decode_graphs: replay each decode layer from a CUDA graph (CUDA layouts only; see
     decode_graphs.py): the host's work per layer drops to copying the inputs in and one graph
@@ -139,6 +144,7 @@ class SparseCoordinator:
             max_seq_len=max_seq_len,
             device_capacity_tokens=device_capacity_tokens,
             host_capacity_tokens=host_capacity_tokens,
+            min_sparse_prompt_len=cfg.min_sparse_prompt_len,
             resident_only=cfg.store == "resident",
         )
         self.max_seq_len = max_seq_len
@@ -154,6 +160,11 @@ class SparseCoordinator:
             self.store.timing = False  # no timing events inside a graph
             cap = max_graphs if max_graphs is not None else 4 * layout.num_layers
             self.graphs = DecodeGraphs(self.store, graph_bucket_tokens, max_seq_len, cap)
+
+    def memory_stats(self) -> list[dict[str, Any]]:
+        """Per pool (device pools by layer kind, then the host pool): kind, layers, tokens per
+        layer, bytes, tokens and bytes held now, and the rule that sized it."""
+        return self.store.pool_stats()
 
     # -- request lifecycle ------------------------------------------------------------------
     def on_request_begin(self, request: Request) -> None:
@@ -379,7 +390,7 @@ class SparseCoordinator:
         """A decode layer's store write, selection, residency and plan."""
         self.store.write_decode(layer, batch, k, v)
         selection, slots = self._select_and_place(layer, q, batch, inputs)
-        plan = self.adaptor.plan(slots, selection.lengths, page_size=selection.page_size, num_slots=self.store.num_slots)
+        plan = self.adaptor.plan(slots, selection.lengths, page_size=selection.page_size, num_slots=self.store.layer_slots(layer))
         k_cache, v_cache = self.store.paged_view(layer, selection.page_size)
         return AttentionMetadata(layer, False, selection, slots, plan, k_cache, v_cache)
 

@@ -6,8 +6,8 @@ allocator's own RuntimeError, or worse, in a slow zero-fill of memory that is th
 killed. `check_footprint` estimates the bytes of every pool before anything is allocated and
 raises one CapacityError that lists them and names the settings that size them.
 
-The estimates follow the store's and the algorithms' sizing rules (kv_store/hierarchical.py,
-host_pool.py, slot_maps.py, `SparseAlgorithm.representation_bytes_per_token`); they are a
+The estimates follow the store's and the algorithms' sizing rules (the device pools' own
+arithmetic in kv_store/device_pools.py; host_pool.py, slot_maps.py, `SparseAlgorithm.representation_bytes_per_token`); they are a
 guard against sizes that cannot fit, not an exact account (`sparse-framework plan` is that).
 """
 
@@ -23,7 +23,8 @@ import torch
 from .common.arith import cdiv
 from .common.errors import CapacityError
 from .common.layout import KVLayout
-from .config import SparseConfig
+from .config import SparseConfig, dense_layer_set
+from .kv_store.device_pools import size_device_pools
 
 
 @dataclass(frozen=True)
@@ -81,10 +82,11 @@ def coordinator_parts(
     dev = _device_name(layout.device)
     per_layer = layout.bytes_per_token_per_layer
     max_pages = cdiv(max_seq_len, p)
-    buffer_pages = cdiv(config.device_buffer_tokens, p)
-    dev_tokens = (
-        cdiv(device_capacity_tokens, p) * p if device_capacity_tokens
-        else max_requests * max(max_pages, buffer_pages) * p
+    pools = size_device_pools(
+        num_layers=L, dense_layers=dense_layer_set(config, L), page_size=p,
+        device_buffer_tokens=config.device_buffer_tokens, min_sparse_prompt_len=config.min_sparse_prompt_len,
+        max_requests=max_requests, max_seq_len=max_seq_len, resident_only=config.store == "resident",
+        capacity_tokens=device_capacity_tokens,
     )
     resident = config.store == "resident"
     if host_capacity_tokens is None:
@@ -94,7 +96,8 @@ def coordinator_parts(
     streams = layout.num_kv_heads if algo.per_kv_head else 1
     rows = "max_requests / max_seq_len"
     return [
-        Part("device KV pool", dev, L * dev_tokens * per_layer, f"{rows} (or device_capacity_tokens)"),
+        *(Part(f"device KV pool ({pool.kind})", dev, pool.bytes(layout), f"{rows} (or device_capacity_tokens)")
+          for pool in pools),
         Part("host KV pool", "cpu", L * host_tokens * per_layer, f"{rows} (or host_capacity_tokens)"),
         Part(
             f"algorithm {config.algorithm!r} representations", dev,

@@ -98,7 +98,7 @@ class Driver:
         heads = k_cache.shape[2]
         k_rows, v_rows = k_cache.reshape(-1, heads, k_cache.shape[-1]), v_cache.reshape(-1, heads, v_cache.shape[-1])
         per_head = sel.indices.shape[1] > 1
-        n_slots = self.coord.store.num_slots
+        n_slots = self.coord.store.layer_slots(layer)
 
         def same(stored: torch.Tensor, written: torch.Tensor) -> bool:
             """The stored rows are the written ones, cast to the cache's dtype."""

@@ -37,10 +37,11 @@ def test_footprint_estimate_matches_what_is_allocated(store, algorithm, extra) -
     if algorithm == "pqcache":
         cfg["top_k"] = 64
     coord = SparseCoordinator(cfg, LAYOUT, max_requests=3, max_seq_len=300)
-    parts = {p.what.split(" ")[0]: p for p in footprint.coordinator_parts(
-        coord.config, LAYOUT, max_requests=3, max_seq_len=300)}
+    estimate = footprint.coordinator_parts(coord.config, LAYOUT, max_requests=3, max_seq_len=300)
+    parts = {p.what.split(" ")[0]: p for p in estimate}
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-    assert parts["device"].bytes == nbytes(coord.store.dev)
+    device = sum(p.bytes for p in estimate if p.what.startswith("device KV pool"))
+    assert device == sum(nbytes(pool.tensors) for pool in coord.store.pools)
     assert parts["host"].bytes == nbytes(coord.store.host)
     representation = [t for t in vars(coord.algorithm).values() if isinstance(t, torch.Tensor) and t.dim() >= 4]
     # the per-token terms; per-request constants (PQCache's codebooks) are not counted

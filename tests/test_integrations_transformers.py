@@ -116,6 +116,10 @@ def test_small_budget_decodes_sparsely(name, request) -> None:
     assert seq.shape == (1, 306) and torch.isfinite(logits).all()
     assert stats["decode_steps"] == 5 and stats["layer_steps"] == 15
     assert stats["read_fraction"] < 0.25
+    # the pools: sized by layer kind, nothing held once generate ended
+    kinds = {p["kind"]: p for p in stats["pools"]}
+    assert set(kinds) == {"sparse_layers", "dense_layers", "host"} or set(kinds) == {"sparse_layers", "host"}
+    assert all(p["used_tokens"] == 0 and p["bytes"] > 0 and p["rule"] for p in stats["pools"])
     for layer in range(3):
         sel = handle.last_selections[layer]
         sel.validate(torch.tensor([305], dtype=torch.int32))

@@ -37,7 +37,7 @@ def test_host_memory_can_be_the_limit() -> None:
 def test_dense_layers_cost_full_context_and_short_contexts_cap_the_buffer() -> None:
     layout = KVLayout(num_layers=4, num_kv_heads=1, head_dim=8, dtype=torch.float16)
     cfg = load_config({"top_k": 64, "page_size": 8, "device_buffer_tokens": 256, "dense_layers": [0],
-                       "extra": {"dense_first_layers": 0}})
+                       "min_sparse_prompt_len": 0, "extra": {"dense_first_layers": 0}})
     plan = plan_capacity(layout, GiB, GiB, 1000, cfg)
     per_layer = 2 * 8 * 2
     assert plan.buffer_kv_bytes == 3 * 256 * per_layer + 1 * 1000 * per_layer
@@ -61,3 +61,34 @@ def test_fp8_mla_counts_flashmla_rows_of_656_bytes() -> None:
     ref = plan_capacity(bf16, 80 * GiB, 1024 * GiB, 65536, cfg)
     assert ref.buffer_kv_bytes == 61 * 4096 * 1152
     assert plan.hierarchical_requests > ref.hierarchical_requests
+
+
+def test_a_context_that_decodes_densely_plans_its_full_length_in_every_layer() -> None:
+    """Below min_sparse_prompt_len a request keeps every token on the device: the store's
+    sparse-layer pool reserves that room per row, and the plan counts it."""
+    layout = KVLayout(num_layers=4, num_kv_heads=1, head_dim=8, dtype=torch.float16)
+    per_layer = 2 * 8 * 2
+    cfg = load_config({"top_k": 64, "page_size": 8, "device_buffer_tokens": 256, "min_sparse_prompt_len": 2048,
+                       "extra": {"dense_first_layers": 0}})
+    plan = plan_capacity(layout, GiB, GiB, 1000, cfg)
+    assert plan.device_share_tokens == 1000 and plan.buffer_kv_bytes == 4 * 1000 * per_layer
+    long = plan_capacity(layout, GiB, GiB, 8192, cfg)  # sparse: the share is min_sparse_prompt_len's room
+    assert long.device_share_tokens == 2048 and long.buffer_kv_bytes == 4 * 2048 * per_layer
+
+
+@pytest.mark.parametrize("config", [
+    {"extra": {}},  # Quest's recipe: two dense first layers
+    {"extra": {"dense_first_layers": 0}},
+    {"extra": {"dense_first_layers": 0}, "min_sparse_prompt_len": 300, "device_buffer_tokens": 128},
+    {"extra": {"dense_first_layers": 0}, "min_sparse_prompt_len": 0, "device_buffer_tokens": 136},
+])
+def test_the_plan_counts_the_device_pool_bytes_the_store_allocates(config) -> None:
+    from sparse_framework.coordinator import SparseCoordinator
+
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, dtype=torch.float16)
+    cfg = load_config({"top_k": 32, "page_size": 8, "device_buffer_tokens": 128, **config})
+    max_requests, context = 3, 512
+    coord = SparseCoordinator(cfg, layout, max_requests=max_requests, max_seq_len=context)
+    device = sum(p["bytes"] for p in coord.memory_stats() if p["kind"] != "host")
+    plan = plan_capacity(layout, GiB, GiB, context, cfg)
+    assert plan.buffer_kv_bytes * max_requests == device

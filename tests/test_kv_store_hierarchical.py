@@ -34,12 +34,12 @@ EXAMPLES = int(os.environ.get("SPARSE_FRAMEWORK_STORE_EXAMPLES", "40"))
 def rows_of(store: HierarchicalKVStore, layer: int, slots: torch.Tensor) -> list[torch.Tensor]:
     """Device rows at slots [n] (token-major) or [n, kv_heads] (head-major): [n, heads, dim]."""
     out = []
-    for buf in store.dev:
+    for buf in store.layer_buffers(layer):
         if store.head_major:
-            heads = torch.arange(buf.shape[1]).expand_as(slots)
-            out.append(buf[layer][heads, slots])
+            heads = torch.arange(buf.shape[0]).expand_as(slots)
+            out.append(buf[heads, slots])
         else:
-            out.append(buf[layer][slots])
+            out.append(buf[slots])
     return out
 
 
@@ -183,10 +183,10 @@ class StoreMachine(RuleBasedStateMachine):
                 n = int(sel.lengths[i, h])
                 toks, sl = sel.indices[i, h, :n].long(), slots[i, h, :n].long()
                 if self.store.head_major:
-                    got = [buf[layer][h, sl] for buf in self.store.dev]
+                    got = [buf[h, sl] for buf in self.store.layer_buffers(layer)]
                     want = [t[toks, h] for t in self.truth[r.rid][layer]]
                 else:
-                    got = [buf[layer][sl] for buf in self.store.dev]
+                    got = [buf[sl] for buf in self.store.layer_buffers(layer)]
                     want = [t[toks] for t in self.truth[r.rid][layer]]
                 for g, w in zip(got, want):
                     assert torch.equal(g, w), f"{r.rid} layer {layer} stream {h}: wrong rows at slots"
@@ -278,7 +278,7 @@ class StoreMachine(RuleBasedStateMachine):
                         toks = torch.arange(x * u, min((x + 1) * u, r.seq_len))
                         pos = bu * u + torch.arange(toks.numel())
                         slots = st_._phys(layer, torch.tensor([r.slot]), pos.unsqueeze(0))[0]
-                        got = [buf[layer][h, slots] if st_.head_major else buf[layer][slots] for buf in st_.dev]
+                        got = [buf[h, slots] if st_.head_major else buf[slots] for buf in st_.layer_buffers(layer)]
                         want = [t[toks, h] if st_.head_major else t[toks] for t in self.truth[r.rid][layer]]
                         for g, w in zip(got, want):
                             assert torch.equal(g, w)
@@ -355,7 +355,7 @@ for per_head, unit, mla in [(False, 1, False), (True, 1, False), (False, 4, Fals
         assert torch.equal(out[0], out[1]), (per_head, unit, step)
         assert torch.equal(a.l2s[..., :-1], t.l2s[..., :-1]) and torch.equal(a.s2l[..., :-1], t.s2l[..., :-1])
         assert torch.equal(a.last_used[..., :-1], t.last_used[..., :-1]) and torch.equal(a.counts, t.counts)
-        assert all(torch.equal(x, y) for x, y in zip(a.dev, t.dev))
+        assert all(torch.equal(x, y) for pa, pt in zip(a.pools, t.pools) for x, y in zip(pa.tensors, pt.tensors))
 print("parity ok")
 """
 
@@ -444,7 +444,7 @@ def test_fp8_rows_are_stored_as_bytes_and_read_back_exactly() -> None:
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float8_e4m3fn)
     store = HierarchicalKVStore(layout, page_size=2, device_buffer_tokens=8, sink_tokens=2, recent_tokens=2,
                                 max_requests=1, max_seq_len=32)
-    assert store.dev[0].dtype == torch.uint8 and layout.row_bytes == 8
+    assert store.layer_buffers(0)[0].dtype == torch.uint8 and layout.row_bytes == 8
     r = Request("a", 20, seq_len=20, slot=0)
     store.admit(r)
     k = torch.randn(20, 1, 8).to(torch.float8_e4m3fn)
@@ -467,8 +467,9 @@ def test_fp8_mla_latents_are_held_as_flashmla_rows_on_both_tiers() -> None:
     assert layout.stored_head_dim == layout.row_bytes == layout.bytes_per_token_per_layer == 656
     store = HierarchicalKVStore(layout, page_size=4, device_buffer_tokens=16, sink_tokens=4, recent_tokens=4,
                                 unit=4, max_requests=1, max_seq_len=64)
-    assert store.dev[0].dtype == store.host[0].dtype == torch.uint8 and len(store.dev) == 1
-    assert store.dev[0].shape[-1] == store.host[0].shape[-1] == 656
+    dev = store.layer_buffers(0)
+    assert dev[0].dtype == store.host[0].dtype == torch.uint8 and len(dev) == 1
+    assert dev[0].shape[-1] == store.host[0].shape[-1] == 656
     g = torch.Generator().manual_seed(0)
     lat = torch.randn(40, 1, 576, generator=g).to(torch.bfloat16)
     r = Request("a", 30, seq_len=30, slot=0)
@@ -506,7 +507,7 @@ def test_fp8_mla_latents_are_held_as_flashmla_rows_on_both_tiers() -> None:
         toks = int(store.s2l[0, 0, 0, unit])
         if toks >= 0:
             slots = store._phys(0, torch.tensor([0]), (unit * 4 + torch.arange(4)).unsqueeze(0))[0]
-            assert torch.equal(store.dev[0][0][slots], want[toks * 4 : toks * 4 + 4])
+            assert torch.equal(store.layer_buffers(0)[0][slots], want[toks * 4 : toks * 4 + 4])
 
 
 def test_fp8_layouts_other_than_flashmla_mla_are_refused_or_unchanged() -> None:

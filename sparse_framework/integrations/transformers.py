@@ -150,9 +150,13 @@ def enable(
     sparse_framework/decode_graphs.py); the model itself still runs eagerly.
 
     max_requests: the most rows one generate() may have (all caches alive at once together).
-    max_seq_len: the longest prompt + generated tokens of a row (padding excluded); the
-    store's pools are sized from both unless device/host_capacity_tokens are given
-    (`sparse-framework plan` sizes them). Returns the handle; `handle.disable()` restores
+    max_seq_len: the longest prompt + generated tokens of a row (padding excluded). The
+    store's device pools are sized per layer kind from both and the config: dense layers
+    max_requests x max_seq_len, sparse layers max_requests x the larger of
+    device_buffer_tokens and min_sparse_prompt_len (docs/kv_store.md);
+    device_capacity_tokens replaces the sparse layers' tokens per layer, host_capacity_tokens
+    the host pool's (`sparse-framework plan` counts the same bytes; `handle.stats()["pools"]`
+    and the INFO log say what was allocated). Returns the handle; `handle.disable()` restores
     the model, and the handle is also a context manager (`with sparse(...) as handle:`).
     """
     check_transformers_version()
@@ -244,7 +248,10 @@ class SparseHandle:
         (dense ones by reason: "short prompt", below min_sparse_prompt_len) and layer-steps
         (one request in one layer of one step; dense ones by reason: "dense layer", "dense
         request", "no cache (use_cache=False)", or a forward without a SparseCache), with
-        `sparse_fraction` the share that attended sparsely (None before any step)."""
+        `sparse_fraction` the share that attended sparsely (None before any step).
+
+        `pools`: the store's device pools (per layer kind) and host pool, how each was sized
+        and what it holds (`SparseCoordinator.memory_stats`)."""
         selected, context = (int(x) for x in self._counts.tolist())
         dense = self.dense_tally()
         return {
@@ -255,6 +262,7 @@ class SparseHandle:
             "read_fraction": selected / context if context else 0.0,
             "sparse_fraction": dense.sparse_fraction,
             "dense": {**self.coordinator.dense_report(), **dense.as_dict()},
+            "pools": self.coordinator.memory_stats(),
         }
 
     def dense_tally(self) -> DenseTally:

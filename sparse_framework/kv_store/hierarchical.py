@@ -23,6 +23,7 @@ them, so no step reads a host row before its copy completed.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 
 import torch
@@ -33,11 +34,13 @@ from .base import KVStore
 from .copy import copy_rows, put_rows, write_token_rows
 from ..common.flashmla_format import pack_flashmla_fp8
 from .host_pool import HostPool
-from ..common.layout import KVLayout, resolve_impl
 from ..common.arith import cdiv, pow2
-from .pages import PageAllocator, allocate_pool, paged_slots_rows
+from ..common.layout import KVLayout, resolve_impl
+from .device_pools import DENSE_LAYERS, RESIDENT, DevicePool, buffer_pages, size_device_pools
+from .pages import paged_slots_rows
 from .slot_maps import SlotMaps
 
+log = logging.getLogger(__name__)
 _RESIDENT, _BUFFERED = "resident", "buffered"
 # launch shape of copy_missing_kernel (benchmarks/swap_in.py --copy-shapes)
 COPY_PROGRAMS, COPY_COLS, COPY_WARPS = 2048, 1024, 8
@@ -62,6 +65,7 @@ class HierarchicalKVStore(KVStore):
         max_seq_len: int = 32768,
         device_capacity_tokens: int | None = None,
         host_capacity_tokens: int | None = None,
+        min_sparse_prompt_len: int | None = None,
         pin_memory: bool | None = None,
         resident_only: bool = False,
         impl: str = "auto",
@@ -73,7 +77,7 @@ class HierarchicalKVStore(KVStore):
         self.unit = unit
         self.head_major = per_kv_head
         self.streams = layout.num_kv_heads if per_kv_head else 1
-        self.buffer_tokens = cdiv(device_buffer_tokens, page_size) * page_size
+        self.buffer_tokens = buffer_pages(device_buffer_tokens, page_size, max_seq_len) * page_size
         self.buffer_units = self.buffer_tokens // unit
         self.sink_tokens, self.recent_tokens = sink_tokens, recent_tokens
         self.dense_layers = frozenset(dense_layers)
@@ -87,25 +91,35 @@ class HierarchicalKVStore(KVStore):
         L, hk, d = layout.num_layers, layout.num_kv_heads, layout.stored_head_dim
         dev = torch.device(layout.device)
         self.device = dev
-        store_dtype = layout.storage_dtype
 
-        table_pages = max(self.max_pages, self.buffer_tokens // page_size)
-        dev_pages = (
-            cdiv(device_capacity_tokens, page_size) if device_capacity_tokens else max_requests * table_pages
+        # pools per layer kind (device_pools.py): dense layers keep every token, sparse
+        # layers a buffer per sparse request and room for requests that decode densely
+        self.min_sparse_prompt_len = max_seq_len if min_sparse_prompt_len is None else min_sparse_prompt_len
+        self.device_capacity_tokens = device_capacity_tokens
+        sizings = size_device_pools(
+            num_layers=L, dense_layers=self.dense_layers, page_size=page_size,
+            device_buffer_tokens=device_buffer_tokens, min_sparse_prompt_len=self.min_sparse_prompt_len,
+            max_requests=max_requests, max_seq_len=max_seq_len, resident_only=resident_only,
+            capacity_tokens=device_capacity_tokens,
         )
-        self.device_slots = dev_pages * page_size
-        shape = (L, hk, self.device_slots, d) if per_kv_head else (L, self.device_slots, hk, d)
-        self.dev = [allocate_pool(shape, store_dtype, dev, "device KV pool", "device_capacity_tokens") for _ in range(layout.tensors_per_token)]
-        self.dev_alloc = [PageAllocator(dev_pages, f"device KV pool (layer {i})") for i in range(L)]
+        knobs = {DENSE_LAYERS: "fewer dense_layers"}
+        self.pools = [DevicePool(s, layout, head_major=per_kv_head, knob=knobs.get(s.kind, "device_capacity_tokens")) for s in sizings]
+        self._pool = [next(p for p in self.pools if layer in p.index) for layer in range(L)]
+        self.dev_alloc = [self._pool[layer].alloc[layer] for layer in range(L)]
+        table_pages = max(self.max_pages, self.buffer_tokens // page_size)
         self.dev_table = torch.full((L, max_requests, table_pages), -1, dtype=torch.int32, device=dev)
         self._dev_pages: dict[tuple[int, int], torch.Tensor] = {}
 
         if host_capacity_tokens is None:
             host_capacity_tokens = 0 if resident_only else max_requests * self.max_pages * page_size
+            host_rule = ("resident store: none until a request is retracted (host_capacity_tokens)" if resident_only
+                         else f"max_requests {max_requests} x max_seq_len {max_seq_len}: every token of every sparse request")
+        else:
+            host_rule = f"host_capacity_tokens {host_capacity_tokens}"
         pin = dev.type == "cuda" if pin_memory is None else pin_memory
         self.host_pool = HostPool(
             layout, page_size=page_size, max_requests=max_requests, max_pages=self.max_pages,
-            capacity_tokens=host_capacity_tokens, pin=pin, device=dev, head_major=per_kv_head,
+            capacity_tokens=host_capacity_tokens, pin=pin, device=dev, head_major=per_kv_head, rule=host_rule,
         )
         self.host, self.host_slots = self.host_pool.tensors, self.host_pool.host_slots
         self.host_alloc, self.host_table = self.host_pool.host_alloc, self.host_pool.host_table
@@ -129,11 +143,31 @@ class HierarchicalKVStore(KVStore):
         self._side = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
         self._writes_done: torch.cuda.Event | None = None
         self._retracted: set[int] = set()
+        for pool in self.pools:
+            log.info(
+                "device KV pool of the %s: %d layer(s) x %d tokens = %.2f GiB (%s)",
+                pool.kind.replace("_", " "), len(pool.layers), pool.slots, pool.bytes / 2**30, pool.sizing.rule,
+            )
 
     # -- geometry -------------------------------------------------------------------------
     @property
     def num_slots(self) -> int:
-        return self.device_slots
+        """Slots per layer (and KV head) of the pool of the sparse layers (of every layer in the
+        resident store; of the dense layers when every layer is dense). `layer_slots` for one layer."""
+        return self.pools[0].slots
+
+    def layer_slots(self, layer: int) -> int:
+        """Device token slots per KV head in the layer's pool (what its page tables address)."""
+        return self._pool[layer].slots
+
+    def pool_of(self, layer: int) -> DevicePool:
+        """The device pool holding the layer (device_pools.py)."""
+        return self._pool[layer]
+
+    def layer_buffers(self, layer: int) -> list[torch.Tensor]:
+        """The layer's device rows per stored tensor (K and V, or the latent):
+        [slots, kv_heads, dim], or [kv_heads, slots, dim] head-major."""
+        return self._pool[layer].buffers(layer)
 
     @property
     def row_elems(self) -> int:
@@ -155,13 +189,9 @@ class HierarchicalKVStore(KVStore):
         return paged_slots_rows(self.dev_table[layer], slot_ids, pos, self.page_size, dtype)
 
     def _dev_off(self, layer: int, slots: torch.Tensor, head: torch.Tensor | int = 0) -> torch.Tensor:
-        """Flat element offsets of a stream's row at device slots (-1 kept)."""
-        hk, d = self.layout.num_kv_heads, self.layout.stored_head_dim
-        if self.head_major:
-            off = ((layer * hk + head) * self.device_slots + slots) * d
-        else:
-            off = (layer * self.device_slots + slots) * hk * d
-        return torch.where(slots >= 0, off, -1)
+        """Flat element offsets, into the tensors of the layer's pool, of a stream's row at
+        device slots (-1 kept)."""
+        return self._pool[layer].offsets(layer, slots, head)
 
     def _store(self, x: torch.Tensor) -> torch.Tensor:
         """Rows as stored: the layout's dtype; fp8 as bytes; an fp8 MLA latent packed into
@@ -177,7 +207,7 @@ class HierarchicalKVStore(KVStore):
     def _write_dev(self, layer: int, slots: torch.Tensor, rows: list[torch.Tensor]) -> None:
         """rows[i]: [n, kv_heads, dim] to device slots [n] (all heads), or, in the head-major
         layout, slots [n, kv_heads] (one slot per head)."""
-        put_rows([buf[layer] for buf in self.dev], slots, rows, self.head_major)
+        put_rows(self.layer_buffers(layer), slots, rows, self.head_major)
 
     def _alloc_device(self, request: Request, layers: list[int], tokens_for: dict[str, int]) -> None:
         """All-or-nothing: allocate device pages for the given layers or raise unchanged."""
@@ -190,12 +220,39 @@ class HierarchicalKVStore(KVStore):
                 needs[layer] = n
         for layer, n in needs.items():
             if n > self.dev_alloc[layer].free:
-                self.dev_alloc[layer].alloc(n, self.page_size, f"request {request.rid!r}")  # raises
+                raise self._no_room(layer, n, f"request {request.rid!r}", request.dense)
         for layer, n in needs.items():
             ids = self.dev_alloc[layer].alloc(n, self.page_size, f"request {request.rid!r}")
             have = self._dev_pages.get((layer, request.slot), ids[:0])
             self.dev_table[layer, request.slot, have.numel() : have.numel() + n] = ids.to(torch.int32).to(self.device)
             self._dev_pages[(layer, request.slot)] = torch.cat([have, ids])
+
+    def _no_room(self, layer: int, pages: int, who: str, dense_request: bool) -> CapacityError:
+        """The CapacityError for a layer's pool without `pages` free pages: what is full, why the
+        request(s) need the room, and the settings that make room."""
+        pool, alloc, p = self._pool[layer], self.dev_alloc[layer], self.page_size
+        full = f"max_requests x max_seq_len = {self.max_requests * self.max_pages * p}"
+        head = (
+            f"device KV pool of the {pool.kind.replace('_', ' ')} full in layer {layer}: {who} needs {pages} more "
+            f"pages of {p} tokens ({pages * p} tokens), {alloc.free} of {alloc.num_pages} pages are free"
+        )
+        if pool.kind == RESIDENT:
+            why = "the resident store keeps every token of every request on the device"
+            fix = (f"raise device_capacity_tokens (now {pool.slots} tokens per layer; {full} fits any mix), "
+                   "lower max_requests / max_seq_len, or use the hierarchical store")
+        elif pool.kind == DENSE_LAYERS:
+            why = f"dense layers ({sorted(pool.layers)}, dense_layers) keep every token of every request"
+            fix = "lower max_requests / max_seq_len or remove the layer from dense_layers"
+        elif dense_request:
+            why = (f"a request whose prompt is shorter than min_sparse_prompt_len ({self.min_sparse_prompt_len}) "
+                   "decodes densely and keeps every token in every layer")
+            fix = (f"raise device_capacity_tokens (now {pool.slots} tokens per layer; {full} fits any mix), "
+                   "lower min_sparse_prompt_len so that it decodes sparsely, or generate fewer tokens")
+        else:
+            why = f"a sparse request holds a buffer of device_buffer_tokens ({self.buffer_tokens}) in every sparse layer"
+            fix = (f"raise device_capacity_tokens (now {pool.slots} tokens per layer) or lower device_buffer_tokens; "
+                   "requests that decode densely (prompts shorter than min_sparse_prompt_len) may hold the rest")
+        return CapacityError(f"{head}: {why}; {fix}")
 
     def _free_device(self, request: Request) -> None:
         for layer in range(self.layout.num_layers):
@@ -228,9 +285,10 @@ class HierarchicalKVStore(KVStore):
         if host_need > self.host_alloc.free:
             self.host_alloc.alloc(host_need, self.page_size, f"{host_need} requests")  # raises
         for layer in range(self.layout.num_layers):
-            need = sum(1 for r in starting if self.mode(r, layer) == _RESIDENT)
-            if need > self.dev_alloc[layer].free:
-                self.dev_alloc[layer].alloc(need, self.page_size, f"{need} requests")  # raises
+            growing = [r for r in starting if self.mode(r, layer) == _RESIDENT]
+            if len(growing) > self.dev_alloc[layer].free:
+                who = ", ".join(repr(r.rid) for r in growing[:4]) + (", ..." if len(growing) > 4 else "")
+                raise self._no_room(layer, len(growing), f"request(s) {who}", any(r.dense for r in growing))
         for r in starting:
             if self._keeps_host(r):
                 self.host_pool.reserve(r, r.seq_len)
@@ -298,7 +356,7 @@ class HierarchicalKVStore(KVStore):
             if any(x.stride() != data[0].stride() for x in data):
                 data = [x.contiguous() for x in data]
             slots = write(
-                [buf[layer] for buf in self.dev], self.dev_table[layer], batch.slot_ids, batch.seq_lens,
+                self.layer_buffers(layer), self.dev_table[layer], batch.slot_ids, batch.seq_lens,
                 data, self.page_size, self.head_major,
             )
             if not self.all_resident and batch.num_sparse:
@@ -362,18 +420,24 @@ class HierarchicalKVStore(KVStore):
         """Start this step's device→host writes (on a side stream on CUDA)."""
         if not self._pending:
             return
-        src_off = torch.cat([p[1] for p in self._pending])
-        dst_off = torch.cat([p[2] for p in self._pending])
+        # one copy per device pool (its offsets address that pool's tensors)
+        groups = []
+        for pool in self.pools:
+            mine = [p for p in self._pending if self._pool[p[0]] is pool]
+            if mine:
+                groups.append((pool, torch.cat([p[1] for p in mine]), torch.cat([p[2] for p in mine])))
         self._pending.clear()
         if self._side is not None:
             self._side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext():
-            for dev_buf, host_buf in zip(self.dev, self.host):
-                copy_rows(dev_buf, host_buf, src_off, dst_off, self.row_elems)
+            for pool, src_off, dst_off in groups:
+                for dev_buf, host_buf in zip(pool.tensors, self.host):
+                    copy_rows(dev_buf, host_buf, src_off, dst_off, self.row_elems)
         if self._side is None:
             return
-        src_off.record_stream(self._side)
-        dst_off.record_stream(self._side)
+        for _, src_off, dst_off in groups:
+            src_off.record_stream(self._side)
+            dst_off.record_stream(self._side)
         self._writes_done = torch.cuda.Event()
         self._writes_done.record(self._side)
 
@@ -470,15 +534,16 @@ class HierarchicalKVStore(KVStore):
             num_warps=8 if block_b <= 2048 else 16, launch_pdl=use_pdl,
         )
         host = [_as_kernel_arg(t) for t in self.host]
-        dev = self.dev
+        pool = self._pool[layer]
+        dev = pool.tensors
         two = len(dev) == 2
         per_layer = self.layout.stored_row_elems
         launch(copy_missing_kernel, (COPY_PROGRAMS,),
             todo, n_todo, idx, slots, batch.slot_ids, self.host_table,
             host[0], dev[0], host[1] if two else host[0], dev[1] if two else dev[0],
             s, w, self.page_size, self.host_table.shape[-1],
-            layer * self.host_slots * per_layer, layer * self.device_slots * per_layer,
-            self.device_slots, self.layout.num_kv_heads, b * s, BLOCK_S=pow2(b * s),
+            layer * self.host_slots * per_layer, pool.layer_offset(layer),
+            pool.slots, self.layout.num_kv_heads, b * s, BLOCK_S=pow2(b * s),
             HEAD_MAJOR=self.head_major, TWO=two, ROW=self.row_elems, COLS=min(COPY_COLS, pow2(self.row_elems)),
             PDL=use_pdl, num_warps=COPY_WARPS, launch_pdl=use_pdl,
         )
@@ -498,7 +563,7 @@ class HierarchicalKVStore(KVStore):
         dst = self._dev_off(layer, slots, heads)
         src = torch.where(dst >= 0, src, -1).flatten()
         dst = dst.flatten()
-        for dev_buf, host_buf in zip(self.dev, self.host):
+        for dev_buf, host_buf in zip(self._pool[layer].tensors, self.host):
             copy_rows(host_buf, dev_buf, src, dst, self.row_elems)
         self.rows_in[layer] += (src >= 0).sum()
 
@@ -531,7 +596,7 @@ class HierarchicalKVStore(KVStore):
                 for h in range(self.streams):
                     src = self._dev_off(layer, slots, h).flatten()
                     dst = self.host_pool.offsets(layer, host_rows, h).flatten()
-                    for dev_buf, host_buf in zip(self.dev, self.host):
+                    for dev_buf, host_buf in zip(self._pool[layer].tensors, self.host):
                         copy_rows(dev_buf, host_buf, src, dst, self.row_elems)
         self._free_device(request)
         self.maps.reset(request.slot)
@@ -563,10 +628,11 @@ class HierarchicalKVStore(KVStore):
         tensor: V is part of the packed NoPE bytes); consumers unpack (`unpack_flashmla_fp8`)."""
         heads = 1 if self.head_major else self.layout.num_kv_heads
         shape = (-1, page_size, heads, self.layout.stored_head_dim)
-        k = self.dev[0][layer].reshape(shape)
+        bufs = self.layer_buffers(layer)
+        k = bufs[0].reshape(shape)
         if self.layout.is_flashmla_fp8:
             return k, k
-        v = k[..., : self.layout.v_head_dim] if self.layout.is_mla else self.dev[1][layer].reshape(shape)
+        v = k[..., : self.layout.v_head_dim] if self.layout.is_mla else bufs[1].reshape(shape)
         if self.layout.is_fp8:
             return k.view(self.layout.dtype), v.view(self.layout.dtype)
         return k, v
@@ -586,8 +652,8 @@ class HierarchicalKVStore(KVStore):
             return [buf[layer][rows] for buf in self.host]
         slots = self._phys(layer, sid, tokens)[0]
         if self.head_major:
-            return [buf[layer][:, slots].transpose(0, 1) for buf in self.dev]
-        return [buf[layer][slots] for buf in self.dev]
+            return [buf[:, slots].transpose(0, 1) for buf in self.layer_buffers(layer)]
+        return [buf[slots] for buf in self.layer_buffers(layer)]
 
     def device_tokens(self, request: Request) -> int:
         """Device token slots the request holds, averaged over layers."""
@@ -603,6 +669,21 @@ class HierarchicalKVStore(KVStore):
     def device_bytes(self) -> int:
         return sum(a.used for a in self.dev_alloc) * self.page_size * self.layout.bytes_per_token_per_layer
 
+    def pool_stats(self) -> list[dict[str, object]]:
+        """Per pool (the device pools, then the host pool): kind, layers, tokens per layer,
+        bytes, tokens and bytes used now (summed over layers), and how it was sized."""
+        host = self.host_pool
+        per_token = self.layout.bytes_per_token_per_layer * self.layout.num_layers
+        return [pool.stats() for pool in self.pools] + [{
+            "kind": "host",
+            "layers": self.layout.num_layers,
+            "tokens_per_layer": host.host_slots,
+            "bytes": host.host_slots * per_token,
+            "used_tokens": host.host_alloc.used * self.page_size * self.layout.num_layers,
+            "used_bytes": host.host_alloc.used * self.page_size * per_token,
+            "rule": host.rule,
+        }]
+
     def stats(self) -> list[dict[str, float]]:
         """Per layer: hits, misses, rows and bytes moved each way, swap-in time (syncs)."""
         for layer, start, end in self._swap_events:
@@ -613,6 +694,7 @@ class HierarchicalKVStore(KVStore):
         return [
             {
                 "layer": layer,
+                "pool": self._pool[layer].kind,
                 "hits": int(self.hits[layer]),
                 "misses": int(self.misses[layer]),
                 "bytes_in": int(self.rows_in[layer]) * row_bytes,

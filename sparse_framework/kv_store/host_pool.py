@@ -28,10 +28,12 @@ class HostPool:
         pin: bool,
         device: torch.device,
         head_major: bool = False,
+        rule: str = "",
     ) -> None:
         self.layout = layout
         self.page_size = page_size
         self.device = device
+        self.rule = rule  # how capacity_tokens was chosen, in words (stats, logs)
         pages = cdiv(capacity_tokens, page_size)
         self.host_slots = pages * page_size
         shape = (layout.num_layers, self.host_slots, layout.num_kv_heads, layout.stored_head_dim)
