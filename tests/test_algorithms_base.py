@@ -14,17 +14,25 @@ from hypothesis import strategies as st
 from sparse_framework.algorithms.base import reduce_groups, topk_selection
 
 
-def forced_tokens(length: int, sink: int, recent: int) -> set[int]:
-    """Tokens every selection must hold: the sinks, the recent window, the newest token."""
-    return set(range(min(sink, length))) | set(range(max(0, length - recent), length)) | {length - 1}
+def forced_tokens(length: int, sink: int, recent: int, newest: bool = True, tail: int | None = None) -> set[int]:
+    """Tokens kept outside the budget: the sinks, the recent window, a forced tail from
+    `tail` on, and (newest) the newest token."""
+    tail_tokens = set(range(min(tail, length), length)) if tail is not None else set()
+    return (set(range(min(sink, length))) | set(range(max(0, length - recent), length)) | tail_tokens
+            | ({length - 1} if newest else set()))
 
 
-def expected_units(scores: list[float], length: int, unit: int, budget: int, sink: int, recent: int) -> set[int]:
+def expected_units(scores: list[float], length: int, unit: int, budget: int, sink: int, recent: int,
+                   newest: bool = True, tail: int | None = None) -> set[int]:
     """Direct per-row computation: units holding a forced token, plus the `budget` best-scoring
-    of the remaining valid units (scores are distinct, so the set is unique)."""
+    of the remaining valid units (scores are distinct, so the set is unique); without
+    `newest`, the newest token's unit, if not forced, is the first of those `budget`."""
     n_valid = -(-length // unit)
-    forced = {t // unit for t in forced_tokens(length, sink, recent)}
+    forced = {t // unit for t in forced_tokens(length, sink, recent, newest, tail)}
     rest = sorted((u for u in range(n_valid) if u not in forced), key=lambda u: -scores[u])
+    last = (length - 1) // unit
+    if last in rest:
+        rest = [last] + [u for u in rest if u != last] if not newest else rest
     return forced | set(rest[:budget])
 
 
@@ -53,17 +61,24 @@ def poison_invalid(scores: torch.Tensor, lens: list[int], unit: int, gen: torch.
     sink=st.integers(0, 6),
     recent=st.integers(0, 9),
     seed=st.integers(0, 2**16),
+    newest=st.booleans(),
+    tails=st.one_of(st.none(), st.lists(st.integers(0, 60), min_size=3, max_size=3)),
 )
-def test_selection_rules(unit, lens, heads, budget, sink, recent, seed) -> None:
+def test_selection_rules(unit, lens, heads, budget, sink, recent, seed, newest, tails) -> None:
+    """newest False: the newest unit counts in the budget (DSA's / Quest's exact count);
+    tails: a per-row forced tail (SnapKV's window and decoded tokens)."""
     g = torch.Generator().manual_seed(seed)
     n_units = -(-max(lens) // unit)
+    budget = budget if newest else max(budget, 1)
     scores = torch.randperm(len(lens) * heads * n_units, generator=g).float().view(len(lens), heads, n_units)
     scores = poison_invalid(scores, lens, unit, g)
-    width_units = width_units_for(unit, budget, sink, recent)
+    width_units = width_units_for(unit, budget, sink, recent) + (n_units if tails is not None else 0)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
+    tail_list = None if tails is None else tails[: len(lens)]
     sel = topk_selection(
         scores, seq_lens, unit=unit, budget_units=budget,
-        sink_tokens=sink, recent_tokens=recent, width_units=width_units,
+        sink_tokens=sink, recent_tokens=recent, width_units=width_units, newest_forced=newest,
+        tail_start=None if tail_list is None else torch.tensor(tail_list),
     )
     assert sel.indices.dtype == torch.int32 and sel.lengths.dtype == torch.int32
     assert sel.indices.shape == (len(lens), heads, min(width_units, n_units) * unit)
@@ -78,11 +93,12 @@ def test_selection_rules(unit, lens, heads, budget, sink, recent, seed) -> None:
             # int32, ascending, inside [0, len), -1 after lengths: checked directly too
             assert toks == sorted(set(toks)) and all(0 <= t < length for t in toks)
             assert row[n:] == [-1] * (len(row) - n)
-            # forced tokens, token by token
-            assert forced_tokens(length, sink, recent) <= set(toks)
+            # forced tokens, token by token (the newest is always kept: forced or first in the budget)
+            tail = None if tail_list is None else tail_list[b]
+            assert forced_tokens(length, sink, recent, True, tail) <= set(toks)
             # the selected units are exactly forced ∪ best `budget` of the rest
             units = {t // unit for t in toks}
-            assert units == expected_units(scores[b, h].tolist(), length, unit, budget, sink, recent)
+            assert units == expected_units(scores[b, h].tolist(), length, unit, budget, sink, recent, newest, tail)
             # whole units: every token of a kept unit below the length is there
             assert toks == [t for u in sorted(units) for t in range(u * unit, min((u + 1) * unit, length))]
 
