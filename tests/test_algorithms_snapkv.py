@@ -60,17 +60,18 @@ def test_votes_match_a_direct_computation(n, window, kernel, pooling, how, hkv, 
     assert torch.allclose(got.double(), want, atol=1e-5)
 
 
-def make(top_k: int, window: int = 4) -> SnapKV:
+def make(top_k: int, window: int = 4, decoded: str = "on_top", **kw) -> SnapKV:
     cfg = load_config({"algorithm": "snapkv", "top_k": top_k, "sink_tokens": 0, "recent_tokens": 0,
                        "device_buffer_tokens": 512, "min_sparse_prompt_len": 0,
-                       "extra": {"window": window, "kernel_size": 3}})
+                       "extra": {"window": window, "kernel_size": 3, "decoded_tokens": decoded, **kw}})
     return SnapKV(cfg, KVLayout(num_layers=1, num_kv_heads=2, head_dim=8), max_requests=2, max_seq_len=128)
 
 
 
 def test_selection_keeps_window_and_decode_tokens_then_the_best_voted() -> None:
+    """decoded_tokens "in_budget": the window and decoded tokens take top_k places first."""
     g = torch.Generator().manual_seed(0)
-    algo = make(top_k=12, window=4)
+    algo = make(top_k=12, window=4, decoded="in_budget")
     keys, queries = torch.randn(40, 2, 8, generator=g), torch.randn(40, 4, 8, generator=g)
     r = Request("a", 40, seq_len=43, slot=1)  # 3 decode tokens so far
     algo.build(0, r, keys, queries)

@@ -319,13 +319,18 @@ def reduce_groups(scores: torch.Tensor, num_kv_heads: int, how: str) -> torch.Te
     raise ValueError(f"gqa_reduce must be one of max, sum, mean; got {how!r}")
 
 
-def group_probabilities(logits: torch.Tensor, seq_lens: torch.Tensor, head_dim: int, how: str) -> torch.Tensor:
-    """Each query head's softmax of its logits / √head_dim over the stored tokens (positions
-    < seq_len - 1: the newest is added after select), then the group's probabilities combined
-    by `how` — the attention mass a GQA group puts on each token (PQCache, exact top-k).
+def group_probabilities(
+    logits: torch.Tensor, seq_lens: torch.Tensor, head_dim: int, how: str, *, first: int = 0, last: int = 1
+) -> torch.Tensor:
+    """Each query head's softmax of its logits / √head_dim over the candidate tokens, then the
+    group's probabilities combined by `how` — the attention mass a GQA group puts on each
+    token (PQCache, exact top-k). Candidates: positions in [first, seq_len - last); the
+    default is every stored token (the newest, seq_len - 1, is added after select); PQCache's
+    original leaves out its sink and recent tokens. Other positions get 0.
     logits [B, Hkv, G, n] -> [B, Hkv, n]."""
     b, hk, g, n = logits.shape
-    stored = torch.arange(n, device=logits.device).view(1, -1) < (seq_lens.long() - 1).view(-1, 1)
+    pos = torch.arange(n, device=logits.device).view(1, -1)
+    stored = (pos >= first) & (pos < (seq_lens.long().to(logits.device) - max(last, 1)).view(-1, 1))
     scaled = (logits / math.sqrt(head_dim)).masked_fill(~stored[:, None, None], float("-inf"))
     probs = scaled.softmax(-1).nan_to_num(0.0)
     return reduce_groups(probs.view(b, hk * g, n), hk, how)

@@ -13,6 +13,16 @@ its sink and recent tokens) and the group's probabilities are summed per KV head
 timing model of its hardware; here it is fixed by `iterations` (default 20). Sink and
 recent tokens come from the framework config (the original keeps 32 sink tokens and half the
 budget as recent: set `sink_tokens` / `recent_tokens` to match).
+
+`candidates` "middle" (default, the original): the k-means runs on the keys after the sink
+tokens (the sink keys get their nearest centroids' codes, unused: they are always selected),
+and each head's softmax is normalised over the tokens between the sink and the recent window
+only. "all": both take every token, sink and recent included: a head's probabilities then
+depend on how much of its mass the always-selected tokens take.
+
+Reproducibility: each clustering's initial points come from `seed`, the layer, the (KV head,
+sub-space) group and the number of keys clustered (`PQCache.generators`), so a prompt gets the
+same codebooks whatever was built before, whether it is alone or in a batch, and in any process.
 """
 
 from __future__ import annotations
@@ -45,6 +55,11 @@ class PQCacheOptions(BaseModel):
     )
     gqa_reduce: Literal["max", "sum", "mean"] = Field(
         "sum", description="how a GQA group's per-head probabilities combine (the original sums)"
+    )
+    candidates: Literal["middle", "all"] = Field(
+        "middle",
+        description="middle (the original): k-means over the keys after the sink, softmax over the tokens between "
+        "the sink and the recent window; all: both over every token, sink and recent included",
     )
     impl: Literal["auto", "torch", "triton"] = Field("auto", description="scoring kernel: auto = triton on CUDA")
 
@@ -131,7 +146,12 @@ class PQCache(ScoringAlgorithm):
     ) -> None:
         n, hk, _ = keys.shape
         m = self.options.subvectors
-        centroids, codes = kmeans(self._split(keys), self.k, self.options.iterations, self.generators(layer, n))
+        # "middle": the keys after the sink (all of them when nothing follows the sink)
+        skip = self.config.sink_tokens if self.options.candidates == "middle" and n > self.config.sink_tokens else 0
+        x = self._split(keys)  # [Hkv * M, n, d]
+        centroids, codes = kmeans(x[:, skip:], self.k, self.options.iterations, self.generators(layer, n - skip))
+        if skip:  # the sink keys' nearest centroids
+            codes = torch.cat([torch.cdist(x[:, :skip], centroids).argmin(-1), codes], dim=1)
         self.codebooks[layer, request.slot] = centroids.view(hk, m, self.k, self.sub)
         self.codes[layer, request.slot, :, :n] = codes.view(hk, m, n).transpose(1, 2).to(torch.uint8)
 
@@ -168,7 +188,10 @@ class PQCache(ScoringAlgorithm):
         assert batch.slot_ids is not None and batch.seq_lens is not None
         n = batch.max_seq_len
         approx = self.token_logits(queries, self.codebooks[layer], self.codes[layer], batch.slot_ids, n, "none")  # [B, Hkv, G, n]
-        return group_probabilities(approx, batch.seq_lens, self.layout.head_dim, self.options.gqa_reduce)
+        if self.options.candidates == "all":
+            return group_probabilities(approx, batch.seq_lens, self.layout.head_dim, self.options.gqa_reduce)
+        return group_probabilities(approx, batch.seq_lens, self.layout.head_dim, self.options.gqa_reduce,
+                                   first=self.config.sink_tokens, last=self.config.recent_tokens)
 
     def release(self, request: Request) -> None:
         """Nothing to free: the pooled rows of `request.slot` are overwritten on reuse."""
