@@ -15,9 +15,9 @@ step selects from it. `decoded_tokens` says how the window and the decoded token
       every decoded token; so here the `top_k` best-voted prompt tokens (top_k = C − window)
       stay selected for the whole generation, and the window and every decoded token are
       kept on top, as a per-request forced tail. A fixed-width selection cannot grow for
-      ever: the tail holds at most `max_tail_tokens` (default: what the device buffer leaves
-      after sink + top_k + recent + 1); past that its oldest tokens leave the tail and take
-      top_k places ahead of the votes, as under "in_budget".
+      ever: the tail holds at most `max_tail_tokens` (default 1024, or what the device buffer
+      leaves after sink + top_k + recent + 1 if less); past that its oldest tokens leave the
+      tail and take top_k places ahead of the votes, as under "in_budget".
   "in_budget": the window and the decoded tokens score +inf and take top_k places first, so
       the voted tokens still selected fall as decoding goes on (at sink 16, recent 64, top_k
       256 and a 1000-token prompt: 256, then 188 at step 100, 88 at step 200, 0 at step 300).
@@ -37,6 +37,12 @@ from ..kv_store.layout import resolve_impl
 from .base import NO_INPUTS, Inputs, ScoringAlgorithm, reduce_groups, scoring_kernel
 
 
+# the default cap of the forced tail (window + decoded tokens) under "on_top": LongBench's
+# longest answers (512 tokens) and the window, with room to spare; the selection's static
+# width, and so the device buffer it needs, grows by it
+DEFAULT_TAIL_TOKENS = 1024
+
+
 class SnapKVOptions(BaseModel):
     """SnapKV's extra-config (defaults: the published LongBench setting)."""
 
@@ -54,8 +60,8 @@ class SnapKVOptions(BaseModel):
     max_tail_tokens: int | None = Field(
         None, ge=0,
         description="on_top: most window + decoded tokens kept on top of top_k (the selection's width grows by "
-        "it; older ones then take top_k places); default: what device_buffer_tokens leaves after "
-        "sink + top_k + recent + 1",
+        "it; older ones then take top_k places); default: 1024, or less if device_buffer_tokens leaves less "
+        "after sink + top_k + recent + 1",
     )
     impl: Literal["auto", "torch", "triton"] = Field("auto", description="vote kernel: auto = triton on CUDA")
 
@@ -106,7 +112,7 @@ class SnapKV(ScoringAlgorithm):
             return 0
         if o.max_tail_tokens is not None:
             return o.max_tail_tokens
-        return max(0, config.device_buffer_tokens - cls._scored_width(config))
+        return max(0, min(DEFAULT_TAIL_TOKENS, config.device_buffer_tokens - cls._scored_width(config)))
 
     @classmethod
     def max_selected_tokens(cls, config) -> int:  # type: ignore[no-untyped-def]
