@@ -224,3 +224,92 @@ def test_algorithms_run_without_triton_installed() -> None:
     done = subprocess.run([sys.executable, "-c", NO_TRITON], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "dsa" in done.stdout and "quest" in done.stdout
+
+
+# -- every paper-semantics option keeps "a budget covering the context equals dense" -------------
+
+OPTION_VARIANTS = [
+    ("quest", {"dense_first_layers": 0, "newest_in_top_k": True}),
+    ("quest", {"dense_first_layers": 0, "newest_in_top_k": False}),
+    ("dsa", {"newest_in_top_k": True}),
+    ("dsa", {"newest_in_top_k": False}),
+    ("dsa", {"source": "keys", "newest_in_top_k": True}),
+    ("snapkv", {"decoded_tokens": "on_top"}),
+    ("snapkv", {"decoded_tokens": "on_top", "max_tail_tokens": 2}),
+    ("snapkv", {"decoded_tokens": "in_budget"}),
+    ("pqcache", {"candidates": "middle"}),
+    ("pqcache", {"candidates": "all"}),
+]
+
+
+@pytest.mark.parametrize("algorithm, extra", OPTION_VARIANTS)
+@pytest.mark.parametrize("sink, recent", [(0, 0), (3, 5)])
+def test_each_option_with_a_budget_covering_the_context_equals_dense(algorithm, extra, sink, recent) -> None:
+    """Through the coordinator, against float64 dense attention, over a few decode steps."""
+    from test_coordinator import Driver, make
+
+    from sparse_framework import Request
+
+    cfg = {"algorithm": algorithm, "top_k": 128, "page_size": 4, "sink_tokens": sink, "recent_tokens": recent,
+           "extra": extra}
+    coord = make(cfg, kv_heads=2)
+    drv = Driver(coord, q_heads=4, seed=len(str(extra)) + sink)
+    reqs = [Request("a", 40), Request("b", 77)]
+    drv.prefill(reqs)
+    for _ in range(4):
+        for out, ref, _meta in drv.decode(reqs):
+            assert torch.allclose(out.double(), ref, atol=1e-5, rtol=0)
+
+
+# the options' selections, torch and Triton (interpreted) paths: identical
+INTERPRETED_OPTIONS = r"""
+import sys
+sys.path.insert(0, TESTS_DIR)
+import torch
+from helpers import batch_of
+from sparse_framework import KVLayout, Request, load_config
+from sparse_framework.algorithms.dsa import DSA
+from sparse_framework.algorithms.quest import Quest
+from sparse_framework.algorithms.snapkv import SnapKV
+
+g = torch.Generator().manual_seed(0)
+base = {"min_sparse_prompt_len": 0, "device_buffer_tokens": 1024, "sink_tokens": 0, "recent_tokens": 0}
+cases = [
+    (SnapKV, {"algorithm": "snapkv", "top_k": 12, "extra": {"window": 4, "decoded_tokens": "on_top", "max_tail_tokens": 8}}),
+    (DSA, {"algorithm": "dsa", "top_k": 9, "extra": {"source": "keys", "newest_in_top_k": True}}),
+    (Quest, {"algorithm": "quest", "top_k": 8, "page_size": 4, "extra": {"newest_in_top_k": True, "dense_first_layers": 0, "min_pages": 0}}),
+]
+for cls, cfg in cases:
+    algos = []
+    for impl in ("torch", "triton"):
+        c = load_config({**base, **cfg, "extra": {**cfg["extra"], "impl": impl}})
+        algos.append(cls(c, KVLayout(num_layers=1, num_kv_heads=2, head_dim=8), 3, 200))
+    reqs = [Request("a", 50, seq_len=50, slot=0), Request("b", 23, seq_len=23, slot=2)]
+    for r in reqs:
+        k, q = torch.randn(r.prompt_len, 2, 8, generator=g), torch.randn(r.prompt_len, 4, 8, generator=g)
+        for algo in algos:
+            algo.build(0, r, k, q)
+    for step in range(8):  # past SnapKV's tail cap (window 4 + 8 decoded > 8)
+        for r in reqs:
+            r.seq_len += 1
+        q = torch.randn(2, 4, 8, generator=g)
+        want, got = (algo.select(0, q, batch_of(reqs)) for algo in algos)
+        assert torch.equal(want.indices, got.indices) and torch.equal(want.lengths, got.lengths), (cls, step)
+        k = torch.randn(2, 2, 8, generator=g)
+        for algo in algos:
+            algo.append(0, batch_of(reqs), k)
+    if cls is not SnapKV:  # exactly top_k tokens (Quest: top_k // page_size pages, the last one partial)
+        unit = cfg.get("page_size", 1) if cls is Quest else 1
+        for i in range(2):
+            for h in range(2):
+                toks = got.indices[i, h, : got.lengths[i, h]]
+                assert len(set((toks // unit).tolist())) == cfg["top_k"] // unit, (cls, i, h, toks)
+print("options ok")
+"""
+
+
+def test_options_triton_interpreted_matches_torch() -> None:
+    pytest.importorskip("triton")
+    from helpers import run_interpreted
+
+    run_interpreted(INTERPRETED_OPTIONS, "options ok")
