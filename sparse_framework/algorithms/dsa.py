@@ -26,8 +26,10 @@ s, so the top-k is the exact best selection of that size for the group. It keeps
 the keys on the device (as much memory as the K cache itself): an oracle for evaluation, and
 the baseline the accuracy table measures the others against.
 
-The framework's sink and recent tokens and the newest token are always kept (the original
-keeps only the top-k; set sink_tokens / recent_tokens to 0 to come closest to it).
+The framework's sink and recent tokens are always kept (the original keeps only the top-k;
+set sink_tokens / recent_tokens to 0 to match it). The newest token is always selected too:
+with `newest_in_top_k` (default, as V3.2's exact `topk(min(top_k, end_pos))`) it takes one of
+the top_k places unless the sink or recent window holds it; false: it is kept on top.
 """
 
 from __future__ import annotations

@@ -12,9 +12,10 @@ Facts from the original code kept here: pages start at position 0 (the last one 
 partial and is always kept, as its decode kernel does); prefill runs dense; the first
 `dense_first_layers` layers (2 in the original) attend densely; the top-k keeps
 max(`min_pages`, top_k // page_size) pages (its evaluation code's `max(3, budget // 16)`),
-with page size 16 in every published run. Differences: the original kernel counts the last
-page inside the budget, and keeps no sink or recent pages (set sink_tokens / recent_tokens
-to 0 to match); its evaluation path (not its kernel) does not force the last page either.
+with page size 16 in every published run; the original kernel counts the last page inside
+the budget, as `newest_in_top_k` (default) does here (false: the last page on top of it).
+Differences: the original keeps no sink or recent pages (set sink_tokens / recent_tokens to 0
+to match); its evaluation path (not its kernel) does not force the last page either.
 """
 
 from __future__ import annotations
