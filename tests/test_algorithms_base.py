@@ -15,17 +15,25 @@ from sparse_framework.algorithms.base import topk_selection
 from sparse_framework.kernels.reference_scores import reduce_groups
 
 
-def forced_tokens(length: int, sink: int, recent: int) -> set[int]:
-    """Tokens every selection must hold: the sinks, the recent window, the newest token."""
-    return set(range(min(sink, length))) | set(range(max(0, length - recent), length)) | {length - 1}
+def forced_tokens(length: int, sink: int, recent: int, newest: bool = True, tail: int | None = None) -> set[int]:
+    """Tokens kept outside the budget: the sinks, the recent window, a forced tail from
+    `tail` on, and (newest) the newest token."""
+    tail_tokens = set(range(min(tail, length), length)) if tail is not None else set()
+    return (set(range(min(sink, length))) | set(range(max(0, length - recent), length)) | tail_tokens
+            | ({length - 1} if newest else set()))
 
 
-def expected_units(scores: list[float], length: int, unit: int, budget: int, sink: int, recent: int) -> set[int]:
+def expected_units(scores: list[float], length: int, unit: int, budget: int, sink: int, recent: int,
+                   newest: bool = True, tail: int | None = None) -> set[int]:
     """Direct per-row computation: units holding a forced token, plus the `budget` best-scoring
-    of the remaining valid units (scores are distinct, so the set is unique)."""
+    of the remaining valid units (scores are distinct, so the set is unique); without
+    `newest`, the newest token's unit, if not forced, is the first of those `budget`."""
     n_valid = -(-length // unit)
-    forced = {t // unit for t in forced_tokens(length, sink, recent)}
+    forced = {t // unit for t in forced_tokens(length, sink, recent, newest, tail)}
     rest = sorted((u for u in range(n_valid) if u not in forced), key=lambda u: -scores[u])
+    last = (length - 1) // unit
+    if last in rest:
+        rest = [last] + [u for u in rest if u != last] if not newest else rest
     return forced | set(rest[:budget])
 
 
@@ -54,17 +62,24 @@ def poison_invalid(scores: torch.Tensor, lens: list[int], unit: int, gen: torch.
     sink=st.integers(0, 6),
     recent=st.integers(0, 9),
     seed=st.integers(0, 2**16),
+    newest=st.booleans(),
+    tails=st.one_of(st.none(), st.lists(st.integers(0, 60), min_size=3, max_size=3)),
 )
-def test_selection_rules(unit, lens, heads, budget, sink, recent, seed) -> None:
+def test_selection_rules(unit, lens, heads, budget, sink, recent, seed, newest, tails) -> None:
+    """newest False: the newest unit counts in the budget (DSA's / Quest's exact count);
+    tails: a per-row forced tail (SnapKV's window and decoded tokens)."""
     g = torch.Generator().manual_seed(seed)
     n_units = -(-max(lens) // unit)
+    budget = budget if newest else max(budget, 1)
     scores = torch.randperm(len(lens) * heads * n_units, generator=g).float().view(len(lens), heads, n_units)
     scores = poison_invalid(scores, lens, unit, g)
-    width_units = width_units_for(unit, budget, sink, recent)
+    width_units = width_units_for(unit, budget, sink, recent) + (n_units if tails is not None else 0)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
+    tail_list = None if tails is None else tails[: len(lens)]
     sel = topk_selection(
         scores, seq_lens, unit=unit, budget_units=budget,
-        sink_tokens=sink, recent_tokens=recent, width_units=width_units,
+        sink_tokens=sink, recent_tokens=recent, width_units=width_units, newest_forced=newest,
+        tail_start=None if tail_list is None else torch.tensor(tail_list),
     )
     assert sel.indices.dtype == torch.int32 and sel.lengths.dtype == torch.int32
     assert sel.indices.shape == (len(lens), heads, min(width_units, n_units) * unit)
@@ -79,11 +94,12 @@ def test_selection_rules(unit, lens, heads, budget, sink, recent, seed) -> None:
             # int32, ascending, inside [0, len), -1 after lengths: checked directly too
             assert toks == sorted(set(toks)) and all(0 <= t < length for t in toks)
             assert row[n:] == [-1] * (len(row) - n)
-            # forced tokens, token by token
-            assert forced_tokens(length, sink, recent) <= set(toks)
+            # forced tokens, token by token (the newest is always kept: forced or first in the budget)
+            tail = None if tail_list is None else tail_list[b]
+            assert forced_tokens(length, sink, recent, True, tail) <= set(toks)
             # the selected units are exactly forced ∪ best `budget` of the rest
             units = {t // unit for t in toks}
-            assert units == expected_units(scores[b, h].tolist(), length, unit, budget, sink, recent)
+            assert units == expected_units(scores[b, h].tolist(), length, unit, budget, sink, recent, newest, tail)
             # whole units: every token of a kept unit below the length is there
             assert toks == [t for u in sorted(units) for t in range(u * unit, min((u + 1) * unit, length))]
 
@@ -209,3 +225,92 @@ def test_algorithms_run_without_triton_installed() -> None:
     done = subprocess.run([sys.executable, "-c", NO_TRITON], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "dsa" in done.stdout and "quest" in done.stdout
+
+
+# -- every paper-semantics option keeps "a budget covering the context equals dense" -------------
+
+OPTION_VARIANTS = [
+    ("quest", {"dense_first_layers": 0, "newest_in_top_k": True}),
+    ("quest", {"dense_first_layers": 0, "newest_in_top_k": False}),
+    ("dsa", {"newest_in_top_k": True}),
+    ("dsa", {"newest_in_top_k": False}),
+    ("dsa", {"source": "keys", "newest_in_top_k": True}),
+    ("snapkv", {"decoded_tokens": "on_top"}),
+    ("snapkv", {"decoded_tokens": "on_top", "max_tail_tokens": 2}),
+    ("snapkv", {"decoded_tokens": "in_budget"}),
+    ("pqcache", {"candidates": "middle"}),
+    ("pqcache", {"candidates": "all"}),
+]
+
+
+@pytest.mark.parametrize("algorithm, extra", OPTION_VARIANTS)
+@pytest.mark.parametrize("sink, recent", [(0, 0), (3, 5)])
+def test_each_option_with_a_budget_covering_the_context_equals_dense(algorithm, extra, sink, recent) -> None:
+    """Through the coordinator, against float64 dense attention, over a few decode steps."""
+    from test_coordinator import Driver, make
+
+    from sparse_framework import Request
+
+    cfg = {"algorithm": algorithm, "top_k": 128, "page_size": 4, "sink_tokens": sink, "recent_tokens": recent,
+           "extra": extra}
+    coord = make(cfg, kv_heads=2)
+    drv = Driver(coord, q_heads=4, seed=len(str(extra)) + sink)
+    reqs = [Request("a", 40), Request("b", 77)]
+    drv.prefill(reqs)
+    for _ in range(4):
+        for out, ref, _meta in drv.decode(reqs):
+            assert torch.allclose(out.double(), ref, atol=1e-5, rtol=0)
+
+
+# the options' selections, torch and Triton (interpreted) paths: identical
+INTERPRETED_OPTIONS = r"""
+import sys
+sys.path.insert(0, TESTS_DIR)
+import torch
+from helpers import batch_of
+from sparse_framework import KVLayout, Request, load_config
+from sparse_framework.algorithms.dsa import DSA
+from sparse_framework.algorithms.quest import Quest
+from sparse_framework.algorithms.snapkv import SnapKV
+
+g = torch.Generator().manual_seed(0)
+base = {"min_sparse_prompt_len": 0, "device_buffer_tokens": 1024, "sink_tokens": 0, "recent_tokens": 0}
+cases = [
+    (SnapKV, {"algorithm": "snapkv", "top_k": 12, "extra": {"window": 4, "decoded_tokens": "on_top", "max_tail_tokens": 8}}),
+    (DSA, {"algorithm": "dsa", "top_k": 9, "extra": {"source": "keys", "newest_in_top_k": True}}),
+    (Quest, {"algorithm": "quest", "top_k": 8, "page_size": 4, "extra": {"newest_in_top_k": True, "dense_first_layers": 0, "min_pages": 0}}),
+]
+for cls, cfg in cases:
+    algos = []
+    for impl in ("torch", "triton"):
+        c = load_config({**base, **cfg, "extra": {**cfg["extra"], "impl": impl}})
+        algos.append(cls(c, KVLayout(num_layers=1, num_kv_heads=2, head_dim=8), 3, 200))
+    reqs = [Request("a", 50, seq_len=50, slot=0), Request("b", 23, seq_len=23, slot=2)]
+    for r in reqs:
+        k, q = torch.randn(r.prompt_len, 2, 8, generator=g), torch.randn(r.prompt_len, 4, 8, generator=g)
+        for algo in algos:
+            algo.build(0, r, k, q)
+    for step in range(8):  # past SnapKV's tail cap (window 4 + 8 decoded > 8)
+        for r in reqs:
+            r.seq_len += 1
+        q = torch.randn(2, 4, 8, generator=g)
+        want, got = (algo.select(0, q, batch_of(reqs)) for algo in algos)
+        assert torch.equal(want.indices, got.indices) and torch.equal(want.lengths, got.lengths), (cls, step)
+        k = torch.randn(2, 2, 8, generator=g)
+        for algo in algos:
+            algo.append(0, batch_of(reqs), k)
+    if cls is not SnapKV:  # exactly top_k tokens (Quest: top_k // page_size pages, the last one partial)
+        unit = cfg.get("page_size", 1) if cls is Quest else 1
+        for i in range(2):
+            for h in range(2):
+                toks = got.indices[i, h, : got.lengths[i, h]]
+                assert len(set((toks // unit).tolist())) == cfg["top_k"] // unit, (cls, i, h, toks)
+print("options ok")
+"""
+
+
+def test_options_triton_interpreted_matches_torch() -> None:
+    pytest.importorskip("triton")
+    from helpers import run_interpreted
+
+    run_interpreted(INTERPRETED_OPTIONS, "options ok")

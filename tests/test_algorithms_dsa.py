@@ -142,11 +142,15 @@ def test_exact_mode_scores_each_groups_attention_mass(hk, group, lens, steps, se
     recent=st.integers(0, 10),
     lens=st.lists(st.integers(2, 80), min_size=1, max_size=MAX_REQUESTS),
     seed=st.integers(0, 2**16),
+    newest_in_top_k=st.booleans(),
 )
-def test_selection_is_the_index_top_k_plus_sink_recent_and_newest(top_k, sink, recent, lens, seed) -> None:
+def test_selection_is_the_index_top_k_plus_sink_recent_and_newest(top_k, sink, recent, lens, seed, newest_in_top_k) -> None:
+    """The sink, the recent window and the newest token, plus the top_k best-scoring others;
+    newest_in_top_k: the newest token, unless sink or recent holds it, is one of the top_k."""
     g = torch.Generator().manual_seed(seed)
     heads, dim = 3, 16
-    algo = make({"index_heads": heads, "index_dim": dim, "key_dtype": "bfloat16"}, top_k=top_k, sink=sink, recent=recent)
+    extra = {"index_heads": heads, "index_dim": dim, "key_dtype": "bfloat16", "newest_in_top_k": newest_in_top_k}
+    algo = make(extra, top_k=top_k, sink=sink, recent=recent)
     reqs = requests(lens, g)
     keys = feed(algo, reqs, heads, dim, g)
     q, w = torch.randn(len(reqs), heads, dim, generator=g), torch.rand(len(reqs), heads, generator=g)
@@ -157,11 +161,13 @@ def test_selection_is_the_index_top_k_plus_sink_recent_and_newest(top_k, sink, r
     for i, (r, k) in enumerate(zip(reqs, keys)):
         n = r.seq_len
         chosen = set(sel.indices[i, 0, : sel.lengths[i, 0]].tolist())
-        forced = set(range(min(sink, n))) | set(range(max(0, n - recent), n)) | {n - 1}
-        assert forced <= chosen
+        forced = set(range(min(sink, n))) | set(range(max(0, n - recent), n)) | ({n - 1} if not newest_in_top_k else set())
+        assert forced | {n - 1} <= chosen
         rest = set(range(n)) - forced
         picked = chosen - forced
         assert len(picked) == min(top_k, len(rest))
+        if n - 1 in picked:  # counted inside top_k, whatever its score
+            picked, rest = picked - {n - 1}, rest - {n - 1}
         score = index_scores(q[i], w[i], k.bfloat16().float())
         if picked and rest - picked:
             assert min(score[list(picked)]) >= max(score[list(rest - picked)]) - 1e-5

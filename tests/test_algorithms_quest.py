@@ -16,10 +16,10 @@ MAX_REQUESTS, MAX_SEQ_LEN, LAYERS = 3, 128, 2
 
 
 def make(page: int, how: str = "max", top_k: int = 8, sink: int = 0, recent: int = 0, hk: int = 2,
-         d: int = 6, dtype: torch.dtype = torch.float32, min_pages: int = 0) -> Quest:
+         d: int = 6, dtype: torch.dtype = torch.float32, min_pages: int = 0, newest_in_top_k: bool = True) -> Quest:
     cfg = load_config({"algorithm": "quest", "top_k": max(top_k, page), "page_size": page, "sink_tokens": sink,
                        "recent_tokens": recent, "device_buffer_tokens": 4096, "min_sparse_prompt_len": 0,
-                       "extra": {"gqa_reduce": how, "min_pages": min_pages}})
+                       "extra": {"gqa_reduce": how, "min_pages": min_pages, "newest_in_top_k": newest_in_top_k}})
     layout = KVLayout(num_layers=LAYERS, num_kv_heads=hk, head_dim=d, dtype=dtype)
     return Quest(cfg, layout, max_requests=MAX_REQUESTS, max_seq_len=MAX_SEQ_LEN)
 
@@ -170,8 +170,9 @@ def test_scores_match_a_direct_computation_and_bound_every_key(how, page, hk, gr
                 assert bool((dots[j] <= got[j // group, page_of] + 1e-5).all())
 
 
-def forced_pages(length: int, page: int, sink: int, recent: int) -> set[int]:
-    toks = set(range(min(sink, length))) | set(range(max(0, length - recent), length)) | {length - 1}
+def forced_pages(length: int, page: int, sink: int, recent: int, newest: bool = True) -> set[int]:
+    """Pages kept outside the budget: the sink's and the recent window's, and (newest) the last."""
+    toks = set(range(min(sink, length))) | set(range(max(0, length - recent), length)) | ({length - 1} if newest else set())
     return {t // page for t in toks}
 
 
@@ -187,16 +188,20 @@ def forced_pages(length: int, page: int, sink: int, recent: int) -> set[int]:
     recent=st.integers(0, 12),
     lens=st.lists(st.integers(1, 60), min_size=1, max_size=MAX_REQUESTS),
     seed=st.integers(0, 2**16),
+    newest_in_top_k=st.booleans(),
 )
 def test_select_keeps_the_best_pages_plus_sink_recent_and_last(
-    how, page, hk, group, budget, min_pages, sink, recent, lens, seed
+    how, page, hk, group, budget, min_pages, sink, recent, lens, seed, newest_in_top_k
 ) -> None:
     """Per request and KV head: the sink pages, the recent window's pages and the last page,
     plus the max(min_pages, top_k // page) best pages of the rest by the directly computed
-    score (near-ties within 1e-4 may go either way), as whole pages, ascending, -1 padded."""
+    score (near-ties within 1e-4 may go either way), as whole pages, ascending, -1 padded.
+    newest_in_top_k: the last page, unless the sink or recent window holds it, is one of
+    those best pages instead of one more."""
     g = torch.Generator().manual_seed(seed)
     d = 6
-    quest = make(page, how, top_k=budget * page, sink=sink, recent=recent, hk=hk, d=d, min_pages=min_pages)
+    quest = make(page, how, top_k=budget * page, sink=sink, recent=recent, hk=hk, d=d, min_pages=min_pages,
+                 newest_in_top_k=newest_in_top_k)
     reqs = requests(lens, g)
     keys = [torch.randn(n, hk, d, generator=g) for n in lens]
     for r, k in zip(reqs, keys):
@@ -212,15 +217,18 @@ def test_select_keeps_the_best_pages_plus_sink_recent_and_last(
         lo, hi = page_bounds(k, page)
         want = reduce(head_bounds(q[i], lo, hi), hk, how)  # [Hk, pages]
         n_pages = lo.shape[1]
-        forced = forced_pages(r.seq_len, page, sink, recent)
+        forced = forced_pages(r.seq_len, page, sink, recent, newest=not newest_in_top_k)
+        last = (r.seq_len - 1) // page
         for h in range(hk):
             toks = sel.indices[i, h, : sel.lengths[i, h]].tolist()
             pages = {t // page for t in toks}
             assert toks == [t for p in sorted(pages) for t in range(p * page, min((p + 1) * page, r.seq_len))]
-            assert forced <= pages
+            assert forced | {last} <= pages
             chosen = pages - forced
             rest = set(range(n_pages)) - forced
             assert chosen <= rest and len(chosen) == min(max(min_pages, budget), len(rest))
+            if last in chosen:  # counted inside the budget, whatever its score
+                chosen, rest = chosen - {last}, rest - {last}
             if chosen and rest - chosen:
                 worst_chosen = min(float(want[h, p]) for p in chosen)
                 best_left = max(float(want[h, p]) for p in rest - chosen)

@@ -60,17 +60,18 @@ def test_votes_match_a_direct_computation(n, window, kernel, pooling, how, hkv, 
     assert torch.allclose(got.double(), want, atol=1e-5)
 
 
-def make(top_k: int, window: int = 4) -> SnapKV:
+def make(top_k: int, window: int = 4, decoded: str = "on_top", **kw) -> SnapKV:
     cfg = load_config({"algorithm": "snapkv", "top_k": top_k, "sink_tokens": 0, "recent_tokens": 0,
                        "device_buffer_tokens": 512, "min_sparse_prompt_len": 0,
-                       "extra": {"window": window, "kernel_size": 3}})
+                       "extra": {"window": window, "kernel_size": 3, "decoded_tokens": decoded, **kw}})
     return SnapKV(cfg, KVLayout(num_layers=1, num_kv_heads=2, head_dim=8), max_requests=2, max_seq_len=128)
 
 
 
 def test_selection_keeps_window_and_decode_tokens_then_the_best_voted() -> None:
+    """decoded_tokens "in_budget": the window and decoded tokens take top_k places first."""
     g = torch.Generator().manual_seed(0)
-    algo = make(top_k=12, window=4)
+    algo = make(top_k=12, window=4, decoded="in_budget")
     keys, queries = torch.randn(40, 2, 8, generator=g), torch.randn(40, 4, 8, generator=g)
     r = Request("a", 40, seq_len=43, slot=1)  # 3 decode tokens so far
     algo.build(0, r, keys, queries)
@@ -98,3 +99,71 @@ def test_budget_covering_the_context_selects_everything_and_bad_options_fail() -
         load_config({"algorithm": "snapkv", "extra": {"pooling": "median"}})
     with pytest.raises(ValueError, match="needs the prompt's queries"):
         algo.build(0, r, torch.randn(30, 2, 8))
+
+
+def voted_counts(decoded: str, steps: list[int], **kw) -> tuple[list[int], SnapKV, dict]:
+    """Voted prompt tokens (before the window, outside sink and recent) still selected after
+    each number of decode steps, at the issue's defaults: sink 16, recent 64, top_k 256,
+    a 1000-token prompt, window 32. Also returns the algorithm and the per-step selections."""
+    cfg = load_config({"algorithm": "snapkv", "top_k": 256, "sink_tokens": 16, "recent_tokens": 64,
+                       "device_buffer_tokens": 1024, "min_sparse_prompt_len": 0,
+                       "extra": {"window": 32, "decoded_tokens": decoded, **kw}})
+    algo = SnapKV(cfg, KVLayout(num_layers=1, num_kv_heads=1, head_dim=8), max_requests=2, max_seq_len=1400)
+    g = torch.Generator().manual_seed(0)
+    r = Request("a", 1000, seq_len=1000, slot=1)
+    algo.build(0, r, torch.randn(1000, 1, 8, generator=g), torch.randn(1000, 2, 8, generator=g))
+    counts, chosen = [], {}
+    for step in steps:
+        r.seq_len = 1000 + step  # `step` tokens decoded, the last of them being decoded now
+        sel = algo.select(0, torch.randn(1, 2, 8, generator=g), batch_of([r]))
+        toks = set(sel.indices[0, 0, : sel.lengths[0, 0]].tolist())
+        chosen[step] = toks
+        counts.append(len({t for t in toks if 16 <= t < 968 and t < r.seq_len - 64}))
+    return counts, algo, chosen
+
+
+def test_on_top_keeps_top_k_voted_tokens_for_the_whole_generation() -> None:
+    """The original's rule: the top_k (= its capacity − window) best-voted prompt tokens stay
+    selected at every step, the window and every decoded token on top; "in_budget" lets the
+    window and decoded tokens take their places (256 → 188 → 88 → 0, as the issue measured)."""
+    steps = [1, 100, 200, 300]
+    on_top, algo, chosen = voted_counts("on_top", steps)
+    assert on_top == [256] * 4
+    in_budget, _, _ = voted_counts("in_budget", steps)
+    assert in_budget == [256, 188, 88, 0]
+    votes = algo.votes[0, 1, 0, :968]
+    for step in steps:
+        length = 1000 + step
+        toks = chosen[step]
+        assert set(range(968, length)) <= toks  # the window and every decoded token
+        # the voted ones are the 256 best-voted of the positions outside sink and recent
+        # (stable ties: lowest positions), the same set at every step
+        eligible = [t for t in range(16, 968) if t < length - 64]
+        best = sorted(eligible, key=lambda t: (-float(votes[t]), t))[:256]
+        assert toks == set(range(16)) | set(best) | set(range(968, length)) | set(range(length - 64, length))
+        assert len(toks) <= SnapKV.max_selected_tokens(algo.config)
+
+
+def test_a_tail_longer_than_max_tail_tokens_takes_top_k_places() -> None:
+    """on_top with max_tail_tokens 100: past it, the tail's oldest tokens (the window first)
+    compete for top_k places ahead of the votes, so the selection keeps its width."""
+    counts, algo, chosen = voted_counts("on_top", [1, 60, 200], max_tail_tokens=100)
+    tail_len = {1: 33, 60: 92, 200: 232}
+    for step, n in zip((1, 60, 200), counts):
+        length = 1000 + step
+        over = max(0, tail_len[step] - 100)  # tail tokens past the cap: scored +inf
+        assert n == 256 - over
+        assert set(range(968, length)) <= chosen[step]
+    assert SnapKV.max_selected_tokens(algo.config) == 16 + 256 + 64 + 1 + 100
+
+
+def test_max_tail_tokens_must_fit_the_device_buffer() -> None:
+    base = {"algorithm": "snapkv", "top_k": 256, "sink_tokens": 16, "recent_tokens": 64, "device_buffer_tokens": 512}
+    with pytest.raises(ConfigError, match=r"`extra.max_tail_tokens` = 200 does not fit the device buffer.*= 175"):
+        load_config({**base, "extra": {"max_tail_tokens": 200}})
+    cfg = load_config(base)  # unset: what the buffer leaves, at most 1024
+    assert SnapKV.max_selected_tokens(cfg) == 512
+    cfg = load_config({**base, "device_buffer_tokens": 4096})
+    assert SnapKV.max_selected_tokens(cfg) == 16 + 256 + 64 + 1 + 1024
+    cfg = load_config({**base, "extra": {"decoded_tokens": "in_budget"}})
+    assert SnapKV.max_selected_tokens(cfg) == 16 + 256 + 64 + 1

@@ -25,24 +25,34 @@ def width_units_for(unit: int, budget: int, sink: int, recent: int) -> int:
     return -(-sink // unit) + budget + -(-recent // unit) + 1
 
 
-def _masks(scores: torch.Tensor, seq_lens: torch.Tensor, unit: int, sink: int, recent: int):
-    """forced, eligible [B, H, n] and the ranked scores (eligible only; else -inf)."""
+def _masks(scores: torch.Tensor, seq_lens: torch.Tensor, unit: int, sink: int, recent: int,
+           newest_forced: bool = True, tail_start: torch.Tensor | None = None):
+    """forced, eligible [B, H, n] and the ranked scores (eligible only; else -inf). A tail
+    start forces every unit from the one holding it; without newest_forced an eligible
+    newest unit ranks above everything (+inf, above the clamped +inf scores)."""
     b, h, n = scores.shape
     lens = seq_lens.to(scores.device).long().view(b, 1, 1)
     ids = torch.arange(n, device=scores.device).view(1, 1, n)
     valid = ids * unit < lens
-    forced = valid & ((ids * unit < sink) | (ids >= (lens - recent).clamp(min=0) // unit) | (ids == (lens - 1) // unit))
+    tail = lens if tail_start is None else tail_start.long().view(b, 1, 1)
+    newest = ids == (lens - 1) // unit
+    in_recent = (recent > 0) & (ids >= (lens - recent).clamp(min=0) // unit)
+    in_tail = (tail < lens) & (ids >= tail.clamp(min=0) // unit)
+    forced = valid & ((ids * unit < sink) | in_recent | in_tail | (newest & newest_forced))
     eligible = (valid & ~forced).expand(b, h, n)
     ranked = scores.float().nan_to_num(nan=-BIG, posinf=BIG, neginf=-BIG).masked_fill(~eligible, float("-inf"))
+    if not newest_forced:
+        ranked = torch.where(eligible & newest, float("inf"), ranked)
     return forced.expand(b, h, n), eligible, ranked
 
 
-def stable_reference(scores, seq_lens, *, unit, budget_units, sink_tokens, recent_tokens, width_units):
+def stable_reference(scores, seq_lens, *, unit, budget_units, sink_tokens, recent_tokens, width_units,
+                     newest_forced=True, tail_start=None):
     """topk_selection's rules with ties at the threshold broken towards the lowest unit ids:
     the kept eligible units are the first `budget` of a stable descending sort; the kept
     units, ascending (a sort, not topk_selection's scatter), cut to the width and expanded."""
     b, h, n = scores.shape
-    forced, eligible, ranked = _masks(scores, seq_lens, unit, sink_tokens, recent_tokens)
+    forced, eligible, ranked = _masks(scores, seq_lens, unit, sink_tokens, recent_tokens, newest_forced, tail_start)
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
     top = order[..., : max(0, min(budget_units, n))]
     keep = forced | torch.zeros_like(forced).scatter(-1, top, eligible.gather(-1, top))
@@ -118,8 +128,9 @@ def run(scores, lens, block, **kw):
        lens=st.lists(st.integers(0, 700), min_size=3, max_size=3), extra=st.integers(0, 3),
        budget=st.integers(0, 200), sink=st.integers(0, 12), recent=st.integers(0, 12),
        narrow=st.one_of(st.none(), st.integers(0, 40)), kind=st.sampled_from(["randn", "ties", "lowbits", "special"]),
-       block=st.sampled_from([None, 32, 64, 128]), strided=st.booleans(), seed=st.integers(0, 2**16))
-def random_cases(unit, b, h, lens, extra, budget, sink, recent, narrow, kind, block, strided, seed):
+       block=st.sampled_from([None, 32, 64, 128]), strided=st.booleans(), seed=st.integers(0, 2**16),
+       newest_forced=st.booleans(), tails=st.one_of(st.none(), st.lists(st.integers(0, 400), min_size=3, max_size=3)))
+def random_cases(unit, b, h, lens, extra, budget, sink, recent, narrow, kind, block, strided, seed, newest_forced, tails):
     g = torch.Generator().manual_seed(seed)
     lens = lens[:b]
     if unit == 1:
@@ -131,8 +142,15 @@ def random_cases(unit, b, h, lens, extra, budget, sink, recent, narrow, kind, bl
     scores = full[..., 2 : n + 2] if strided else full
     scores = poison_invalid(scores, lens, unit, g)
     budget = min(budget, n + 2)
+    if not newest_forced:
+        budget = max(budget, 1)  # the newest unit takes a place
     width = width_units_for(unit, budget, sink, recent) if narrow is None else narrow  # narrow: may cut
-    run(scores, lens, block, unit=unit, budget_units=budget, sink_tokens=sink, recent_tokens=recent, width_units=width)
+    tail = None
+    if tails is not None:  # a forced tail of each row (SnapKV's window and decoded tokens)
+        tail = torch.tensor([min(t, x) for t, x in zip(tails, lens)])
+        width += n if narrow is None else 0
+    run(scores, lens, block, unit=unit, budget_units=budget, sink_tokens=sink, recent_tokens=recent, width_units=width,
+        newest_forced=newest_forced, tail_start=tail)
 
 random_cases()
 

@@ -177,6 +177,10 @@ class ScoringAlgorithm(SparseAlgorithm):
     """
 
     topk_impl: str = "torch"
+    newest_forced: bool = True
+    """False: the unit holding the newest token takes one of the `budget_units` places unless
+    the sink or recent window already holds it (the exact top-k count of DSA's and Quest's
+    originals); True: it is kept on top of them. Set from an algorithm's option."""
 
     @abstractmethod
     def score(self, layer: int, queries: torch.Tensor, batch: Batch, *, inputs: Inputs = NO_INPUTS) -> torch.Tensor:
@@ -189,9 +193,18 @@ class ScoringAlgorithm(SparseAlgorithm):
         scores = self.score(layer, queries, batch, inputs=inputs).float()
         return self.top_units(scores, batch)
 
-    def top_units(self, scores: torch.Tensor, batch: Batch, first_pass: torch.Tensor | None = None) -> Selection:
+    def top_units(
+        self,
+        scores: torch.Tensor,
+        batch: Batch,
+        first_pass: torch.Tensor | None = None,
+        tail_start: torch.Tensor | None = None,
+        extra_width_units: int = 0,
+    ) -> Selection:
         """`topk_selection` of this algorithm's scores with its config (first_pass: see
-        kernels/topk.py; only with topk_impl "triton")."""
+        kernels/topk.py; only with topk_impl "triton"; tail_start: a per-request forced
+        tail, whose longest length beyond the recent window the width grows by,
+        `extra_width_units`)."""
         assert batch.seq_lens is not None, "forward_begin fills seq_lens"
         return topk_selection(
             scores,
@@ -200,9 +213,12 @@ class ScoringAlgorithm(SparseAlgorithm):
             budget_units=self.budget_units(self.config),
             sink_tokens=self.config.sink_tokens,
             recent_tokens=self.config.recent_tokens,
-            width_units=_max_units(self.config, self.unit, self.budget_units(self.config)),
+            width_units=_max_units(self.config, self.unit, self.budget_units(self.config)) + extra_width_units,
             impl=self.topk_impl,
             first_pass=first_pass,
+            # a recent window holds the newest token: both rules are the same, keep the default's
+            newest_forced=self.newest_forced or self.config.recent_tokens >= 1,
+            tail_start=tail_start,
         )
 
 
@@ -217,23 +233,32 @@ def topk_selection(
     width_units: int,
     impl: str = "torch",
     first_pass: torch.Tensor | None = None,
+    newest_forced: bool = True,
+    tail_start: torch.Tensor | None = None,
 ) -> Selection:
     """Turn unit scores into a Selection without a host sync.
 
     scores: float32 [B, H, n_units]; seq_lens: int [B]. A unit is kept if it holds a sink
     token, a token of the recent window or the newest token, or is among the `budget_units`
     best-scoring remaining valid units. Output width is min(width_units, n_units) * unit.
+    newest_forced False: the newest token's unit is forced only if the sink or the recent
+    window holds it; otherwise it is eligible and ranked above every score, so it takes the
+    first of the `budget_units` places (which must then be >= 1). tail_start: int [B], every
+    unit holding a token at or after it is forced too (a per-request recent window).
     impl: "torch" (this code), "triton" (`kernels.topk.topk_selection_triton`: the same
     result in a few kernels instead of ~15 torch ops and a sort; both keep the lowest ids
     among units tied at the threshold) or "auto" (Triton on CUDA). Triton
     is imported only when chosen. first_pass: the Triton path's pass-1 histograms, filled by
     the producer of the scores (`topk_selection_triton`).
     """
+    if not newest_forced and budget_units < 1:
+        raise ValueError("topk_selection: newest_forced=False needs budget_units >= 1 (the newest unit takes a place)")
     if resolve_impl(impl, scores.device) == "triton":
         from ..kernels.topk import topk_selection_triton
         return topk_selection_triton(
             scores, seq_lens, unit=unit, budget_units=budget_units, sink_tokens=sink_tokens,
             recent_tokens=recent_tokens, width_units=width_units, first_pass=first_pass,
+            newest_forced=newest_forced, tail_start=tail_start,
         )
     if first_pass is not None:
         raise ValueError("topk_selection: first_pass needs impl 'triton'")
@@ -243,14 +268,22 @@ def topk_selection(
     ids = torch.arange(n_units, device=device).view(1, 1, n_units)
     valid = ids * unit < lens
     last_unit = (lens - 1) // unit
-    recent_start = (lens - recent_tokens).clamp(min=0) // unit
-    forced = valid & ((ids * unit < sink_tokens) | (ids >= recent_start) | (ids == last_unit))
+    # the first unit holding a token of the recent window (none when it is empty: with a
+    # partial last unit, (lens - 0) // unit would be that unit) or of the forced tail
+    recent_start = (lens - recent_tokens).clamp(min=0) // unit if recent_tokens > 0 else lens // unit + 1
+    if tail_start is not None:
+        tail = tail_start.to(device=device, dtype=torch.long).clamp(min=0).view(b, 1, 1)
+        recent_start = torch.minimum(recent_start, torch.where(tail < lens, tail // unit, lens // unit + 1))
+    newest = ids == last_unit
+    forced = valid & ((ids * unit < sink_tokens) | (ids >= recent_start) | (newest if newest_forced else False))
     forced, valid = forced.expand(b, h, n_units), valid.expand(b, h, n_units)
     eligible = valid & ~forced
     # a valid unit always competes, whatever its score (NaN ranks last, ±inf at the ends);
     # ineligible ones rank below every eligible one and are never kept
     big = torch.finfo(torch.float32).max
     ranked = scores.float().nan_to_num(nan=-big, posinf=big, neginf=-big).masked_fill(~eligible, float("-inf"))
+    if not newest_forced:  # above every score (each is at most big after nan_to_num)
+        ranked = ranked.masked_fill(eligible & newest, float("inf"))
     k = min(budget_units, n_units)
     keep = forced.clone()
     if k > 0:
@@ -274,13 +307,18 @@ def topk_selection(
 
 
 
-def group_probabilities(logits: torch.Tensor, seq_lens: torch.Tensor, head_dim: int, how: str) -> torch.Tensor:
-    """Each query head's softmax of its logits / √head_dim over the stored tokens (positions
-    < seq_len - 1: the newest is added after select), then the group's probabilities combined
-    by `how` — the attention mass a GQA group puts on each token (PQCache, exact top-k).
+def group_probabilities(
+    logits: torch.Tensor, seq_lens: torch.Tensor, head_dim: int, how: str, *, first: int = 0, last: int = 1
+) -> torch.Tensor:
+    """Each query head's softmax of its logits / √head_dim over the candidate tokens, then the
+    group's probabilities combined by `how` — the attention mass a GQA group puts on each
+    token (PQCache, exact top-k). Candidates: positions in [first, seq_len - last); the
+    default is every stored token (the newest, seq_len - 1, is added after select); PQCache's
+    original leaves out its sink and recent tokens. Other positions get 0.
     logits [B, Hkv, G, n] -> [B, Hkv, n]."""
     b, hk, g, n = logits.shape
-    stored = torch.arange(n, device=logits.device).view(1, -1) < (seq_lens.long() - 1).view(-1, 1)
+    pos = torch.arange(n, device=logits.device).view(1, -1)
+    stored = (pos >= first) & (pos < (seq_lens.long().to(logits.device) - max(last, 1)).view(-1, 1))
     scaled = (logits / math.sqrt(head_dim)).masked_fill(~stored[:, None, None], float("-inf"))
     probs = scaled.softmax(-1).nan_to_num(0.0)
     return reduce_groups(probs.view(b, hk * g, n), hk, how)

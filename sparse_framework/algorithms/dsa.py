@@ -26,8 +26,10 @@ s, so the top-k is the exact best selection of that size for the group. It keeps
 the keys on the device (as much memory as the K cache itself): an oracle for evaluation, and
 the baseline the accuracy table measures the others against.
 
-The framework's sink and recent tokens and the newest token are always kept (the original
-keeps only the top-k; set sink_tokens / recent_tokens to 0 to come closest to it).
+The framework's sink and recent tokens are always kept (the original keeps only the top-k;
+set sink_tokens / recent_tokens to 0 to match it). The newest token is always selected too:
+with `newest_in_top_k` (default, as V3.2's exact `topk(min(top_k, end_pos))`) it takes one of
+the top_k places unless the sink or recent window holds it; false: it is kept on top.
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ class DSAOptions(BaseModel):
     scale_format: Literal["ue8m0", "float32"] = Field(
         "ue8m0", description="FP8 scales: ue8m0 = rounded up to powers of two (V3.2's config), float32 = amax / 448"
     )
+    newest_in_top_k: bool = Field(
+        True,
+        description="the newest token takes one of the top_k places unless the sink or recent window holds it "
+        "(V3.2 selects exactly min(top_k, length) tokens: set sink_tokens = recent_tokens = 0 too); "
+        "false: it is kept on top of top_k",
+    )
     impl: Literal["auto", "torch", "triton"] = Field(
         "auto", description="index-score kernel: auto = triton on CUDA, torch elsewhere"
     )
@@ -100,6 +108,7 @@ class DSA(ScoringAlgorithm):
     def __init__(self, config, layout, max_requests, max_seq_len) -> None:  # type: ignore[no-untyped-def]
         super().__init__(config, layout, max_requests, max_seq_len)
         self.topk_impl = resolve_impl(self.options.impl, layout.device)
+        self.newest_forced = not self.options.newest_in_top_k
         o, dev = self.options, layout.device
         if o.source == "keys":
             self.per_kv_head = layout.num_kv_heads > 1
@@ -160,7 +169,10 @@ class DSA(ScoringAlgorithm):
     def select(self, layer: int, queries: torch.Tensor, batch: Batch, *, inputs: Inputs = NO_INPUTS) -> Selection:
         """Scores and top-k; with FP8 keys on the Triton path (and FUSE_TOPK_FIRST_PASS) the
         indexer kernel also does the top-k's first radix pass, which saves that launch."""
-        if not (FUSE_TOPK_FIRST_PASS and self.options.source == "indexer" and self.fp8 and self.topk_impl == "triton"):
+        # the fused first pass follows the default rule (the newest token forced on top), which
+        # newest_in_top_k equals when the recent window holds the newest token
+        fuse = FUSE_TOPK_FIRST_PASS and (self.newest_forced or self.config.recent_tokens >= 1)
+        if not (fuse and self.options.source == "indexer" and self.fp8 and self.topk_impl == "triton"):
             return super().select(layer, queries, batch, inputs=inputs)
         from ..kernels.topk import first_pass_buffer
 

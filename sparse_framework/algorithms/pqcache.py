@@ -13,6 +13,16 @@ its sink and recent tokens) and the group's probabilities are summed per KV head
 timing model of its hardware; here it is fixed by `iterations` (default 20). Sink and
 recent tokens come from the framework config (the original keeps 32 sink tokens and half the
 budget as recent: set `sink_tokens` / `recent_tokens` to match).
+
+`candidates` "middle" (default, the original): the k-means runs on the keys after the sink
+tokens (the sink keys get their nearest centroids' codes, unused: they are always selected),
+and each head's softmax is normalised over the tokens between the sink and the recent window
+only. "all": both take every token, sink and recent included: a head's probabilities then
+depend on how much of its mass the always-selected tokens take.
+
+Reproducibility: each clustering's initial points come from `seed`, the layer, the (KV head,
+sub-space) group and the number of keys clustered (`PQCache.generators`), so a prompt gets the
+same codebooks whatever was built before, whether it is alone or in a batch, and in any process.
 """
 
 from __future__ import annotations
@@ -36,20 +46,53 @@ class PQCacheOptions(BaseModel):
     subvectors: int = Field(2, ge=1, description="sub-vectors per head (must divide head_dim)")
     bits: int = Field(6, ge=1, le=8, description="bits per code: 2**bits centroids per sub-space")
     iterations: int = Field(20, ge=1, le=300, description="k-means (Lloyd) iterations")
-    seed: int = Field(0, description="seed of the k-means initial points")
+    seed: int = Field(
+        0,
+        description="seed of the k-means initial points; each clustering's start depends only on it, the layer, "
+        "the KV head, the sub-space and the number of keys clustered (not on the request, its slot or "
+        "what was built before), so a prompt gets the same codebooks alone, in a batch, again, or in "
+        "another process",
+    )
     gqa_reduce: Literal["max", "sum", "mean"] = Field(
         "sum", description="how a GQA group's per-head probabilities combine (the original sums)"
+    )
+    candidates: Literal["middle", "all"] = Field(
+        "middle",
+        description="middle (the original): k-means over the keys after the sink, softmax over the tokens between "
+        "the sink and the recent window; all: both over every token, sink and recent included",
     )
     impl: Literal["auto", "torch", "triton"] = Field("auto", description="scoring kernel: auto = triton on CUDA")
 
 
-def kmeans(x: torch.Tensor, k: int, iterations: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(*parts: int) -> int:
+    """A 63-bit seed from integers, the same in every process and Python (SplitMix64 steps;
+    Python's `hash` is salted per process, so it cannot be used here)."""
+    h = 0x9E3779B97F4A7C15
+    for part in parts:
+        h = (h ^ (part & _MASK64)) & _MASK64
+        h = (h + 0x9E3779B97F4A7C15) & _MASK64
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
+        h ^= h >> 31
+    return h >> 1
+
+
+def kmeans(
+    x: torch.Tensor, k: int, iterations: int, gen: torch.Generator | list[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Batched Lloyd k-means. x: float32 [G, N, d] -> (centroids [G, k, d], codes int64 [G, N]).
 
-    Initial centroids are k distinct random points of each group (repeated when N < k); an
-    empty cluster keeps its centroid. Codes are the nearest centroids after the last update."""
+    Initial centroids are k distinct random points of each group (repeated when N < k), drawn
+    from `gen` (one generator for all groups, or one per group); an empty cluster keeps its
+    centroid. Codes are the nearest centroids after the last update."""
     g, n, d = x.shape
-    pick = torch.stack([torch.randperm(n, generator=gen)[: min(k, n)] for _ in range(g)])
+    gens = gen if isinstance(gen, list) else [gen] * g
+    if len(gens) != g:
+        raise ValueError(f"kmeans: {len(gens)} generators for {g} groups")
+    pick = torch.stack([torch.randperm(n, generator=gi)[: min(k, n)] for gi in gens])
     if n < k:
         pick = pick.repeat(1, -(-k // n))[:, :k]
     centroids = x.gather(1, pick.to(x.device).unsqueeze(-1).expand(-1, -1, d)).clone()
@@ -91,7 +134,6 @@ class PQCache(ScoringAlgorithm):
         self.codes = torch.zeros(
             (layout.num_layers, max_requests, hk, max_seq_len, m), dtype=torch.uint8, device=layout.device
         )
-        self.gen = torch.Generator().manual_seed(self.options.seed)
         self.token_logits = scoring_kernel("pqcache_scores", self.options.impl, layout.device)
 
     def _split(self, keys: torch.Tensor) -> torch.Tensor:
@@ -104,9 +146,25 @@ class PQCache(ScoringAlgorithm):
     ) -> None:
         n, hk, _ = keys.shape
         m = self.options.subvectors
-        centroids, codes = kmeans(self._split(keys), self.k, self.options.iterations, self.gen)
+        # "middle": the keys after the sink (all of them when nothing follows the sink)
+        skip = self.config.sink_tokens if self.options.candidates == "middle" and n > self.config.sink_tokens else 0
+        x = self._split(keys)  # [Hkv * M, n, d]
+        centroids, codes = kmeans(x[:, skip:], self.k, self.options.iterations, self.generators(layer, n - skip))
+        if skip:  # the sink keys' nearest centroids
+            codes = torch.cat([torch.cdist(x[:, :skip], centroids).argmin(-1), codes], dim=1)
         self.codebooks[layer, request.slot] = centroids.view(hk, m, self.k, self.sub)
         self.codes[layer, request.slot, :, :n] = codes.view(hk, m, n).transpose(1, 2).to(torch.uint8)
+
+    def generators(self, layer: int, n: int) -> list[torch.Generator]:
+        """The k-means start of each (KV head, sub-space) group of `layer` clustering n keys:
+        seeded from `seed`, the layer, the group and n only. Not from the request (its slot,
+        id or a counter): a prompt must get the same codebooks alone, in a batch or again.
+        Not from a checksum of the keys either: a prompt's keys computed in a batch differ
+        from those computed alone in their last bits, and a checksum would turn that into
+        different starts (different prompts of one length share the start *indices*, drawn
+        from different keys)."""
+        groups = self.layout.num_kv_heads * self.options.subvectors
+        return [torch.Generator().manual_seed(mix_seed(self.options.seed, layer, j, n)) for j in range(groups)]
 
     def encode(self, layer: int, slot_ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """Nearest-centroid codes of keys [B, Hkv, D] against each request's codebooks ->
@@ -130,7 +188,10 @@ class PQCache(ScoringAlgorithm):
         assert batch.slot_ids is not None and batch.seq_lens is not None
         n = batch.max_seq_len
         approx = self.token_logits(queries, self.codebooks[layer], self.codes[layer], batch.slot_ids, n, "none")  # [B, Hkv, G, n]
-        return group_probabilities(approx, batch.seq_lens, self.layout.head_dim, self.options.gqa_reduce)
+        if self.options.candidates == "all":
+            return group_probabilities(approx, batch.seq_lens, self.layout.head_dim, self.options.gqa_reduce)
+        return group_probabilities(approx, batch.seq_lens, self.layout.head_dim, self.options.gqa_reduce,
+                                   first=self.config.sink_tokens, last=self.config.recent_tokens)
 
     def release(self, request: Request) -> None:
         """Nothing to free: the pooled rows of `request.slot` are overwritten on reuse."""

@@ -12,9 +12,10 @@ Facts from the original code kept here: pages start at position 0 (the last one 
 partial and is always kept, as its decode kernel does); prefill runs dense; the first
 `dense_first_layers` layers (2 in the original) attend densely; the top-k keeps
 max(`min_pages`, top_k // page_size) pages (its evaluation code's `max(3, budget // 16)`),
-with page size 16 in every published run. Differences: the original kernel counts the last
-page inside the budget, and keeps no sink or recent pages (set sink_tokens / recent_tokens
-to 0 to match); its evaluation path (not its kernel) does not force the last page either.
+with page size 16 in every published run; the original kernel counts the last page inside
+the budget, as `newest_in_top_k` (default) does here (false: the last page on top of it).
+Differences: the original keeps no sink or recent pages (set sink_tokens / recent_tokens to 0
+to match); its evaluation path (not its kernel) does not force the last page either.
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ class QuestOptions(BaseModel):
     min_pages: int = Field(3, ge=0, description="pages the top-k keeps at least (the original: 3)")
     dense_first_layers: int = Field(
         2, ge=0, description="the first layers attend densely (the original: 2; a per-layer list goes in dense_layers)"
+    )
+    newest_in_top_k: bool = Field(
+        True,
+        description="the page of the newest token takes one of the top-k places unless the sink or recent window "
+        "holds it (the original kernel's count: exactly max(min_pages, top_k // page_size) pages with "
+        "sink_tokens = recent_tokens = 0); false: it is kept on top of them",
     )
     impl: Literal["auto", "torch", "triton"] = Field("auto", description="scoring kernel: auto = triton on CUDA")
 
@@ -67,6 +74,7 @@ class Quest(ScoringAlgorithm):
     def __init__(self, config, layout, max_requests, max_seq_len) -> None:  # type: ignore[no-untyped-def]
         super().__init__(config, layout, max_requests, max_seq_len)
         self.topk_impl = resolve_impl(self.options.impl, layout.device)
+        self.newest_forced = not self.options.newest_in_top_k
         p = config.page_size
         self.max_pages = -(-max_seq_len // p)
         shape = (layout.num_layers, max_requests, layout.num_kv_heads, self.max_pages, layout.head_dim)

@@ -9,7 +9,10 @@ programs whatever the row count — and reads the scores, which sit in L2, once.
 
 Semantics (identical to the torch path): a unit is *forced* if it holds a sink token, a token
 of the recent window or the newest token; the other valid units (id * unit < length) are
-*eligible*; the `budget_units` best eligible units are kept besides the forced ones. NaN ranks
+*eligible*; the `budget_units` best eligible units are kept besides the forced ones. Two
+variants (see `topk_selection`): a per-row forced tail (`tail_start`, SnapKV's window and
+decoded tokens), and the newest unit counted inside the budget (`newest_forced=False`: it is
+forced only by the sink or recent window, else eligible and ranked above every score). NaN ranks
 as -finfo.max, ±inf as ±finfo.max (so NaN, -inf and -finfo.max tie), -0.0 equals +0.0. The
 kept unit ids, ascending, are cut to `min(width_units, n_units)` and expanded to tokens.
 Ties at the threshold — eligible units scoring exactly the budget-th best score — are broken
@@ -108,13 +111,22 @@ _STATE_ROW = 8  # (prefix, need) x 3, then 2 spare (the kernels index row * 8)
 
 
 @triton.jit
-def _masks(ids, ln, n_units, sink, recent, UNIT: tl.constexpr):
-    """(forced, eligible) masks of units `ids` of a row of length ln. Mirrors topk_selection's."""
+def _masks(ids, ln, n_units, sink, recent, tail, UNIT: tl.constexpr, NEWEST_FORCED: tl.constexpr = True):
+    """(forced, eligible) masks of units `ids` of a row of length ln. Mirrors topk_selection's.
+    tail: the row's forced tail start (ln when it has none); NEWEST_FORCED False: the newest
+    unit is forced only by the sink or the recent window / tail (else it is eligible)."""
     tok = ids * UNIT
     valid = (ids < n_units) & (tok < ln)
     last = tl.maximum(ln - 1, 0) // UNIT  # only used where valid, i.e. ln >= 1
-    recent_start = tl.maximum(ln - recent, 0) // UNIT
-    forced = valid & ((tok < sink) | (ids >= recent_start) | (ids == last))
+    # the first unit holding a token of the recent window or of the tail (none when either is
+    # empty: with a partial last unit, ln // UNIT is that unit)
+    none = ln // UNIT + 1
+    recent_start = tl.where(recent > 0, tl.maximum(ln - recent, 0) // UNIT, none)
+    recent_start = tl.minimum(recent_start, tl.where(tail < ln, tl.maximum(tail, 0) // UNIT, none))
+    if NEWEST_FORCED:
+        forced = valid & ((tok < sink) | (ids >= recent_start) | (ids == last))
+    else:
+        forced = valid & ((tok < sink) | (ids >= recent_start))
     return forced, valid & ~forced
 
 
@@ -124,7 +136,7 @@ def first_digit_histogram(x, ids, ln, n_units, sink, recent, UNIT: tl.constexpr)
     histogram [256] of the top radix digit of float32 scores x of units `ids` of a row of
     length ln, over its eligible units. Added into hist[row, 0:256] and handed to
     `topk_selection_triton(first_pass=hist)`, it replaces that launch."""
-    forced, eligible = _masks(ids, ln, n_units, sink, recent, UNIT)
+    forced, eligible = _masks(ids, ln, n_units, sink, recent, ln, UNIT)
     digit = ((_order_key(x) ^ -2147483648) >> 24) & 0xFF
     return tl.histogram(digit, 256, mask=eligible)
 
@@ -143,18 +155,27 @@ def _order_key(x):
 
 
 @triton.jit
-def _chunk(scores_ptr, lens_ptr, row, chunk, n_units, H, s_b, s_h, s_n, sink, recent,
-           UNIT: tl.constexpr, BLOCK: tl.constexpr):
+def _chunk(scores_ptr, lens_ptr, row, chunk, n_units, H, s_b, s_h, s_n, sink, recent, tail_ptr,
+           UNIT: tl.constexpr, BLOCK: tl.constexpr, HAS_TAIL: tl.constexpr, NEWEST_FORCED: tl.constexpr):
     """This program's units: ids, the row's length, forced / eligible masks and order keys
-    (keys of ineligible units are meaningless). Mirrors topk_selection's masks exactly."""
+    (keys of ineligible units are meaningless). Mirrors topk_selection's masks exactly:
+    HAS_TAIL reads the row's forced tail start from tail_ptr; without NEWEST_FORCED an
+    eligible newest unit gets the key of +inf's bits, above every score's key (each maps to
+    at most finfo.max's), so it is the first unit the budget keeps."""
     b = row // H
     h = row - b * H
     ln = tl.load(lens_ptr + b).to(tl.int32)
+    tail = ln
+    if HAS_TAIL:
+        tail = tl.load(tail_ptr + b).to(tl.int32)
     ids = chunk * BLOCK + tl.arange(0, BLOCK)
-    forced, eligible = _masks(ids, ln, n_units, sink, recent, UNIT)
+    forced, eligible = _masks(ids, ln, n_units, sink, recent, tail, UNIT, NEWEST_FORCED)
     off = b.to(tl.int64) * s_b + h.to(tl.int64) * s_h + ids.to(tl.int64) * s_n
     x = tl.load(scores_ptr + off, mask=eligible, other=0.0)
-    return ids, ln, forced, eligible, _order_key(x)
+    key = _order_key(x)
+    if not NEWEST_FORCED:
+        key = tl.where(ids == tl.maximum(ln - 1, 0) // UNIT, 0x7F800000, key)
+    return ids, ln, forced, eligible, key
 
 
 @triton.jit
@@ -214,8 +235,9 @@ def _pass_histogram(u, eligible, forced, hist_row, state_row, sure_ptr, suffix_p
 @triton.jit
 def _topk_hist_kernel(
     scores_ptr, lens_ptr, hist_ptr, state_ptr, sure_ptr, suffix_ptr,
-    n_units, H, s_b, s_h, s_n, sink, recent, budget,
+    n_units, H, s_b, s_h, s_n, sink, recent, tail_ptr, budget,
     PASS: tl.constexpr, UNIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr,
+    HAS_TAIL: tl.constexpr, NEWEST_FORCED: tl.constexpr,
 ):
     """Radix pass PASS (1 to 4) of a (row, chunk) program (`_pass_histogram`); the prefix and
     rank chosen so far come from `state`, which the row's chunk 0 extends.
@@ -229,7 +251,7 @@ def _topk_hist_kernel(
     if not EARLY:
         pdl.wait(PDL)
     ids, ln, forced, eligible, key = _chunk(scores_ptr, lens_ptr, row, chunk, n_units, H, s_b, s_h, s_n,
-                                            sink, recent, UNIT, BLOCK)
+                                            sink, recent, tail_ptr, UNIT, BLOCK, HAS_TAIL, NEWEST_FORCED)
     if EARLY:
         pdl.wait(PDL)
     u = key ^ -2147483648  # unsigned order bits (as int32; digits are masked after >>)
@@ -305,15 +327,16 @@ def _write_chunk(row, chunk, ids, ln, forced, eligible, key, prefix, need, hist_
 @triton.jit
 def _topk_write_kernel(
     scores_ptr, lens_ptr, hist_ptr, state_ptr, sure_ptr, suffix_ptr, out_ptr, lengths_ptr,
-    n_units, H, s_b, s_h, s_n, sink, recent, n_chunks, width,
+    n_units, H, s_b, s_h, s_n, sink, recent, tail_ptr, n_chunks, width,
     UNIT: tl.constexpr, BLOCK: tl.constexpr, CBLOCK: tl.constexpr, PDL: tl.constexpr,
+    HAS_TAIL: tl.constexpr, NEWEST_FORCED: tl.constexpr,
 ):
     """`_write_chunk` of a (row, chunk) program after the four passes' kernels. With PDL the
     chunk's scores are loaded before the wait (the previous kernel is pass 4)."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     ids, ln, forced, eligible, key = _chunk(scores_ptr, lens_ptr, row, chunk, n_units, H, s_b, s_h, s_n,
-                                            sink, recent, UNIT, BLOCK)
+                                            sink, recent, tail_ptr, UNIT, BLOCK, HAS_TAIL, NEWEST_FORCED)
     pdl.wait(PDL)
     prefix = tl.load(state_ptr + row * 8 + 4)
     need = tl.load(state_ptr + row * 8 + 5)
@@ -337,8 +360,9 @@ def _row_barrier(count_ptr, n):
 @triton.jit
 def _topk_fused_kernel(
     scores_ptr, lens_ptr, hist_ptr, sync_ptr, sure_ptr, suffix_ptr, out_ptr, lengths_ptr,
-    n_units, H, s_b, s_h, s_n, sink, recent, budget, n_chunks, width,
+    n_units, H, s_b, s_h, s_n, sink, recent, tail_ptr, budget, n_chunks, width,
     UNIT: tl.constexpr, BLOCK: tl.constexpr, CBLOCK: tl.constexpr, PDL: tl.constexpr,
+    HAS_TAIL: tl.constexpr, NEWEST_FORCED: tl.constexpr,
 ):
     """The four passes and the write step in one cooperative launch: a (row, chunk) program
     keeps its chunk's keys in registers, and the row's programs meet at a barrier
@@ -349,7 +373,7 @@ def _topk_fused_kernel(
     hist_row = hist_ptr + row.to(tl.int64) * 1024
     sync_row = sync_ptr + row * 4
     ids, ln, forced, eligible, key = _chunk(scores_ptr, lens_ptr, row, chunk, n_units, H, s_b, s_h, s_n,
-                                            sink, recent, UNIT, BLOCK)
+                                            sink, recent, tail_ptr, UNIT, BLOCK, HAS_TAIL, NEWEST_FORCED)
     pdl.wait(PDL)
     u = key ^ -2147483648
     slot = row * n_chunks + chunk
@@ -370,7 +394,7 @@ def _fused_wanted(device: torch.device) -> bool:
 
 
 def _fused_shape(device: torch.device, rows: int, n_units: int, unit: int, block: int, use_pdl: bool,
-                 call: Callable[[int, int], tuple[tuple, dict]]) -> tuple[int, int] | None:
+                 call: Callable[[int, int], tuple[tuple, dict]], variant: tuple = ()) -> tuple[int, int] | None:
     """(BLOCK, warps) of the fused kernel for this problem — the five kernels' shape — or None
     to use the five kernels: None unless all its programs are resident on the GPU at once, the
     cooperative launch's condition, judged from the compiled kernel's registers and shared
@@ -379,7 +403,7 @@ def _fused_shape(device: torch.device, rows: int, n_units: int, unit: int, block
     Not tried, because measured slower than the five kernels at 8 x 131072 (DSA) on an H100:
     the DSA shape with registers capped at 128 so that two programs share an SM (39.2 against
     38.6 µs), half-size 4-warp programs (40.2), one program per SM with twice the keys (65.9)."""
-    key = (device.index, rows, n_units, unit, block, use_pdl, WARPS_OVERRIDE)
+    key = (device.index, rows, n_units, unit, block, use_pdl, WARPS_OVERRIDE, variant)
     if key in _FUSED_SHAPES:
         return _FUSED_SHAPES[key]
     props = torch.cuda.get_device_properties(device)
@@ -448,6 +472,8 @@ def topk_selection_triton(
     recent_tokens: int,
     width_units: int,
     first_pass: torch.Tensor | None = None,
+    newest_forced: bool = True,
+    tail_start: torch.Tensor | None = None,
 ) -> Selection:
     """Triton version of `topk_selection` (same arguments and result; ties at the threshold
     keep the lowest unit ids). scores: float32 [B, H, n_units] on CUDA (or the CPU under
@@ -455,7 +481,8 @@ def topk_selection_triton(
 
     first_pass: a `first_pass_buffer` whose rows' first 256 entries the producer of the scores
     has filled with `first_digit_histogram` (same seq_lens, sink and recent window, clamped by
-    `window`): pass 1 is then skipped (its launch and the memset)."""
+    `window`): pass 1 is then skipped (its launch and the memset); only with the default
+    newest_forced and no tail_start, the rules `first_digit_histogram` follows."""
     if scores.dim() != 3:
         raise ValueError(f"topk_selection: scores must be [B, H, n_units], got {tuple(scores.shape)}")
     if unit < 1:
@@ -480,7 +507,13 @@ def topk_selection_triton(
         lens = lens.to(torch.int64)
     budget = max(0, min(budget_units, n_units))
     sink, recent = window(sink_tokens, recent_tokens)
-    common = (n_units, h, *scores.stride(), sink, recent)
+    if first_pass is not None and (tail_start is not None or not newest_forced):
+        raise ValueError("topk_selection: first_pass needs the default newest_forced and no tail_start")
+    tails = lens if tail_start is None else tail_start.to(device=device, dtype=torch.int64).clamp(-1, 2**31 - 1)
+    if tails.shape != (b,):
+        raise ValueError(f"topk_selection: tail_start must be [B] = [{b}], got {tuple(tails.shape)}")
+    common = (n_units, h, *scores.stride(), sink, recent, tails)
+    rules = dict(HAS_TAIL=tail_start is not None, NEWEST_FORCED=newest_forced)
     use_pdl = pdl.enabled(device)
     if first_pass is None and _fused_wanted(device):
 
@@ -491,10 +524,10 @@ def topk_selection_triton(
             records = torch.empty(rows * chunks * (1 + _NB), dtype=torch.int32, device=device)  # sure, suffix
             args = (scores, lens, zeroed[: rows * _HIST_ROW], zeroed[rows * _HIST_ROW:], records[: rows * chunks],
                     records[rows * chunks:], indices, lengths, *common, budget, chunks, width)
-            return args, dict(UNIT=unit, BLOCK=blk, CBLOCK=_pow2(chunks), PDL=use_pdl, num_warps=warps,
+            return args, dict(UNIT=unit, BLOCK=blk, CBLOCK=_pow2(chunks), PDL=use_pdl, num_warps=warps, **rules,
                               launch_pdl=use_pdl, launch_cooperative_grid=True)
 
-        shape = _fused_shape(device, rows, n_units, unit, block, use_pdl, fused_call)
+        shape = _fused_shape(device, rows, n_units, unit, block, use_pdl, fused_call, tuple(rules.values()))
         if shape is not None:
             args, opts = fused_call(*shape)
             launch(_topk_fused_kernel, (rows, cdiv(n_units, shape[0])), *args, **opts)
@@ -516,9 +549,9 @@ def topk_selection_triton(
         # the scores may be read before the wait unless the previous kernel wrote them (pass
         # 1 follows the memset; pass 2 after a fused first pass follows the scores' producer)
         launch(_topk_hist_kernel, grid, scores, lens, hist, state, sure, suffix, *common, budget,
-                                PASS=p, UNIT=unit, BLOCK=block, PDL=use_pdl, EARLY=p == 1 or p > first,
+                                PASS=p, UNIT=unit, BLOCK=block, PDL=use_pdl, EARLY=p == 1 or p > first, **rules,
                                 num_warps=warps, launch_pdl=use_pdl)
     launch(_topk_write_kernel, grid, scores, lens, hist, state, sure, suffix, indices, lengths, *common, n_chunks, width,
-                             UNIT=unit, BLOCK=block, CBLOCK=_pow2(n_chunks), PDL=use_pdl,
+                             UNIT=unit, BLOCK=block, CBLOCK=_pow2(n_chunks), PDL=use_pdl, **rules,
                              num_warps=warps, launch_pdl=use_pdl)
     return Selection(indices=indices, lengths=lengths, page_size=unit)

@@ -78,6 +78,9 @@ class TaskConfig(BaseModel):
 TASKS: dict[str, dict[str, int]] = {
     "mqar": {"pairs": 48, "passkeys": 0, "queries": 16},
     "passkey": {"pairs": 24, "passkeys": 4, "passkey_len": 5, "queries": 2},
+    # a long query section (192 decoded tokens): what is kept of the prompt as decoding goes
+    # on matters (SnapKV's decoded_tokens rule; docs/accuracy_snapkv.md)
+    "mqar-long": {"pairs": 128, "passkeys": 0, "queries": 96},
 }
 
 
