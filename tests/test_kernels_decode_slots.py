@@ -61,7 +61,10 @@ def test_torch_twins_follow_their_contracts() -> None:
 INTERPRETED = r"""
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
+from sparse_framework.adaptors.flash_attention import page_table_torch
 from sparse_framework.kernels import decode_slots as ds
+from sparse_framework.kv_store.copy import write_token_rows
+from sparse_framework.kv_store.pages import paged_slots_rows
 from test_kernels_decode_slots import aligned_selection, random_table
 
 fast = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
@@ -75,7 +78,7 @@ def slots_equal(b, rows, pages, p, width, holes, out, seed):
     table = random_table(g, rows, pages, rows * pages + 3, holes)
     ids = torch.randint(0, rows, (b,), generator=g)
     pos = torch.randint(-1, pages * p, (b, width), generator=g).to(torch.int32)
-    want = ds.paged_slots_rows(table, ids, pos, p, out)
+    want = paged_slots_rows(table, ids, pos, p, out)
     got = ds.paged_slots_rows_triton(table, ids, pos, p, out)
     assert got.dtype == out and torch.equal(got, want), (got, want)
 
@@ -96,7 +99,7 @@ def writes_equal(b, h, d, p, two, head_major, dtype, strided, seed):
     bufs = [rnd(*shape) for _ in range(2 if two else 1)]
     data = [rnd(b, h, 2 * d)[..., ::2] if strided else rnd(b, h, d) for _ in bufs]
     mine = [x.clone() for x in bufs]
-    want = ds.write_token_rows(bufs, table, ids, lens, data, p, head_major)
+    want = write_token_rows(bufs, table, ids, lens, data, p, head_major)
     got = ds.write_token_rows_triton(mine, table, ids, lens, data, p, head_major)
     assert torch.equal(got, want)
     for a, c in zip(mine, bufs):
@@ -109,7 +112,7 @@ def tables_equal(b, h, width, page, seed):
     g = torch.Generator().manual_seed(seed)
     num_slots = 64 * page
     slots, lengths = aligned_selection(g, b, h, width, page, num_slots)
-    want = ds.page_table_torch(slots, lengths, page, num_slots)
+    want = page_table_torch(slots, lengths, page, num_slots)
     got = ds.page_table_triton(slots, lengths, page, num_slots)
     assert got[0].dtype == torch.int32 and got[1].dtype == torch.int32
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (got, want)
@@ -159,15 +162,15 @@ def test_gpu_kernels_equal_their_twins_past_int32_offsets() -> None:
     rows = torch.randperm(b, generator=g).cuda()
     lens = torch.randint(1, pages * page + 1, (b,), generator=g, dtype=torch.int32).cuda()
     x = torch.randn(b, heads, 1, generator=g).to(torch.bfloat16).cuda()
-    want = ds.write_token_rows([buf], table, rows, lens, [x], page, head_major=True)
+    want = write_token_rows([buf], table, rows, lens, [x], page, head_major=True)
     got = ds.write_token_rows_triton([mine], table, rows, lens, [x], page, head_major=True)
     assert torch.equal(got, want) and int(want.max()) > 2**24
     assert torch.equal(mine[:, want], buf[:, want]) and torch.equal(mine[:, want, 0].T, x[..., 0])
     del buf, mine
     pos = torch.randint(-1, pages * page, (b, 2128), generator=g, dtype=torch.int32).cuda()
     for dtype in (torch.int32, torch.int64):
-        assert torch.equal(ds.paged_slots_rows_triton(table, rows, pos, page, dtype), ds.paged_slots_rows(table, rows, pos, page, dtype))
+        assert torch.equal(ds.paged_slots_rows_triton(table, rows, pos, page, dtype), paged_slots_rows(table, rows, pos, page, dtype))
     sel, lengths = aligned_selection(g, b, heads, 2128, page, slots)
     sel, lengths = sel.cuda(), lengths.cuda()
-    got_t, want_t = ds.page_table_triton(sel, lengths, page, slots), ds.page_table_torch(sel, lengths, page, slots)
+    got_t, want_t = ds.page_table_triton(sel, lengths, page, slots), page_table_torch(sel, lengths, page, slots)
     assert torch.equal(got_t[0], want_t[0]) and torch.equal(got_t[1], want_t[1])

@@ -195,3 +195,29 @@ def test_host_pinning_fills_zeros_and_logs_large_pools(monkeypatch, caplog) -> N
     assert "(50%)" in caplog.text and "huge pages + cudaHostRegister" in caplog.text
     big[1, 7] = 3.0  # writable, the exact size
     assert float(big.sum()) == 3.0
+
+
+def test_a_registered_host_pool_stays_registered_while_any_view_of_it_lives(monkeypatch) -> None:
+    """The region is released (cudaHostUnregister) when the last tensor over it is gone, not
+    when the tensor object pinned_zeros returned is collected: the store keeps views of its
+    pools, and the GPU reading unregistered memory would read garbage or fault."""
+    import gc
+
+    from sparse_framework.kv_store import pinned
+
+    released = []
+    monkeypatch.setattr(pinned._Region, "register", lambda self: (setattr(self, "registered", True),
+                                                                   pinned._LIVE.__setitem__(self.ptr, self.nbytes)))
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: type("R", (), {"cudaHostUnregister": staticmethod(released.append)}))
+    pool = pinned.pinned_zeros((4, 1024), torch.float32, "host KV pool")
+    view = pool[1:].view(3, 32, 32)
+    assert pinned.is_gpu_readable(view) and not pinned.is_gpu_readable(torch.zeros(4))
+    start = pool.data_ptr()
+    del pool
+    gc.collect()
+    assert released == [] and pinned.is_gpu_readable(view)
+    view.fill_(2.0)  # the memory is still mapped
+    assert float(view.sum()) == 2.0 * 3 * 1024
+    del view
+    gc.collect()
+    assert released == [start] and start not in pinned._LIVE

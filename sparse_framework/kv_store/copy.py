@@ -14,6 +14,7 @@ import torch
 
 from ..common.arith import pow2
 from .pages import paged_slots_rows
+from .pinned import is_gpu_readable
 
 
 class _HostPointer:
@@ -31,7 +32,7 @@ class _HostPointer:
 def _as_kernel_arg(t: torch.Tensor) -> torch.Tensor | _HostPointer:
     if t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return t
-    if not t.is_pinned():
+    if not is_gpu_readable(t):
         raise ValueError("copy_rows: a host tensor read or written by the GPU must be pinned")
     return _HostPointer(t)
 

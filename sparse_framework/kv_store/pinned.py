@@ -32,8 +32,14 @@ LOG_BYTES = 1 << 30  # pools from this size on are logged (INFO) before and afte
 PROGRESS_SECONDS = 3.0  # a progress line at most this often while filling
 
 
+_LIVE: dict[int, int] = {}  # start address -> bytes of every registered region alive
+
+
 class _Region:
-    """An anonymous mapping registered with CUDA; unregistered when released (or collected)."""
+    """An anonymous mapping registered with CUDA, unregistered when the last tensor viewing it
+    is gone: the tensors are made over `owner()`, a buffer object whose finalizer releases the
+    region, and torch keeps that object alive as long as any view of the storage lives (a
+    finalizer on one tensor object would unregister memory its views still read)."""
 
     def __init__(self, nbytes: int) -> None:
         self.map = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -45,19 +51,37 @@ class _Region:
         self.nbytes = nbytes
         self.registered = False
 
+    def owner(self) -> ctypes.Array:
+        """The region's aligned bytes as a buffer whose collection releases the region."""
+        array_type = type("PinnedBytes", (ctypes.c_char * self.nbytes,), {})  # a subclass takes weakrefs
+        owner = array_type.from_buffer(self.map, self.offset)
+        weakref.finalize(owner, self.release)
+        return owner
+
     def register(self) -> None:
         err = int(torch.cuda.cudart().cudaHostRegister(self.ptr, self.nbytes, 0))
         if err != 0:
             raise RuntimeError(f"cudaHostRegister of {self.nbytes} bytes failed (cudaError {err})")
         self.registered = True
+        _LIVE[self.ptr] = self.nbytes
 
     def release(self) -> None:
         if self.registered:
             self.registered = False
+            _LIVE.pop(self.ptr, None)
             try:
                 torch.cuda.cudart().cudaHostUnregister(self.ptr)
             except Exception:  # noqa: BLE001 (interpreter shutdown: the driver may be gone)
                 pass
+
+
+def is_gpu_readable(t: torch.Tensor) -> bool:
+    """Whether the GPU may read and write host tensor `t` directly: pinned by torch, or inside
+    a region registered here (torch's `is_pinned` need not know about those)."""
+    if t.is_pinned():
+        return True
+    start = t.data_ptr()
+    return any(ptr <= start < ptr + n for ptr, n in _LIVE.items())
 
 
 def fill_zero(t: torch.Tensor, threads: int, progress: Callable[[int], None] | None = None) -> None:
@@ -77,12 +101,10 @@ def _registered_zeros(shape: tuple[int, ...], dtype: torch.dtype, progress: Call
     numel = torch.Size(shape).numel()
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     region = _Region(nbytes)
-    raw = torch.frombuffer(region.map, dtype=torch.uint8)[region.offset : region.offset + nbytes]
+    raw = torch.frombuffer(region.owner(), dtype=torch.uint8)  # every view keeps the owner alive
     fill_zero(raw, min(16, os.cpu_count() or 1), progress)
     region.register()
-    t = raw.view(dtype).view(shape)
-    weakref.finalize(t, region.release)  # the tensor (and views of it) keep the map alive
-    return t
+    return raw.view(dtype).view(shape)
 
 
 def _available_bytes() -> int | None:
