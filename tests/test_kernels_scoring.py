@@ -279,7 +279,8 @@ def test_references_equal_the_algorithms(how) -> None:
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
     common = {"top_k": 32, "page_size": 4, "min_sparse_prompt_len": 0, "device_buffer_tokens": 512}
     quest = Quest(load_config({**common, "algorithm": "quest", "extra": {"gqa_reduce": how}}), layout, 3, 128)
-    pq = PQCache(load_config({**common, "algorithm": "pqcache", "extra": {"gqa_reduce": how, "iterations": 3}}),
+    pq = PQCache(load_config({**common, "algorithm": "pqcache", "extra": {"gqa_reduce": how, "iterations": 3,
+                                                                               "candidates": "all"}}),
                  layout, 3, 128)
     for r in reqs:
         keys = torch.randn(r.seq_len, 2, 16, generator=g).to(torch.bfloat16)
@@ -289,7 +290,8 @@ def test_references_equal_the_algorithms(how) -> None:
     for r in reqs:  # the step being decoded (its token is not in the representations yet)
         r.seq_len += 1
     batch = batch_of(reqs)
-    # PQCache.score: each query head's softmax of the kernel's logits / √d, then the group's reduce
+    # PQCache.score (candidates "all"): each query head's softmax of the kernel's logits / √d over
+    # every stored token, then the group's reduce (the "middle" rule: test_algorithms_pqcache.py)
     logits = sc.pqcache_scores_torch(q, pq.codebooks[1], pq.codes[1], batch.slot_ids, 71, "none")
     want = pq.score(1, q, batch)
     for i, r in enumerate(reqs):

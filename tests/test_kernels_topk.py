@@ -267,7 +267,7 @@ def test_algorithms_select_with_their_resolved_impl(name, extra, monkeypatch) ->
     seen = []
     monkeypatch.setattr(base, "topk_selection", lambda *a, **kw: seen.append(kw["impl"]))
     monkeypatch.setattr(algo, "score", lambda *a, **kw: torch.zeros(1, 1, 4))
-    algo.select(0, torch.zeros(1, 2, 128), type("B", (), {"seq_lens": torch.tensor([4])})())
+    algo.select(0, torch.zeros(1, 2, 128), type("B", (), {"seq_lens": torch.tensor([4]), "slot_ids": torch.tensor([0])})())
     assert seen == [algo.topk_impl]
 
 
@@ -279,7 +279,7 @@ def test_topk_selection_dispatches_to_the_kernel(monkeypatch) -> None:
     monkeypatch.setattr(tk, "topk_selection_triton", lambda *a, **kw: calls.append(kw) or "sel")
     kw = dict(unit=2, budget_units=3, sink_tokens=1, recent_tokens=4, width_units=9)
     assert topk_selection(torch.zeros(1, 1, 4), torch.tensor([8]), impl="triton", **kw) == "sel"
-    assert calls == [{**kw, "first_pass": None}]
+    assert calls == [{**kw, "first_pass": None, "newest_forced": True, "tail_start": None}]
     assert topk_selection(torch.zeros(1, 1, 4), torch.tensor([8]), impl="auto", **kw) != "sel"  # CPU: torch
 
 
