@@ -1,0 +1,126 @@
+"""Prefill staging: the device K/V of prompts being prefilled in chunks.
+
+A prompt is prefilled a chunk per step (the scheduler's token budget), and every chunk attends
+to all of the prompt before it. Reading that prefix back from the host store would cost PCIe
+traffic quadratic in the prompt, so — as HiSparse does — a prompt's K/V are staged on the
+device, densely, while it is prefilled; when its last chunk is done the runner hands the whole
+staged prompt to the coordinator (which offloads it to the host, keeps the request's buffer
+and builds the algorithm's representations) and the staging is released.
+
+The staging holds one contiguous span of token rows per prompt (all layers at once), reserved
+when the request is admitted for its whole prompt, so a chunk never waits for room and
+attention reads the prefix as one slice. Spans are placed first fit over a free list.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..common.errors import CapacityError
+from ..common.layout import KVLayout
+
+
+class PrefillStaging:
+    """K and V rows [layers, capacity_tokens, kv_heads, head_dim] on the layout's device, with
+    one span per prompt being prefilled (`reserve` / `release` by request id)."""
+
+    def __init__(self, layout: KVLayout, capacity_tokens: int) -> None:
+        if layout.is_mla:
+            raise NotImplementedError("prefill staging of MLA latents comes with the DeepSeek models (issue 22)")
+        if capacity_tokens < 1:
+            raise CapacityError(f"prefill staging needs at least one token, got capacity_tokens={capacity_tokens}")
+        self.layout = layout
+        self.capacity = capacity_tokens
+        shape = (layout.num_layers, capacity_tokens, layout.num_kv_heads, layout.head_dim)
+        self.k = torch.empty(shape, dtype=layout.dtype, device=layout.device)
+        self.v = torch.empty(shape, dtype=layout.dtype, device=layout.device)
+        self._free: list[tuple[int, int]] = [(0, capacity_tokens)]  # (start, length), by start
+        self.spans: dict[str, tuple[int, int]] = {}
+
+    @staticmethod
+    def bytes_per_token(layout: KVLayout) -> int:
+        """Device bytes one staged prompt token takes (K and V, every layer)."""
+        return 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * layout.dtype.itemsize
+
+    @property
+    def free_tokens(self) -> int:
+        return sum(n for _, n in self._free)
+
+    def largest_free(self) -> int:
+        """The longest prompt a `reserve` can place now."""
+        return max((n for _, n in self._free), default=0)
+
+    def reserve(self, rid: str, tokens: int) -> bool:
+        """A span of `tokens` rows for request `rid`, first fit; False (nothing changed) when no
+        free span is long enough."""
+        if rid in self.spans:
+            raise ValueError(f"request {rid!r} already has a staging span")
+        for i, (start, n) in enumerate(self._free):
+            if n >= tokens:
+                self.spans[rid] = (start, tokens)
+                if n == tokens:
+                    del self._free[i]
+                else:
+                    self._free[i] = (start + tokens, n - tokens)
+                return True
+        return False
+
+    def release(self, rid: str) -> None:
+        """Give a request's span back (merged with free neighbours)."""
+        start, n = self.spans.pop(rid)
+        self._free.append((start, n))
+        self._free.sort()
+        merged: list[tuple[int, int]] = []
+        for s, m in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == s:
+                merged[-1] = (merged[-1][0], merged[-1][1] + m)
+            else:
+                merged.append((s, m))
+        self._free = merged
+
+    def _rows(self, rid: str, start: int, stop: int) -> slice:
+        base, n = self.spans[rid]
+        if not 0 <= start <= stop <= n:
+            raise ValueError(f"request {rid!r}: rows {start}..{stop} outside its staged prompt of {n} tokens")
+        return slice(base + start, base + stop)
+
+    def write(self, layer: int, rid: str, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This chunk's K/V rows [n, kv_heads, head_dim] at prompt positions start..start+n-1."""
+        rows = self._rows(rid, start, start + k.shape[0])
+        self.k[layer, rows] = k
+        self.v[layer, rows] = v
+
+    def prefix(self, layer: int, rid: str, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of prompt positions 0..stop-1 (views, no copy)."""
+        rows = self._rows(rid, 0, stop)
+        return self.k[layer, rows], self.v[layer, rows]
+
+
+def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of a prompt chunk over its prefix: q [n, Hq, D] are the last n of the
+    m positions whose K/V are k, v [m, Hkv, D] (GQA: Hq a multiple of Hkv). Query i sees keys
+    0..m-n+i. No O(m²) mask: the mask is [n, m] for this chunk only, and SDPA picks its fused
+    kernels where it can (float32 math on the CPU). Returns [n, Hq, D] in q's dtype."""
+    n, hq, d = q.shape
+    m, hkv, _ = k.shape
+    if n > m:
+        raise ValueError(f"chunk_attention: {n} queries but only {m} keys")
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, Hkv, m, D]
+    if _GQA:  # torch >= 2.5: the group shares its K/V rows (no copy per query head)
+        kw: dict = {"enable_gqa": hq != hkv}
+    else:
+        kh, vh, kw = kh.repeat_interleave(hq // hkv, dim=1), vh.repeat_interleave(hq // hkv, dim=1), {}
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if n == m:
+        out = sdpa(qh, kh, vh, is_causal=True, scale=1 / math.sqrt(d), **kw)
+    else:
+        rows = torch.arange(m - n, m, device=q.device).unsqueeze(1)
+        allowed = torch.arange(m, device=q.device).unsqueeze(0) <= rows  # [n, m]
+        out = sdpa(qh, kh, vh, attn_mask=allowed, scale=1 / math.sqrt(d), **kw)
+    return out[0].transpose(0, 1)
+
+
+_GQA = "enable_gqa" in (torch.nn.functional.scaled_dot_product_attention.__doc__ or "")
