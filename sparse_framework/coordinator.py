@@ -194,6 +194,13 @@ class SparseCoordinator:
         self.requests[request.rid] = request
         self.dense_tally.admit(request.dense)
 
+    def can_grow(self, requests: list[Request]) -> bool:
+        """Whether a decode step of these active requests would find room for its new tokens
+        (`forward_begin` raises CapacityError where it would not); changes nothing."""
+        for r in requests:
+            self._active(r)
+        return self.store.can_grow(requests)
+
     def on_request_retract(self, request: Request) -> None:
         """Preempt a request between steps: its device KV is released, its host KV and the
         algorithm's representations are kept; `on_request_resume` brings it back."""

@@ -375,3 +375,48 @@ def test_keys_in_another_dtype_than_the_layout_are_accepted(algorithm, extra, dt
     for _ in range(3):
         for out, ref, _ in drv.decode(reqs):
             assert out.shape == ref.shape and torch.isfinite(out).all()
+
+
+def _grow_until_full(lens: list[int], short: int, host_pages: int, dense_pages: int) -> bool:
+    """Decode until a step finds no room (True) or max_seq_len (False), checking before each
+    step that can_grow predicts it and changes nothing."""
+    coord = make({"min_sparse_prompt_len": short}, max_seq_len=200,
+                 host_capacity_tokens=host_pages * 4, device_capacity_tokens=dense_pages * 4)
+    drv = Driver(coord, q_heads=4)
+    reqs = [r for r in (Request(f"r{i}", n) for i, n in enumerate(lens)) if _prefilled(drv, r)]
+    while reqs and max(r.seq_len for r in reqs) < 199:
+        before = [r.seq_len for r in reqs]
+        used = coord.store.used_tokens()
+        predicted = coord.can_grow(reqs)
+        assert [r.seq_len for r in reqs] == before and coord.store.used_tokens() == used
+        try:
+            drv.decode(reqs)
+        except CapacityError:
+            assert not predicted and [r.seq_len for r in reqs] == before
+            return True
+        assert predicted
+    return False
+
+
+@settings(max_examples=15, deadline=None)
+@given(lens=st.lists(st.integers(1, 60), min_size=1, max_size=3), short=st.integers(0, 40),
+       host_pages=st.integers(5, 60), dense_pages=st.integers(8, 120))
+def test_can_grow_predicts_whether_forward_begin_finds_room(lens, short, host_pages, dense_pages) -> None:
+    """can_grow says, without changing anything, whether the next decode step's forward_begin
+    finds room (host pages of sparse requests, device pages of dense-mode ones)."""
+    _grow_until_full(lens, short, host_pages, dense_pages)
+
+
+# sparse requests (buffers of 200 tokens) run out of host pages, dense-mode ones of device pages
+@pytest.mark.parametrize("short, host_pages, dense_pages", [(0, 24, 100), (100, 200, 24)])
+def test_can_grow_says_no_before_the_pools_run_out(short, host_pages, dense_pages) -> None:
+    assert _grow_until_full([30, 40], short, host_pages, dense_pages)
+
+
+def _prefilled(drv: Driver, r: Request) -> bool:
+    """Begin and prefill `r`, False where there is no room for it (nothing changed then)."""
+    try:
+        drv.prefill([r])
+    except CapacityError:
+        return False
+    return True

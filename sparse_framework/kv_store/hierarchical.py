@@ -276,19 +276,34 @@ class HierarchicalKVStore(KVStore):
             raise
         self.maps.reset(request.slot)
 
+    def _growth_error(self, starting: list[Request]) -> CapacityError | None:
+        """Why the requests `starting` a new page cannot each get one (None: they can)."""
+        host_need = sum(1 for r in starting if self._keeps_host(r))
+        if host_need > self.host_alloc.free:
+            try:
+                self.host_alloc.alloc(host_need, self.page_size, f"{host_need} requests")
+            except CapacityError as exc:  # (the allocator's own message; nothing was taken)
+                return exc
+        for layer in range(self.layout.num_layers):
+            growing = [r for r in starting if self.mode(r, layer) == _RESIDENT]
+            if len(growing) > self.dev_alloc[layer].free:
+                who = ", ".join(repr(r.rid) for r in growing[:4]) + (", ..." if len(growing) > 4 else "")
+                return self._no_room(layer, len(growing), f"request(s) {who}", any(r.dense for r in growing))
+        return None
+
+    def can_grow(self, requests: list[Request]) -> bool:
+        """Whether one more token of each request (its next decode step) finds room; changes
+        nothing. What an engine asks before a step, to preempt instead of failing it."""
+        return self._growth_error([r for r in requests if r.seq_len % self.page_size == 0]) is None
+
     def grow(self, batch: Batch) -> None:
         """Pages for this step's new tokens (only at page boundaries); all or nothing."""
         starting = [r for r in batch.requests if (r.seq_len - 1) % self.page_size == 0]
         if not starting:
             return
-        host_need = sum(1 for r in starting if self._keeps_host(r))
-        if host_need > self.host_alloc.free:
-            self.host_alloc.alloc(host_need, self.page_size, f"{host_need} requests")  # raises
-        for layer in range(self.layout.num_layers):
-            growing = [r for r in starting if self.mode(r, layer) == _RESIDENT]
-            if len(growing) > self.dev_alloc[layer].free:
-                who = ", ".join(repr(r.rid) for r in growing[:4]) + (", ..." if len(growing) > 4 else "")
-                raise self._no_room(layer, len(growing), f"request(s) {who}", any(r.dense for r in growing))
+        error = self._growth_error(starting)
+        if error is not None:
+            raise error
         for r in starting:
             if self._keeps_host(r):
                 self.host_pool.reserve(r, r.seq_len)
