@@ -167,3 +167,18 @@ def test_max_tail_tokens_must_fit_the_device_buffer() -> None:
     assert SnapKV.max_selected_tokens(cfg) == 16 + 256 + 64 + 1 + 1024
     cfg = load_config({**base, "extra": {"decoded_tokens": "in_budget"}})
     assert SnapKV.max_selected_tokens(cfg) == 16 + 256 + 64 + 1
+
+
+def test_build_reads_only_the_last_prefill_query_rows() -> None:
+    """An engine that prefills in chunks keeps only the last `prefill_query_rows` queries:
+    the votes must not depend on the others (they are NaN here)."""
+    algo = make(top_k=16, window=6)
+    assert algo.prefill_query_rows == 6
+    g = torch.Generator().manual_seed(3)
+    keys, queries = torch.randn(40, 2, 8, generator=g), torch.randn(40, 4, 8, generator=g)
+    partial = queries.clone()
+    partial[: 40 - 6] = float("nan")
+    a, b = Request("a", 40, seq_len=40, slot=0), Request("b", 40, seq_len=40, slot=1)
+    algo.build(0, a, keys, queries)
+    algo.build(0, b, keys, partial)
+    assert torch.equal(algo.votes[0, 0], algo.votes[0, 1]) and not algo.votes[0, 1].isnan().any()

@@ -72,6 +72,12 @@ class SparseAlgorithm(ABC):
         self.decode_inputs: dict[str, tuple[int, ...]] = {}
 
     @property
+    def prefill_query_rows(self) -> int | None:
+        """How many of the prompt's last queries `build` reads: 0 when it reads none, None for
+        all of them. An engine that prefills in chunks keeps only these (SnapKV: its window)."""
+        return None if self.needs_prefill_queries else 0
+
+    @property
     def unit(self) -> int:
         """Tokens per selection unit: page_size for page-granular algorithms, else 1."""
         return self.config.page_size if self.granularity == "page" else 1

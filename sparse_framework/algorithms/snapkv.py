@@ -139,6 +139,11 @@ class SnapKV(ScoringAlgorithm):
         self.impl = resolve_impl(self.options.impl, layout.device)
         self.topk_impl = self.impl
 
+    @property
+    def prefill_query_rows(self) -> int:
+        """The observation window: `build` reads only the prompt's last `window` queries."""
+        return self.options.window
+
     def build(
         self, layer: int, request: Request, keys: torch.Tensor, queries: torch.Tensor | None = None, *, inputs: Inputs = NO_INPUTS
     ) -> None:
