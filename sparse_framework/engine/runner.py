@@ -1,0 +1,266 @@
+"""`ModelRunner`: one engine step — a packed forward of decode rows and prefill chunks.
+
+A step's tokens are packed in one tensor: first one token per decoding request, then the
+prefill chunks. The model calls `attend(layer, q, k, v)` once per layer (see
+engine/models), and the runner splits the rows:
+
+  decode rows     through the coordinator's decode hooks (store write, select, make resident,
+                  attend, append), one coordinator step around the whole forward;
+  prefill chunks  K/V written to the prompt's staging span, queries attending causally to the
+                  staged prefix (`chunk_attention`): the prompt never passes through a
+                  full-context attention and never needs more than a chunk of activations.
+
+After the forward, each prompt whose last chunk ran is handed to the coordinator from its
+staging (a prefill step of its own: the store offloads it to the host and fills the request's
+buffer, the algorithm builds its representations; no attention is computed there) and its
+staging span is released. The logits returned are those of the decode rows, then of the last
+token of each completed prompt: the rows the engine samples.
+
+Memory is reserved when a request is admitted (`admit`: the coordinator's device buffers and
+host pages, and the staging span of the whole prompt) and grows one token per decode step;
+`can_grow` says, before a step, whether it will find room, so the scheduler preempts
+(`retract`) rather than failing the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ..common.batch import Batch, Request
+from ..common.errors import CapacityError, ConfigError
+from ..common.layout import KVLayout
+from ..config import SparseConfig, load_config
+from ..coordinator import SparseCoordinator
+from .staging import PrefillStaging, chunk_attention
+
+
+class AttendFn(Protocol):
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class Model(Protocol):
+    """What the runner needs of a model (engine/models' DecoderModel)."""
+
+    def __call__(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn, logits_rows: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    """One decoding request's token this step: the last one sampled, fed back."""
+
+    rid: str
+    token: int
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Prompt tokens start..start+len(tokens)-1 of request `rid`; `last` when they end it."""
+
+    rid: str
+    tokens: tuple[int, ...]
+    start: int
+    last: bool
+
+
+class ModelRunner:
+    """The model, a SparseCoordinator over its KV and the prefill staging.
+
+    max_num_seqs / max_model_len size the coordinator (requests at once, tokens per request);
+    staging_tokens: prompt tokens that can be staged at once (at least the longest prompt);
+    device/host_capacity_tokens: the coordinator's pools (defaults: its own sizing)."""
+
+    def __init__(
+        self,
+        model: Model,
+        layout: KVLayout,
+        sparse_config: SparseConfig | dict[str, Any] | str,
+        *,
+        num_q_heads: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        staging_tokens: int,
+        device_capacity_tokens: int | None = None,
+        host_capacity_tokens: int | None = None,
+        decode_graphs: bool = False,
+    ) -> None:
+        self.model = model
+        self.layout = layout
+        self.num_q_heads = num_q_heads
+        config = load_config(sparse_config)
+        self.coord = SparseCoordinator(
+            config, layout, max_requests=max_num_seqs, max_seq_len=max_model_len,
+            device_capacity_tokens=device_capacity_tokens, host_capacity_tokens=host_capacity_tokens,
+            decode_graphs=decode_graphs,
+        )
+        algo = self.coord.algorithm
+        if algo.prefill_inputs or algo.decode_inputs:
+            needs = sorted({**algo.prefill_inputs, **algo.decode_inputs})
+            raise ConfigError(
+                f"algorithm {config.algorithm!r} needs model inputs {needs} that these models do not compute "
+                "(for DSA set extra.source to 'keys')"
+            )
+        self.staging = PrefillStaging(layout, staging_tokens)
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self._q_rows = algo.prefill_query_rows  # None: every prompt query; 0: none
+        self._q_tails: dict[str, torch.Tensor] = {}  # rid -> [layers, rows, Hq, D]: the queries build reads
+
+    # -- memory (what the scheduler's budget asks) -----------------------------------------------
+    def admit(self, rid: str, prompt_len: int) -> bool:
+        """Reserve a request's device buffers, host pages and prompt staging; False (nothing
+        reserved) when there is no room now."""
+        if not self.staging.reserve(rid, prompt_len):
+            return False
+        request = Request(rid, prompt_len)
+        try:
+            self.coord.on_request_begin(request)
+        except CapacityError:
+            self.staging.release(rid)
+            return False
+        self.requests[rid] = request
+        rows = prompt_len if self._q_rows is None else min(self._q_rows, prompt_len)
+        if rows:
+            self._q_tails[rid] = torch.empty(
+                (self.layout.num_layers, rows, self.num_q_heads, self.layout.head_dim),
+                dtype=self.layout.dtype, device=self.layout.device,
+            )
+        return True
+
+    def can_grow(self, rids: list[str]) -> bool:
+        """Whether one more decode token of each of these requests finds room."""
+        return self.coord.can_grow([self.requests[r] for r in rids])
+
+    def retract(self, rid: str) -> None:
+        """Preempt a decoding request: its device KV goes, its host KV stays."""
+        self.coord.on_request_retract(self.requests[rid])
+
+    def resume(self, rid: str) -> bool:
+        """Bring a retracted request back; False (still retracted) when there is no room."""
+        try:
+            self.coord.on_request_resume(self.requests[rid])
+        except CapacityError:
+            return False
+        return True
+
+    def free(self, rid: str) -> None:
+        """Release everything a request holds, in any state."""
+        request = self.requests.pop(rid, None)
+        if request is not None:
+            self.coord.on_request_end(request)
+        if rid in self.staging.spans:
+            self.staging.release(rid)
+        self._q_tails.pop(rid, None)
+
+    def seq_len(self, rid: str) -> int:
+        """Tokens of the request whose K/V are stored (prompt + decoded so far)."""
+        return self.requests[rid].seq_len
+
+    # -- a step ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, decode: list[DecodeRow], prefill: list[PrefillChunk]) -> torch.Tensor:
+        """Run one step; logits (float32) of the decode rows, then of each prompt completed."""
+        if not decode and not prefill:
+            raise ValueError("an empty step")
+        device = self.layout.device
+        ids, positions, logits_rows = [], [], []
+        for i, row in enumerate(decode):
+            ids.append(row.token)
+            positions.append(self.requests[row.rid].seq_len)
+            logits_rows.append(i)
+        offset = len(decode)
+        for chunk in prefill:
+            n = len(chunk.tokens)
+            ids.extend(chunk.tokens)
+            positions.extend(range(chunk.start, chunk.start + n))
+            if chunk.last:
+                logits_rows.append(offset + n - 1)
+            offset += n
+        token_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        pos = torch.tensor(positions, dtype=torch.long, device=device)
+        rows = torch.tensor(logits_rows, dtype=torch.long, device=device)
+
+        batch = Batch([self.requests[r.rid] for r in decode]) if decode else None
+        if batch is not None:
+            self.coord.forward_begin(batch)
+        try:
+            logits = self.model(token_ids, pos, self._attend_fn(batch, len(decode), prefill), rows)
+        except BaseException:
+            if batch is not None:
+                self.coord.abort_step(batch)
+            raise
+        if batch is not None:
+            self.coord.forward_end(batch)
+        for chunk in prefill:
+            if chunk.last:
+                self._commit(chunk.rid, chunk.start + len(chunk.tokens))
+        return logits
+
+    def _attend_fn(self, batch: Batch | None, num_decode: int, prefill: list[PrefillChunk]) -> AttendFn:
+        coord, staging = self.coord, self.staging
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            out = torch.empty_like(q)
+            if batch is not None:
+                b = num_decode
+                meta = coord.attention_begin(layer, q[:b], k[:b], v[:b], batch)
+                out[:b] = coord.attend(layer, q[:b], meta)
+                coord.attention_end(layer, out[:b], batch)
+            offset = num_decode
+            for chunk in prefill:
+                n = len(chunk.tokens)
+                rows = slice(offset, offset + n)
+                staging.write(layer, chunk.rid, chunk.start, k[rows], v[rows])
+                pk, pv = staging.prefix(layer, chunk.rid, chunk.start + n)
+                out[rows] = chunk_attention(q[rows], pk, pv)
+                self._keep_queries(layer, chunk, q[rows])
+                offset += n
+            return out
+
+        return attend
+
+    def _keep_queries(self, layer: int, chunk: PrefillChunk, q: torch.Tensor) -> None:
+        """The chunk's queries among the prompt's last ones that `build` reads."""
+        tail = self._q_tails.get(chunk.rid)
+        if tail is None:
+            return
+        prompt_len = self.requests[chunk.rid].prompt_len
+        first = prompt_len - tail.shape[1]  # prompt position of the tail's row 0
+        lo, hi = max(chunk.start, first), chunk.start + q.shape[0]
+        if lo < hi:
+            tail[layer, lo - first : hi - first] = q[lo - chunk.start : hi - chunk.start]
+
+    def _commit(self, rid: str, prompt_len: int) -> None:
+        """Hand a completed prompt from the staging to the coordinator: one prefill step, the
+        store writes and the algorithm's build, no attention (the chunks computed it)."""
+        request = self.requests[rid]
+        batch = Batch([request], is_prefill=True)
+        self.coord.forward_begin(batch)
+        try:
+            for layer in range(self.layout.num_layers):
+                k, v = self.staging.prefix(layer, rid, prompt_len)
+                self.coord.attention_begin(layer, self._prompt_queries(layer, rid, prompt_len), k, v, batch)
+                self.coord.attention_end(layer, None, batch)
+        except BaseException:
+            self.coord.abort_step(batch)
+            raise
+        self.coord.forward_end(batch)
+        self.staging.release(rid)
+        self._q_tails.pop(rid, None)
+
+    def _prompt_queries(self, layer: int, rid: str, n: int) -> torch.Tensor:
+        """q [n, Hq, D] for the coordinator's prefill: the kept last queries in place and a
+        zero-stride stand-in for the rest (no memory) when the algorithm reads none."""
+        shape = (n, self.num_q_heads, self.layout.head_dim)
+        tail = self._q_tails.get(rid)
+        if tail is None:
+            return torch.zeros((1, *shape[1:]), dtype=self.layout.dtype, device=self.layout.device).expand(shape)
+        if tail.shape[1] == n:
+            return tail[layer]
+        q = torch.zeros(shape, dtype=self.layout.dtype, device=self.layout.device)
+        q[n - tail.shape[1] :] = tail[layer]
+        return q
