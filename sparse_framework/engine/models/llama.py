@@ -8,6 +8,8 @@ runner's `attend` callback; everything else (projections, norms, RoPE, MLP) is h
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -20,9 +22,9 @@ class RMSNorm(nn.Module):
     """x / rms(x) x weight over the last dim; the statistic in float32, the product in the
     input's dtype (as the checkpoints were trained)."""
 
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+    def __init__(self, dim: int, eps: float, **factory: Any) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.weight = nn.Parameter(torch.ones(dim, **factory))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -34,17 +36,17 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """q/k/v projections (+ q/k norm), RoPE, the `attend` callback, the output projection."""
 
-    def __init__(self, c: ModelConfig, **factory: object) -> None:
+    def __init__(self, c: ModelConfig, **factory: Any) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, q_dim, bias=c.attention_bias, **factory)  # type: ignore[arg-type]
-        self.k_proj = nn.Linear(c.hidden_size, kv_dim, bias=c.attention_bias, **factory)  # type: ignore[arg-type]
-        self.v_proj = nn.Linear(c.hidden_size, kv_dim, bias=c.attention_bias, **factory)  # type: ignore[arg-type]
-        self.o_proj = nn.Linear(q_dim, c.hidden_size, bias=c.o_proj_bias, **factory)  # type: ignore[arg-type]
+        self.q_proj = nn.Linear(c.hidden_size, q_dim, bias=c.attention_bias, **factory)
+        self.k_proj = nn.Linear(c.hidden_size, kv_dim, bias=c.attention_bias, **factory)
+        self.v_proj = nn.Linear(c.hidden_size, kv_dim, bias=c.attention_bias, **factory)
+        self.o_proj = nn.Linear(q_dim, c.hidden_size, bias=c.o_proj_bias, **factory)
         if c.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **factory)  # type: ignore[arg-type]
-            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **factory)  # type: ignore[arg-type]
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **factory)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **factory)
         self.qk_norm = c.qk_norm
 
     def forward(
@@ -64,25 +66,29 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, c: ModelConfig, **factory: object) -> None:
+    def __init__(self, c: ModelConfig, **factory: Any) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, **factory)  # type: ignore[arg-type]
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, **factory)  # type: ignore[arg-type]
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias, **factory)  # type: ignore[arg-type]
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, **factory)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, **factory)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, **factory: object) -> None:
+    """Pre-norm residual block: h + attn(norm(h)), then + mlp(norm(.))."""
+
+    def __init__(self, c: ModelConfig, **factory: Any) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)  # type: ignore[arg-type]
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
         self.self_attn = Attention(c, **factory)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)  # type: ignore[arg-type]
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
         self.mlp = MLP(c, **factory)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend, layer: int) -> torch.Tensor:
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend, layer: int
+    ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, attend, layer)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -90,11 +96,11 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """What Hugging Face calls `model`: embeddings, layers, final norm."""
 
-    def __init__(self, c: ModelConfig, **factory: object) -> None:
+    def __init__(self, c: ModelConfig, **factory: Any) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, **factory)  # type: ignore[arg-type]
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, **factory)
         self.layers = nn.ModuleList(DecoderLayer(c, **factory) for _ in range(c.num_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)  # type: ignore[arg-type]
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
 
 
 class DecoderModel(nn.Module):
@@ -111,7 +117,7 @@ class DecoderModel(nn.Module):
         self.config = config
         factory = {"dtype": dtype, "device": device}
         self.model = Backbone(config, **factory)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory)  # type: ignore[arg-type]
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.tie_weights()
 

@@ -102,15 +102,13 @@ def _weight_files(root: Path) -> dict[Path, set[str] | None]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index} has no readable 'weight_map': {exc!r}") from exc
-        files: dict[Path, set[str] | None] = {}
+        shards: dict[Path, set[str]] = {}
         for name, file in weight_map.items():
-            names = files.setdefault(root / file, set())
-            assert names is not None
-            names.add(name)
-        missing = sorted(str(f.name) for f in files if not f.is_file())
+            shards.setdefault(root / file, set()).add(name)
+        missing = sorted(str(f.name) for f in shards if not f.is_file())
         if missing:
             raise CheckpointError(f"{index} names shard files that are not in {root}: {', '.join(missing)}")
-        return files
+        return dict(shards)
     found = sorted(root.glob("*.safetensors"))
     if not found:
         others = sorted(p.name for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
