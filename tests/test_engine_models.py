@@ -22,6 +22,7 @@ from sparse_framework.engine.models import (  # noqa: E402
     ModelConfig,
     UnsupportedModelError,
     causal_attention,
+    default_dtype,
     dense_causal_attend,
     load_model,
     load_reference,
@@ -198,6 +199,8 @@ def test_config_facts_and_parameter_count(checkpoints) -> None:
 
 def test_dtype_and_device_defaults(checkpoints) -> None:
     _, path = checkpoints["qwen2"]
+    assert default_dtype("cpu") == torch.float32 and default_dtype("cuda") == torch.bfloat16
+    assert {p.dtype for p in load_model(path).parameters()} == {torch.float32}
     model = load_model(path, dtype=torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.rotary.inv_freq.dtype == torch.float32  # never cast with the weights
@@ -311,3 +314,9 @@ def test_dense_causal_attend_checks_lengths() -> None:
     q = torch.randn(4, 4, 8)
     with pytest.raises(ConfigError, match="4 tokens but seq_lens \\[3, 2\\] sum to 5"):
         attend(0, q, q[:, :2], q[:, :2])
+
+
+def test_forward_wants_packed_tokens() -> None:
+    model = random_model(reference_config())
+    with pytest.raises(ValueError, match=r"both be \[T\] \(packed, no batch dim\); got \(1, 4\) and \(1, 4\)"):
+        model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long), dense_causal_attend([4]))
