@@ -1,0 +1,70 @@
+"""The model's one hook into the engine: the `attend` callback, and a plain reference of it.
+
+The model computes q, k, v and hands them to `attend`; who attends to what (the staged prefix
+of a prefill chunk, the coordinator's sparse selection, the dense store) is the runner's
+business. That keeps the model a plain forward that the runner can also capture in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from ...common.errors import ConfigError
+
+
+class Attend(Protocol):
+    """`attend(layer, q, k, v) -> out` for one layer of a packed step.
+
+    q [T, Hq, D], k and v [T, Hkv, D]: the step's T tokens of every sequence, packed in the
+    order of the forward's token_ids; q and k after RoPE (and Qwen3's q/k norm), q not scaled.
+    Returns [T, Hq, D] in q's dtype: softmax(q k^T / sqrt(D)) v over whatever keys each token
+    may see (its sequence's cached ones and this step's up to itself).
+    """
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+def dense_causal_attend(seq_lens: Sequence[int], compute_dtype: torch.dtype = torch.float32) -> Attend:
+    """A reference `attend` for whole prompts packed back to back (`seq_lens` tokens each, no
+    cache): exact causal GQA attention per sequence in `compute_dtype`.
+
+    For tests and CPU checks only: it builds each sequence's L x L score matrix, which the
+    engine's prefill never does.
+    """
+    lens = [int(n) for n in seq_lens]
+    if any(n < 1 for n in lens):
+        raise ConfigError(f"dense_causal_attend: every sequence length must be >= 1, got {lens}")
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.shape[0] != sum(lens):
+            raise ConfigError(
+                f"dense_causal_attend: the step has {q.shape[0]} tokens but seq_lens {lens} sum to {sum(lens)}"
+            )
+        out = torch.empty_like(q)
+        start = 0
+        for n in lens:
+            rows = slice(start, start + n)
+            out[rows] = causal_attention(q[rows], k[rows], v[rows], compute_dtype).to(q.dtype)
+            start += n
+        return out
+
+    return attend
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, compute_dtype: torch.dtype = torch.float32, offset: int = 0
+) -> torch.Tensor:
+    """One sequence: q [Lq, Hq, D] at positions offset..offset+Lq-1 attending to k, v
+    [Lk, Hkv, D] at positions 0..Lk-1 (causal; offset = Lk - Lq for a suffix of the keys).
+    Returns [Lq, Hq, D] in `compute_dtype`."""
+    group = q.shape[1] // k.shape[1]
+    qf, kf, vf = (t.to(compute_dtype).transpose(0, 1) for t in (q, k, v))  # [H, L, D]
+    kf, vf = kf.repeat_interleave(group, dim=0), vf.repeat_interleave(group, dim=0)
+    scores = qf @ kf.transpose(1, 2) / q.shape[-1] ** 0.5  # [Hq, Lq, Lk]
+    q_pos = torch.arange(q.shape[0], device=q.device)[:, None] + offset
+    k_pos = torch.arange(k.shape[0], device=q.device)[None, :]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    return (scores.softmax(dim=-1) @ vf).transpose(0, 1)

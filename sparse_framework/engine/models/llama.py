@@ -1,0 +1,152 @@
+"""`DecoderModel`: Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 as one pre-norm decoder.
+
+Parameters carry Hugging Face's names (`model.layers.3.self_attn.q_proj.weight`, ...) so a
+checkpoint loads by name. The forward takes one step's tokens of every request packed in one
+tensor with their positions (no padding, no batch dimension) and leaves attention to the
+runner's `attend` callback; everything else (projections, norms, RoPE, MLP) is here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .attention import Attend
+from .config import ModelConfig
+from .rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) x weight over the last dim; the statistic in float32, the product in the
+    input's dtype (as the checkpoints were trained)."""
+
+    def __init__(self, dim: int, eps: float, **factory: Any) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, **factory))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """q/k/v projections (+ q/k norm), RoPE, the `attend` callback, the output projection."""
+
+    def __init__(self, c: ModelConfig, **factory: Any) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, q_dim, bias=c.attention_bias, **factory)
+        self.k_proj = nn.Linear(c.hidden_size, kv_dim, bias=c.attention_bias, **factory)
+        self.v_proj = nn.Linear(c.hidden_size, kv_dim, bias=c.attention_bias, **factory)
+        self.o_proj = nn.Linear(q_dim, c.hidden_size, bias=c.o_proj_bias, **factory)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **factory)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **factory)
+        self.qk_norm = c.qk_norm
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend, layer: int
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attend(layer, q, k, v)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, c: ModelConfig, **factory: Any) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, **factory)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, **factory)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: h + attn(norm(h)), then + mlp(norm(.))."""
+
+    def __init__(self, c: ModelConfig, **factory: Any) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
+        self.self_attn = Attention(c, **factory)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
+        self.mlp = MLP(c, **factory)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend, layer: int
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attend, layer)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    """What Hugging Face calls `model`: embeddings, layers, final norm."""
+
+    def __init__(self, c: ModelConfig, **factory: Any) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, **factory)
+        self.layers = nn.ModuleList(DecoderLayer(c, **factory) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
+
+
+class DecoderModel(nn.Module):
+    """A Llama-family causal LM over packed tokens.
+
+    Built with `dtype`/`device` (default float32 on the CPU); `device="meta"` builds it without
+    memory, for `load_model` to materialise (`to_empty` then `tie_weights`).
+    """
+
+    def __init__(
+        self, config: ModelConfig, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> None:
+        super().__init__()
+        self.config = config
+        factory = {"dtype": dtype, "device": device}
+        self.model = Backbone(config, **factory)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """With tie_word_embeddings the LM head is the embedding matrix itself (one tensor)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Attend,
+        logits_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """token_ids [T] and positions [T] (int64; each token's position in its own sequence)
+        -> logits [R, vocab] float32 for the rows `logits_rows` [R] (typically each sequence's
+        last token of the step; None = all T rows). Only those rows go through the final norm
+        and the LM head."""
+        if token_ids.ndim != 1 or positions.shape != token_ids.shape:
+            raise ValueError(
+                f"token_ids and positions must both be [T] (packed, no batch dim); got "
+                f"{tuple(token_ids.shape)} and {tuple(positions.shape)}"
+            )
+        h = self.model.embed_tokens(token_ids)
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, attend, i)
+        if logits_rows is not None:
+            h = h[logits_rows]
+        return self.lm_head(self.model.norm(h)).float()

@@ -1,0 +1,168 @@
+"""Build a `DecoderModel` from a Hugging Face checkpoint directory, the shipped reference
+model, or random weights.
+
+The model is built on the meta device (no memory, no random init of billions of weights),
+materialised on the target device and filled tensor by tensor from the safetensors files,
+each tensor cast to the requested dtype on its way. Every parameter must be found with its
+exact shape, and every stored tensor must be used: a checkpoint that does not match the config
+is an error naming the tensor, never a silently half-initialised model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from ...common.errors import ConfigError
+from ...common.layout import check_device
+from .config import CheckpointError, ModelConfig, read_config_json
+from .llama import DecoderModel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+INDEX_FILE = "model.safetensors.index.json"
+# stored by some older checkpoints, recomputed here from the config
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def default_dtype(device: str | torch.device) -> torch.dtype:
+    """bfloat16 on a GPU, float32 on the CPU (where bf16 matmuls are slow and inexact)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def _resolve(dtype: torch.dtype | str | None, device: str | torch.device) -> tuple[torch.dtype, torch.device]:
+    try:
+        dev = check_device(device)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if dtype is None:
+        return default_dtype(dev), dev
+    resolved = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if resolved not in DTYPES.values():
+        raise ConfigError(f"model dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return resolved, dev  # type: ignore[return-value]
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"
+) -> DecoderModel:
+    """The checkpoint in directory `path` (config.json + *.safetensors, single file or sharded
+    with model.safetensors.index.json) on `device` in `dtype` (None: bfloat16 on a GPU,
+    float32 on the CPU), in eval mode. Raises CheckpointError / UnsupportedModelError."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"model directory not found: {root}" + (" (it is a file)" if root.exists() else ""))
+    config = ModelConfig.from_hf(read_config_json(root))
+    return _build(config, _weight_files(root), dtype, device)
+
+
+def load_reference(dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu") -> DecoderModel:
+    """The shipped reference model (sparse_framework/reference) through the same loader."""
+    from ...reference.model import WEIGHTS
+
+    if not WEIGHTS.is_file():
+        raise CheckpointError(f"reference weights not found at {WEIGHTS}; reinstall the package")
+    return _build(reference_config(), {WEIGHTS: None}, dtype, device)
+
+
+def reference_config() -> ModelConfig:
+    """The reference model's ModelConfig, from the ARCHITECTURE its transformers twin is built from."""
+    from ...reference.model import ARCHITECTURE
+
+    return ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], **ARCHITECTURE})
+
+
+def random_model(
+    config: ModelConfig, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu", seed: int = 0
+) -> DecoderModel:
+    """Random weights for benchmarks: N(0, 0.02) matrices and biases (transformers' default
+    initializer range), unit norms; drawn on `device` from `seed`, so the same seed gives the
+    same model on the same kind of device."""
+    dtype, dev = _resolve(dtype, device)
+    model = DecoderModel(config, dtype=dtype, device="meta")
+    model.to_empty(device=dev)
+    model.tie_weights()
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # a tied head is listed once
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+    return model.eval()
+
+
+def _weight_files(root: Path) -> dict[Path, set[str] | None]:
+    """safetensors file -> the tensor names the index assigns it (None: whatever it holds)."""
+    index = root / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index} has no readable 'weight_map': {exc!r}") from exc
+        shards: dict[Path, set[str]] = {}
+        for name, file in weight_map.items():
+            shards.setdefault(root / file, set()).add(name)
+        missing = sorted(str(f.name) for f in shards if not f.is_file())
+        if missing:
+            raise CheckpointError(f"{index} names shard files that are not in {root}: {', '.join(missing)}")
+        return dict(shards)
+    found = sorted(root.glob("*.safetensors"))
+    if not found:
+        others = sorted(p.name for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
+        hint = f" (found {', '.join(others)}: convert them to safetensors)" if others else ""
+        raise CheckpointError(f"no *.safetensors weights in {root}{hint}")
+    return {f: None for f in found}
+
+
+def _build(
+    config: ModelConfig, files: dict[Path, set[str] | None], dtype: torch.dtype | str | None, device: str | torch.device
+) -> DecoderModel:
+    from safetensors import safe_open
+
+    dtype, dev = _resolve(dtype, device)
+    model = DecoderModel(config, dtype=dtype, device="meta")
+    model.to_empty(device=dev)
+    model.tie_weights()
+    params = dict(model.named_parameters())  # a tied LM head appears once, as the embedding
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    with torch.no_grad():
+        for file, names in files.items():
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in sorted(names if names is not None else f.keys()):
+                    if name not in params:
+                        if not _ignorable(name, config):
+                            unexpected.append(name)
+                        continue
+                    shape = tuple(f.get_slice(name).get_shape())
+                    expected = tuple(params[name].shape)
+                    if shape != expected:
+                        raise CheckpointError(
+                            f"tensor {name!r} in {file.name} has shape {list(shape)}, but the config "
+                            f"({config.architecture}) needs {list(expected)}"
+                        )
+                    params[name].copy_(f.get_tensor(name))
+                    loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise CheckpointError(f"the checkpoint lacks {len(missing)} tensor(s) the config needs: {_some(missing)}")
+    if unexpected:
+        raise CheckpointError(
+            f"the checkpoint has {len(unexpected)} tensor(s) a {config.architecture} of this config does not "
+            f"use (a config mismatch?): {_some(unexpected)}"
+        )
+    return model.eval()
+
+
+def _ignorable(name: str, config: ModelConfig) -> bool:
+    """Stored tensors the model does not need: RoPE tables, or a tied head saved anyway."""
+    return name.endswith(_IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == "lm_head.weight")
+
+
+def _some(names: Iterable[str], limit: int = 5) -> str:
+    names = list(names)
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
