@@ -43,6 +43,10 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request's tokens are chosen and when it stops (vLLM's field names).
@@ -152,9 +156,9 @@ def order_key(x: torch.Tensor) -> torch.Tensor:
     x: [n, V] float32. The float's bits, mapped to an order-preserving int32 (negative floats
     have their magnitude bits flipped), go in the high 32 bits, (2**32 - 1 - id) in the low."""
     bits = (x + 0.0).contiguous().view(torch.int32)  # + 0.0 turns -0.0 into +0.0
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
-    ids = torch.arange(x.shape[-1], device=x.device, dtype=torch.int64)
-    return (ordered << 32) | (0xFFFFFFFF - ids)
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    low = 0xFFFFFFFF - torch.arange(x.shape[-1], device=x.device, dtype=torch.int64)
+    return key.bitwise_left_shift_(32).bitwise_or_(low)  # in place: one int64 [n, V] at a time
 
 
 class Sampler:
@@ -221,7 +225,7 @@ class Sampler:
                     f"row {i} has seed={p.seed} but no generator: pass params.make_generator(device) "
                     "and keep it for the request, so its tokens follow its seed"
                 )
-            if g is not None and torch.device(g.device).type != logits.device.type:
+            if g is not None and not _same_device(torch.device(g.device), logits.device):
                 raise ValueError(f"row {i}'s generator is on {g.device}, the logits on {logits.device}")
         return rows, vocab
 
