@@ -237,13 +237,11 @@ class Sampler:
         shared = [j for j, i in enumerate(sampled) if generators is None or generators[i] is None]
         for j in own:
             noise[j].exponential_(generator=generators[sampled[j]])
-        if shared:
+        if len(shared) == len(sampled):  # the common case: one op, no copy
+            noise.exponential_(generator=self._shared(torch.device(device)))
+        elif shared:
             draw = torch.empty(len(shared), vocab, dtype=torch.float32, device=device)
-            draw.exponential_(generator=self._shared(torch.device(device)))
-            if len(shared) == len(sampled):
-                noise = draw
-            else:
-                noise[torch.tensor(shared, device=device)] = draw
+            noise[torch.tensor(shared, device=device)] = draw.exponential_(generator=self._shared(torch.device(device)))
         # E == 0 would give +inf; clamping keeps every score finite (a kept token's x is finite).
         return noise.clamp_(min=torch.finfo(torch.float32).tiny).log_().neg_()
 
