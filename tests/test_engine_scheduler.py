@@ -218,6 +218,7 @@ def step(sched: Scheduler, eng: FakeEngine, stop=None) -> tuple[StepPlan, list[S
     """One engine step: schedule, run, report. Returns the plan and the sequences it finished."""
     plan = sched.schedule()
     assert not plan.finished, f"the scheduler gave up on {[s.error for s in plan.finished]}"
+    assert not (plan.preempted and (plan.resumed or plan.admitted)), "a step that preempts starts nothing"
     if plan.is_empty:
         return plan, []
     tokens = eng.execute(plan, sched)
@@ -615,6 +616,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             if not self.sched.has_unfinished():
                 break
             self.done += step(self.sched, self.eng, self.stop)[1]
+            self.pools_and_queues_agree()
         assert not self.sched.has_unfinished(), f"not finished within {bound} steps"
         self.pools_and_queues_agree()
         assert self.eng.held == {} and self.eng.kv == {}

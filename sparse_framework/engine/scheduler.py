@@ -17,11 +17,12 @@ Policy (first come, first served; a sequence's arrival index is its priority):
    produced no output yet, so its output is unchanged.
 2. The rest of `max_num_batched_tokens` goes to prefill chunks: first the running sequences
    still prefilling (oldest first), then the queue - preempted sequences (oldest first,
-   `budget.resume`) before any waiting one (`budget.admit`). The queue is strict: it stops at
-   the first sequence that cannot start (no memory, no token left, `max_num_seqs` running),
-   so a large old request is never overtaken by small new ones. Nothing is resumed or
-   admitted in a step that preempted. A chunk is at most `max_prefill_chunk` tokens, so a 128K
-   prompt never needs 128K tokens of activations at once.
+   `budget.resume`; a decoding one takes a decode row) before any waiting one
+   (`budget.admit`). The queue is strict: it stops at the first sequence that cannot start
+   (no memory, no token left, `max_num_seqs` running), so a large old request is never
+   overtaken by small new ones. Nothing is resumed or admitted in a step that preempted.
+   A prompt longer than what is left of the budget (or than `max_prefill_chunk`) is split
+   over steps, so a 128K prompt never needs 128K tokens of activations at once.
 3. A request that could never run, even alone (prompt + max_tokens beyond `max_model_len`,
    or beyond what the pools hold per `budget.never_fits`), is finished at `add` with
    `FinishReason.ERROR` and a message, rather than waiting forever.
@@ -29,7 +30,8 @@ Policy (first come, first served; a sequence's arrival index is its priority):
 These rules keep, at all times, running < preempted < waiting in arrival order; the oldest
 running sequence is never preempted (unless it cannot grow alone, which only a budget that
 broke its contract allows: that sequence is finished with an error), so it advances by at
-least one token per step and every request finishes within sum(prompt + max_tokens) steps.
+least one token per step: with no new arrivals, every request finishes within
+sum(prompt + max_tokens) + number of requests steps (the property test checks that bound).
 
 `abort(rid)` frees whatever the request holds, in any state.
 """
