@@ -1,0 +1,142 @@
+"""`RunnerBudget`: the scheduler's `MemoryBudget` over the runner's coordinator and staging.
+
+The scheduler plans with reservations (engine/scheduler.py states the contract); the store
+reserves as it goes (host pages at admission for the prompt, then a page when a request's
+length crosses a page boundary, in `forward_begin`). This module bridges the two:
+
+- host room for a request's whole life (prompt + max_tokens) is *promised* at admission: a
+  request is admitted only when the free host pages, less what earlier requests were promised
+  and do not hold yet, cover it; so growth never needs host room a preemption cannot free;
+- `can_admit` / `can_resume` reserve for real (the coordinator's all-or-nothing admission
+  and resumption, the staging span) and the following `admit` / `resume` keep it: the
+  scheduler always calls them right after a True;
+- growth of a plan's decode rows is checked together (`coordinator.can_grow` over every row
+  granted so far in this plan), since the rows share the pools' free pages;
+- a store without a host pool (the resident store's default) promises nothing: its device
+  pool holds every request whole, so nothing needs preempting unless it is sized smaller;
+- a sequence preempted while still prefilling has no K/V in the store yet: its coordinator
+  request and staging are dropped (its host promise stays) and it is admitted again, from
+  token 0, when it resumes.
+"""
+
+from __future__ import annotations
+
+from ..common.arith import cdiv
+from ..kv_store.device_pools import DENSE_LAYERS, RESIDENT
+from .runner import ModelRunner
+from .scheduler import Sequence
+
+
+class RunnerBudget:
+    """`MemoryBudget` of a `ModelRunner` (see the module docstring)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.store = runner.coord.store
+        self.page = self.store.page_size
+        self._promised: dict[str, int] = {}  # rid -> host pages promised for its whole life
+        self._granted: list[str] = []  # decode rows of the plan being made, grown together
+        self._trial: str | None = None  # reserved by the last can_admit / can_resume
+        self._dropped: set[str] = set()  # preempted while prefilling: admitted again on resume
+
+    def begin_plan(self) -> None:
+        """Before each `Scheduler.schedule()`: no decode row is granted yet."""
+        self._granted = []
+
+    # -- reading the pools ---------------------------------------------------------------------
+    def _life_pages(self, seq: Sequence) -> int:
+        """Host pages of every K/V token the sequence will store (its last token is never fed)."""
+        return cdiv(seq.max_total_tokens - 1, self.page)
+
+    def _owed_pages(self) -> int:
+        """Host pages promised to admitted sequences and not yet held by them."""
+        owed = 0
+        for rid, pages in self._promised.items():
+            request = self.runner.requests.get(rid)
+            held = cdiv(self.store.host_tokens(request), self.page) if request is not None else 0
+            owed += max(0, pages - held)
+        return owed
+
+    def never_fits(self, seq: Sequence) -> str | None:
+        prompt, life = seq.num_prompt_tokens, seq.max_total_tokens - 1
+        staging = self.runner.staging.capacity
+        if prompt > staging:
+            return (f"its prompt of {prompt} tokens exceeds the prefill staging ({staging} tokens); "
+                    "raise staging_tokens")
+        host_pages = self.store.host_alloc.num_pages
+        if host_pages and self._life_pages(seq) > host_pages:
+            return (f"its {life} tokens of K/V exceed the host pool ({host_pages * self.page} tokens); "
+                    "raise host_capacity_tokens or lower max_tokens")
+        dense_mode = prompt < self.store.min_sparse_prompt_len
+        for pool in self.store.pools:
+            whole = pool.kind in (DENSE_LAYERS, RESIDENT) or dense_mode
+            need = life if whole else self.store.buffer_tokens
+            if cdiv(need, self.page) * self.page > pool.slots:
+                why = "every token of its context" if whole else f"a buffer of {need} tokens"
+                return (f"it needs {why} in the {pool.kind} device pool, which holds {pool.slots} tokens per "
+                        "layer; raise device_capacity_tokens or lower max_tokens")
+        return None
+
+    # -- reservations ------------------------------------------------------------------------
+    def can_admit(self, seq: Sequence) -> bool:
+        host_free = self.store.host_alloc.free - self._owed_pages()
+        if self.store.host_alloc.num_pages and self._life_pages(seq) > host_free:
+            return False
+        if not self.runner.admit(seq.rid, seq.num_prompt_tokens):
+            return False
+        self._promised[seq.rid] = self._life_pages(seq)
+        self._trial = seq.rid
+        return True
+
+    def admit(self, seq: Sequence) -> None:
+        self._take_trial(seq)
+
+    def end_prefill(self, seq: Sequence) -> None:
+        """Nothing left to do: the runner releases the staging when it hands the prompt over."""
+        if seq.rid in self.runner.staging.spans:
+            raise RuntimeError(f"request {seq.rid!r} still holds prefill staging after its last chunk")
+
+    def can_grow(self, seq: Sequence) -> bool:
+        return self.runner.can_grow([*self._granted, seq.rid])
+
+    def grow(self, seq: Sequence) -> None:
+        self._granted.append(seq.rid)
+
+    def retract(self, seq: Sequence) -> None:
+        request = self.runner.requests[seq.rid]
+        if request.seq_len == 0:  # still prefilling: nothing in the store to keep
+            self.runner.free(seq.rid)
+            self._dropped.add(seq.rid)
+        else:
+            self.runner.retract(seq.rid)
+
+    def can_resume(self, seq: Sequence) -> bool:
+        if seq.rid in self._dropped:  # its host room is promised: only device room and staging
+            ok = self.runner.admit(seq.rid, seq.num_prompt_tokens)
+        else:
+            ok = self.runner.resume(seq.rid)
+            if ok and not self.runner.can_grow([*self._granted, seq.rid]):
+                self.runner.retract(seq.rid)  # back in, but its next token would not fit
+                ok = False
+        if ok:
+            self._trial = seq.rid
+        return ok
+
+    def resume(self, seq: Sequence) -> None:
+        self._take_trial(seq)
+        if seq.rid in self._dropped:
+            self._dropped.discard(seq.rid)
+        else:
+            self._granted.append(seq.rid)  # it decodes in this step
+
+    def free(self, seq: Sequence) -> None:
+        self.runner.free(seq.rid)
+        self._promised.pop(seq.rid, None)
+        self._dropped.discard(seq.rid)
+        if self._trial == seq.rid:
+            self._trial = None
+
+    def _take_trial(self, seq: Sequence) -> None:
+        if self._trial != seq.rid:
+            raise RuntimeError(f"request {seq.rid!r}: admit/resume without a successful can_admit/can_resume just before")
+        self._trial = None

@@ -1,0 +1,239 @@
+"""`Engine`: requests in, tokens out — the scheduler, the runner and the sampler in a loop.
+
+    engine = Engine(model, model_config, {"algorithm": "quest"}, EngineConfig(max_num_seqs=8))
+    engine.add_request("r1", prompt_ids, SamplingParams(max_tokens=64))
+    while engine.has_unfinished():
+        for out in engine.step():          # the requests that finished in this step
+            print(out.rid, out.token_ids, out.finish_reason)
+
+Each `step()` asks the scheduler for a plan (decode rows and prefill chunks within the token
+budget; admissions, preemptions and resumptions already reserved through `RunnerBudget`),
+runs it as one packed forward (`ModelRunner.execute`), samples a token for every decode row
+and every prompt the step completed, and reports them back. A request that can never run
+(too long, bad sampling values, larger than the pools) finishes at once with
+`finish_reason == "error"` and a message; the others are not affected.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..common.errors import ConfigError, SparseFrameworkError
+from ..config import SparseConfig
+from .budget import RunnerBudget
+from .models import ModelConfig
+from .runner import DecodeRow, Model, ModelRunner
+from .runner import PrefillChunk as RunnerChunk
+from .sampling import Sampler, SamplingParams, finished
+from .scheduler import FinishReason, Scheduler, Sequence
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How many requests and tokens one engine serves at once.
+
+    max_num_seqs: requests running at once (the coordinator's request rows);
+    max_num_batched_tokens: tokens per step (decode rows + prefill chunk tokens);
+    max_prefill_chunk: the longest chunk of one prompt in a step (None: the token budget);
+    max_model_len: prompt + generated tokens of one request (None: the model's
+    max_position_embeddings); staging_tokens: prompt tokens staged at once during prefill
+    (None: max_model_len, one longest prompt); device/host_capacity_tokens: the store's pools
+    (None: the coordinator's sizing); decode_graphs: the coordinator's per-layer decode graphs
+    (CUDA); seed: the sampler's generator for requests without a seed of their own."""
+
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 2048
+    max_prefill_chunk: int | None = None
+    max_model_len: int | None = None
+    staging_tokens: int | None = None
+    device_capacity_tokens: int | None = None
+    host_capacity_tokens: int | None = None
+    decode_graphs: bool = False
+    seed: int | None = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_prefill_chunk", "max_model_len", "staging_tokens", "device_capacity_tokens", "host_capacity_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"EngineConfig.{name} must be None or >= 1, got {value}")
+
+
+@dataclass
+class RequestOutput:
+    """A finished request: its tokens, why it ended, and its timings (seconds, perf_counter)."""
+
+    rid: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    error: str | None = None
+    text: str | None = None  # filled in by `LLM` when it has a tokenizer
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float = 0.0
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to the first token (queueing and prefill included)."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.first_token_time is None or len(self.token_ids) < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (len(self.token_ids) - 1)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"rid": self.rid, "prompt_tokens": len(self.prompt_token_ids), "token_ids": self.token_ids,
+                "text": self.text, "finish_reason": self.finish_reason, "error": self.error, "ttft_s": self.ttft,
+                "tpot_s": self.tpot, "num_preemptions": self.num_preemptions}
+
+
+@dataclass
+class _Live:
+    seq: Sequence
+    params: SamplingParams
+    generator: torch.Generator | None
+    arrival: float
+    first_token: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine:
+    """Continuous batching of requests over one model and one SparseCoordinator."""
+
+    def __init__(
+        self,
+        model: Model,
+        model_config: ModelConfig,
+        sparse_config: SparseConfig | dict[str, Any] | str,
+        config: EngineConfig | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+    ) -> None:
+        self.config = config = config or EngineConfig()
+        self.model_config = model_config
+        first = next(iter(model.parameters())) if hasattr(model, "parameters") else None  # type: ignore[attr-defined]
+        self.device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
+        dtype = dtype or (first.dtype if first is not None else torch.float32)
+        max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.runner = ModelRunner(
+            model, model_config.kv_layout(dtype, self.device), sparse_config,
+            num_q_heads=model_config.num_heads, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
+            staging_tokens=config.staging_tokens or max_model_len,
+            device_capacity_tokens=config.device_capacity_tokens, host_capacity_tokens=config.host_capacity_tokens,
+            decode_graphs=config.decode_graphs,
+        )
+        self.budget = RunnerBudget(self.runner)
+        self.scheduler = Scheduler(
+            self.budget, max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+            max_num_seqs=config.max_num_seqs, max_prefill_chunk=config.max_prefill_chunk, max_model_len=max_model_len,
+        )
+        self.sampler = Sampler(config.seed)
+        self.eos = model_config.eos_token_ids
+        self.max_model_len = max_model_len
+        self._live: dict[str, _Live] = {}
+        self._rejected: list[RequestOutput] = []
+        self.steps = 0
+
+    # -- requests ----------------------------------------------------------------------------
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
+        """Queue a request. One that can never run (empty prompt, tokens outside the
+        vocabulary, prompt + max_tokens beyond max_model_len or the pools, bad sampling
+        values) is not an exception: it comes back from the next `step()` with
+        finish_reason "error" and the reason, and the others run on."""
+        params = params or SamplingParams()
+        now = time.perf_counter()
+        if rid in self._live:
+            raise ValueError(f"request {rid!r} is already queued or running")
+        error = self._check(prompt_ids, params)
+        seq = Sequence(rid, list(prompt_ids), params)
+        if error is None and self.scheduler.add(seq):
+            self._live[rid] = _Live(seq, params, params.make_generator(self.device), now)
+            return
+        why = error or seq.error or "rejected"
+        self._rejected.append(RequestOutput(rid, list(prompt_ids), [], FinishReason.ERROR.value, why,
+                                            arrival_time=now, finish_time=now))
+
+    def _check(self, prompt_ids: list[int], params: SamplingParams) -> str | None:
+        if not isinstance(params, SamplingParams):
+            return f"sampling params must be a SamplingParams, got {type(params).__name__}"
+        if len(prompt_ids) == 0:
+            return "the prompt is empty"
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            return f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}"
+        try:
+            params.check(vocab)
+        except SparseFrameworkError as exc:
+            return str(exc)
+        return None
+
+    def abort(self, rid: str) -> RequestOutput | None:
+        """Stop a request and free everything it holds; its output so far (None if unknown)."""
+        live = self._live.pop(rid, None)
+        seq = self.scheduler.abort(rid)
+        if live is None or seq is None:
+            return None
+        return self._output(live, FinishReason.ABORT.value)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._rejected) or self.scheduler.has_unfinished()
+
+    # -- a step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; the requests that finished in it (rejected ones included)."""
+        outputs, self._rejected = self._rejected, []
+        self.budget.begin_plan()
+        plan = self.scheduler.schedule()
+        for seq in plan.finished:
+            live = self._live.pop(seq.rid)
+            outputs.append(self._output(live, FinishReason.ERROR.value, seq.error))
+        if plan.is_empty:
+            return outputs
+        decode = [DecodeRow(s.rid, s.last_token_id) for s in plan.decode]
+        chunks = [RunnerChunk(c.seq.rid, tuple(c.seq.prompt_ids[c.start : c.end]), c.start, c.is_last) for c in plan.prefill]
+        logits = self.runner.execute(decode, chunks)
+        sampled = plan.sampled
+        lives = [self._live[s.rid] for s in sampled]
+        tokens = self.sampler.sample(logits, [x.params for x in lives], [x.generator for x in lives]).tolist() if sampled else []
+        now = time.perf_counter()
+        new_tokens, stops = {}, {}
+        for live, token in zip(lives, tokens):
+            seq = live.seq
+            new_tokens[seq.rid] = token
+            if live.first_token is None:
+                live.first_token = now
+            reason = finished(live.params, token, len(seq.output_ids) + 1, self.eos or None)
+            if reason is not None:
+                stops[seq.rid] = reason
+        self.steps += 1
+        for seq in self.scheduler.on_step_done(plan, new_tokens, stops):
+            live = self._live.pop(seq.rid)
+            outputs.append(self._output(live, str(seq.finish_reason.value), seq.error))
+        return outputs
+
+    def _output(self, live: _Live, reason: str, error: str | None = None) -> RequestOutput:
+        seq = live.seq
+        return RequestOutput(
+            seq.rid, list(seq.prompt_ids), list(seq.output_ids), reason, error, arrival_time=live.arrival,
+            first_token_time=live.first_token, finish_time=time.perf_counter(), num_preemptions=seq.num_preemptions,
+        )
+
+    def run_to_completion(self) -> list[RequestOutput]:
+        """Step until every request has finished; their outputs in finishing order."""
+        done: list[RequestOutput] = []
+        while self.has_unfinished():
+            done.extend(self.step())
+        return done

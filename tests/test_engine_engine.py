@@ -1,0 +1,144 @@
+"""The engine end to end on the CPU: against transformers' own greedy `generate`, continuous
+batching against one request at a time, preempted-and-resumed against unpreempted, bad
+requests refused one by one while the rest run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from sparse_framework.engine.engine import Engine, EngineConfig
+from sparse_framework.engine.models import load_model
+from sparse_framework.engine.sampling import SamplingParams
+
+VOCAB = 96
+TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rope_theta=10_000.0, eos_token_id=None,
+            bos_token_id=None, pad_token_id=None)
+FULL = {"algorithm": "quest", "top_k": 256, "page_size": 4, "sink_tokens": 4, "recent_tokens": 8,
+        "device_buffer_tokens": 512, "min_sparse_prompt_len": 0, "extra": {"dense_first_layers": 0}}
+SMALL = {**FULL, "top_k": 8, "device_buffer_tokens": 48}
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
+    path = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(path, safe_serialization=True)
+    return model, path
+
+
+def prompts(lens: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lens]
+
+
+def engine_for(path, sparse: dict, **config) -> Engine:
+    model = load_model(path, dtype=torch.float32)
+    return Engine(model, model.config, sparse, EngineConfig(**{"max_num_seqs": 4, "max_model_len": 128, **config}))
+
+
+def run(engine: Engine, batch: list[list[int]], params: SamplingParams = GREEDY) -> dict[str, list[int]]:
+    for i, p in enumerate(batch):
+        engine.add_request(f"r{i}", p, params)
+    outs = engine.run_to_completion()
+    assert all(o.finish_reason == "length" for o in outs), [(o.rid, o.error) for o in outs]
+    return {o.rid: o.token_ids for o in outs}
+
+
+def hf_greedy(model, prompt: list[int], new: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("sparse", [FULL, {**FULL, "store": "resident"}, {**FULL, "min_sparse_prompt_len": 1000}],
+                         ids=["sparse-full-budget", "resident", "dense-mode"])
+def test_engine_equals_transformers_greedy_generate(checkpoint, sparse) -> None:
+    """Several prompts at once, prefilled in chunks of at most 16 tokens alongside decode rows."""
+    model, path = checkpoint
+    batch = prompts([37, 5, 60, 21])
+    got = run(engine_for(path, sparse, max_num_batched_tokens=16, max_prefill_chunk=16), batch)
+    for i, p in enumerate(batch):
+        assert got[f"r{i}"] == hf_greedy(model, p, GREEDY.max_tokens), f"r{i}"
+
+
+def test_continuous_batching_equals_one_request_at_a_time(checkpoint) -> None:
+    """At a budget that binds (real selections), a request's tokens do not depend on the
+    others it is batched with, nor on how its prompt was chunked."""
+    _, path = checkpoint
+    batch = prompts([70, 33, 90, 12, 55], seed=1)
+    together = run(engine_for(path, SMALL, max_num_seqs=3, max_num_batched_tokens=24), batch)
+    for i, p in enumerate(batch):
+        alone = run(engine_for(path, SMALL, max_num_seqs=1, max_num_batched_tokens=64), [p])
+        assert together[f"r{i}"] == alone["r0"], f"r{i}"
+
+
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_preempted_and_resumed_output_equals_the_unpreempted_one(checkpoint, chunk) -> None:
+    """A device pool too small for every request to grow to its end: the scheduler preempts
+    (retracting to the host) and resumes, and every request's tokens are those of a run with
+    room for all. The requests decode densely (prompts below min_sparse_prompt_len), so they
+    grow on the device; sparse requests grow only on the host, whose room for their whole
+    life is promised at admission, so they never need preempting."""
+    _, path = checkpoint
+    sparse = {**SMALL, "min_sparse_prompt_len": 1000}
+    batch = prompts([40, 44, 48], seed=2)
+    params = SamplingParams(max_tokens=30, temperature=0.0)
+    roomy = run(engine_for(path, sparse), batch, params)
+    tight = engine_for(path, sparse, device_capacity_tokens=160, max_num_batched_tokens=32, max_prefill_chunk=chunk)
+    got = run(tight, batch, params)
+    assert tight.scheduler.num_preemptions > 0
+    assert got == roomy
+    assert tight.runner.coord.store.used_tokens() == 0 and not tight.runner.requests
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(checkpoint) -> None:
+    _, path = checkpoint
+    batch = prompts([30, 50, 20], seed=3)
+    params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=7)
+    together = run(engine_for(path, SMALL), batch, params)
+    alone = run(engine_for(path, SMALL), [batch[1]], params)
+    assert together["r1"] == alone["r0"]
+
+
+def test_bad_requests_get_one_clear_error_each_and_the_rest_run(checkpoint) -> None:
+    _, path = checkpoint
+    engine = engine_for(path, SMALL, max_model_len=64)
+    good = prompts([20, 25], seed=4)
+    engine.add_request("ok1", good[0], GREEDY)
+    engine.add_request("empty", [], GREEDY)
+    engine.add_request("long", list(range(60)), SamplingParams(max_tokens=10))
+    engine.add_request("vocab", [1, 2, VOCAB + 5], GREEDY)
+    engine.add_request("stop", [1, 2, 3], SamplingParams(stop_token_ids=[VOCAB + 1]))
+    engine.add_request("ok2", good[1], GREEDY)
+    with pytest.raises(ValueError, match="already queued"):
+        engine.add_request("ok1", good[0], GREEDY)
+    outs = {o.rid: o for o in engine.run_to_completion()}
+    assert outs["empty"].error == "the prompt is empty"
+    assert "exceeds max_model_len 64" in outs["long"].error
+    assert f"outside the vocabulary 0..{VOCAB - 1}" in outs["vocab"].error
+    assert "stop_token_ids" in outs["stop"].error
+    for rid in ("empty", "long", "vocab", "stop"):
+        assert outs[rid].finish_reason == "error" and outs[rid].token_ids == []
+    assert len(outs["ok1"].token_ids) == len(outs["ok2"].token_ids) == GREEDY.max_tokens
+    assert engine.runner.coord.store.used_tokens() == 0
+
+
+def test_abort_frees_everything_and_the_others_finish(checkpoint) -> None:
+    _, path = checkpoint
+    engine = engine_for(path, SMALL)
+    for i, p in enumerate(prompts([30, 40, 50], seed=5)):
+        engine.add_request(f"r{i}", p, GREEDY)
+    engine.step()
+    engine.step()
+    aborted = engine.abort("r1")
+    assert aborted is not None and aborted.finish_reason == "abort"
+    outs = engine.run_to_completion()
+    assert sorted(o.rid for o in outs) == ["r0", "r2"]
+    assert engine.runner.coord.store.used_tokens() == 0 and not engine.runner.staging.spans
+    assert engine.abort("r1") is None
