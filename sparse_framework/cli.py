@@ -20,6 +20,7 @@ from .engine.loop import RequestResult, run_experiment
 from .engine.workload import WorkloadConfig
 from .engine.workload import DTYPES as LAYOUT_DTYPES
 from .common.errors import CapacityError, SparseFrameworkError, closest
+from .engine import command as engine_command
 from .eval import command as eval_command
 from .capacity import PRESETS, CapacityPlan, plan_capacity
 from .common.layout import KVLayout
@@ -84,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
                    "and whether each backend can run on this machine")
 
     eval_command.add_parser(sub)
+    engine_command.add_parsers(sub)
 
     plan = sub.add_parser(
         "plan",
@@ -276,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(args)
         if args.command == "eval":
             return eval_command.run(args, console)
+        if args.command == "generate":
+            return engine_command.run_generate(args, console)
+        if args.command == "bench":
+            return engine_command.run_bench(args, console)
         return _plugins()
     except SparseFrameworkError as exc:
         console.print(Text("error: ", style="red") + Text(str(exc)), highlight=False)

@@ -1,0 +1,8 @@
+"""The serving engine (docs/engine.md): `LLM` and `SamplingParams` for offline generation,
+`Engine` for step-by-step control; `loop.py` is the synthetic decode loop of `run`/`eval`."""
+
+from .engine import Engine, EngineConfig, RequestOutput
+from .llm import LLM
+from .sampling import SamplingParams
+
+__all__ = ["LLM", "Engine", "EngineConfig", "RequestOutput", "SamplingParams"]

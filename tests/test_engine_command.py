@@ -1,0 +1,85 @@
+"""`sparse-framework generate` and `bench` on the CPU: the demo finds its passkeys, prompts
+from files and stdin, results as JSON, tables at 100 columns, clear errors for bad input."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from rich.console import Console
+
+from sparse_framework import cli
+from sparse_framework.engine import command
+
+
+@pytest.fixture
+def console(monkeypatch) -> io.StringIO:
+    out = io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(file=out, width=100, force_terminal=False))
+    return out
+
+
+def fits(text: str) -> None:
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 100, text
+
+
+def test_the_demo_retrieves_every_passkey(console, tmp_path) -> None:
+    path = tmp_path / "out.json"
+    assert cli.main(["generate", "--no-progress", "--max-tokens", "5", "--json", str(path)]) == 0
+    text = console.getvalue()
+    fits(text)
+    rows = [line.split() for line in text.splitlines() if line.lstrip().startswith("req-") and "(" not in line]
+    assert len(rows) == 4 and all(row[-1] == "5/5" for row in rows), text  # the passkey column
+    outs = json.loads(path.read_text())
+    assert [len(o["token_ids"]) for o in outs] == [5] * 4 and all(o["finish_reason"] == "length" for o in outs)
+
+
+def test_prompts_from_a_file_jsonl_and_stdin(console, tmp_path, monkeypatch) -> None:
+    plain = tmp_path / "p.txt"
+    plain.write_text("1 17 30 40\n\n1 20 21\n")
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"prompt": "1 5 6"}\n')
+    assert cli.main(["generate", "--no-progress", "--prompts", str(plain), "--max-tokens", "3"]) == 0
+    assert cli.main(["generate", "--no-progress", "--prompts", str(jsonl), "--max-tokens", "3"]) == 0
+    monkeypatch.setattr("sys.stdin", io.StringIO("1 2 3 4 5\n"))
+    assert cli.main(["generate", "--no-progress", "--prompts", "-", "--max-tokens", "2", "--temperature", "0.7",
+                     "--seed", "3"]) == 0
+    text = console.getvalue()
+    assert text.count("req-0 (length)") == 3 and "req-1 (length)" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--model", "/no/such/dir", "--prompts", "-"], "model directory not found: /no/such/dir"),
+    (["generate", "--temperature", "-1"], "SamplingParams.temperature=-1.0 is invalid"),
+    (["generate", "--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+    (["generate", "--prompts", "/no/such/file"], "--prompts /no/such/file: no such file"),
+    (["generate", "--model", "."], "give --prompts"),
+    (["generate", "--device", "cuda"], "no CUDA GPU is visible"),
+    (["bench", "--model", ".", "--random", "tiny"], "give --model or --random, not both"),
+    (["bench", "--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
+    (["generate", "--config", '{"algorithm": "nope"}'], "unknown algorithm 'nope'"),
+])
+def test_bad_input_is_one_clear_error(console, argv, message) -> None:
+    assert cli.main(argv + ["--no-progress"]) == 2
+    text = " ".join(console.getvalue().split())
+    assert text.startswith("error:") and message in text, text
+
+
+def test_a_prompt_of_the_wrong_kind_fails_alone(console, tmp_path) -> None:
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("1 2 3\nnot token ids\n")
+    assert cli.main(["generate", "--no-progress", "--prompts", str(prompts), "--max-tokens", "2"]) == 0
+    text = console.getvalue()
+    assert "req-0 (length)" in text and "req-1 (error): cannot tokenize the prompt" in text
+
+
+def test_bench_writes_its_figures_and_fits_100_columns(console, tmp_path) -> None:
+    path = tmp_path / "bench.json"
+    assert cli.main(["bench", "--random", "tiny", "--no-progress", "--num-prompts", "3", "--input-len", "50",
+                     "--output-len", "4", "--concurrency", "2", "--json", str(path)]) == 0
+    fits(console.getvalue())
+    result = json.loads(path.read_text())
+    assert result["requests"] == 3 and result["concurrency"] == 2 and result["output_tokens_per_s"] > 0
+    assert result["ttft_p50_ms"] <= result["ttft_p99_ms"] and result["steps"] >= 4
+    assert set(command.RANDOM_MODELS) == {"llama-3-8b", "tiny"}
