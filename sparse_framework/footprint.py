@@ -25,6 +25,7 @@ from .common.errors import CapacityError
 from .common.layout import KVLayout
 from .config import SparseConfig, dense_layer_set
 from .kv_store.device_pools import size_device_pools
+from .kv_store.pinned import meminfo_bytes
 
 
 @dataclass(frozen=True)
@@ -55,15 +56,7 @@ def available_bytes(device: str) -> int | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, ValueError, OSError):
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+        return meminfo_bytes("MemTotal")
 
 
 def coordinator_parts(

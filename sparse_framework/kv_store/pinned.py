@@ -107,12 +107,12 @@ def _registered_zeros(shape: tuple[int, ...], dtype: torch.dtype, progress: Call
     return raw.view(dtype).view(shape)
 
 
-def _available_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (None where there is none)."""
+def meminfo_bytes(field: str) -> int | None:
+    """A /proc/meminfo field ("MemAvailable", "MemTotal") in bytes; None where there is none."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -126,7 +126,7 @@ def pinned_zeros(shape: tuple[int, ...], dtype: torch.dtype, what: str) -> torch
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype, pin_memory=True)
-    available = _available_bytes()
+    available = meminfo_bytes("MemAvailable")
     if available is not None and nbytes > available:  # touching more would wake the OOM killer
         raise RuntimeError(f"{nbytes / 2**30:.1f} GiB asked, {available / 2**30:.1f} GiB of host memory available")
     loud = nbytes >= LOG_BYTES
