@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from sparse_framework.engine.engine import Engine, EngineConfig
 from sparse_framework.engine.models import load_model
@@ -142,3 +144,47 @@ def test_abort_frees_everything_and_the_others_finish(checkpoint) -> None:
     assert sorted(o.rid for o in outs) == ["r0", "r2"]
     assert engine.runner.coord.store.used_tokens() == 0 and not engine.runner.staging.spans
     assert engine.abort("r1") is None
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_random_arrivals_lengths_and_aborts_never_lose_or_mix_requests(checkpoint, data) -> None:
+    """Requests arrive between steps with random lengths, some are aborted; pools are small
+    enough that admission waits and dense-mode requests get preempted. Every request that is
+    not aborted finishes with exactly the tokens it gets alone; the pools never hold more than
+    they have and end empty."""
+    _, path = checkpoint
+    sparse = {**SMALL, "min_sparse_prompt_len": data.draw(st.sampled_from([0, 40, 1000, 1000]), label="short")}
+    engine = engine_for(path, sparse, max_num_seqs=3, max_num_batched_tokens=24, device_capacity_tokens=100)
+    reqs = {}
+    aborted = set()
+    finished = {}
+    for step in range(data.draw(st.integers(10, 40), label="steps")):
+        for _ in range(data.draw(st.integers(0, 2), label="arrivals")):
+            rid = f"r{len(reqs)}"
+            reqs[rid] = (prompts([data.draw(st.integers(1, 60))], seed=len(reqs))[0],
+                         SamplingParams(max_tokens=data.draw(st.integers(1, 30)), temperature=0.0))
+            engine.add_request(rid, *reqs[rid])
+        live = sorted(set(reqs) - set(finished) - aborted)
+        if live and data.draw(st.booleans(), label="abort?") and data.draw(st.booleans()):
+            rid = data.draw(st.sampled_from(live))
+            engine.abort(rid)
+            aborted.add(rid)
+        for out in engine.step():
+            assert out.rid not in finished
+            finished[out.rid] = out
+        store = engine.runner.coord.store
+        for pool in store.pools:
+            assert all(a.used <= a.num_pages for a in pool.alloc.values())
+        assert store.host_alloc.used <= store.host_alloc.num_pages
+    for out in engine.run_to_completion():
+        finished[out.rid] = out
+    event(f"preempted: {engine.scheduler.num_preemptions > 0}")
+    assert set(finished) | aborted == set(reqs)
+    for rid, out in finished.items():
+        prompt, params = reqs[rid]
+        assert out.error is None, out.error
+        alone = engine_for(path, sparse, max_num_seqs=1, device_capacity_tokens=512)  # room for any one
+        alone.add_request("x", prompt, params)
+        assert out.token_ids == alone.run_to_completion()[0].token_ids, rid
+    assert engine.runner.coord.store.used_tokens() == 0 and not engine.runner.requests and not engine.runner.staging.spans

@@ -11,7 +11,8 @@ length crosses a page boundary, in `forward_begin`). This module bridges the two
   and resumption, the staging span) and the following `admit` / `resume` keep it: the
   scheduler always calls them right after a True;
 - growth of a plan's decode rows is checked together (`coordinator.can_grow` over every row
-  granted so far in this plan), since the rows share the pools' free pages;
+  granted so far in this plan), since the rows share the pools' free pages, and an admission
+  or resumption later in the plan is refused if it would take the room they were granted;
 - a store without a host pool (the resident store's default) promises nothing: its device
   pool holds every request whole, so nothing needs preempting unless it is sized smaller;
 - a sequence preempted while still prefilling has no K/V in the store yet: its coordinator
@@ -82,10 +83,20 @@ class RunnerBudget:
         host_free = self.store.host_alloc.free - self._owed_pages()
         if self.store.host_alloc.num_pages and self._life_pages(seq) > host_free:
             return False
-        if not self.runner.admit(seq.rid, seq.num_prompt_tokens):
+        if not self._admit_keeping_grants(seq):
             return False
         self._promised[seq.rid] = self._life_pages(seq)
         self._trial = seq.rid
+        return True
+
+    def _admit_keeping_grants(self, seq: Sequence) -> bool:
+        """Admit `seq` in the runner unless that takes room the plan's decode rows were
+        granted (their growth is checked before admissions are made)."""
+        if not self.runner.admit(seq.rid, seq.num_prompt_tokens):
+            return False
+        if not self.runner.can_grow(self._granted):
+            self.runner.free(seq.rid)
+            return False
         return True
 
     def admit(self, seq: Sequence) -> None:
@@ -112,7 +123,7 @@ class RunnerBudget:
 
     def can_resume(self, seq: Sequence) -> bool:
         if seq.rid in self._dropped:  # its host room is promised: only device room and staging
-            ok = self.runner.admit(seq.rid, seq.num_prompt_tokens)
+            ok = self._admit_keeping_grants(seq)
         else:
             ok = self.runner.resume(seq.rid)
             if ok and not self.runner.can_grow([*self._granted, seq.rid]):
