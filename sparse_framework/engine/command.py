@@ -30,6 +30,7 @@ from .llm import LLM
 from .models import ModelConfig, random_model
 from .sampling import SamplingParams
 
+HBM_BYTES_PER_S = 3.0e12  # the H100's measured copy rate (DESIGN.md)
 DEMO_MAX_MODEL_LEN = 8192  # the reference model was trained to 8K
 DEMO_CONFIG = {"algorithm": "quest", "top_k": 256, "min_sparse_prompt_len": 1024, "extra": {"dense_first_layers": 0}}
 RANDOM_MODELS = {
@@ -95,6 +96,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (default 2048)")
     p.add_argument("--max-model-len", type=int, help="prompt + output tokens per request (default: the model's; "
                    f"the reference model: {DEMO_MAX_MODEL_LEN})")
+    p.add_argument("--decode-graphs", action="store_true",
+                   help="CUDA: replay each decode layer's sparse attention from a CUDA graph (the coordinator's)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -133,7 +136,8 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
     config = load_config(args.config) if args.config else (DEMO_CONFIG if args.model is None else None)
     max_model_len = args.max_model_len or (DEMO_MAX_MODEL_LEN if args.model is None else None)
     llm = LLM(args.model, config, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len)
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
+              decode_graphs=args.decode_graphs)
     with _progress(console, not args.no_progress, "generating") as bar:
         task = bar.add_task("generate", total=len(prompts))
         outs = llm.generate(prompts, params, on_step=lambda done, total: bar.update(task, completed=done))
@@ -231,7 +235,8 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
     max_model_len = args.max_model_len or args.input_len + args.output_len
     config = load_config(args.config) if args.config else DEMO_CONFIG
     options = dict(dtype=args.dtype, device=args.device, max_num_seqs=concurrency,
-                   max_num_batched_tokens=max(args.max_num_batched_tokens, concurrency), max_model_len=max_model_len)
+                   max_num_batched_tokens=max(args.max_num_batched_tokens, concurrency), max_model_len=max_model_len,
+                   decode_graphs=args.decode_graphs)
     if args.random:
         model_config = ModelConfig.from_hf(RANDOM_MODELS[args.random])
         dtype = args.dtype or ("bfloat16" if torch.device(args.device).type == "cuda" else "float32")
@@ -253,6 +258,10 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
     failed = [o for o in outs if o.finish_reason == "error"]
     if failed:
         raise ConfigError(f"{len(failed)} request(s) failed, e.g. {failed[0].rid}: {failed[0].error}")
+    decode_steps = [(rows, ctx, sec) for rows, prefill, ctx, sec in llm.engine.step_log if rows and not prefill]
+    full = [(ctx, sec) for rows, ctx, sec in decode_steps if rows == concurrency]  # every request decoding
+    step_ms = None if not full else 1e3 * statistics.median(sec for _, sec in full)
+    floor_ms = None if not full else 1e3 * _decode_floor_bytes(llm, statistics.median(c for c, _ in full)) / HBM_BYTES_PER_S
     ttft = [o.ttft for o in outs if o.ttft is not None]
     tpot = [o.tpot for o in outs if o.tpot is not None]
     tokens = sum(len(o.token_ids) for o in outs)
@@ -264,24 +273,49 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
         "tpot_p50_ms": None if not tpot else 1e3 * _percentile(tpot, 50),
         "tpot_p99_ms": None if not tpot else 1e3 * _percentile(tpot, 99),
         "steps": llm.engine.steps, "preemptions": llm.engine.scheduler.num_preemptions,
+        "decode_step_ms": step_ms, "decode_step_floor_ms": floor_ms, "full_decode_steps": len(full),
         "device_pool_bytes": sum(p["bytes"] for p in pools if p["kind"] != "host"),
         "host_pool_bytes": sum(p["bytes"] for p in pools if p["kind"] == "host"),
         "config": load_config(config).model_dump(mode="json"), "device": str(args.device),
+        "decode_graphs": args.decode_graphs, "command": " ".join(["sparse-framework", *sys.argv[1:]]),
         "model": args.model or args.random or "reference",
     }
     title = (f"bench: {result['model']}, {len(outs)} x ({args.input_len} in, {args.output_len} out), "
              f"concurrency {concurrency}")
     caption = ("tok/s: output tokens per second over the whole run; TTFT, TPOT (time to the first token, per "
-               "later token) in ms; pool MiB: the store's device pools")
+               "later token) in ms; step: median decode step (ms) with every request decoding and no prefill, "
+               "floor: its HBM floor (weights + the KV and representations it reads, at 3.0 TB/s); pool MiB: the "
+               "store's device pools")
     table = new_table(title, caption)
-    for col in ("tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "steps", "preempted", "pool MiB"):
+    for col in ("tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "step", "floor", "preempted", "pool MiB"):
         table.add_column(col, justify="right", no_wrap=True)
     fmt = lambda v: "-" if v is None else f"{v:,.1f}"  # noqa: E731
     table.add_row(fmt(result["output_tokens_per_s"]), fmt(result["ttft_p50_ms"]), fmt(result["ttft_p99_ms"]),
-                  fmt(result["tpot_p50_ms"]), fmt(result["tpot_p99_ms"]), str(result["steps"]),
+                  fmt(result["tpot_p50_ms"]), fmt(result["tpot_p99_ms"]), fmt(step_ms), fmt(floor_ms),
                   str(result["preemptions"]), f"{result['device_pool_bytes'] / 2**20:,.0f}")
     console.print(table)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
         console.print(f"results written to {args.json}")
     return 0
+
+
+def _decode_floor_bytes(llm: LLM, context_tokens: float) -> float:
+    """Bytes a decode step must read at least: the weights, then per layer the K/V rows it
+    attends (every context token in a dense layer or a dense-mode run; at most the
+    algorithm's largest selection per request in a sparse one) and the algorithm's
+    representation of the whole context (what its scoring reads)."""
+    model, coord = llm.model, llm.engine.runner.coord
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    layout, config, store = coord.layout, coord.config, coord.store
+    rows = llm.engine.config.max_num_seqs
+    per_token = layout.bytes_per_token_per_layer
+    dense = config.store == "resident" or store.min_sparse_prompt_len > context_tokens / rows
+    selected = min(context_tokens, rows * coord.algorithm.max_selected_tokens(config))
+    total = 0.0
+    for layer in range(layout.num_layers):
+        if dense or layer in coord.dense_layers:
+            total += context_tokens * per_token
+        else:
+            total += selected * per_token + context_tokens * coord.algorithm.representation_bytes_per_token(layout, config)
+    return weights + total

@@ -145,6 +145,9 @@ class Engine:
         self._live: dict[str, _Live] = {}
         self._rejected: list[RequestOutput] = []
         self.steps = 0
+        # per step run: (decode rows, prefill tokens, context tokens of the decode rows, seconds);
+        # a step ends with its sampled tokens on the host, so the wall time is the step's
+        self.step_log: list[tuple[int, int, int, float]] = []
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
@@ -202,6 +205,8 @@ class Engine:
             outputs.append(self._output(live, FinishReason.ERROR.value, seq.error))
         if plan.is_empty:
             return outputs
+        started = time.perf_counter()
+        context = sum(s.num_computed_tokens + 1 for s in plan.decode)
         decode = [DecodeRow(s.rid, s.last_token_id) for s in plan.decode]
         chunks = [RunnerChunk(c.seq.rid, tuple(c.seq.prompt_ids[c.start : c.end]), c.start, c.is_last) for c in plan.prefill]
         logits = self.runner.execute(decode, chunks)
@@ -209,6 +214,7 @@ class Engine:
         lives = [self._live[s.rid] for s in sampled]
         tokens = self.sampler.sample(logits, [x.params for x in lives], [x.generator for x in lives]).tolist() if sampled else []
         now = time.perf_counter()
+        self.step_log.append((len(plan.decode), plan.num_tokens - len(plan.decode), context, now - started))
         new_tokens, stops = {}, {}
         for live, token in zip(lives, tokens):
             seq = live.seq
