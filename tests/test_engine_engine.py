@@ -188,3 +188,28 @@ def test_random_arrivals_lengths_and_aborts_never_lose_or_mix_requests(checkpoin
         alone.add_request("x", prompt, params)
         assert out.token_ids == alone.run_to_completion()[0].token_ids, rid
     assert engine.runner.coord.store.used_tokens() == 0 and not engine.runner.requests and not engine.runner.staging.spans
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("decode_graphs", [False, True])
+@pytest.mark.parametrize("sparse", [{**FULL, "backend": "triton"}, {**FULL, "backend": "triton", "store": "resident"}],
+                         ids=["hierarchical", "resident"])
+def test_engine_on_cuda_equals_transformers_greedy_generate(checkpoint, sparse, decode_graphs) -> None:
+    """The CUDA path (Triton kernels, pinned host pool, the coordinator's decode graphs) at a
+    full budget, float32: transformers' greedy tokens on the same GPU."""
+    model, path = checkpoint
+    hf = model.to("cuda")
+    try:
+        batch = prompts([37, 5, 60, 21], seed=6)
+        loaded = load_model(path, dtype=torch.float32, device="cuda")
+        engine = Engine(loaded, loaded.config, sparse, EngineConfig(max_num_seqs=4, max_model_len=128,
+                                                                     max_num_batched_tokens=16, decode_graphs=decode_graphs))
+        got = run(engine, batch)
+        for i, p in enumerate(batch):
+            ids = torch.tensor([p], device="cuda")
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,
+                              do_sample=False, pad_token_id=0)
+            assert got[f"r{i}"] == out[0, len(p):].tolist(), f"r{i}"
+    finally:
+        model.to("cpu")
