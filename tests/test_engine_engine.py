@@ -10,6 +10,7 @@ import transformers
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from sparse_framework import ConfigError
 from sparse_framework.engine.engine import Engine, EngineConfig
 from sparse_framework.engine.models import load_model
 from sparse_framework.engine.sampling import SamplingParams
@@ -213,3 +214,45 @@ def test_engine_on_cuda_equals_transformers_greedy_generate(checkpoint, sparse, 
             assert got[f"r{i}"] == out[0, len(p):].tolist(), f"r{i}"
     finally:
         model.to("cpu")
+
+
+FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=500_000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32})),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_generates_like_transformers(family, tmp_path) -> None:
+    """Each supported family (Qwen2 biases, Qwen3 q/k norms, Mistral, llama3 RoPE scaling)
+    through the engine, sparse at a full budget, prompts chunked: transformers' greedy tokens."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(1)
+    config = getattr(transformers, config_cls)(**{**TINY, **extra})
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # biases and norms start at constants: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    batch = prompts([41, 9, 70], seed=7)
+    got = run(engine_for(tmp_path, FULL, max_num_batched_tokens=16, max_prefill_chunk=16), batch)
+    for i, p in enumerate(batch):
+        assert got[f"r{i}"] == hf_greedy(model, p, GREEDY.max_tokens), f"{family} r{i}"
+
+
+def test_bad_model_directories_are_clear_errors(tmp_path) -> None:
+    from sparse_framework.engine import LLM
+    from sparse_framework.engine.models import CheckpointError, UnsupportedModelError
+
+    with pytest.raises(CheckpointError, match="model directory not found"):
+        LLM(tmp_path / "nothing")
+    transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="model_type .gpt2.; supported: LlamaForCausalLM"):
+        LLM(tmp_path)
+    with pytest.raises(ConfigError, match="the engine options are"):
+        LLM(None, max_num_seq=2)
