@@ -252,7 +252,7 @@ def test_bad_model_directories_are_clear_errors(tmp_path) -> None:
     with pytest.raises(CheckpointError, match="model directory not found"):
         LLM(tmp_path / "nothing")
     transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="model_type .gpt2.; supported: LlamaForCausalLM"):
+    with pytest.raises(UnsupportedModelError, match=r"model_type .gpt2.\); supported: LlamaForCausalLM"):
         LLM(tmp_path)
     with pytest.raises(ConfigError, match="the engine options are"):
         LLM(None, max_num_seq=2)
