@@ -303,6 +303,16 @@ class SparseCoordinator:
             dense_requests = len(batch) - batch.num_sparse
             self.dense_tally.decode_step(len(batch), dense_requests, self.layout.num_layers, len(self.dense_layers))
 
+    def step_replayed(self, batch: Batch, host_writes: list) -> None:
+        """An engine replayed this decode step's layers from a CUDA graph it captured around
+        this coordinator's hooks (decode_graphs=True with `graphs.inline` set while capturing,
+        so that each layer's work was recorded in the engine's graph): every layer counts as
+        run, and the store's host writes recorded at capture (`store.take_pending`) are queued
+        again for `forward_end`. Refused unless the open step is `batch`'s with no layer run."""
+        self.steps.check_replay(batch)
+        self.steps.replayed()
+        self.store.queue_pending(host_writes)
+
     def abort_step(self, batch: Batch) -> None:
         """Abandon the open step, e.g. after an exception between forward_begin and
         forward_end: each request's seq_len goes back to its value before forward_begin, the

@@ -105,6 +105,9 @@ class DecodeGraphs:
         self._seen: set[tuple] = set()
         self._warned = False
         self.eager = self.captures = self.replays = 0
+        # True while an engine captures a whole decode step around the coordinator's hooks:
+        # each layer's body then runs as it is, inside the engine's graph (no graph of its own)
+        self.inline = False
 
     # -- per step -------------------------------------------------------------------------
     def bind(self, batch: Batch) -> tuple:
@@ -143,6 +146,8 @@ class DecodeGraphs:
         key whose capture failed). Returns the metadata with `output` set to a fresh tensor;
         a replayed layer's metadata object and tensors are the graph's and are overwritten
         when this layer is replayed again."""
+        if self.inline:
+            return self._eager(body, q, k, v, inputs)
         entry = self._entries.get(key)
         if entry is None:
             if key not in self._seen:

@@ -151,6 +151,23 @@ class StepOrder:
         if hook != "on_request_end":
             self._check_tainted(hook, request)
 
+    def check_replay(self, batch: Batch) -> None:
+        """step_replayed: the open step is this batch's and no layer has run in it yet."""
+        step = self._open("step_replayed", None, batch)
+        if step.begun:
+            raise HookOrderError(
+                f"step_replayed: layers {sorted(step.begun)} already ran in this step; a replayed step "
+                "replaces every layer's attention_begin and attention_end", "step_replayed")
+
+    def replayed(self) -> None:
+        """Every layer of the open step ran (replayed from an engine's graph)."""
+        assert self.step is not None
+        self.step.begun.update(range(self.num_layers))
+        self.step.ended.update(range(self.num_layers))
+        self.step.layer = None
+        if self.step.written is None:
+            self.step.written = 0  # the replay wrote the store: an abort now taints the requests
+
     # -- transitions (called once the hook has succeeded) ----------------------------------
     def opened(self, batch: Batch, seq_lens: list[int]) -> None:
         self.step = OpenStep(batch, seq_lens)

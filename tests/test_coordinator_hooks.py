@@ -350,6 +350,37 @@ def test_benchmarks_rewind_a_layer_to_time_it_again() -> None:
         coord.attention_begin(0, q, k, v, batch)
 
 
+def test_a_replayed_step_counts_every_layer_and_queues_its_host_writes() -> None:
+    """An engine that replays a whole decode step from its own CUDA graph reports it with
+    step_replayed: accepted only on the open step with no layer run; forward_end then closes
+    it, and an abort after it taints the requests (the replay wrote the store)."""
+    coord, data, reqs = started(COVERING)
+    batch = Batch(reqs)
+    with pytest.raises(HookOrderError, match="step_replayed: no step is open"):
+        coord.step_replayed(batch, [])
+    coord.forward_begin(batch)
+    mark = coord.store.pending_mark()
+    coord.step_replayed(batch, [])
+    assert coord.store.pending_mark() == mark  # nothing recorded: nothing queued
+    with pytest.raises(HookOrderError, match=r"layers \[0, 1\] already ran"):
+        coord.step_replayed(batch, [])
+    coord.forward_end(batch)  # every layer counts as run
+    batch = Batch(reqs)
+    coord.forward_begin(batch)
+    q, k, v = data.step(reqs, 0, False, begun=True)
+    coord.attention_end(0, coord.attend(0, q, coord.attention_begin(0, q, k, v, batch)), batch)
+    with pytest.raises(HookOrderError, match=r"layers \[0\] already ran"):
+        coord.step_replayed(batch, [])
+
+    coord, data, reqs = started(COVERING)
+    batch = Batch(reqs)
+    coord.forward_begin(batch)
+    coord.step_replayed(batch, [])
+    coord.abort_step(batch)
+    with pytest.raises(HookOrderError, match="abandoned with abort_step"):
+        coord.forward_begin(Batch(reqs))
+
+
 def test_errors_are_sparse_framework_value_errors() -> None:
     assert issubclass(HookOrderError, SparseFrameworkError) and issubclass(HookOrderError, ValueError)
 

@@ -193,20 +193,25 @@ def test_random_arrivals_lengths_and_aborts_never_lose_or_mix_requests(checkpoin
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("decode_graphs", [False, True])
+@pytest.mark.parametrize("graphs", ["eager", "decode_graphs", "cuda_graphs"])
 @pytest.mark.parametrize("sparse", [{**FULL, "backend": "triton"}, {**FULL, "backend": "triton", "store": "resident"}],
                          ids=["hierarchical", "resident"])
-def test_engine_on_cuda_equals_transformers_greedy_generate(checkpoint, sparse, decode_graphs) -> None:
-    """The CUDA path (Triton kernels, pinned host pool, the coordinator's decode graphs) at a
-    full budget, float32: transformers' greedy tokens on the same GPU."""
+def test_engine_on_cuda_equals_transformers_greedy_generate(checkpoint, sparse, graphs) -> None:
+    """The CUDA path (Triton kernels, pinned host pool; the coordinator's per-layer decode
+    graphs, or whole decode steps replayed from graphs) at a full budget, float32:
+    transformers' greedy tokens on the same GPU."""
     model, path = checkpoint
     hf = model.to("cuda")
     try:
         batch = prompts([37, 5, 60, 21], seed=6)
         loaded = load_model(path, dtype=torch.float32, device="cuda")
-        engine = Engine(loaded, loaded.config, sparse, EngineConfig(max_num_seqs=4, max_model_len=128,
-                                                                     max_num_batched_tokens=16, decode_graphs=decode_graphs))
+        engine = Engine(loaded, loaded.config, sparse, EngineConfig(
+            max_num_seqs=4, max_model_len=128, max_num_batched_tokens=16,
+            decode_graphs=graphs == "decode_graphs", cuda_graphs=graphs == "cuda_graphs"))
         got = run(engine, batch)
+        if graphs == "cuda_graphs":
+            step_graphs = engine.runner.step_graphs
+            assert step_graphs.captures > 0 and step_graphs.replays > step_graphs.captures
         for i, p in enumerate(batch):
             ids = torch.tensor([p], device="cuda")
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, min_new_tokens=12,

@@ -98,6 +98,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    f"the reference model: {DEMO_MAX_MODEL_LEN})")
     p.add_argument("--decode-graphs", action="store_true",
                    help="CUDA: replay each decode layer's sparse attention from a CUDA graph (the coordinator's)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="CUDA: replay whole decode-only steps (every layer, model and attention) from CUDA graphs")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -137,7 +139,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
     max_model_len = args.max_model_len or (DEMO_MAX_MODEL_LEN if args.model is None else None)
     llm = LLM(args.model, config, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
-              decode_graphs=args.decode_graphs)
+              decode_graphs=args.decode_graphs, cuda_graphs=args.cuda_graphs)
     with _progress(console, not args.no_progress, "generating") as bar:
         task = bar.add_task("generate", total=len(prompts))
         outs = llm.generate(prompts, params, on_step=lambda done, total: bar.update(task, completed=done))
@@ -236,7 +238,7 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
     config = load_config(args.config) if args.config else DEMO_CONFIG
     options = dict(dtype=args.dtype, device=args.device, max_num_seqs=concurrency,
                    max_num_batched_tokens=max(args.max_num_batched_tokens, concurrency), max_model_len=max_model_len,
-                   decode_graphs=args.decode_graphs)
+                   decode_graphs=args.decode_graphs, cuda_graphs=args.cuda_graphs)
     if args.random:
         model_config = ModelConfig.from_hf(RANDOM_MODELS[args.random])
         dtype = args.dtype or ("bfloat16" if torch.device(args.device).type == "cuda" else "float32")
@@ -277,7 +279,7 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
         "device_pool_bytes": sum(p["bytes"] for p in pools if p["kind"] != "host"),
         "host_pool_bytes": sum(p["bytes"] for p in pools if p["kind"] == "host"),
         "config": load_config(config).model_dump(mode="json"), "device": str(args.device),
-        "decode_graphs": args.decode_graphs, "command": " ".join(["sparse-framework", *sys.argv[1:]]),
+        "decode_graphs": args.decode_graphs, "cuda_graphs": args.cuda_graphs, "command": " ".join(["sparse-framework", *sys.argv[1:]]),
         "model": args.model or args.random or "reference",
     }
     title = (f"bench: {result['model']}, {len(outs)} x ({args.input_len} in, {args.output_len} out), "

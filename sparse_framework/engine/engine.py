@@ -43,7 +43,8 @@ class EngineConfig:
     max_position_embeddings); staging_tokens: prompt tokens staged at once during prefill
     (None: max_model_len, one longest prompt); device/host_capacity_tokens: the store's pools
     (None: the coordinator's sizing); decode_graphs: the coordinator's per-layer decode graphs
-    (CUDA); seed: the sampler's generator for requests without a seed of their own."""
+    (CUDA); cuda_graphs: whole decode-only steps replayed from CUDA graphs (CUDA;
+    step_graphs.py); seed: the sampler's generator for requests without a seed of their own."""
 
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 2048
@@ -53,6 +54,7 @@ class EngineConfig:
     device_capacity_tokens: int | None = None
     host_capacity_tokens: int | None = None
     decode_graphs: bool = False
+    cuda_graphs: bool = False
     seed: int | None = 0
 
     def __post_init__(self) -> None:
@@ -132,7 +134,7 @@ class Engine:
             num_q_heads=model_config.num_heads, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
             staging_tokens=config.staging_tokens or max_model_len,
             device_capacity_tokens=config.device_capacity_tokens, host_capacity_tokens=config.host_capacity_tokens,
-            decode_graphs=config.decode_graphs,
+            decode_graphs=config.decode_graphs, cuda_graphs=config.cuda_graphs,
         )
         self.budget = RunnerBudget(self.runner)
         self.scheduler = Scheduler(

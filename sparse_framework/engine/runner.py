@@ -35,6 +35,7 @@ from ..common.layout import KVLayout
 from ..config import SparseConfig, load_config
 from ..coordinator import SparseCoordinator
 from .staging import PrefillStaging, chunk_attention
+from .step_graphs import StepGraphs
 
 
 class AttendFn(Protocol):
@@ -72,7 +73,10 @@ class ModelRunner:
 
     max_num_seqs / max_model_len size the coordinator (requests at once, tokens per request);
     staging_tokens: prompt tokens that can be staged at once (at least the longest prompt);
-    device/host_capacity_tokens: the coordinator's pools (defaults: its own sizing)."""
+    device/host_capacity_tokens: the coordinator's pools (defaults: its own sizing);
+    decode_graphs: the coordinator replays each decode layer's sparse work from a CUDA graph;
+    cuda_graphs: whole decode-only steps (model and coordinator) replayed from CUDA graphs
+    (step_graphs.py)."""
 
     def __init__(
         self,
@@ -87,6 +91,7 @@ class ModelRunner:
         device_capacity_tokens: int | None = None,
         host_capacity_tokens: int | None = None,
         decode_graphs: bool = False,
+        cuda_graphs: bool = False,
     ) -> None:
         self.model = model
         self.layout = layout
@@ -95,8 +100,9 @@ class ModelRunner:
         self.coord = SparseCoordinator(
             config, layout, max_requests=max_num_seqs, max_seq_len=max_model_len,
             device_capacity_tokens=device_capacity_tokens, host_capacity_tokens=host_capacity_tokens,
-            decode_graphs=decode_graphs,
+            decode_graphs=decode_graphs or cuda_graphs,
         )
+        self.step_graphs = StepGraphs(self.coord) if cuda_graphs else None
         algo = self.coord.algorithm
         if algo.prefill_inputs or algo.decode_inputs:
             needs = sorted({**algo.prefill_inputs, **algo.decode_inputs})
@@ -188,7 +194,11 @@ class ModelRunner:
         if batch is not None:
             self.coord.forward_begin(batch)
         try:
-            logits = self.model(token_ids, pos, self._attend_fn(batch, len(decode), prefill), rows)
+            if self.step_graphs is not None and batch is not None and not prefill:
+                logits = self.step_graphs.run(batch, token_ids, pos, lambda i, p, r: self.model(
+                    i, p, self._attend_fn(batch, len(decode), []), r))
+            else:
+                logits = self.model(token_ids, pos, self._attend_fn(batch, len(decode), prefill), rows)
         except BaseException:
             if batch is not None:
                 self.coord.abort_step(batch)

@@ -1,0 +1,112 @@
+"""Whole decode steps replayed from CUDA graphs (`EngineConfig(cuda_graphs=True)`).
+
+An eager decode step issues every layer's projections, norms, RoPE and MLP, and the
+coordinator's sparse decode, from Python: at 8 × 16K on the H100 that host work, not the
+bytes, sets the step time (docs/engine.md). Here a decode-only step — every row one token,
+no prefill chunk — is captured once per batch composition and context width and replayed:
+the host copies the step's token ids and positions in and launches one graph.
+
+What the graph depends on is held fixed: the coordinator runs with `decode_graphs=True`, whose
+`bind` (at `forward_begin`) points the batch's step tensors at static per-composition tensors
+and rounds the scored width up to `graph_bucket_tokens`; the coordinator's own per-layer
+graphs are switched off while capturing (`graphs.inline`), so each layer's store write,
+selection, swap-in, attention and append are recorded in this graph; the store's
+device→host writes, queued in Python during the capture, are queued again after each replay
+(`SparseCoordinator.step_replayed`). A key seen for the first time runs eagerly (warm-up:
+compilation and lazily allocated buffers stay outside any capture), the second time it is
+captured. A failed capture is an error naming the switch (the step cannot be completed).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..common.batch import Batch
+
+
+@dataclass
+class _Step:
+    graph: torch.cuda.CUDAGraph | None
+    token_ids: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    host_writes: list | None = None
+
+
+class StepGraphs:
+    """Captured decode steps of one runner, least recently used dropped past `max_graphs`."""
+
+    def __init__(self, coordinator: Any, max_graphs: int = 16) -> None:
+        if coordinator.graphs is None:
+            raise ValueError("whole-step graphs need the coordinator's decode_graphs=True (static step tensors)")
+        self.coord = coordinator
+        self.max_graphs = max_graphs
+        self.pool = torch.cuda.graph_pool_handle()
+        self._steps: OrderedDict[tuple, _Step] = OrderedDict()
+        self._seen: set[tuple] = set()
+        self.eager = self.captures = self.replays = 0
+
+    def run(
+        self, batch: Batch, token_ids: torch.Tensor, positions: torch.Tensor,
+        forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """The step's logits [B, vocab]: replayed, captured now, or run eagerly. `forward(ids,
+        positions, rows)` runs the model over the coordinator's hooks for this open step."""
+        key = (batch.composition, batch.max_seq_len)
+        step = self._steps.get(key)
+        if step is None and key not in self._seen:
+            self._seen.add(key)
+            return self._eager(forward, token_ids, positions)
+        if step is None:
+            return self._capture(key, forward, token_ids, positions)
+        self._steps.move_to_end(key)
+        if step.graph is None:
+            return self._eager(forward, token_ids, positions)
+        assert step.token_ids is not None and step.positions is not None and step.logits is not None
+        step.token_ids.copy_(token_ids)
+        step.positions.copy_(positions)
+        step.graph.replay()
+        self.replays += 1
+        self.coord.step_replayed(batch, step.host_writes)
+        return step.logits.clone()
+
+    def _eager(self, forward: Callable[..., torch.Tensor], token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        self.eager += 1
+        return forward(token_ids, positions, torch.arange(token_ids.shape[0], device=token_ids.device))
+
+    def _capture(self, key: tuple, forward: Callable[..., torch.Tensor], token_ids: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+        """Record the step (its hooks run, its kernels do not), then replay it once."""
+        ids, pos = token_ids.clone(), positions.clone()
+        rows = torch.arange(ids.shape[0], device=ids.device)
+        store, graphs = self.coord.store, self.coord.graphs
+        mark = store.pending_mark()
+        graph = torch.cuda.CUDAGraph()
+        graphs.inline = True
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = forward(ids, pos, rows)
+        except Exception as exc:  # a kernel that synchronises with the host, say
+            # the capture's hooks ran but no kernel did: this step cannot be completed (the
+            # runner abandons it); the shape stays eager from then on
+            store.take_pending(mark)
+            self._steps[key] = _Step(None)
+            raise RuntimeError(
+                f"cuda_graphs: capturing a decode step failed ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0] if str(exc) else ''}); run with cuda_graphs=False"
+            ) from exc
+        finally:
+            graphs.inline = False
+        host_writes = store.take_pending(mark)
+        self.captures += 1
+        self._steps[key] = _Step(graph, ids, pos, logits, host_writes)
+        while len(self._steps) > self.max_graphs:
+            self._steps.popitem(last=False)
+        graph.replay()  # this step's work: the capture only recorded it
+        self.replays += 1
+        store.queue_pending(host_writes)
+        return logits.clone()
