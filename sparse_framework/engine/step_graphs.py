@@ -33,6 +33,7 @@ class _Step:
     graph: torch.cuda.CUDAGraph | None
     token_ids: torch.Tensor | None = None
     positions: torch.Tensor | None = None
+    rows: torch.Tensor | None = None  # every input the graph reads must outlive it
     logits: torch.Tensor | None = None
     host_writes: list | None = None
 
@@ -45,7 +46,6 @@ class StepGraphs:
             raise ValueError("whole-step graphs need the coordinator's decode_graphs=True (static step tensors)")
         self.coord = coordinator
         self.max_graphs = max_graphs
-        self.pool = torch.cuda.graph_pool_handle()
         self._steps: OrderedDict[tuple, _Step] = OrderedDict()
         self._seen: set[tuple] = set()
         self.eager = self.captures = self.replays = 0
@@ -88,7 +88,9 @@ class StepGraphs:
         graph = torch.cuda.CUDAGraph()
         graphs.inline = True
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            # a private memory pool per graph: graphs of a shared pool may only be replayed in
+            # the order they were captured, and compositions come and go in any order
+            with torch.cuda.graph(graph):
                 logits = forward(ids, pos, rows)
         except Exception as exc:  # a kernel that synchronises with the host, say
             # the capture's hooks ran but no kernel did: this step cannot be completed (the
@@ -103,7 +105,7 @@ class StepGraphs:
             graphs.inline = False
         host_writes = store.take_pending(mark)
         self.captures += 1
-        self._steps[key] = _Step(graph, ids, pos, logits, host_writes)
+        self._steps[key] = _Step(graph, ids, pos, rows, logits, host_writes)
         while len(self._steps) > self.max_graphs:
             self._steps.popitem(last=False)
         graph.replay()  # this step's work: the capture only recorded it
