@@ -304,14 +304,21 @@ def test_admission_waits_for_memory_and_fcfs_holds_the_line() -> None:
     assert eng.held == {} and eng.peak_device <= 8
 
 
-def test_the_newest_running_sequence_is_preempted_and_resumes_without_recomputation() -> None:
-    # 3 requests of prompt 4 decode 12 tokens: 1 buffer + dense pages growing 1 -> 4 each;
-    # 10 device pages hold all three only until they pass 8 tokens
+
+def three_that_outgrow_the_device() -> tuple[FakeEngine, Scheduler, list[Sequence]]:
+    """3 requests of prompt 4 decoding 12 tokens each: 1 buffer + dense pages growing 1 -> 4
+    each; 10 device pages hold all three only until they pass 8 tokens."""
     eng = FakeEngine(device_pages=10, host_pages=100, page=4, staging_factor=0)
     sched = Scheduler(eng, max_num_batched_tokens=16, max_num_seqs=4)
     seqs = [make_seq(f"r{i}", 4, 12, base=i) for i in range(3)]
     for s in seqs:
         sched.add(s)
+    return eng, sched, seqs
+
+def test_the_newest_running_sequence_is_preempted_and_resumes_without_recomputation() -> None:
+    # 3 requests of prompt 4 decode 12 tokens: 1 buffer + dense pages growing 1 -> 4 each;
+    # 10 device pages hold all three only until they pass 8 tokens
+    eng, sched, seqs = three_that_outgrow_the_device()
     preempted_plan = None
     while preempted_plan is None:
         plan, _ = step(sched, eng)
@@ -357,11 +364,7 @@ def test_a_prefilling_victim_restarts_its_prefill_with_the_same_output() -> None
 
 
 def test_preempted_sequences_resume_before_any_new_admission() -> None:
-    eng = FakeEngine(device_pages=10, host_pages=100, page=4, staging_factor=0)
-    sched = Scheduler(eng, max_num_batched_tokens=16, max_num_seqs=4)
-    seqs = [make_seq(f"r{i}", 4, 12, base=i) for i in range(3)]
-    for s in seqs:
-        sched.add(s)
+    eng, sched, seqs = three_that_outgrow_the_device()
     while not sched.preempted:
         step(sched, eng)
     newcomer = make_seq("new", 1, 1)  # fits in the free room at once, but must wait
@@ -406,11 +409,7 @@ def test_stop_decided_by_the_caller() -> None:
 
 # -- abort -----------------------------------------------------------------------------------
 def _pressured() -> tuple[Scheduler, FakeEngine, list[Sequence]]:
-    eng = FakeEngine(device_pages=10, host_pages=100, page=4, staging_factor=0)
-    sched = Scheduler(eng, max_num_batched_tokens=16, max_num_seqs=4)
-    seqs = [make_seq(f"r{i}", 4, 12, base=i) for i in range(3)]
-    for s in seqs:
-        sched.add(s)
+    eng, sched, seqs = three_that_outgrow_the_device()
     while not sched.preempted:
         step(sched, eng)
     return sched, eng, seqs
