@@ -304,7 +304,6 @@ def test_admission_waits_for_memory_and_fcfs_holds_the_line() -> None:
     assert eng.held == {} and eng.peak_device <= 8
 
 
-
 def three_that_outgrow_the_device() -> tuple[FakeEngine, Scheduler, list[Sequence]]:
     """3 requests of prompt 4 decoding 12 tokens each: 1 buffer + dense pages growing 1 -> 4
     each; 10 device pages hold all three only until they pass 8 tokens."""
