@@ -1,0 +1,74 @@
+"""Where an engine decode step's GPU time goes: the kernels of a few decode-only steps.
+
+Runs the engine (random weights of a preset shape) until every request is decoding, then
+profiles `--steps` decode steps with torch.profiler and prints the kernels by total GPU time
+per step, beside the step's wall time. CUDA only.
+
+    python benchmarks/profile_engine_step.py --config '{"algorithm": "quest", "backend": "triton"}' \\
+        --batch 8 --context 16384 --cuda-graphs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default='{"algorithm": "quest", "backend": "triton"}', help="sparse config (JSON)")
+    p.add_argument("--shape", default="llama-3-8b", help="a preset of `sparse-framework bench --random`")
+    p.add_argument("--batch", type=int, default=8, help="requests, all decoding (default 8)")
+    p.add_argument("--context", type=int, default=16384, help="prompt tokens each (default 16384)")
+    p.add_argument("--steps", type=int, default=4, help="decode steps profiled (default 4)")
+    p.add_argument("--top", type=int, default=20, help="kernels listed (default 20)")
+    p.add_argument("--cuda-graphs", action="store_true", help="whole decode steps replayed from CUDA graphs")
+    p.add_argument("--decode-graphs", action="store_true", help="the coordinator's per-layer decode graphs")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("profile_engine_step.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from torch.profiler import ProfilerActivity, profile
+
+    from sparse_framework.engine import Engine, EngineConfig, SamplingParams
+    from sparse_framework.engine.command import RANDOM_MODELS
+    from sparse_framework.engine.models import ModelConfig, random_model
+
+    model_config = ModelConfig.from_hf(RANDOM_MODELS[args.shape])
+    model = random_model(model_config, "bfloat16", "cuda")
+    engine = Engine(model, model_config, json.loads(args.config), EngineConfig(
+        max_num_seqs=args.batch, max_num_batched_tokens=16384, max_model_len=args.context + 64,
+        decode_graphs=args.decode_graphs, cuda_graphs=args.cuda_graphs))
+    g = torch.Generator().manual_seed(0)
+    for i in range(args.batch):
+        engine.add_request(f"r{i}", torch.randint(0, model_config.vocab_size, (args.context,), generator=g).tolist(),
+                           SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    while not engine.step_log or engine.step_log[-1][1] or engine.step_log[-1][0] < args.batch:
+        engine.step()  # prefill, until a step decodes every request and prefills nothing
+    for _ in range(3):
+        engine.step()  # warm-up (first sighting and capture of the graphs)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / args.steps
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in events) / args.steps
+    print(f"decode step: {wall * 1e3:.2f} ms wall, {total / 1e3:.2f} ms of GPU kernels "
+          f"({args.batch} x {args.context}, {args.config}{', cuda graphs' if args.cuda_graphs else ''})")
+    print(f"{'kernel':<60} {'ms/step':>8} {'calls':>6} {'share':>6}")
+    for e in events[: args.top]:
+        ms = e.device_time_total / args.steps / 1e3
+        print(f"{e.key[:60]:<60} {ms:8.3f} {e.count // args.steps:6d} {100 * e.device_time_total / args.steps / total:5.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
