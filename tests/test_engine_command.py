@@ -59,6 +59,8 @@ def test_prompts_from_a_file_jsonl_and_stdin(console, tmp_path, monkeypatch) -> 
     (["bench", "--model", ".", "--random", "tiny"], "give --model or --random, not both"),
     (["bench", "--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
     (["generate", "--config", '{"algorithm": "nope"}'], "unknown algorithm 'nope'"),
+    (["generate", "--cuda-graphs"], "cuda_graphs=True replays decode steps from CUDA graphs: it needs a CUDA device"),
+    (["bench", "--decode-graphs", "--random", "tiny"], "decode_graphs=True needs a CUDA layout device"),
 ])
 def test_bad_input_is_one_clear_error(console, argv, message) -> None:
     assert cli.main(argv + ["--no-progress"]) == 2

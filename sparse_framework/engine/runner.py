@@ -97,6 +97,9 @@ class ModelRunner:
         self.layout = layout
         self.num_q_heads = num_q_heads
         config = load_config(sparse_config)
+        if cuda_graphs and torch.device(layout.device).type != "cuda":
+            raise ConfigError(f"cuda_graphs=True replays decode steps from CUDA graphs: it needs a CUDA device, "
+                              f"got {layout.device!r}")
         self.coord = SparseCoordinator(
             config, layout, max_requests=max_num_seqs, max_seq_len=max_model_len,
             device_capacity_tokens=device_capacity_tokens, host_capacity_tokens=host_capacity_tokens,
