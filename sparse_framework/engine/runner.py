@@ -198,7 +198,7 @@ class ModelRunner:
             self.coord.forward_begin(batch)
         try:
             if self.step_graphs is not None and batch is not None and not prefill:
-                logits = self.step_graphs.run(batch, token_ids, pos, lambda i, p, r: self.model(
+                logits = self.step_graphs.run(batch, token_ids, pos, rows, lambda i, p, r: self.model(
                     i, p, self._attend_fn(batch, len(decode), []), r))
             else:
                 logits = self.model(token_ids, pos, self._attend_fn(batch, len(decode), prefill), rows)

@@ -51,21 +51,22 @@ class StepGraphs:
         self.eager = self.captures = self.replays = 0
 
     def run(
-        self, batch: Batch, token_ids: torch.Tensor, positions: torch.Tensor,
+        self, batch: Batch, token_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
         forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> torch.Tensor:
         """The step's logits [B, vocab]: replayed, captured now, or run eagerly. `forward(ids,
-        positions, rows)` runs the model over the coordinator's hooks for this open step."""
+        positions, rows)` runs the model over the coordinator's hooks for this open step; rows
+        are the logits rows (every decode row, in order)."""
         key = (batch.composition, batch.max_seq_len)
         step = self._steps.get(key)
         if step is None and key not in self._seen:
             self._seen.add(key)
-            return self._eager(forward, token_ids, positions)
+            return self._eager(forward, token_ids, positions, rows)
         if step is None:
-            return self._capture(key, forward, token_ids, positions)
+            return self._capture(key, forward, token_ids, positions, rows)
         self._steps.move_to_end(key)
         if step.graph is None:
-            return self._eager(forward, token_ids, positions)
+            return self._eager(forward, token_ids, positions, rows)
         assert step.token_ids is not None and step.positions is not None and step.logits is not None
         step.token_ids.copy_(token_ids)
         step.positions.copy_(positions)
@@ -74,15 +75,16 @@ class StepGraphs:
         self.coord.step_replayed(batch, step.host_writes)
         return step.logits.clone()
 
-    def _eager(self, forward: Callable[..., torch.Tensor], token_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _eager(self, forward: Callable[..., torch.Tensor], token_ids: torch.Tensor, positions: torch.Tensor,
+               rows: torch.Tensor) -> torch.Tensor:
         self.eager += 1
-        return forward(token_ids, positions, torch.arange(token_ids.shape[0], device=token_ids.device))
+        return forward(token_ids, positions, rows)
 
     def _capture(self, key: tuple, forward: Callable[..., torch.Tensor], token_ids: torch.Tensor,
-                 positions: torch.Tensor) -> torch.Tensor:
-        """Record the step (its hooks run, its kernels do not), then replay it once."""
-        ids, pos = token_ids.clone(), positions.clone()
-        rows = torch.arange(ids.shape[0], device=ids.device)
+                 positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Record the step (its hooks run, its kernels do not), then replay it once. The graph
+        reads its own copies of the inputs, kept with it."""
+        ids, pos, rows = token_ids.clone(), positions.clone(), rows.clone()
         store, graphs = self.coord.store, self.coord.graphs
         mark = store.pending_mark()
         graph = torch.cuda.CUDAGraph()
