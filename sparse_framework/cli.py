@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from . import __version__, registry
+from . import __version__
 from .cli_tables import new_table, plan_table, plugins_table, run_table, size_text
 from .config import config_schema, dense_layer_set, load_config, read_json_object, validate
 from .engine.loop import RequestResult, run_experiment

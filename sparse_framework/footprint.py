@@ -75,13 +75,13 @@ def coordinator_parts(
     dev = _device_name(layout.device)
     per_layer = layout.bytes_per_token_per_layer
     max_pages = cdiv(max_seq_len, p)
+    resident = config.store == "resident"
     pools = size_device_pools(
         num_layers=L, dense_layers=dense_layer_set(config, L), page_size=p,
         device_buffer_tokens=config.device_buffer_tokens, min_sparse_prompt_len=config.min_sparse_prompt_len,
-        max_requests=max_requests, max_seq_len=max_seq_len, resident_only=config.store == "resident",
+        max_requests=max_requests, max_seq_len=max_seq_len, resident_only=resident,
         capacity_tokens=device_capacity_tokens,
     )
-    resident = config.store == "resident"
     if host_capacity_tokens is None:
         host_capacity_tokens = 0 if resident else max_requests * max_pages * p
     host_tokens = cdiv(host_capacity_tokens, p) * p

@@ -17,7 +17,7 @@ and every prompt the step completed, and reports them back. A request that can n
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -107,7 +107,6 @@ class _Live:
     generator: torch.Generator | None
     arrival: float
     first_token: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Engine:
@@ -146,7 +145,6 @@ class Engine:
         self.max_model_len = max_model_len
         self._live: dict[str, _Live] = {}
         self._rejected: list[RequestOutput] = []
-        self.steps = 0
         # per step run: (decode rows, prefill tokens, context tokens of the decode rows, seconds);
         # a step ends with its sampled tokens on the host, so the wall time is the step's
         self.step_log: list[tuple[int, int, int, float]] = []
@@ -197,6 +195,11 @@ class Engine:
         return bool(self._rejected) or self.scheduler.has_unfinished()
 
     # -- a step --------------------------------------------------------------------------------
+    @property
+    def steps(self) -> int:
+        """Steps run so far (plans with rows)."""
+        return len(self.step_log)
+
     def step(self) -> list[RequestOutput]:
         """Run one step; the requests that finished in it (rejected ones included)."""
         outputs, self._rejected = self._rejected, []
@@ -226,7 +229,6 @@ class Engine:
             reason = finished(live.params, token, len(seq.output_ids) + 1, self.eos or None)
             if reason is not None:
                 stops[seq.rid] = reason
-        self.steps += 1
         for seq in self.scheduler.on_step_done(plan, new_tokens, stops):
             live = self._live.pop(seq.rid)
             outputs.append(self._output(live, str(seq.finish_reason.value), seq.error))

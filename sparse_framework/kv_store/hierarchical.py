@@ -88,7 +88,7 @@ class HierarchicalKVStore(KVStore):
         self.max_requests, self.max_seq_len = max_requests, max_seq_len
         self.max_pages = cdiv(max_seq_len, page_size)
         self.max_units = cdiv(max_seq_len, unit)
-        L, hk, d = layout.num_layers, layout.num_kv_heads, layout.stored_head_dim
+        L = layout.num_layers
         dev = torch.device(layout.device)
         self.device = dev
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from ..common.arith import cdiv
 from ..common.errors import CapacityError
 from .pinned import pinned_zeros
 
