@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=20, help="kernels listed (default 20)")
     p.add_argument("--cuda-graphs", action="store_true", help="whole decode steps replayed from CUDA graphs")
     p.add_argument("--decode-graphs", action="store_true", help="the coordinator's per-layer decode graphs")
+    p.add_argument("--pdl", choices=["auto", "on", "off"], default="off",
+                   help="programmatic dependent launch of our kernels (default off: with it a kernel's time "
+                   "includes waiting for its predecessor, so the per-kernel times overlap)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_engine_step.py needs a CUDA GPU", file=sys.stderr)
@@ -35,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from sparse_framework.engine import Engine, EngineConfig, SamplingParams
+    from sparse_framework.kernels import pdl
+
+    pdl.PDL = args.pdl
     from sparse_framework.engine.command import RANDOM_MODELS
     from sparse_framework.engine.models import ModelConfig, random_model
 
@@ -49,25 +55,47 @@ def main(argv: list[str] | None = None) -> int:
                            SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
     while not engine.step_log or engine.step_log[-1][1] or engine.step_log[-1][0] < args.batch:
         engine.step()  # prefill, until a step decodes every request and prefills nothing
+    prefill = [(tokens, sec) for _, tokens, _, sec in engine.step_log if tokens]
+    tokens, sec = sum(t for t, _ in prefill), sum(s for _, s in prefill)
+    flops = 2 * model_config.num_parameters() * tokens + 2 * 2 * model_config.num_layers * model_config.num_heads \
+        * model_config.head_dim * args.context ** 2 / 2 * args.batch  # matmuls + causal attention
+    print(f"prefill: {tokens} tokens in {sec:.2f} s over {len(prefill)} steps, {tokens / sec:,.0f} tok/s, "
+          f"{flops / sec / 1e12:.0f} TFLOP/s")
     for _ in range(3):
         engine.step()  # warm-up (first sighting and capture of the graphs)
     torch.cuda.synchronize()
+    before = _hits(engine)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - start) / args.steps
+    after = _hits(engine)
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: e.device_time_total, reverse=True)
     total = sum(e.device_time_total for e in events) / args.steps
     print(f"decode step: {wall * 1e3:.2f} ms wall, {total / 1e3:.2f} ms of GPU kernels "
           f"({args.batch} x {args.context}, {args.config}{', cuda graphs' if args.cuda_graphs else ''})")
+    if after is not None:
+        hits, misses, bytes_in = (a - b for a, b in zip(after, before))
+        print(f"device-buffer hit rate {hits / max(1, hits + misses):.3f}, {bytes_in / args.steps / 1e6:.1f} MB "
+              "host -> device per step")
     print(f"{'kernel':<60} {'ms/step':>8} {'calls':>6} {'share':>6}")
     for e in events[: args.top]:
         ms = e.device_time_total / args.steps / 1e3
         print(f"{e.key[:60]:<60} {ms:8.3f} {e.count // args.steps:6d} {100 * e.device_time_total / args.steps / total:5.1f}%")
     return 0
+
+
+def _hits(engine) -> tuple[int, int, int] | None:  # type: ignore[no-untyped-def]
+    """(hits, misses, bytes in) of the hierarchical store so far, summed over layers; None for another store."""
+    store = engine.runner.coord.store
+    if not hasattr(store, "hits"):
+        return None
+    torch.cuda.synchronize()
+    stats = store.stats()
+    return (sum(s["hits"] for s in stats), sum(s["misses"] for s in stats), sum(s["bytes_in"] for s in stats))
 
 
 if __name__ == "__main__":
