@@ -204,7 +204,8 @@ class Engine:
             total = total or cuda_total
         elif total is None:
             raise ConfigError(f"gpu_memory_utilization on a {self.device.type} device: it has no device memory of its "
-                              "own to measure; give EngineConfig.device_memory_bytes (the memory to plan for)")
+                              "own to measure; give EngineConfig.device_memory_bytes (the memory to plan for), "
+                              "or run on a CUDA device")
         params = model.parameters() if hasattr(model, "parameters") else ()  # type: ignore[attr-defined]
         weights = sum(p.numel() * p.element_size() for p in params)
         return plan_engine_memory(
