@@ -201,6 +201,8 @@ class Engine:
         total, free = config.device_memory_bytes, None
         if self.device.type == "cuda":
             free, cuda_total = torch.cuda.mem_get_info(self.device)
+            # blocks torch's caching allocator holds but no tensor uses are free for the pools
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             total = total or cuda_total
         elif total is None:
             raise ConfigError(f"gpu_memory_utilization on a {self.device.type} device: it has no device memory of its "
