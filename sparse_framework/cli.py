@@ -21,6 +21,8 @@ from .engine.workload import WorkloadConfig
 from .engine.workload import DTYPES as LAYOUT_DTYPES
 from .common.errors import CapacityError, SparseFrameworkError, closest
 from .engine import command as engine_command
+from .engine.memory import HOST_MEMORY_FRACTION, plan_engine_memory
+from .engine.models import ModelConfig
 from .eval import command as eval_command
 from .capacity import PRESETS, CapacityPlan, plan_capacity
 from .common.layout import KVLayout
@@ -112,6 +114,19 @@ def _parser() -> argparse.ArgumentParser:
         "keeps its first two layers dense: drop the extra to plan for that)",
     )
     plan.add_argument("--json", metavar="PATH", help="write the plan as JSON to PATH")
+    eng = plan.add_argument_group(
+        "engine plan (--engine)",
+        "the serving engine's memory plan for a model shape of `bench --random` (its weights counted): the "
+        "function the engine runs with gpu_memory_utilization (docs/engine.md, Memory)")
+    eng.add_argument("--engine", action="store_true", help="print the engine's plan per --context (max_model_len)")
+    eng.add_argument("--gpu-memory-gib", type=float, default=80.0, help="the device's memory, GiB (default 80)")
+    eng.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of it (default 0.9)")
+    eng.add_argument("--host-memory-gib", type=float,
+                     help=f"host budget, GiB (default: {HOST_MEMORY_FRACTION:g} x this host's MemAvailable)")
+    eng.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (default 2048)")
+    eng.add_argument("--max-num-seqs", type=int, default=256, help="upper bound on request rows (default 256)")
+    eng.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                     help="weights and KV dtype (default bfloat16)")
     return parser
 
 
@@ -203,6 +218,8 @@ def _layout(args: argparse.Namespace) -> tuple[str, KVLayout]:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    if args.engine:
+        return _engine_plan(args)
     name, layout = _layout(args)
     contexts = _int_list(args.context, "--context")
     base = load_config(args.config) if args.config else load_config(PLAN_DEFAULT)
@@ -223,6 +240,43 @@ def _plan(args: argparse.Namespace) -> int:
             plans.append({"model": name, "buffer": which, **p.as_dict()})
             rows.append((p, which))
     console.print(plan_table(title, rows))
+    if args.json:
+        _check_parent(args.json, "--json")
+        Path(args.json).write_text(json.dumps(plans, indent=2))
+        console.print(f"plan written to {args.json}")
+    return 0
+
+
+def _engine_plan(args: argparse.Namespace) -> int:
+    """`plan --engine`: `plan_engine_memory` per context, with the inputs an engine of the
+    `bench --random` model shape would give it (weights: its parameter count x the dtype)."""
+    models = engine_command.RANDOM_MODELS
+    if args.layout or args.model not in models:
+        raise SparseFrameworkError(f"--engine plans a model shape of `bench --random`: --model one of {', '.join(models)} "
+                                   f"(got {args.layout and '--layout' or repr(args.model)}){closest(args.model, models)}")
+    if args.gpu_memory_gib <= 0 or (args.host_memory_gib is not None and args.host_memory_gib <= 0):
+        raise SparseFrameworkError(f"--gpu-memory-gib and --host-memory-gib must be > 0, got {args.gpu_memory_gib:g} "
+                                   f"and {args.host_memory_gib}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise SparseFrameworkError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization:g}")
+    if args.max_num_batched_tokens < 1 or args.max_num_seqs < 1:
+        raise SparseFrameworkError("--max-num-batched-tokens and --max-num-seqs must be >= 1")
+    model = ModelConfig.from_hf(models[args.model])
+    dtype = LAYOUT_DTYPES[args.dtype]
+    layout = model.kv_layout(dtype)
+    config = load_config(args.config) if args.config else load_config(PLAN_DEFAULT)
+    host = None if args.host_memory_gib is None else int(args.host_memory_gib * 2**30)
+    plans = []
+    for context in _int_list(args.context, "--context"):
+        p = plan_engine_memory(
+            model, layout, config, weight_bytes=model.num_parameters() * dtype.itemsize, max_model_len=context,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+            gpu_memory_utilization=args.gpu_memory_utilization, device_total_bytes=int(args.gpu_memory_gib * 2**30),
+            host_memory_bytes=host,
+        )
+        console.print(p.describe(), highlight=False)
+        p.check()  # not one request fits: the engine's own error
+        plans.append({"model": args.model, "config": config.model_dump(mode="json"), **p.as_dict()})
     if args.json:
         _check_parent(args.json, "--json")
         Path(args.json).write_text(json.dumps(plans, indent=2))

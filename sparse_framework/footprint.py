@@ -36,6 +36,7 @@ class Part:
     device: str  # "cpu" or "cuda:N"
     bytes: int
     settings: str
+    host: bool = False  # the host KV pool (on a CPU layout the device pools are on "cpu" too)
 
 
 def _device_name(device: str | torch.device) -> str:
@@ -91,7 +92,7 @@ def coordinator_parts(
     return [
         *(Part(f"device KV pool ({pool.kind})", dev, pool.bytes(layout), f"{rows} (or device_capacity_tokens)")
           for pool in pools),
-        Part("host KV pool", "cpu", L * host_tokens * per_layer, f"{rows} (or host_capacity_tokens)"),
+        Part("host KV pool", "cpu", L * host_tokens * per_layer, f"{rows} (or host_capacity_tokens)", host=True),
         Part(
             f"algorithm {config.algorithm!r} representations", dev,
             int(algo.representation_bytes_per_token(layout, config) * L * max_requests * max_pages * p), rows,

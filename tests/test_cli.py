@@ -122,3 +122,53 @@ def test_run_notes_when_every_layer_is_dense(capsys) -> None:
     assert main(["run", "--config", '{"algorithm": "quest"}', "--contexts", "2048", "--steps", "1", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "every layer of the 2-layer workload attends densely" in out and "dense_first_layers" in out
+
+
+def test_plan_engine_equals_the_engines_own_plan(tmp_path, capsys) -> None:
+    """`plan --engine` and an engine built with the same inputs plan the same (every term); the
+    engine then runs exactly that many requests at once (tests/test_engine_memory.py)."""
+    from sparse_framework.engine.command import RANDOM_MODELS
+    from sparse_framework.engine.engine import Engine, EngineConfig
+    from sparse_framework.engine.models import ModelConfig, random_model
+
+    sparse = {"algorithm": "quest", "top_k": 16, "page_size": 4, "sink_tokens": 4, "recent_tokens": 4,
+              "device_buffer_tokens": 32, "min_sparse_prompt_len": 0}
+    total, host = 2 * 2**20 + 12345, 5 * 2**20 + 7  # room for 3 requests of 64 tokens, 1 of 128
+    out = tmp_path / "engine_plan.json"
+    assert main(["plan", "--engine", "--model", "tiny", "--dtype", "float32", "--gpu-memory-gib", repr(total / 2**30),
+                 "--gpu-memory-utilization", "0.5", "--host-memory-gib", repr(host / 2**30), "--max-num-batched-tokens",
+                 "32", "--max-num-seqs", "8", "--context", "64,128", "--config", json.dumps(sparse), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "memory-bound maximum" in printed and "prefill staging" in printed
+    planned = json.loads(out.read_text())
+    model = random_model(ModelConfig.from_hf(RANDOM_MODELS["tiny"]), "float32", "cpu")
+    for row, context in zip(planned, (64, 128)):
+        engine = Engine(model, model.config, sparse, EngineConfig(
+            max_num_seqs=8, max_num_batched_tokens=32, max_model_len=context, gpu_memory_utilization=0.5,
+            device_memory_bytes=total, host_memory_bytes=host))
+        assert engine.memory_plan is not None
+        assert {k: v for k, v in row.items() if k not in ("model", "config")} == engine.memory_plan.as_dict()
+        assert engine.num_seqs == row["num_seqs"] > 0
+    assert planned[0]["num_seqs"] > planned[1]["num_seqs"]  # longer requests, fewer of them
+
+
+def test_plan_engine_llama_3_8b_on_an_h100(capsys) -> None:
+    assert main(["plan", "--engine", "--gpu-memory-gib", "80", "--gpu-memory-utilization", "0.9", "--host-memory-gib",
+                 "128", "--max-num-batched-tokens", "16384", "--context", "16384,131072"]) == 0
+    printed = capsys.readouterr().out
+    assert "0.9 x 80.00 GiB = 72.00 GiB" in printed and "128.00 GiB (host_memory_bytes)" in printed
+    assert "weights 14.96 GiB" in printed  # 8.03 B parameters in bfloat16
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "llama-3-70b"], "--engine plans a model shape of `bench --random`"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
+        (["--gpu-memory-gib", "0"], "--gpu-memory-gib and --host-memory-gib must be > 0"),
+        (["--gpu-memory-gib", "16"], "no request of max_model_len=16384 fits"),
+    ],
+)
+def test_plan_engine_bad_input(args, message, capsys) -> None:
+    assert main(["plan", "--engine", "--host-memory-gib", "64", *args]) == 2
+    assert message in " ".join(capsys.readouterr().out.split())

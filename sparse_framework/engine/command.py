@@ -100,8 +100,21 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="CUDA: replay each decode layer's sparse attention from a CUDA graph (the coordinator's)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="CUDA: replay whole decode-only steps (every layer, model and attention) from CUDA graphs")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   help="size the pools from this fraction (0 < u <= 1) of the GPU's memory less weights, activations "
+                   "and staging; --max-num-seqs becomes an upper bound (docs/engine.md, Memory)")
+    p.add_argument("--host-memory-gib", type=float, help="host budget for the host KV pool, GiB, with "
+                   "--gpu-memory-utilization (default: 0.8 x MemAvailable)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _memory_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine's memory-plan options from --gpu-memory-utilization / --host-memory-gib."""
+    if args.host_memory_gib is not None and args.host_memory_gib <= 0:
+        raise ConfigError(f"--host-memory-gib must be > 0, got {args.host_memory_gib:g}")
+    host = None if args.host_memory_gib is None else int(args.host_memory_gib * 2**30)
+    return {"gpu_memory_utilization": args.gpu_memory_utilization, "host_memory_bytes": host}
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:
@@ -139,7 +152,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
     max_model_len = args.max_model_len or (DEMO_MAX_MODEL_LEN if args.model is None else None)
     llm = LLM(args.model, config, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
-              decode_graphs=args.decode_graphs, cuda_graphs=args.cuda_graphs)
+              decode_graphs=args.decode_graphs, cuda_graphs=args.cuda_graphs, **_memory_options(args))
     with _progress(console, not args.no_progress, "generating") as bar:
         task = bar.add_task("generate", total=len(prompts))
         outs = llm.generate(prompts, params, on_step=lambda done, total: bar.update(task, completed=done))
@@ -214,6 +227,8 @@ def _summary(console: Console, llm: LLM) -> None:
     pools = coord.memory_stats()
     sizes = ", ".join(f"{p['kind']} {p['bytes'] / 2**20:,.1f} MiB" for p in pools)
     console.print(f"steps {llm.engine.steps}, preemptions {llm.engine.scheduler.num_preemptions}; pools: {sizes}")
+    if llm.engine.memory_plan is not None:
+        console.print(llm.engine.memory_plan.describe(), highlight=False)
     dense = report["dense_requests"]
     if dense:
         console.print(f"decoded densely: {', '.join(f'{k}: {v}' for k, v in dense.items())} "
@@ -238,7 +253,7 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
     config = load_config(args.config) if args.config else DEMO_CONFIG
     options = dict(dtype=args.dtype, device=args.device, max_num_seqs=concurrency,
                    max_num_batched_tokens=max(args.max_num_batched_tokens, concurrency), max_model_len=max_model_len,
-                   decode_graphs=args.decode_graphs, cuda_graphs=args.cuda_graphs)
+                   decode_graphs=args.decode_graphs, cuda_graphs=args.cuda_graphs, **_memory_options(args))
     if args.random:
         model_config = ModelConfig.from_hf(RANDOM_MODELS[args.random])
         dtype = args.dtype or ("bfloat16" if torch.device(args.device).type == "cuda" else "float32")

@@ -16,6 +16,7 @@ and every prompt the step completed, and reports them back. A request that can n
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -23,13 +24,17 @@ from typing import Any
 import torch
 
 from ..common.errors import ConfigError, SparseFrameworkError
-from ..config import SparseConfig
+from ..common.layout import KVLayout
+from ..config import SparseConfig, load_config
 from .budget import RunnerBudget
+from .memory import EngineMemoryPlan, plan_engine_memory
 from .models import ModelConfig
 from .runner import DecodeRow, Model, ModelRunner
 from .runner import PrefillChunk as RunnerChunk
 from .sampling import Sampler, SamplingParams, finished
 from .scheduler import FinishReason, Scheduler, Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,15 @@ class EngineConfig:
     (None: max_model_len, one longest prompt); device/host_capacity_tokens: the store's pools
     (None: the coordinator's sizing); decode_graphs: the coordinator's per-layer decode graphs
     (CUDA); cuda_graphs: whole decode-only steps replayed from CUDA graphs (CUDA;
-    step_graphs.py); seed: the sampler's generator for requests without a seed of their own."""
+    step_graphs.py); seed: the sampler's generator for requests without a seed of their own.
+
+    Memory (engine/memory.py, docs/engine.md "Memory"): gpu_memory_utilization (0 < u <= 1)
+    sizes the pools from that fraction of the device's memory less the weights, one step's
+    activations and the prefill staging, as vLLM does; max_num_seqs is then an upper bound and
+    the engine takes as many request rows of max_model_len as fit on the device and in the host
+    budget, host_memory_bytes (None: a fraction of MemAvailable). device_memory_bytes: the
+    device memory the plan takes the fraction of (None: the CUDA device's; required on a CPU
+    device, which has none of its own). None (the default): max_num_seqs x max_model_len."""
 
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 2048
@@ -56,15 +69,33 @@ class EngineConfig:
     decode_graphs: bool = False
     cuda_graphs: bool = False
     seed: int | None = 0
+    gpu_memory_utilization: float | None = None
+    host_memory_bytes: int | None = None
+    device_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_prefill_chunk", "max_model_len", "staging_tokens", "device_capacity_tokens", "host_capacity_tokens"):
+        for name in ("max_prefill_chunk", "max_model_len", "staging_tokens", "device_capacity_tokens", "host_capacity_tokens",
+                     "host_memory_bytes", "device_memory_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"EngineConfig.{name} must be None or >= 1, got {value}")
+        u = self.gpu_memory_utilization
+        if u is None:
+            for name in ("host_memory_bytes", "device_memory_bytes"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"EngineConfig.{name} is a budget of the memory plan: set gpu_memory_utilization "
+                                      "(0 < u <= 1) too")
+            return
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ConfigError(f"EngineConfig.gpu_memory_utilization must be None or in (0, 1] (a fraction of the "
+                              f"device's memory), got {u!r}")
+        for name in ("device_capacity_tokens", "host_capacity_tokens"):
+            if getattr(self, name) is not None:
+                raise ConfigError(f"EngineConfig.{name} and gpu_memory_utilization both size the pools: give one "
+                                  "(with gpu_memory_utilization the pools follow from the memory plan)")
 
 
 @dataclass
@@ -128,17 +159,28 @@ class Engine:
         self.device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
         dtype = dtype or (first.dtype if first is not None else torch.float32)
         max_model_len = config.max_model_len or model_config.max_position_embeddings
+        layout = model_config.kv_layout(dtype, self.device)
+        sparse_config = load_config(sparse_config)
+        rows, device_tokens, host_tokens = config.max_num_seqs, config.device_capacity_tokens, config.host_capacity_tokens
+        self.memory_plan: EngineMemoryPlan | None = None
+        if config.gpu_memory_utilization is not None:
+            self.memory_plan = plan = self._plan_memory(model, model_config, layout, sparse_config, max_model_len,
+                                                        config.gpu_memory_utilization)
+            log.info("%s", plan.describe())
+            plan.check()
+            rows, device_tokens, host_tokens = plan.num_seqs, plan.device_capacity_tokens, plan.host_capacity_tokens
+        self.num_seqs = rows
         self.runner = ModelRunner(
-            model, model_config.kv_layout(dtype, self.device), sparse_config,
-            num_q_heads=model_config.num_heads, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
+            model, layout, sparse_config,
+            num_q_heads=model_config.num_heads, max_num_seqs=rows, max_model_len=max_model_len,
             staging_tokens=config.staging_tokens or max_model_len,
-            device_capacity_tokens=config.device_capacity_tokens, host_capacity_tokens=config.host_capacity_tokens,
+            device_capacity_tokens=device_tokens, host_capacity_tokens=host_tokens,
             decode_graphs=config.decode_graphs, cuda_graphs=config.cuda_graphs,
         )
         self.budget = RunnerBudget(self.runner)
         self.scheduler = Scheduler(
-            self.budget, max_num_batched_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
-            max_num_seqs=config.max_num_seqs, max_prefill_chunk=config.max_prefill_chunk, max_model_len=max_model_len,
+            self.budget, max_num_batched_tokens=max(config.max_num_batched_tokens, rows),
+            max_num_seqs=rows, max_prefill_chunk=config.max_prefill_chunk, max_model_len=max_model_len,
         )
         self.sampler = Sampler(config.seed)
         self.eos = model_config.eos_token_ids
@@ -148,6 +190,33 @@ class Engine:
         # per step run: (decode rows, prefill tokens, context tokens of the decode rows, seconds);
         # a step ends with its sampled tokens on the host, so the wall time is the step's
         self.step_log: list[tuple[int, int, int, float]] = []
+
+    def _plan_memory(
+        self, model: Model, model_config: ModelConfig, layout: KVLayout, sparse_config: SparseConfig, max_model_len: int,
+        utilization: float,
+    ) -> EngineMemoryPlan:
+        """The memory plan of this engine's config (engine/memory.py): the device's memory from
+        device_memory_bytes or CUDA, the weights from the model's parameters."""
+        config = self.config
+        total, free = config.device_memory_bytes, None
+        if self.device.type == "cuda":
+            free, cuda_total = torch.cuda.mem_get_info(self.device)
+            # blocks torch's caching allocator holds but no tensor uses are free for the pools
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            total = total or cuda_total
+        elif total is None:
+            raise ConfigError(f"gpu_memory_utilization on a {self.device.type} device: it has no device memory of its "
+                              "own to measure; give EngineConfig.device_memory_bytes (the memory to plan for), "
+                              "or run on a CUDA device")
+        params = model.parameters() if hasattr(model, "parameters") else ()  # type: ignore[attr-defined]
+        weights = sum(p.numel() * p.element_size() for p in params)
+        return plan_engine_memory(
+            model_config, layout, sparse_config, weight_bytes=weights, max_model_len=max_model_len,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            gpu_memory_utilization=utilization, device_total_bytes=total, device_free_bytes=free,
+            host_memory_bytes=config.host_memory_bytes, max_prefill_chunk=config.max_prefill_chunk,
+            staging_tokens=config.staging_tokens,
+        )
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:

@@ -1,0 +1,268 @@
+"""The engine's memory plan: how many requests fit on this device and host, and the store's pools.
+
+vLLM sizes its KV cache from a fraction of the GPU (`gpu_memory_utilization`) less what the
+model needs to run; the engine does the same for the SparseCoordinator's pools:
+
+    device budget = gpu_memory_utilization x total device memory
+                    - weights - activations of one step - prefill staging
+                    - memory already taken by others (CUDA context, other processes)
+    requests by device = device budget // device bytes of one request row
+    requests by host   = host budget // host bytes of one request row
+    request rows       = min(max_num_seqs, requests by device, requests by host)
+
+A request row is what the coordinator allocates per `max_requests` at `max_seq_len =
+max_model_len`: its share of the device pools (a sparse layer's buffer, a dense layer's whole
+context; every token in every layer for the resident store), the algorithm's representations
+and the store's maps on the device, and its whole KV on the host (the hierarchical store; the
+resident store has no host pool). Those bytes are footprint.py's `coordinator_parts` for one
+row — the estimate the coordinator checks itself against — so the plan counts the same pools
+the coordinator allocates (each part is linear in max_requests). Rows are planned for requests
+of max_model_len tokens: N rows always hold N requests to their full length, so admission
+never waits on a pool that the plan said had room.
+
+The host budget is `host_memory_bytes`, or HOST_MEMORY_FRACTION of the host's MemAvailable.
+
+Activations are estimated, not measured: the peak of one step of `max_num_batched_tokens`
+packed tokens through one layer (residual stream, q/k/v and their rotated copies, the MLP's
+three intermediate tensors, the float32 norm statistics, the boolean mask of a prefill chunk
+over a max_model_len prefix and its additive form, the selection scores of the decode rows) or
+of the logits rows and the sampler's working set, or of the hand-over of a whole prompt to the
+store, whichever is largest. They do not depend on
+the device type, so `sparse-framework plan --engine` and an engine on the GPU agree; on the CPU
+the math SDPA also materialises the chunk's scores, which the estimate leaves out (the CPU
+runs the tiny test models).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..common.arith import cdiv
+from ..common.errors import CapacityError
+from ..common.layout import KVLayout
+from ..config import SparseConfig, dense_layer_set
+from ..footprint import coordinator_parts
+from ..kv_store.device_pools import RESIDENT, SPARSE_LAYERS, size_device_pools
+from ..kv_store.pinned import meminfo_bytes
+from .models import ModelConfig
+from .staging import PrefillStaging
+
+HOST_MEMORY_FRACTION = 0.8  # of MemAvailable, when no host_memory_bytes is given
+SAMPLER_BYTES_PER_LOGIT = 64  # a full sort of int64 keys and the float32 scratch of top-k/top-p
+SELECTION_BYTES_PER_UNIT = 8  # a decode row's float32 score and int32 index per selection unit
+
+
+@dataclass(frozen=True)
+class EngineMemoryPlan:
+    """Every term of the plan (bytes unless named otherwise); see the module docstring."""
+
+    max_model_len: int
+    max_num_batched_tokens: int  # tokens of the step the activations are estimated for
+    max_num_seqs: int  # the upper bound asked for
+    gpu_memory_utilization: float
+    device_total_bytes: int
+    device_other_bytes: int  # taken on the device by others (context, other processes)
+    weight_bytes: int
+    layer_activation_bytes: int  # one layer's peak in a full step
+    logits_bytes: int  # logits rows and the sampler's working set
+    handover_bytes: int  # a max_model_len prompt handed to the store (the algorithm's build)
+    activation_bytes: int  # the largest of the three: one phase runs at a time
+    staging_tokens: int
+    staging_bytes: int  # prefill staging K/V and the prompt queries the algorithm keeps
+    device_budget_bytes: int  # left for the store's device pools (may be negative)
+    device_bytes_per_request: int
+    host_budget_bytes: int
+    host_budget_source: str
+    host_bytes_per_request: int  # 0: the store keeps no host pool (resident)
+    requests_by_device: int
+    requests_by_host: int | None  # None: the host does not bound (no host pool)
+    max_requests: int  # the memory-bound maximum: min of the two
+    limited_by: str  # "device" or "host"
+    num_seqs: int  # request rows the engine takes: min(max_num_seqs, max_requests)
+    device_capacity_tokens: int | None  # the sparse layers' (resident store's) pool, per layer
+    host_capacity_tokens: int | None
+    device_pool_bytes: int
+    host_pool_bytes: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def check(self) -> None:
+        """CapacityError when not one request fits, naming the settings and the bytes."""
+        if self.num_seqs > 0:
+            return
+        host = ""
+        if self.requests_by_host == 0:
+            host = (f"; and its KV needs {_gib(self.host_bytes_per_request)} of host memory, more than the "
+                    f"{_gib(self.host_budget_bytes)} of the host budget ({self.host_budget_source})")
+        raise CapacityError(
+            f"no request of max_model_len={self.max_model_len} fits: gpu_memory_utilization="
+            f"{self.gpu_memory_utilization:g} of {_gib(self.device_total_bytes)} device memory leaves "
+            f"{_gib(self.device_budget_bytes)} for the store after the weights ({_gib(self.weight_bytes)}), "
+            f"activations ({_gib(self.activation_bytes)}), prefill staging ({_gib(self.staging_bytes)}) and memory "
+            f"in use by others ({_gib(self.device_other_bytes)}); one request needs "
+            f"{_gib(self.device_bytes_per_request)} of device pools{host}. Raise gpu_memory_utilization "
+            f"(at most 1) or host_memory_bytes, or lower max_model_len or max_num_batched_tokens"
+        )
+
+    def describe(self) -> str:
+        """The plan in a few lines of at most 100 columns, for logs and the CLI."""
+        if self.requests_by_host is None:
+            host = "no host pool (resident store): the host does not bound"
+        else:
+            host = (f"{_gib(self.host_budget_bytes)} ({self.host_budget_source}) / "
+                    f"{_gib(self.host_bytes_per_request)} per request = {self.requests_by_host}")
+        bound = "max_num_seqs" if self.num_seqs < self.max_requests else self.limited_by
+        host_tokens = "-" if self.host_capacity_tokens is None else f"{self.host_capacity_tokens:,}"
+        device_tokens = "-" if self.device_capacity_tokens is None else f"{self.device_capacity_tokens:,}"
+        return "\n".join([
+            f"memory plan: requests of max_model_len {self.max_model_len:,}, {self.max_num_batched_tokens:,} tokens "
+            f"per step",
+            f"  device  {self.gpu_memory_utilization:g} x {_gib(self.device_total_bytes)}"
+            f" = {_gib(int(self.gpu_memory_utilization * self.device_total_bytes))}",
+            f"          - weights {_gib(self.weight_bytes)} - activations {_gib(self.activation_bytes)}"
+            f" - others {_gib(self.device_other_bytes)}",
+            f"          - prefill staging {_gib(self.staging_bytes)} ({self.staging_tokens:,} tokens)"
+            f" = {_gib(self.device_budget_bytes)} for the store",
+            f"          / {_gib(self.device_bytes_per_request)} per request = {self.requests_by_device}",
+            f"  host    {host}",
+            f"  requests: memory-bound maximum {self.max_requests} ({self.limited_by}), max_num_seqs "
+            f"{self.max_num_seqs}: {self.num_seqs} rows ({bound})",
+            f"  pools   device {_gib(self.device_pool_bytes)} (device_capacity_tokens {device_tokens}),",
+            f"          host {_gib(self.host_pool_bytes)} (host_capacity_tokens {host_tokens})",
+        ])
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
+def activation_bytes(
+    model: ModelConfig, itemsize: int, *, tokens: int, logits_rows: int, chunk_tokens: int, max_model_len: int,
+    selection_units: int,
+) -> tuple[int, int, int]:
+    """Peaks of the three phases of a step, in bytes: one layer of the forward over `tokens`
+    packed tokens (prefill chunks of at most `chunk_tokens` over a prefix of at most
+    `max_model_len`, `selection_units` score entries per decode row); the LM head and the
+    sampler over `logits_rows` rows; the hand-over of a max_model_len prompt to the store (the
+    algorithm's build reads one layer's keys at a time: their cast and Quest's padded min/max
+    inputs, about three copies)."""
+    t, h, i = tokens, model.hidden_size, model.intermediate_size
+    qkv = model.num_heads + 2 * model.num_kv_heads
+    residual = 2 * t * h * itemsize  # the stream and the sum that replaces it
+    norm = 3 * t * h * 4 + t * h * itemsize  # float32 statistic and its temporaries, the normed copy
+    attention = (
+        2 * t * qkv * model.head_dim * itemsize  # q, k, v and their rotated copies
+        + 2 * t * model.num_heads * model.head_dim * itemsize  # the attention output and its packed copy
+        + chunk_tokens * max_model_len * (1 + itemsize)  # the chunk's mask over its prefix, bool and additive
+        + min(logits_rows, t) * selection_units * SELECTION_BYTES_PER_UNIT
+    )
+    mlp = 3 * t * i * itemsize  # silu(gate), up and their product
+    layer = residual + norm + max(attention, mlp)
+    logits = t * h * itemsize + logits_rows * model.vocab_size * (itemsize + 4 + SAMPLER_BYTES_PER_LOGIT)
+    handover = 3 * max_model_len * model.num_kv_heads * model.head_dim * itemsize
+    return layer, logits, handover
+
+
+def request_bytes(config: SparseConfig, layout: KVLayout, max_model_len: int) -> tuple[int, int]:
+    """(device, host) bytes of one request row of a coordinator with max_seq_len =
+    max_model_len: `coordinator_parts` for max_requests=1 (each part is linear in it)."""
+    parts = coordinator_parts(config, layout, max_requests=1, max_seq_len=max_model_len)
+    return sum(p.bytes for p in parts if not p.host), sum(p.bytes for p in parts if p.host)
+
+
+def host_budget(host_memory_bytes: int | None) -> tuple[int, str]:
+    """The host budget and where it came from: `host_memory_bytes`, or HOST_MEMORY_FRACTION of
+    MemAvailable (a CapacityError where the host does not say)."""
+    if host_memory_bytes is not None:
+        return host_memory_bytes, "host_memory_bytes"
+    available = meminfo_bytes("MemAvailable")
+    if available is None:
+        raise CapacityError("host_memory_bytes: this host does not report MemAvailable (/proc/meminfo); "
+                            "give host_memory_bytes (the host KV pool's budget) explicitly")
+    return int(HOST_MEMORY_FRACTION * available), f"{HOST_MEMORY_FRACTION:g} x MemAvailable {_gib(available)}"
+
+
+def plan_engine_memory(
+    model: ModelConfig,
+    layout: KVLayout,
+    config: SparseConfig,
+    *,
+    weight_bytes: int,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    gpu_memory_utilization: float,
+    device_total_bytes: int,
+    device_free_bytes: int | None = None,
+    host_memory_bytes: int | None = None,
+    max_prefill_chunk: int | None = None,
+    staging_tokens: int | None = None,
+) -> EngineMemoryPlan:
+    """The engine's pools for a model, its KV layout and a sparse config (module docstring).
+
+    weight_bytes: the model's parameter bytes; device_total_bytes: the device's memory (on CUDA
+    `torch.cuda.mem_get_info`'s total; tests and `plan` give one); device_free_bytes: free now,
+    with the weights loaded (None: nothing but the weights is on the device); host_memory_bytes:
+    the host budget (None: HOST_MEMORY_FRACTION of MemAvailable). The other arguments are the
+    EngineConfig's. Not one request fitting is not an error here: `EngineMemoryPlan.check`."""
+    tokens = max(max_num_batched_tokens, max_num_seqs)  # the scheduler's step never exceeds this
+    rows_sampled = min(max_num_seqs, tokens)
+    chunk = min(max_prefill_chunk or tokens, tokens, max_model_len)
+    algo = config.algorithm_class
+    unit = config.page_size if algo.granularity == "page" else 1
+    streams = layout.num_kv_heads if algo.per_kv_head else 1
+    itemsize = layout.dtype.itemsize
+    layer, logits, handover = activation_bytes(
+        model, itemsize, tokens=tokens, logits_rows=rows_sampled, chunk_tokens=chunk, max_model_len=max_model_len,
+        selection_units=streams * cdiv(max_model_len, unit),
+    )
+    staged = staging_tokens or max_model_len
+    staging = staged * PrefillStaging.bytes_per_token(layout) + _query_tail_bytes(config, model, layout, staged)
+    other = 0 if device_free_bytes is None else max(0, device_total_bytes - device_free_bytes - weight_bytes)
+    activations = max(layer, logits, handover)
+    budget = int(gpu_memory_utilization * device_total_bytes) - weight_bytes - activations - staging - other
+    per_device, per_host = request_bytes(config, layout, max_model_len)
+    host_bytes, source = host_budget(host_memory_bytes)
+    by_device = max(0, budget) // per_device
+    by_host = host_bytes // per_host if per_host else None
+    most = by_device if by_host is None else min(by_device, by_host)
+    rows = min(max_num_seqs, most)
+    device_tokens, host_tokens = _capacity_tokens(config, layout, rows, max_model_len)
+    return EngineMemoryPlan(
+        max_model_len=max_model_len, max_num_batched_tokens=tokens, max_num_seqs=max_num_seqs,
+        gpu_memory_utilization=gpu_memory_utilization, device_total_bytes=device_total_bytes,
+        device_other_bytes=other, weight_bytes=weight_bytes, layer_activation_bytes=layer, logits_bytes=logits,
+        handover_bytes=handover,
+        activation_bytes=activations, staging_tokens=staged, staging_bytes=staging, device_budget_bytes=budget,
+        device_bytes_per_request=per_device, host_budget_bytes=host_bytes, host_budget_source=source,
+        host_bytes_per_request=per_host, requests_by_device=by_device, requests_by_host=by_host, max_requests=most,
+        limited_by="device" if by_host is None or by_device <= by_host else "host", num_seqs=rows,
+        device_capacity_tokens=device_tokens, host_capacity_tokens=host_tokens,
+        device_pool_bytes=rows * per_device, host_pool_bytes=rows * per_host,
+    )
+
+
+def _query_tail_bytes(config: SparseConfig, model: ModelConfig, layout: KVLayout, staged: int) -> int:
+    """The prompt queries the runner keeps while prompts prefill (runner.py `_q_tails`), for
+    algorithms whose build reads them: at most one row per staged token (SnapKV keeps a window
+    of each prompt, never more than the prompt), every layer."""
+    if not config.algorithm_class.needs_prefill_queries:
+        return 0
+    return staged * layout.num_layers * model.num_heads * layout.head_dim * layout.dtype.itemsize
+
+
+def _capacity_tokens(config: SparseConfig, layout: KVLayout, rows: int, max_model_len: int) -> tuple[int | None, int | None]:
+    """(device_capacity_tokens, host_capacity_tokens) of `rows` request rows: the sizes the
+    store would choose for max_requests = rows (passed explicitly, so the pools are the plan's
+    whatever the store's defaults become). None where the store has no such pool."""
+    p = config.page_size
+    resident = config.store == "resident"
+    pools = size_device_pools(
+        num_layers=layout.num_layers, dense_layers=dense_layer_set(config, layout.num_layers), page_size=p,
+        device_buffer_tokens=config.device_buffer_tokens, min_sparse_prompt_len=config.min_sparse_prompt_len,
+        max_requests=rows, max_seq_len=max_model_len, resident_only=resident,
+    )
+    device = next((pool.tokens for pool in pools if pool.kind in (SPARSE_LAYERS, RESIDENT)), None)
+    host = None if resident else rows * cdiv(max_model_len, p) * p
+    return device, host

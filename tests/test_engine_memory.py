@@ -1,0 +1,240 @@
+"""The engine's memory plan (engine/memory.py): its terms against their definitions, the pools
+a planned engine allocates against the plan, and an engine on the CPU with a small injected
+device budget admitting exactly the planned number of requests."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from sparse_framework import CapacityError, ConfigError
+from sparse_framework.config import load_config
+from sparse_framework.engine import LLM
+from sparse_framework.engine.command import RANDOM_MODELS
+from sparse_framework.engine.engine import Engine, EngineConfig
+from sparse_framework.engine.memory import HOST_MEMORY_FRACTION, EngineMemoryPlan, plan_engine_memory
+from sparse_framework.engine.models import ModelConfig, random_model
+from sparse_framework.engine.sampling import SamplingParams
+from sparse_framework.engine.staging import PrefillStaging
+from sparse_framework.footprint import coordinator_parts
+from sparse_framework.kv_store.pinned import meminfo_bytes
+
+TINY = ModelConfig.from_hf(RANDOM_MODELS["tiny"])
+SPARSE = {"algorithm": "quest", "top_k": 16, "page_size": 4, "sink_tokens": 4, "recent_tokens": 4,
+          "device_buffer_tokens": 32, "min_sparse_prompt_len": 0, "extra": {"dense_first_layers": 1}}
+RESIDENT = {**SPARSE, "store": "resident"}
+MAX_LEN = 64
+U = 0.5
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(TINY, "float32", "cpu")
+
+
+def weights_of(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def plan_for(model, sparse=SPARSE, **kw) -> EngineMemoryPlan:
+    args = dict(weight_bytes=weights_of(model), max_model_len=MAX_LEN, max_num_batched_tokens=32, max_num_seqs=8,
+                gpu_memory_utilization=U, device_total_bytes=2**40, host_memory_bytes=2**40)
+    return plan_engine_memory(TINY, TINY.kv_layout(torch.float32), load_config(sparse), **{**args, **kw})
+
+
+def total_for(model, rows: float, sparse=SPARSE) -> int:
+    """Device memory whose fraction U leaves room for `rows` request rows (+ a part of one)."""
+    probe = plan_for(model, sparse)
+    fixed = probe.weight_bytes + probe.activation_bytes + probe.staging_bytes
+    return int((fixed + rows * probe.device_bytes_per_request) / U) + 1
+
+
+@pytest.mark.parametrize("sparse", [SPARSE, RESIDENT], ids=["hierarchical", "resident"])
+def test_plan_terms_follow_their_definitions(model, sparse) -> None:
+    layout = TINY.kv_layout(torch.float32)
+    total, host = 16 * 2**20, 100_000
+    plan = plan_for(model, sparse, device_total_bytes=total, host_memory_bytes=host, device_free_bytes=total - total // 8)
+    # the store's bytes per request row: what the coordinator's own estimate counts for one row
+    parts = coordinator_parts(load_config(sparse), layout, max_requests=1, max_seq_len=MAX_LEN)
+    device = sum(p.bytes for p in parts if p.what != "host KV pool")
+    host_kv = sum(p.bytes for p in parts if p.what == "host KV pool")
+    assert (plan.device_bytes_per_request, plan.host_bytes_per_request) == (device, host_kv)
+    # the staging: the K/V of one max_model_len prompt (Quest's build reads no queries)
+    assert plan.staging_bytes == MAX_LEN * PrefillStaging.bytes_per_token(layout) == 2 * 2 * 2 * 16 * 4 * MAX_LEN
+    assert plan.weight_bytes == TINY.num_parameters() * 4
+    # others: what is not free beyond the weights
+    assert plan.device_other_bytes == total // 8 - plan.weight_bytes > 0
+    assert plan.activation_bytes == max(plan.layer_activation_bytes, plan.logits_bytes, plan.handover_bytes) > 0
+    budget = int(U * total) - plan.weight_bytes - plan.activation_bytes - plan.staging_bytes - plan.device_other_bytes
+    assert plan.device_budget_bytes == budget
+    assert plan.requests_by_device == max(0, budget) // device
+    if sparse is RESIDENT:
+        assert host_kv == 0 and plan.requests_by_host is None and plan.host_capacity_tokens is None
+        assert plan.max_requests == plan.requests_by_device and plan.limited_by == "device"
+    else:
+        assert plan.requests_by_host == host // host_kv
+        assert plan.max_requests == min(plan.requests_by_device, plan.requests_by_host)
+        assert plan.host_capacity_tokens == plan.num_seqs * MAX_LEN
+    assert plan.num_seqs == min(8, plan.max_requests) > 0
+    assert plan.device_pool_bytes == plan.num_seqs * device and plan.host_pool_bytes == plan.num_seqs * host_kv
+    # every part is linear in the rows: the coordinator's estimate for num_seqs rows is the plan's
+    rows = coordinator_parts(load_config(sparse), layout, max_requests=plan.num_seqs, max_seq_len=MAX_LEN,
+                             device_capacity_tokens=plan.device_capacity_tokens,
+                             host_capacity_tokens=plan.host_capacity_tokens)
+    assert sum(p.bytes for p in rows if p.what != "host KV pool") == plan.device_pool_bytes
+    assert "memory-bound maximum" in plan.describe() and all(len(line) <= 100 for line in plan.describe().splitlines())
+
+
+def test_activations_grow_with_the_step_and_the_prefix(model) -> None:
+    small = plan_for(model)
+    more_tokens = plan_for(model, max_num_batched_tokens=256)
+    longer = plan_for(model, max_model_len=4 * MAX_LEN)
+    assert more_tokens.layer_activation_bytes > small.layer_activation_bytes
+    assert longer.layer_activation_bytes > small.layer_activation_bytes  # the chunk's mask over its prefix
+    assert longer.staging_bytes == 4 * small.staging_bytes
+    # the sampled rows are bounded by max_num_seqs: fewer rows, fewer logits
+    assert plan_for(model, max_num_seqs=2).logits_bytes < small.logits_bytes
+
+
+def test_host_budget_defaults_to_a_fraction_of_memavailable(model) -> None:
+    plan = plan_for(model, host_memory_bytes=None)
+    available = meminfo_bytes("MemAvailable")
+    assert plan.host_budget_source.startswith(f"{HOST_MEMORY_FRACTION:g} x MemAvailable")
+    # MemAvailable moves between two reads: within 1% of the fraction
+    assert abs(plan.host_budget_bytes - HOST_MEMORY_FRACTION * available) < 0.01 * available
+
+
+def test_engine_on_the_cpu_takes_the_planned_rows_and_allocates_the_planned_pools(model) -> None:
+    total = total_for(model, 3.5)
+    config = EngineConfig(max_num_seqs=8, max_model_len=MAX_LEN, max_num_batched_tokens=32, gpu_memory_utilization=U,
+                          device_memory_bytes=total, host_memory_bytes=2**40)
+    engine = Engine(model, TINY, SPARSE, config)
+    plan = engine.memory_plan
+    assert plan is not None and plan.requests_by_device == 3 and plan.limited_by == "device"
+    assert engine.num_seqs == plan.num_seqs == 3
+    assert plan == plan_for(model, device_total_bytes=total)  # the same function, the same inputs
+    pools = engine.runner.coord.memory_stats()
+    device_kv = sum(p["bytes"] for p in pools if p["kind"] != "host")
+    host_kv = sum(p["bytes"] for p in pools if p["kind"] == "host")
+    parts = coordinator_parts(load_config(SPARSE), TINY.kv_layout(torch.float32), max_requests=3, max_seq_len=MAX_LEN)
+    assert device_kv == sum(p.bytes for p in parts if p.what.startswith("device KV pool"))
+    assert host_kv == plan.host_pool_bytes == 3 * MAX_LEN * 2 * 2 * 2 * 16 * 4  # 3 full requests, every layer
+    assert engine.runner.staging.capacity == plan.staging_tokens == MAX_LEN
+
+
+def serve(engine: Engine, n: int, prompt_len: int, max_tokens: int) -> tuple[int, list]:
+    """Queue n requests at once, step to the end; (the most running at once, the outputs)."""
+    g = torch.Generator().manual_seed(0)
+    for i in range(n):
+        ids = torch.randint(0, TINY.vocab_size, (prompt_len,), generator=g).tolist()
+        engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    most, outs = 0, []
+    while engine.has_unfinished():
+        outs += engine.step()
+        most = max(most, len(engine.scheduler.running))
+    return most, outs
+
+
+@pytest.mark.parametrize("bound", ["device", "host", "max_num_seqs"])
+def test_engine_admits_exactly_the_planned_number_of_requests(model, bound) -> None:
+    """N + 2 requests of max_model_len queued at once: N run together, never more, none lost."""
+    n = {"device": 3, "host": 2, "max_num_seqs": 2}[bound]
+    probe = plan_for(model)
+    total = total_for(model, 3.5)
+    host = int(2.5 * probe.host_bytes_per_request) if bound == "host" else 2**40
+    config = EngineConfig(max_num_seqs=2 if bound == "max_num_seqs" else 8, max_model_len=MAX_LEN,
+                          max_num_batched_tokens=32, gpu_memory_utilization=U, device_memory_bytes=total,
+                          host_memory_bytes=host)
+    engine = Engine(model, TINY, SPARSE, config)
+    assert engine.memory_plan is not None and engine.memory_plan.num_seqs == n
+    assert engine.memory_plan.limited_by == ("host" if bound == "host" else "device")
+    most, outs = serve(engine, n + 2, prompt_len=40, max_tokens=MAX_LEN - 40)  # each to max_model_len
+    assert most == n
+    assert sorted(o.rid for o in outs) == [f"r{i}" for i in range(n + 2)]
+    assert all(o.finish_reason == "length" and len(o.token_ids) == MAX_LEN - 40 for o in outs), [o.error for o in outs]
+    assert engine.scheduler.num_preemptions == 0  # the rows hold their requests to full length
+
+
+def test_no_room_for_one_request_is_one_clear_error(model) -> None:
+    config = EngineConfig(max_model_len=MAX_LEN, gpu_memory_utilization=U, device_memory_bytes=total_for(model, 0.5),
+                          host_memory_bytes=2**40)
+    with pytest.raises(CapacityError) as err:
+        Engine(model, TINY, SPARSE, config)
+    text = str(err.value)
+    for word in ("gpu_memory_utilization=0.5", "host_memory_bytes", f"max_model_len={MAX_LEN}", "GiB", "weights"):
+        assert word in text
+    # the host too small: the message says so with its bytes
+    tiny_host = EngineConfig(max_model_len=MAX_LEN, gpu_memory_utilization=U, device_memory_bytes=total_for(model, 4),
+                             host_memory_bytes=1000)
+    with pytest.raises(CapacityError, match="of host memory, more than the 0.00 GiB of the host budget"):
+        Engine(model, TINY, SPARSE, tiny_host)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"gpu_memory_utilization": 0}, "gpu_memory_utilization must be None or in (0, 1]"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be None or in (0, 1]"),
+        ({"gpu_memory_utilization": -0.1}, "gpu_memory_utilization must be None or in (0, 1]"),
+        ({"gpu_memory_utilization": True}, "gpu_memory_utilization must be None or in (0, 1]"),
+        ({"gpu_memory_utilization": 0.9, "host_memory_bytes": 0}, "host_memory_bytes must be None or >= 1"),
+        ({"host_memory_bytes": 2**30}, "host_memory_bytes is a budget of the memory plan: set gpu_memory_utilization"),
+        ({"device_memory_bytes": 2**30}, "device_memory_bytes is a budget of the memory plan"),
+        ({"gpu_memory_utilization": 0.9, "device_capacity_tokens": 64}, "device_capacity_tokens and gpu_memory_utilization"),
+        ({"gpu_memory_utilization": 0.9, "host_capacity_tokens": 64}, "host_capacity_tokens and gpu_memory_utilization"),
+    ],
+)
+def test_bad_memory_settings_name_the_field(fields, message) -> None:
+    with pytest.raises(ConfigError) as err:
+        EngineConfig(**fields)
+    assert message in str(err.value)
+
+
+def test_a_cpu_device_needs_device_memory_bytes(model) -> None:
+    with pytest.raises(ConfigError, match="give EngineConfig.device_memory_bytes"):
+        Engine(model, TINY, SPARSE, EngineConfig(max_model_len=MAX_LEN, gpu_memory_utilization=0.9))
+
+
+def test_without_utilization_the_engine_sizes_as_before(model) -> None:
+    engine = Engine(model, TINY, SPARSE, EngineConfig(max_num_seqs=5, max_model_len=MAX_LEN))
+    assert engine.memory_plan is None and engine.num_seqs == 5
+    assert len(engine.runner.coord._free_slots) == 5
+
+
+def test_the_plan_is_logged_and_llm_passes_the_options(model, caplog) -> None:
+    total = total_for(model, 2.5)
+    options = dict(max_model_len=MAX_LEN, max_num_batched_tokens=32, gpu_memory_utilization=U,
+                   device_memory_bytes=total, host_memory_bytes=2**40)
+    with caplog.at_level(logging.INFO, logger="sparse_framework.engine.engine"):
+        llm = LLM.from_model(model, SPARSE, **options)
+    assert llm.engine.memory_plan is not None and llm.engine.memory_plan.num_seqs == 2
+    assert "memory-bound maximum 2 (device)" in caplog.text
+    ref = LLM(None, RESIDENT, max_model_len=MAX_LEN, gpu_memory_utilization=1.0, device_memory_bytes=2**30,
+              host_memory_bytes=2**30)
+    plan = ref.engine.memory_plan
+    assert plan is not None and plan.weight_bytes == sum(p.numel() * 4 for p in ref.model.parameters())
+    assert ref.engine.num_seqs == min(8, plan.max_requests)
+
+
+def test_the_command_line_flags_reach_the_engine(monkeypatch) -> None:
+    """`generate`/`bench` pass --gpu-memory-utilization and --host-memory-gib to the engine: on
+    the CPU (no device memory to measure) it answers with its own clear error."""
+    import io
+
+    from rich.console import Console
+
+    from sparse_framework import cli
+
+    out = io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(file=out, width=100, force_terminal=False))
+    bench = ["bench", "--random", "tiny", "--num-prompts", "1", "--input-len", "8", "--output-len", "2", "--no-progress"]
+    assert cli.main([*bench, "--gpu-memory-utilization", "0.9"]) == 2
+    assert "give EngineConfig.device_memory_bytes" in " ".join(out.getvalue().split())
+    assert cli.main([*bench, "--gpu-memory-utilization", "1.2"]) == 2
+    assert "gpu_memory_utilization must be None or in (0, 1]" in " ".join(out.getvalue().split())
+    assert cli.main(["generate", "--no-progress", "--host-memory-gib", "-1"]) == 2
+    assert "--host-memory-gib must be > 0" in " ".join(out.getvalue().split())
+    assert cli.main(["generate", "--no-progress", "--host-memory-gib", "1"]) == 2  # without the utilization
+    assert "host_memory_bytes is a budget of the memory plan" in " ".join(out.getvalue().split())
