@@ -3,18 +3,15 @@
 generate  prompts from a file (one per line, or JSON lines with a "prompt" field) or stdin;
           with no --model and no --prompts, a demonstration on the shipped reference model:
           passkeys hidden in long prompts, retrieved by sparse decoding.
-bench     offline throughput and latency: N random prompts of a given length, all queued at
-          once, at most --concurrency running; output tokens/s, TTFT and TPOT percentiles,
-          memory of the store's pools.
+bench     offline throughput and latency (engine/bench.py): N random prompts of given or drawn
+          lengths, queued at once or arriving at a rate, at most --concurrency running.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +23,11 @@ from ..common.errors import ConfigError
 from ..cli_tables import new_table
 from ..config import load_config
 from .engine import RequestOutput
+from .bench import LENGTH_DISTRIBUTIONS, BenchSpec, bench_tables, draw_workload, kv_budgets, reset_peak_memory, run_benchmark
 from .llm import LLM
-from .models import ModelConfig, random_model
+from .models import ModelConfig, load_model, load_reference, random_model
 from .sampling import SamplingParams
 
-HBM_BYTES_PER_S = 3.0e12  # the H100's measured copy rate (DESIGN.md)
 DEMO_MAX_MODEL_LEN = 8192  # the reference model was trained to 8K
 DEMO_CONFIG = {"algorithm": "quest", "top_k": 256, "min_sparse_prompt_len": 1024, "extra": {"dense_first_layers": 0}}
 RANDOM_MODELS = {
@@ -57,8 +54,11 @@ for stdin. The reference model's prompts are token ids separated by spaces.
 
 BENCH_HELP = """\
 Offline throughput and latency of the engine: --num-prompts random prompts of --input-len
-tokens, each generating --output-len tokens (no early stop), all queued at once with at most
---concurrency running. Prints output tokens/s, TTFT and TPOT (p50/p99) and the store's memory.
+tokens, each generating --output-len tokens (no early stop; both fixed or drawn, seeded), all
+queued at once (or at --request-rate) with at most --concurrency running. Prints output
+tokens/s, TTFT and TPOT (p50/p99), admitted concurrency beside the memory-bound maximum, the
+decode step beside its HBM floor, prefill TFLOP/s, the store's hit rate and PCIe traffic, and
+memory.
 
   sparse-framework bench                                      # the reference model, CPU
   sparse-framework bench --random llama-3-8b --device cuda --input-len 16384 --num-prompts 8 \\
@@ -85,6 +85,16 @@ def add_parsers(sub: Any) -> None:
     b.add_argument("--input-len", type=int, default=2048, help="prompt tokens each (default 2048)")
     b.add_argument("--output-len", type=int, default=32, help="generated tokens each (default 32)")
     b.add_argument("--concurrency", type=int, help="requests running at once (default: all)")
+    b.add_argument("--input-len-dist", choices=LENGTH_DISTRIBUTIONS, default="fixed",
+                   help="prompt lengths: fixed (default), uniform in [L(1-R), L(1+R)], normal (sd L*R/2, clipped)")
+    b.add_argument("--output-len-dist", choices=LENGTH_DISTRIBUTIONS,
+                   help="output lengths, drawn alike (default: as --input-len-dist)")
+    b.add_argument("--range-ratio", type=float, default=0.0, help="R of the length distributions, in [0, 1) (default 0)")
+    b.add_argument("--request-rate", type=float, help="Poisson arrivals per second (default: all queued at once)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the lengths, arrivals and prompts (default 0)")
+    b.add_argument("--kv-device-gib", type=float, help="device KV budget of the memory-bound maximum (default: "
+                   "CUDA: 0.9 x GPU memory - weights, staging, activations; CPU: none)")
+    b.add_argument("--kv-host-gib", type=float, help="host KV budget of the memory-bound maximum (default: 0.9 x RAM)")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -235,104 +245,45 @@ def _summary(console: Console, llm: LLM) -> None:
                       f"(prompts shorter than min_sparse_prompt_len {report['min_sparse_prompt_len']})")
 
 
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
-
-
 def run_bench(args: argparse.Namespace, console: Console) -> int:
     _positive(args, "num_prompts", "input_len", "output_len", "concurrency", "max_num_seqs", "max_num_batched_tokens",
               "max_model_len")
     _check_device(args.device)
     if args.model and args.random:
         raise ConfigError("give --model or --random, not both")
-    concurrency = args.concurrency or args.num_prompts
-    max_model_len = args.max_model_len or args.input_len + args.output_len
-    config = load_config(args.config) if args.config else DEMO_CONFIG
-    options = dict(dtype=args.dtype, device=args.device, max_num_seqs=concurrency,
-                   max_num_batched_tokens=max(args.max_num_batched_tokens, concurrency), max_model_len=max_model_len,
-                   decode_graphs=args.decode_graphs, cuda_graphs=args.cuda_graphs, **_memory_options(args))
+    spec = BenchSpec(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+                     input_len_dist=args.input_len_dist, output_len_dist=args.output_len_dist or args.input_len_dist,
+                     range_ratio=args.range_ratio, request_rate=args.request_rate, concurrency=args.concurrency,
+                     seed=args.seed)
+    config = load_config(args.config) if args.config else load_config(DEMO_CONFIG)
     if args.random:
         model_config = ModelConfig.from_hf(RANDOM_MODELS[args.random])
         dtype = args.dtype or ("bfloat16" if torch.device(args.device).type == "cuda" else "float32")
         model = random_model(model_config, dtype, args.device)
-        llm = LLM.from_model(model, config, **{k: v for k, v in options.items() if k not in ("dtype", "device")})
     else:
-        llm = LLM(args.model, config, **options)
-    vocab = llm.model.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, vocab, (args.input_len,), generator=g).tolist() for _ in range(args.num_prompts)]
-    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
+        model = load_reference(args.dtype, args.device) if args.model is None else load_model(args.model, args.dtype, args.device)
+    vocab = model.config.vocab_size
+    max_model_len = args.max_model_len or draw_workload(spec, vocab).max_model_len
+    tokens = max(args.max_num_batched_tokens, spec.running)
+    budgets = kv_budgets(model, model.config, args.device, max_model_len, tokens, device_gib=args.kv_device_gib,
+                         host_gib=args.kv_host_gib,
+                         gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None) or 0.9)
+    reset_peak_memory(args.device)
+    llm = LLM.from_model(model, config, max_num_seqs=spec.running, max_num_batched_tokens=tokens,
+                         max_model_len=max_model_len, decode_graphs=args.decode_graphs, cuda_graphs=args.cuda_graphs,
+                         **_memory_options(args))
     with _progress(console, not args.no_progress, "benchmark") as bar:
-        task = bar.add_task("bench", total=len(prompts))
-        outs = llm.generate(prompts, params, on_step=lambda done, total: bar.update(task, completed=done))
-    if torch.device(args.device).type == "cuda":
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    failed = [o for o in outs if o.finish_reason == "error"]
-    if failed:
-        raise ConfigError(f"{len(failed)} request(s) failed, e.g. {failed[0].rid}: {failed[0].error}")
-    decode_steps = [(rows, ctx, sec) for rows, prefill, ctx, sec in llm.engine.step_log if rows and not prefill]
-    full = [(ctx, sec) for rows, ctx, sec in decode_steps if rows == concurrency]  # every request decoding
-    step_ms = None if not full else 1e3 * statistics.median(sec for _, sec in full)
-    floor_ms = None if not full else 1e3 * _decode_floor_bytes(llm, statistics.median(c for c, _ in full)) / HBM_BYTES_PER_S
-    ttft = [o.ttft for o in outs if o.ttft is not None]
-    tpot = [o.tpot for o in outs if o.tpot is not None]
-    tokens = sum(len(o.token_ids) for o in outs)
-    pools = llm.engine.runner.coord.memory_stats()
-    result = {
-        "requests": len(outs), "input_len": args.input_len, "output_len": args.output_len, "concurrency": concurrency,
-        "elapsed_s": elapsed, "output_tokens_per_s": tokens / elapsed,
-        "ttft_p50_ms": 1e3 * _percentile(ttft, 50), "ttft_p99_ms": 1e3 * _percentile(ttft, 99),
-        "tpot_p50_ms": None if not tpot else 1e3 * _percentile(tpot, 50),
-        "tpot_p99_ms": None if not tpot else 1e3 * _percentile(tpot, 99),
-        "steps": llm.engine.steps, "preemptions": llm.engine.scheduler.num_preemptions,
-        "decode_step_ms": step_ms, "decode_step_floor_ms": floor_ms, "full_decode_steps": len(full),
-        "device_pool_bytes": sum(p["bytes"] for p in pools if p["kind"] != "host"),
-        "host_pool_bytes": sum(p["bytes"] for p in pools if p["kind"] == "host"),
-        "config": load_config(config).model_dump(mode="json"), "device": str(args.device),
-        "decode_graphs": args.decode_graphs, "cuda_graphs": args.cuda_graphs, "command": " ".join(["sparse-framework", *sys.argv[1:]]),
-        "model": args.model or args.random or "reference",
-    }
-    title = (f"bench: {result['model']}, {len(outs)} x ({args.input_len} in, {args.output_len} out), "
-             f"concurrency {concurrency}")
-    caption = ("tok/s: output tokens per second over the whole run; TTFT, TPOT (time to the first token, per "
-               "later token) in ms; step: median decode step (ms) with every request decoding and no prefill, "
-               "floor: its HBM floor (weights + the KV and representations it reads, at 3.0 TB/s); pool MiB: the "
-               "store's device pools")
-    table = new_table(title, caption)
-    for col in ("tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "step", "floor", "preempted", "pool MiB"):
-        table.add_column(col, justify="right", no_wrap=True)
-    fmt = lambda v: "-" if v is None else f"{v:,.1f}"  # noqa: E731
-    table.add_row(fmt(result["output_tokens_per_s"]), fmt(result["ttft_p50_ms"]), fmt(result["ttft_p99_ms"]),
-                  fmt(result["tpot_p50_ms"]), fmt(result["tpot_p99_ms"]), fmt(step_ms), fmt(floor_ms),
-                  str(result["preemptions"]), f"{result['device_pool_bytes'] / 2**20:,.0f}")
-    console.print(table)
+        task = bar.add_task("bench", total=spec.num_prompts)
+        result = run_benchmark(llm, spec, budgets, on_step=lambda done, total: bar.update(task, completed=done))
+    result["command"] = " ".join(["sparse-framework", *sys.argv[1:]])
+    result["model"] = args.model or args.random or "reference"
+    dist = "" if spec.input_len_dist == "fixed" else f" {spec.input_len_dist} ±{spec.range_ratio:g}"
+    arrivals = "all at once" if spec.request_rate is None else f"{spec.request_rate:g} req/s"
+    title = (f"bench: {result['model']}, {spec.num_prompts} x ({spec.input_len}{dist} in, {spec.output_len} out), "
+             f"{arrivals}, concurrency {spec.running}, {config.algorithm} {config.store}")
+    for table in bench_tables([result], title):
+        console.print(table)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
         console.print(f"results written to {args.json}")
     return 0
-
-
-def _decode_floor_bytes(llm: LLM, context_tokens: float) -> float:
-    """Bytes a decode step must read at least: the weights, then per layer the K/V rows it
-    attends (every context token in a dense layer or a dense-mode run; at most the
-    algorithm's largest selection per request in a sparse one) and the algorithm's
-    representation of the whole context (what its scoring reads)."""
-    model, coord = llm.model, llm.engine.runner.coord
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    layout, config, store = coord.layout, coord.config, coord.store
-    rows = llm.engine.config.max_num_seqs
-    per_token = layout.bytes_per_token_per_layer
-    dense = config.store == "resident" or store.min_sparse_prompt_len > context_tokens / rows
-    selected = min(context_tokens, rows * coord.algorithm.max_selected_tokens(config))
-    total = 0.0
-    for layer in range(layout.num_layers):
-        if dense or layer in coord.dense_layers:
-            total += context_tokens * per_token
-        else:
-            total += selected * per_token + context_tokens * coord.algorithm.representation_bytes_per_token(layout, config)
-    return weights + total

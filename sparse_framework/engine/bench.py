@@ -1,0 +1,409 @@
+"""The engine's offline benchmark: drawn workloads, one run, and the figures of issue 20's table.
+
+`run_benchmark(llm, spec)` queues `spec.num_prompts` random prompts (lengths drawn from a
+fixed, uniform or normal distribution, seeded), all at once or arriving as a Poisson process,
+runs the engine to completion and returns a flat dict of what it measured:
+
+- output tokens/s, TTFT and TPOT percentiles (TTFT from each request's arrival);
+- admitted concurrency (the most requests running at once, read from the scheduler after each
+  plan) beside the memory-bound maximum of `capacity.plan_capacity` for the run's context
+  length and KV budgets (the resident or the hierarchical count, whichever store the config
+  uses, and whether the device or the host bounds it);
+- the median decode step with the most requests decoding and no prefill, beside its HBM floor
+  (`decode_floor_bytes` of each such step ÷ 3.0 TB/s);
+- prefill TFLOP/s (`prefill_flops` over the wall time of the steps that contained prefill);
+- the device-buffer hit rate and PCIe host→device bytes of the hierarchical store (summed over
+  layers of `HierarchicalKVStore.stats()`; None for the resident store);
+- peak GPU memory (CUDA), the pools' bytes, preemptions.
+
+Every figure is computed from this run; nothing is carried over from elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from rich.table import Table
+
+from ..capacity import plan_capacity
+from ..cli_tables import new_table
+from ..common.errors import ConfigError
+from ..common.layout import KVLayout
+from ..config import SparseConfig
+from .llm import LLM
+from .models import ModelConfig
+from .sampling import SamplingParams
+from .staging import PrefillStaging
+
+HBM_BYTES_PER_S = 3.0e12  # the H100's measured copy rate (DESIGN.md)
+PEAK_MATMUL_FLOPS = 790e12  # H100 SXM bf16 dense matmul, the issue's yardstick for prefill
+LENGTH_DISTRIBUTIONS = ("fixed", "uniform", "normal")
+ACTIVATION_SAFETY = 2  # the activation estimate of `kv_budgets` is doubled (allocator slack, temporaries)
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """What one benchmark run queues.
+
+    input_len/output_len: the mean lengths; *_dist: "fixed", "uniform" (in
+    [L(1-R), L(1+R)]) or "normal" (σ = L·R/2, clipped to the same range), R = range_ratio;
+    request_rate: Poisson arrivals per second (None: every request queued at once);
+    concurrency: requests running at once (the engine's max_num_seqs; None: num_prompts);
+    kv_device_bytes/kv_host_bytes: the budgets of the memory-bound maximum (None: see
+    `kv_budgets`); seed: the lengths, arrivals and prompt tokens."""
+
+    num_prompts: int = 8
+    input_len: int = 2048
+    output_len: int = 32
+    input_len_dist: str = "fixed"
+    output_len_dist: str = "fixed"
+    range_ratio: float = 0.0
+    request_rate: float | None = None
+    concurrency: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_prompts", "input_len", "output_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("input_len_dist", "output_len_dist"):
+            if getattr(self, name) not in LENGTH_DISTRIBUTIONS:
+                raise ConfigError(f"--{name.replace('_', '-')} must be one of {', '.join(LENGTH_DISTRIBUTIONS)}, "
+                                  f"got {getattr(self, name)!r}")
+        if not 0 <= self.range_ratio < 1:
+            raise ConfigError(f"--range-ratio must be in [0, 1), got {self.range_ratio}")
+        if self.request_rate is not None and not self.request_rate > 0:
+            raise ConfigError(f"--request-rate must be > 0 requests per second, got {self.request_rate}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ConfigError(f"--concurrency must be >= 1, got {self.concurrency}")
+
+    @property
+    def running(self) -> int:
+        return self.concurrency or self.num_prompts
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The drawn requests: prompt and output lengths, arrival offsets in seconds (all 0 when
+    queued at once), and the prompts' token ids."""
+
+    input_lens: list[int]
+    output_lens: list[int]
+    arrivals: list[float]
+    prompts: list[list[int]] = field(repr=False)
+
+    @property
+    def max_model_len(self) -> int:
+        return max(i + o for i, o in zip(self.input_lens, self.output_lens))
+
+
+def draw_lengths(dist: str, mean: int, ratio: float, n: int, generator: torch.Generator) -> list[int]:
+    """`n` lengths around `mean` (see `BenchSpec`), each in [max(1, ⌊L(1-R)⌋), ⌈L(1+R)⌉]."""
+    lo, hi = max(1, math.floor(mean * (1 - ratio))), max(1, math.ceil(mean * (1 + ratio)))
+    if dist == "fixed" or lo == hi:
+        return [mean] * n
+    if dist == "uniform":
+        return torch.randint(lo, hi + 1, (n,), generator=generator).tolist()
+    if dist == "normal":
+        drawn = torch.randn(n, generator=generator, dtype=torch.float64) * (mean * ratio / 2) + mean
+        return drawn.round().clamp(lo, hi).long().tolist()
+    raise ConfigError(f"length distribution must be one of {', '.join(LENGTH_DISTRIBUTIONS)}, got {dist!r}")
+
+
+def draw_workload(spec: BenchSpec, vocab_size: int) -> Workload:
+    """The requests of `spec`, reproducible from its seed (one generator per quantity, so
+    changing the output distribution does not change the prompts)."""
+    gens = [torch.Generator().manual_seed(spec.seed * 4 + i) for i in range(4)]
+    n = spec.num_prompts
+    inputs = draw_lengths(spec.input_len_dist, spec.input_len, spec.range_ratio, n, gens[0])
+    outputs = draw_lengths(spec.output_len_dist, spec.output_len, spec.range_ratio, n, gens[1])
+    if spec.request_rate is None:
+        arrivals = [0.0] * n
+    else:
+        gaps = torch.empty(n, dtype=torch.float64).exponential_(spec.request_rate, generator=gens[2])
+        arrivals = (gaps.cumsum(0) - gaps[0]).tolist()  # the first request arrives at 0
+    prompts = [torch.randint(0, vocab_size, (length,), generator=gens[3]).tolist() for length in inputs]
+    return Workload(inputs, outputs, arrivals, prompts)
+
+
+# -- figures computed from a model's shape ----------------------------------------------------
+def prefill_flops(config: ModelConfig, prompt_lens: Sequence[int]) -> float:
+    """FLOPs of prefilling these prompts: 2 x the parameters every token multiplies through
+    (all but the embedding table, a lookup; the LM head runs on each prompt's last token
+    only) per token, the head once per prompt, and causal attention's QK^T and PV,
+    2·2·layers·heads·head_dim·L²/2 per prompt of L tokens."""
+    embed = config.vocab_size * config.hidden_size
+    head = 0 if config.tie_word_embeddings else embed
+    per_token = config.num_parameters() - embed - head
+    attention = 2 * config.num_layers * config.num_heads * config.head_dim
+    return float(sum(2 * per_token * n + 2 * embed + attention * n * n for n in prompt_lens))
+
+
+def decode_floor_bytes(llm: LLM, rows: Sequence[tuple[int, int]]) -> float:
+    """Bytes a decode step of these rows, (context tokens, prompt tokens) each, must read at
+    least: the weights once, then per layer and row every context token's K/V in a dense
+    layer or for a request in the algorithm's dense mode (prompt < min_sparse_prompt_len),
+    else at most the algorithm's largest selection of K/V plus its representation of the
+    whole context (what its scoring reads). The store does not matter: a resident store with a
+    sparse algorithm reads only the selection, like the hierarchical one."""
+    model, coord = llm.model, llm.engine.runner.coord
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    layout, config, algorithm = coord.layout, coord.config, coord.algorithm
+    per_token = layout.bytes_per_token_per_layer
+    representation = algorithm.representation_bytes_per_token(layout, config)
+    selected = algorithm.max_selected_tokens(config)
+    dense_ctx = sum(ctx for ctx, prompt in rows if prompt < config.min_sparse_prompt_len)
+    sparse = [ctx for ctx, prompt in rows if prompt >= config.min_sparse_prompt_len]
+    sparse_layer = sum(min(ctx, selected) * per_token + ctx * representation for ctx in sparse)
+    dense_layer = (dense_ctx + sum(sparse)) * per_token
+    num_dense = len(coord.dense_layers)
+    return weights + num_dense * dense_layer + (layout.num_layers - num_dense) * (dense_ctx * per_token + sparse_layer)
+
+
+def activation_estimate_bytes(config: ModelConfig, element_size: int, max_num_batched_tokens: int) -> int:
+    """An estimate (not a measurement) of a step's activations: per token the hidden state,
+    residual, norms and attention output (4 x hidden), the q/k/v projections and the MLP's
+    gate, up and product (3 x intermediate), doubled (ACTIVATION_SAFETY) for temporaries."""
+    qkv = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    per_token = 4 * config.hidden_size + qkv + 3 * config.intermediate_size
+    return ACTIVATION_SAFETY * max_num_batched_tokens * per_token * element_size
+
+
+@dataclass(frozen=True)
+class KVBudgets:
+    """Device and host bytes for KV that the memory-bound maximum is computed against, and how
+    each was obtained (None bytes: unknown, no maximum)."""
+
+    device_bytes: int | None
+    host_bytes: int | None
+    device_rule: str
+    host_rule: str
+
+
+def kv_budgets(model: torch.nn.Module, config: ModelConfig, device: str, max_model_len: int,
+               max_num_batched_tokens: int, *, device_gib: float | None = None, host_gib: float | None = None,
+               gpu_memory_utilization: float = 0.9) -> KVBudgets:
+    """The KV budgets: given ones (GiB), else on CUDA the GPU's total memory x
+    `gpu_memory_utilization` less the weights, the prefill staging of one longest request and
+    `activation_estimate_bytes`; on the CPU no device budget; the host: 0.9 x physical RAM."""
+    if device_gib is not None:
+        dev_bytes: int | None = int(device_gib * 2**30)
+        dev_rule = f"given: {device_gib:g} GiB"
+    elif torch.device(device).type == "cuda":
+        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+        params = list(model.parameters())
+        weights = sum(p.numel() * p.element_size() for p in params)
+        elem = params[0].element_size()
+        staging = PrefillStaging.bytes_per_token(config.kv_layout(params[0].dtype, "meta")) * max_model_len
+        act = activation_estimate_bytes(config, elem, max_num_batched_tokens)
+        dev_bytes = max(0, int(total * gpu_memory_utilization) - weights - staging - act)
+        dev_rule = (f"{gpu_memory_utilization:g} x {total / 2**30:.1f} GiB GPU - weights {weights / 2**30:.1f} - "
+                    f"staging {staging / 2**30:.1f} - activations (est.) {act / 2**30:.1f} GiB")
+    else:
+        dev_bytes, dev_rule = None, "none on the CPU (give --kv-device-gib)"
+    if host_gib is not None:
+        host_bytes, host_rule = int(host_gib * 2**30), f"given: {host_gib:g} GiB"
+    else:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        host_bytes, host_rule = int(0.9 * physical), f"0.9 x {physical / 2**30:.1f} GiB physical RAM"
+    return KVBudgets(dev_bytes, host_bytes, dev_rule, host_rule)
+
+
+def memory_bound(config: SparseConfig, layout: KVLayout, context_len: int, budgets: KVBudgets) -> tuple[int | None, str]:
+    """(requests, which bound) of `capacity.plan_capacity` for a sparse config: the resident
+    count for a resident store, the hierarchical count (limited by the device or the host)
+    otherwise. (None, why) without a device budget."""
+    if budgets.device_bytes is None:
+        return None, "no device budget"
+    plan = plan_capacity(layout, budgets.device_bytes, budgets.host_bytes or 0, context_len, config)
+    if config.store == "resident":
+        return plan.resident_requests, "resident: device"
+    return plan.hierarchical_requests, f"hierarchical: {plan.limited_by}"
+
+
+# -- a run -------------------------------------------------------------------------------------
+@dataclass
+class _StepRecord:
+    running: int  # requests running after the plan was made (admissions and preemptions applied)
+    decode: list[tuple[int, int]]  # per decode row: (context tokens, prompt tokens)
+
+
+def _observe_plans(llm: LLM) -> list[_StepRecord]:
+    """Record each non-empty plan the scheduler makes (the engine logs one step per such plan,
+    in the same order as its step_log)."""
+    scheduler = llm.engine.scheduler
+    inner = scheduler.schedule
+    records: list[_StepRecord] = []
+
+    def schedule():  # type: ignore[no-untyped-def]
+        plan = inner()
+        if not plan.is_empty:
+            decode = [(s.num_computed_tokens + 1, s.num_prompt_tokens) for s in plan.decode]
+            records.append(_StepRecord(len(scheduler.running), decode))
+        return plan
+
+    scheduler.schedule = schedule  # type: ignore[method-assign]
+    return records
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1e3 * seconds
+
+
+def store_traffic(llm: LLM) -> dict[str, float | int | None]:
+    """Hits, misses, hit rate and host->device bytes of the hierarchical store over the run
+    (None for the resident store, which never swaps in)."""
+    coord = llm.engine.runner.coord
+    if coord.config.store == "resident":
+        return {"buffer_hits": None, "buffer_misses": None, "hit_rate": None, "h2d_bytes": None}
+    stats = coord.store.stats()
+    hits, misses = sum(s["hits"] for s in stats), sum(s["misses"] for s in stats)
+    return {"buffer_hits": hits, "buffer_misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else None,
+            "h2d_bytes": sum(s["bytes_in"] for s in stats)}
+
+
+def run_benchmark(llm: LLM, spec: BenchSpec, budgets: KVBudgets, *,
+                  on_step: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Run `spec` through `llm`'s engine (built with max_num_seqs = the concurrency) and return
+    the figures (module docstring). Raises ConfigError if any request failed."""
+    engine = llm.engine
+    device = engine.device
+    work = draw_workload(spec, llm.model.config.vocab_size)
+    if work.max_model_len > engine.max_model_len:
+        raise ConfigError(f"the drawn requests need {work.max_model_len} tokens (prompt + output) but the engine's "
+                          f"max_model_len is {engine.max_model_len}; raise --max-model-len")
+    records = _observe_plans(llm)
+    params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in work.output_lens]
+    arrival_of: dict[str, float] = {}
+    outs = []
+    pending = list(range(spec.num_prompts))
+    start = time.perf_counter()
+    while pending or engine.has_unfinished():
+        now = time.perf_counter() - start
+        while pending and work.arrivals[pending[0]] <= now:
+            i = pending.pop(0)
+            rid = f"req-{i}"
+            arrival_of[rid] = start + work.arrivals[i]
+            engine.add_request(rid, work.prompts[i], params[i])
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, work.arrivals[pending[0]] - now))
+            continue
+        outs.extend(engine.step())
+        if on_step is not None:
+            on_step(len(outs), spec.num_prompts)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - start
+    failed = [o for o in outs if o.finish_reason == "error"]
+    if failed:
+        raise ConfigError(f"{len(failed)} request(s) failed, e.g. {failed[0].rid}: {failed[0].error}")
+    log = engine.step_log
+    if len(log) != len(records):
+        raise RuntimeError(f"the engine logged {len(log)} steps for {len(records)} plans")
+
+    # decode: the steps with the most rows decoding and no prefill chunk
+    decode_only = [(entry, rec) for entry, rec in zip(log, records) if entry[0] and not entry[1]]
+    most = max((entry[0] for entry, _ in decode_only), default=0)
+    full = [(entry[3], rec) for entry, rec in decode_only if entry[0] == most]
+    step_s = statistics.median(sec for sec, _ in full) if full else None
+    floor_s = statistics.median(decode_floor_bytes(llm, rec.decode) for _, rec in full) / HBM_BYTES_PER_S if full else None
+
+    prefill_s = sum(entry[3] for entry in log if entry[1])
+    flops = prefill_flops(llm.model.config, work.input_lens)
+    decode_s = sum(entry[3] for entry in log if entry[0])
+    traffic = store_traffic(llm)
+
+    ttft = [o.first_token_time - arrival_of[o.rid] for o in outs if o.first_token_time is not None]
+    tpot = [o.tpot for o in outs if o.tpot is not None]
+    tokens = sum(len(o.token_ids) for o in outs)
+    coord = engine.runner.coord
+    pools = coord.memory_stats()
+    bound, bound_by = memory_bound(coord.config, coord.layout, engine.max_model_len, budgets)
+    return {
+        "requests": len(outs), "input_len": spec.input_len, "output_len": spec.output_len,
+        "input_len_dist": spec.input_len_dist, "output_len_dist": spec.output_len_dist, "range_ratio": spec.range_ratio,
+        "request_rate": spec.request_rate, "seed": spec.seed,
+        "input_lens": work.input_lens, "output_lens": work.output_lens, "arrivals_s": work.arrivals,
+        "concurrency": spec.running, "max_model_len": engine.max_model_len,
+        "admitted_concurrency": max((r.running for r in records), default=0),
+        "memory_bound_max": bound, "memory_bound": bound_by,
+        "kv_device_budget_bytes": budgets.device_bytes, "kv_host_budget_bytes": budgets.host_bytes,
+        "kv_device_budget_rule": budgets.device_rule, "kv_host_budget_rule": budgets.host_rule,
+        "elapsed_s": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
+        "ttft_p50_ms": _ms(_percentile(ttft, 50)), "ttft_p99_ms": _ms(_percentile(ttft, 99)),
+        "tpot_p50_ms": _ms(_percentile(tpot, 50)), "tpot_p99_ms": _ms(_percentile(tpot, 99)),
+        "steps": engine.steps, "preemptions": engine.scheduler.num_preemptions,
+        "decode_step_ms": _ms(step_s), "decode_step_floor_ms": _ms(floor_s), "decode_step_rows": most,
+        "full_decode_steps": len(full),
+        "prefill_tokens": sum(work.input_lens), "prefill_tokens_computed": sum(entry[1] for entry in log),
+        "prefill_flops": flops, "prefill_seconds": prefill_s,
+        "prefill_tflops": flops / prefill_s / 1e12 if prefill_s else None, "peak_tflops": PEAK_MATMUL_FLOPS / 1e12,
+        **traffic, "decode_seconds": decode_s,
+        "h2d_gb_per_s": traffic["h2d_bytes"] / decode_s / 1e9 if traffic["h2d_bytes"] is not None and decode_s else None,
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "device_pool_bytes": sum(p["bytes"] for p in pools if p["kind"] != "host"),
+        "host_pool_bytes": sum(p["bytes"] for p in pools if p["kind"] == "host"),
+        "config": coord.config.model_dump(mode="json"), "device": str(device),
+        "decode_graphs": engine.config.decode_graphs, "cuda_graphs": engine.config.cuda_graphs,
+        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+    }
+
+
+# -- tables ------------------------------------------------------------------------------------
+def _fmt(value: float | None, spec: str = ",.1f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:,.2f}"
+
+
+def bench_tables(results: Sequence[dict[str, Any]], title: str) -> list[Table]:
+    """Two tables of one row per run, each within 100 columns: throughput and latency, then
+    prefill, the store's traffic and memory."""
+    first = new_table(title, (
+        "conc: admitted (most running at once) / asked; max: the memory-bound maximum (capacity plan of the "
+        "store, its KV budgets; bound by the device or the host). tok/s: output tokens per second; TTFT, TPOT "
+        "in ms; step: median decode step (ms) with the most requests decoding and no prefill, floor: its HBM "
+        "floor (weights + the K/V and representations it reads, at 3.0 TB/s)"), tight=True)
+    for col in ("in", "conc", "max", "tok/s", "TTFT p50", "p99", "TPOT p50", "p99", "step", "floor", "preempt"):
+        first.add_column(col, justify="right", no_wrap=True)
+    second = new_table("prefill, store traffic and memory", (
+        "prefill: FLOPs of the prompts over the wall time of the steps with prefill, % of the 790 TFLOP/s bf16 "
+        "peak; hit: device-buffer hit rate; H2D: host->device bytes (GB) and their rate over the decode steps; "
+        "memory in GiB: peak GPU allocated, device pools, host pool ('-': none or not CUDA)"), tight=True)
+    for col in ("in", "conc", "prefill TF/s", "% peak", "hit", "H2D GB", "GB/s", "GPU peak", "dev pools", "host"):
+        second.add_column(col, justify="right", no_wrap=True)
+    for r in results:
+        length = f"{r['input_len']:,}"
+        conc = f"{r['admitted_concurrency']}/{r['concurrency']}"
+        bound = "-" if r["memory_bound_max"] is None else f"{r['memory_bound_max']} {r['memory_bound'].split(': ')[-1]}"
+        first.add_row(length, conc, bound, _fmt(r["output_tokens_per_s"]), _fmt(r["ttft_p50_ms"], ",.0f"),
+                      _fmt(r["ttft_p99_ms"], ",.0f"), _fmt(r["tpot_p50_ms"]), _fmt(r["tpot_p99_ms"]),
+                      _fmt(r["decode_step_ms"]), _fmt(r["decode_step_floor_ms"]), str(r["preemptions"]))
+        tf = r["prefill_tflops"]
+        second.add_row(length, conc, _fmt(tf, ",.3g"), _fmt(None if tf is None else 100 * tf / r["peak_tflops"]),
+                       _fmt(r["hit_rate"], ".1%"), _fmt(None if r["h2d_bytes"] is None else r["h2d_bytes"] / 1e9, ",.2f"),
+                       _fmt(r["h2d_gb_per_s"], ",.2f"), _gib(r["peak_gpu_bytes"]), _gib(r["device_pool_bytes"]),
+                       _gib(r["host_pool_bytes"]))
+    return [first, second]
+
+
+def reset_peak_memory(device: str | torch.device) -> None:
+    """Start the peak GPU memory of a run afresh (call before building its engine)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(torch.device(device))

@@ -1,0 +1,113 @@
+"""benchmarks/engine_sweep.py and plot_engine_sweep.py on the CPU (tiny random model): every
+cell lands in the JSON, --resume skips them, a failing cell is recorded and the sweep goes
+on, and the plots and page are made from the JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name: str):  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location(name, ROOT / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+sweep = _load("engine_sweep")
+plotter = _load("plot_engine_sweep")
+SMALL = ["--random", "tiny", "--device", "cpu", "--output-len", "4", "--top-k", "32", "--device-buffer-tokens", "160",
+         "--min-sparse-prompt-len", "64", "--quest-dense-first-layers", "0", "--no-warmup"]
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("sweep") / "results.json"
+    argv = [*SMALL, "--lengths", "96,160", "--configs", "dense,quest-hier", "--concurrency", "1,2", "--out", str(out),
+            "--kv-device-gib", "0.01", "--kv-host-gib", "1"]
+    assert sweep.main(argv) == 0
+    return out
+
+
+def test_every_cell_is_a_row_and_resume_skips_them(swept, capsys) -> None:
+    rows = json.loads(swept.read_text())
+    assert sorted(r["cell"] for r in rows) == sorted(
+        f"{n}/{c}/{k}" for n in (96, 160) for c in ("dense", "quest-hier") for k in ("1", "2"))
+    for r in rows:
+        assert "error" not in r, r
+        assert r["input_lens"] == [r["length"]] * r["concurrency"] and r["output_lens"] == [4] * r["concurrency"]
+        assert r["admitted_concurrency"] == r["concurrency"] and r["memory_bound_max"] >= 1
+        assert (r["hit_rate"] is None) == (r["config_name"] == "dense")
+    assert {r["config"]["store"] for r in rows if r["config_name"] == "dense"} == {"resident"}
+    before = swept.read_text()
+    capsys.readouterr()
+    assert sweep.main([*SMALL, "--lengths", "96,160", "--configs", "dense,quest-hier", "--concurrency", "1,2",
+                       "--out", str(swept), "--resume"]) == 0
+    assert "8 already in" in capsys.readouterr().out and swept.read_text() == before
+
+
+def test_failing_cells_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch) -> None:
+    out = tmp_path / "r.json"
+    calls = {"n": 0}
+    real = sweep.bench.run_benchmark
+
+    def fail_once(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise MemoryError("pretend out of memory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sweep.bench, "run_benchmark", fail_once)
+    argv = [*SMALL, "--lengths", "96", "--configs", "dense", "--concurrency", "1,max", "--kv-host-gib", "1",
+            "--kv-device-gib", "0.0000001", "--out", str(out)]
+    assert sweep.main(argv) == 0
+    rows = {r["cell"]: r for r in json.loads(out.read_text())}
+    assert rows["96/dense/1"]["error"] == "MemoryError: pretend out of memory"
+    assert rows["96/dense/max"]["error"].startswith("CapacityError: no memory-bound maximum for dense at 96 tokens")
+    # with a budget, 'max' runs at the memory-bound maximum
+    argv[argv.index("0.0000001")] = "0.0003"  # 2 layers x 112 tokens x 256 B a request: 5 fit
+    out.unlink()
+    assert sweep.main(argv) == 0
+    row = {r["cell"]: r for r in json.loads(out.read_text())}["96/dense/max"]
+    assert "error" not in row and row["concurrency"] == row["memory_bound_max"] == 5
+
+
+def test_time_limit_stops_starting_cells(tmp_path) -> None:
+    out = tmp_path / "r.json"
+    assert sweep.main([*SMALL, "--lengths", "96", "--configs", "dense", "--concurrency", "1,2", "--time-limit-s", "0",
+                       "--out", str(out)]) == 0
+    assert len(json.loads(out.read_text())) == 1  # the first cell starts; after it the limit has passed
+
+
+def test_bad_arguments_are_clear_errors() -> None:
+    with pytest.raises(sweep.ConfigError, match="--configs: unknown 'quest'"):
+        sweep.parse_args(["--configs", "quest"])
+    with pytest.raises(sweep.ConfigError, match="'zero' is neither a positive integer nor 'max'"):
+        sweep.parse_args(["--concurrency", "zero"])
+
+
+def test_plots_and_page_from_the_json(swept, tmp_path) -> None:
+    rows = json.loads(swept.read_text())
+    rows.append({"cell": "96/dsa-resident/max", "length": 96, "config_name": "dsa-resident",
+                 "concurrency_label": "max", "error": "CapacityError: no request fits"})
+    source = tmp_path / "with_error.json"
+    source.write_text(json.dumps(rows))
+    page = tmp_path / "docs" / "sweep.md"
+    page.parent.mkdir()
+    assert plotter.main([str(source), "--out-dir", str(tmp_path / "docs" / "png"), "--markdown", str(page)]) == 0
+    for name in ("throughput.png", "tpot.png", "memory.png"):
+        data = (tmp_path / "docs" / "png" / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+        assert f"](png/{name})" in page.read_text()
+    text = page.read_text()
+    table = [line for line in text.splitlines() if line.startswith("| 96 ") or line.startswith("| 160 ")]
+    assert len(table) == 8 and all(line.count("|") == 15 for line in table)
+    assert "- 96/dsa-resident/max: CapacityError: no request fits" in text

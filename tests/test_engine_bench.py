@@ -1,0 +1,163 @@
+"""engine/bench.py on the CPU: drawn lengths and arrivals are seeded and are what the engine
+ran, the figures are sane, prefill FLOPs and the decode floor equal hand computations."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+from rich.console import Console
+
+from sparse_framework import cli
+from sparse_framework.common.errors import ConfigError
+from sparse_framework.engine import bench
+from sparse_framework.engine.command import RANDOM_MODELS
+from sparse_framework.engine.llm import LLM
+from sparse_framework.engine.models import ModelConfig, random_model
+
+TINY = ModelConfig.from_hf(RANDOM_MODELS["tiny"])  # 2 layers, 4/2 heads of 16, hidden 64, MLP 128, vocab 512
+NO_BUDGET = bench.KVBudgets(None, None, "none", "none")
+
+
+@pytest.fixture(scope="module")
+def tiny() -> torch.nn.Module:
+    return random_model(TINY, "float32", "cpu")
+
+
+def quest(store: str, min_sparse: int = 64) -> dict:
+    return {"algorithm": "quest", "store": store, "top_k": 64, "page_size": 16, "sink_tokens": 16, "recent_tokens": 16,
+            "device_buffer_tokens": 128, "min_sparse_prompt_len": min_sparse, "extra": {"dense_first_layers": 0}}
+
+
+@pytest.mark.parametrize("dist", bench.LENGTH_DISTRIBUTIONS)
+def test_lengths_are_seeded_and_within_their_range(dist) -> None:
+    draw = lambda seed: bench.draw_lengths(dist, 100, 0.3, 200, torch.Generator().manual_seed(seed))  # noqa: E731
+    a, b, c = draw(1), draw(1), draw(2)
+    assert a == b and all(70 <= n <= 130 for n in a)
+    if dist == "fixed":
+        assert a == [100] * 200
+    else:
+        assert a != c and len(set(a)) > 10 and abs(sum(a) / len(a) - 100) < 5
+    if dist == "uniform":  # both ends reachable
+        assert min(a) <= 73 and max(a) >= 127
+
+
+def test_poisson_arrivals_are_seeded_and_increasing() -> None:
+    spec = bench.BenchSpec(num_prompts=400, input_len=8, request_rate=50.0, seed=3)
+    a, b = bench.draw_workload(spec, 512), bench.draw_workload(spec, 512)
+    assert a.arrivals == b.arrivals and a.prompts == b.prompts and a.arrivals[0] == 0
+    gaps = [y - x for x, y in zip(a.arrivals, a.arrivals[1:])]
+    assert all(g >= 0 for g in gaps) and 0.015 < sum(gaps) / len(gaps) < 0.025  # mean 1/50 s
+    assert bench.draw_workload(bench.BenchSpec(num_prompts=4), 512).arrivals == [0.0] * 4
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"input_len_dist": "zipf"}, "--input-len-dist must be one of fixed, uniform, normal"),
+    ({"range_ratio": 1.0}, "--range-ratio must be in [0, 1)"),
+    ({"request_rate": 0.0}, "--request-rate must be > 0"),
+    ({"num_prompts": 0}, "--num-prompts must be >= 1"),
+])
+def test_bad_specs_are_clear_errors(bad, message) -> None:
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        bench.BenchSpec(**bad)
+
+
+@pytest.mark.parametrize("dist, rate", [("fixed", None), ("uniform", None), ("normal", 200.0)])
+def test_the_engine_runs_the_drawn_lengths(tiny, dist, rate) -> None:
+    spec = bench.BenchSpec(num_prompts=5, input_len=40, output_len=6, input_len_dist=dist, output_len_dist=dist,
+                           range_ratio=0.5, request_rate=rate, concurrency=3, seed=7)
+    work = bench.draw_workload(spec, TINY.vocab_size)
+    llm = LLM.from_model(tiny, quest("hierarchical"), max_num_seqs=3, max_model_len=work.max_model_len)
+    r = bench.run_benchmark(llm, spec, NO_BUDGET)
+    assert r["input_lens"] == work.input_lens and r["output_lens"] == work.output_lens
+    assert r["prefill_tokens_computed"] == sum(work.input_lens)  # from the engine's step log
+    assert r["output_tokens"] == sum(work.output_lens)
+    assert r["admitted_concurrency"] == 3 and r["memory_bound_max"] is None and r["peak_gpu_bytes"] is None
+    if rate is not None:
+        assert r["arrivals_s"] == work.arrivals and r["arrivals_s"][-1] > 0
+
+
+def test_hierarchical_figures_are_sane_and_resident_has_no_traffic(tiny) -> None:
+    spec = bench.BenchSpec(num_prompts=3, input_len=200, output_len=8, concurrency=3)
+    budgets = bench.KVBudgets(2**20, 2**30, "given", "given")
+    rows = {}
+    for store in ("hierarchical", "resident"):
+        llm = LLM.from_model(tiny, quest(store), max_num_seqs=3, max_model_len=208)
+        rows[store] = bench.run_benchmark(llm, spec, budgets)
+    h, r = rows["hierarchical"], rows["resident"]
+    assert h["buffer_hits"] + h["buffer_misses"] > 0 and 0 <= h["hit_rate"] <= 1
+    assert h["h2d_bytes"] > 0 and h["h2d_gb_per_s"] > 0 and h["host_pool_bytes"] > 0
+    assert r["hit_rate"] is None and r["h2d_bytes"] is None and r["h2d_gb_per_s"] is None
+    for x in (h, r):
+        assert x["prefill_flops"] == bench.prefill_flops(TINY, [200] * 3) and x["prefill_tflops"] > 0
+        assert x["decode_step_rows"] == 3 and 0 < x["decode_step_floor_ms"] < x["decode_step_ms"]
+        assert x["memory_bound_max"] >= 1 and x["ttft_p50_ms"] <= x["ttft_p99_ms"]
+    assert h["memory_bound"].startswith("hierarchical: ") and r["memory_bound"] == "resident: device"
+
+
+def test_prefill_flops_equal_a_hand_computation() -> None:
+    d, q, kv, mlp, vocab, layers = 64, 4 * 16, 2 * 16, 128, 512, 2
+    per_layer = d * q + 2 * d * kv + q * d + 3 * d * mlp + 2 * d  # q, k, v, o; gate, up, down; two norms
+    per_token = layers * per_layer + d  # and the final norm; not the embedding (a lookup) nor the head
+    prompts = [10, 20]
+    attention = sum(2 * 2 * layers * 4 * 16 * n * n / 2 for n in prompts)
+    expected = 2 * per_token * sum(prompts) + 2 * vocab * d * len(prompts) + attention
+    assert bench.prefill_flops(TINY, prompts) == expected == 4_701_952
+
+
+@pytest.mark.parametrize("kind", ["dense resident", "sparse resident", "hierarchical"])
+def test_decode_floor_of_each_kind_equals_a_hand_computation(tiny, kind) -> None:
+    config = quest("resident", min_sparse=10**9) if kind == "dense resident" else quest(kind.split()[-1], 100)
+    llm = LLM.from_model(tiny, config, max_num_seqs=2, max_model_len=256)
+    # float32: per layer q, o (64 x 64), k, v (64 x 32), gate, up, down (64 x 128), two norms; final norm, embedding, head
+    weights = 4 * (TINY.num_layers * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64 + 2 * 512 * 64)
+    per_token = 2 * 2 * 16 * 4  # K and V, 2 KV heads of 16, float32
+    rows = [(200, 199), (150, 149)]  # (context, prompt)
+    if kind == "dense resident":
+        kv = 2 * (200 + 150) * per_token  # every context token of both rows, both layers
+    else:
+        selected = 16 * (1 + 4 + 2)  # pages: sink 1, top_k 64 / 16 = 4, recent 16 tokens span up to 2
+        representation = 2 * (2 * 16 * 4) / 16  # Quest: a min and a max K row per page of 16
+        kv = 2 * (2 * selected * per_token + (200 + 150) * representation)
+    assert bench.decode_floor_bytes(llm, rows) == weights + kv
+    # a request whose prompt is below min_sparse_prompt_len reads its whole context in any store
+    mixed = bench.decode_floor_bytes(llm, [(200, 199), (90, 89)])
+    if kind != "dense resident":
+        assert mixed == weights + 2 * (selected * per_token + 200 * representation + 90 * per_token)
+
+
+def test_memory_bound_follows_the_capacity_plan() -> None:
+    from sparse_framework.capacity import PRESETS, plan_capacity
+    from sparse_framework.config import load_config
+
+    layout = PRESETS["llama-3-8b"]
+    budgets = bench.KVBudgets(60 * 2**30, 100 * 2**30, "given", "given")
+    for store in ("resident", "hierarchical"):
+        config = load_config({"algorithm": "quest", "store": store})
+        plan = plan_capacity(layout, 60 * 2**30, 100 * 2**30, 32768 + 256, config)
+        n, why = bench.memory_bound(config, layout, 32768 + 256, budgets)
+        assert n == (plan.resident_requests if store == "resident" else plan.hierarchical_requests)
+        assert why == ("resident: device" if store == "resident" else f"hierarchical: {plan.limited_by}")
+    assert bench.memory_bound(config, layout, 1024, bench.KVBudgets(None, None, "", "")) == (None, "no device budget")
+
+
+def test_bench_cli_draws_lengths_and_fits_100_columns(monkeypatch, tmp_path) -> None:
+    out = io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(file=out, width=100, force_terminal=False))
+    path = tmp_path / "b.json"
+    argv = ["bench", "--random", "tiny", "--no-progress", "--num-prompts", "4", "--input-len", "120", "--output-len", "5",
+            "--input-len-dist", "uniform", "--range-ratio", "0.25", "--request-rate", "500", "--seed", "2",
+            "--kv-device-gib", "0.01", "--kv-host-gib", "1", "--config", json.dumps(quest("hierarchical")),
+            "--json", str(path)]
+    assert cli.main(argv) == 0
+    text = out.getvalue()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 100, text
+    r = json.loads(path.read_text())
+    spec = bench.BenchSpec(num_prompts=4, input_len=120, output_len=5, input_len_dist="uniform",
+                           output_len_dist="uniform", range_ratio=0.25, request_rate=500, seed=2)
+    work = bench.draw_workload(spec, TINY.vocab_size)
+    assert r["input_lens"] == work.input_lens and r["output_lens"] == work.output_lens
+    assert r["kv_device_budget_bytes"] == int(0.01 * 2**30) and r["memory_bound_max"] >= 1
+    assert "hit" in text and "prefill TF/s" in text and r["max_model_len"] == work.max_model_len
