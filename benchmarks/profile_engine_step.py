@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pdl", choices=["auto", "on", "off"], default="off",
                    help="programmatic dependent launch of our kernels (default off: with it a kernel's time "
                    "includes waiting for its predecessor, so the per-kernel times overlap)")
+    p.add_argument("--host-profile", action="store_true",
+                   help="also cProfile the host side of the profiled steps (functions by own time)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_engine_step.py needs a CUDA GPU", file=sys.stderr)
@@ -72,6 +74,18 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
         wall = (time.perf_counter() - start) / args.steps
     after = _hits(engine)
+    if args.host_profile:
+        import cProfile
+        import pstats
+
+        torch.cuda.synchronize()
+        prof_host = cProfile.Profile()
+        prof_host.enable()
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+        prof_host.disable()
+        pstats.Stats(prof_host).sort_stats("tottime").print_stats(30)
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: e.device_time_total, reverse=True)
     total = sum(e.device_time_total for e in events) / args.steps

@@ -36,7 +36,7 @@ class RunnerBudget:
         self.store = runner.coord.store
         self.page = self.store.page_size
         self._promised: dict[str, int] = {}  # rid -> host pages promised for its whole life
-        self._granted: list[str] = []  # decode rows of the plan being made, grown together
+        self._granted: list[str] = []  # decode rows of the plan being made that start a page, grown together
         self._trial: str | None = None  # reserved by the last can_admit / can_resume
         self._dropped: set[str] = set()  # preempted while prefilling: admitted again on resume
 
@@ -108,10 +108,15 @@ class RunnerBudget:
             raise RuntimeError(f"request {seq.rid!r} still holds prefill staging after its last chunk")
 
     def can_grow(self, seq: Sequence) -> bool:
+        # only rows starting a page take room: checking them alone keeps a plan's checks linear
+        # in its rows (all granted rows at every check cost milliseconds at 64 requests)
+        if not self.store.needs_page(self.runner.requests[seq.rid]):
+            return True
         return self.runner.can_grow([*self._granted, seq.rid])
 
     def grow(self, seq: Sequence) -> None:
-        self._granted.append(seq.rid)
+        if self.store.needs_page(self.runner.requests[seq.rid]):
+            self._granted.append(seq.rid)
 
     def retract(self, seq: Sequence) -> None:
         request = self.runner.requests[seq.rid]

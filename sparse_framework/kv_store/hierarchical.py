@@ -294,7 +294,13 @@ class HierarchicalKVStore(KVStore):
     def can_grow(self, requests: list[Request]) -> bool:
         """Whether one more token of each request (its next decode step) finds room; changes
         nothing. What an engine asks before a step, to preempt instead of failing it."""
-        return self._growth_error([r for r in requests if r.seq_len % self.page_size == 0]) is None
+        starting = [r for r in requests if self.needs_page(r)]
+        return not starting or self._growth_error(starting) is None
+
+    def needs_page(self, request: Request) -> bool:
+        """Whether the request's next decode token starts a new page (the only growth that
+        takes room: `can_grow` of requests that do not is always True)."""
+        return request.seq_len % self.page_size == 0
 
     def grow(self, batch: Batch) -> None:
         """Pages for this step's new tokens (only at page boundaries); all or nothing."""
