@@ -221,11 +221,20 @@ class HierarchicalKVStore(KVStore):
         for layer, n in needs.items():
             if n > self.dev_alloc[layer].free:
                 raise self._no_room(layer, n, f"request {request.rid!r}", request.dense)
+        if not needs:
+            return
+        # the page-table entries of every layer in one host->device copy: a copy per layer
+        # synchronises with the device each time (32 per request at every page boundary)
+        layer_ids, cols, values = [], [], []
         for layer, n in needs.items():
             ids = self.dev_alloc[layer].alloc(n, self.page_size, f"request {request.rid!r}")
             have = self._dev_pages.get((layer, request.slot), ids[:0])
-            self.dev_table[layer, request.slot, have.numel() : have.numel() + n] = ids.to(torch.int32).to(self.device)
+            layer_ids.append(torch.full((n,), layer))
+            cols.append(torch.arange(have.numel(), have.numel() + n))
+            values.append(ids)
             self._dev_pages[(layer, request.slot)] = torch.cat([have, ids])
+        index = torch.stack([torch.cat(layer_ids), torch.cat(cols)]).to(self.device)
+        self.dev_table[index[0], request.slot, index[1]] = torch.cat(values).to(torch.int32).to(self.device)
 
     def _no_room(self, layer: int, pages: int, who: str, dense_request: bool) -> CapacityError:
         """The CapacityError for a layer's pool without `pages` free pages: what is full, why the
