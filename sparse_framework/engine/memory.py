@@ -282,26 +282,18 @@ def plan_for(
     config: SparseConfig,
     *,
     device: torch.device,
-    max_model_len: int,
-    max_num_batched_tokens: int,
-    max_num_seqs: int,
-    gpu_memory_utilization: float,
     device_memory_bytes: int | None = None,
-    host_memory_bytes: int | None = None,
-    max_prefill_chunk: int | None = None,
-    staging_tokens: int | None = None,
+    **settings: int | float | None,
 ) -> EngineMemoryPlan:
     """`plan_engine_memory` for a loaded model on `device`: the weights from its parameters,
     the device's total and free memory from `device_memory` (call it with the weights loaded
-    and before the pools are allocated, so that free memory counts neither twice). The other
-    arguments are the EngineConfig's; the Engine calls this with its own."""
+    and before the pools are allocated, so that free memory counts neither twice). `settings`
+    are plan_engine_memory's EngineConfig arguments (max_model_len, max_num_batched_tokens,
+    max_num_seqs, gpu_memory_utilization, host_memory_bytes, max_prefill_chunk,
+    staging_tokens); the Engine calls this with its own."""
     total, free = device_memory(torch.device(device), device_memory_bytes)
-    return plan_engine_memory(
-        model, layout, config, weight_bytes=weight_bytes_of(parameters), max_model_len=max_model_len,
-        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-        gpu_memory_utilization=gpu_memory_utilization, device_total_bytes=total, device_free_bytes=free,
-        host_memory_bytes=host_memory_bytes, max_prefill_chunk=max_prefill_chunk, staging_tokens=staging_tokens,
-    )
+    return plan_engine_memory(model, layout, config, weight_bytes=weight_bytes_of(parameters),
+                              device_total_bytes=total, device_free_bytes=free, **settings)  # type: ignore[arg-type]
 
 
 def _query_tail_bytes(config: SparseConfig, model: ModelConfig, layout: KVLayout, staged: int) -> int:
