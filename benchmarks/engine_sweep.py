@@ -11,8 +11,13 @@ One process, the model built once; per cell a fresh engine (`LLM.from_model`) ru
                     dsa-resident    DSA scoring the attention keys (extra.source "keys"), resident
                     quest-hier      Quest over the hierarchical store (full KV on the host, a buffer)
                     pqcache-hier    PQCache over the hierarchical store
-  --concurrency   requests running at once: numbers and "max", the memory-bound maximum of the
-                  cell (capacity.plan_capacity for its store, context and KV budgets: bench.kv_budgets)
+  --concurrency   requests running at once: numbers and "max". A 'max' cell's engine is built with
+                  --gpu-memory-utilization (and --device-memory-gib / --host-memory-gib) and
+                  --max-num-seqs as the upper bound, so it takes the rows of its own memory plan
+                  (engine/memory.py, what `sparse-framework plan --engine` prints) and admits by
+                  it: the cell's concurrency is min(--max-num-seqs, the plan's max_requests). A
+                  numbered cell's engine has that many rows (no plan); its memory-bound maximum is
+                  the plan an engine of its settings would make (bench.memory_plan).
 
 Each cell runs --num-prompts requests (default: its concurrency, one wave) queued at once.
 A cell that fails (out of memory, a CapacityError, no request fits) is a row with its error;
@@ -39,11 +44,12 @@ from typing import Any
 
 import torch
 
-from sparse_framework.common.errors import CapacityError, ConfigError
+from sparse_framework.common.errors import ConfigError
 from sparse_framework.config import load_config
 from sparse_framework.engine import bench
 from sparse_framework.engine.command import RANDOM_MODELS
 from sparse_framework.engine.llm import LLM
+from sparse_framework.engine.memory import DEFAULT_GPU_MEMORY_UTILIZATION, HOST_MEMORY_FRACTION
 from sparse_framework.engine.models import ModelConfig, random_model
 
 CONFIG_NAMES = ("dense", "quest-resident", "dsa-resident", "quest-hier", "pqcache-hier")
@@ -90,9 +96,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device-buffer-tokens", type=int, default=4096, help="buffer of the hierarchical configs")
     p.add_argument("--min-sparse-prompt-len", type=int, default=2048, help="of the sparse configs (default 2048)")
     p.add_argument("--quest-dense-first-layers", type=int, default=2, help="Quest's dense first layers (default 2)")
-    p.add_argument("--kv-device-gib", type=float, help="device KV budget of 'max' (default: bench.kv_budgets)")
-    p.add_argument("--kv-host-gib", type=float, help="host KV budget of 'max' (default: 0.9 x RAM)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="of the default device budget")
+    p.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION,
+                   help=f"the memory plan's fraction of the device (default {DEFAULT_GPU_MEMORY_UTILIZATION:g})")
+    p.add_argument("--device-memory-gib", type=float, help="the device memory of the plan, GiB (default: the CUDA "
+                   "device's; required for 'max' on the CPU)")
+    p.add_argument("--host-memory-gib", type=float, help="the plan's host budget, GiB (default: "
+                   f"{HOST_MEMORY_FRACTION:g} x MemAvailable)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="upper bound on a 'max' cell's rows (default 256, "
+                   "as `plan --engine`)")
     p.add_argument("--cuda-graphs", action="store_true", help="whole decode steps replayed from CUDA graphs")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the untimed warm-up run of each config (Triton compiles, allocator) before its cells")
@@ -103,11 +114,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.length_list = [int(x) for x in _list(args.lengths, "--lengths", None) if x != "max"]
     args.config_list = _list(args.configs, "--configs", CONFIG_NAMES)
     args.concurrency_list = _list(args.concurrency, "--concurrency", None)
-    if args.output_len < 1 or (args.num_prompts is not None and args.num_prompts < 1):
-        raise ConfigError("--output-len and --num-prompts must be >= 1")
+    if args.output_len < 1 or args.max_num_seqs < 1 or (args.num_prompts is not None and args.num_prompts < 1):
+        raise ConfigError("--output-len, --max-num-seqs and --num-prompts must be >= 1")
+    for flag in ("device_memory_gib", "host_memory_gib"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag):g}")
+    args.memory = {"gpu_memory_utilization": args.gpu_memory_utilization,
+                   "device_memory_bytes": _bytes(args.device_memory_gib), "host_memory_bytes": _bytes(args.host_memory_gib)}
     if args.max_num_batched_tokens is None:
         args.max_num_batched_tokens = 16384 if torch.device(args.device).type == "cuda" else 2048
     return args
+
+
+def _bytes(gib: float | None) -> int | None:
+    return None if gib is None else int(gib * 2**30)
 
 
 def cell_key(length: int, config: str, concurrency: str) -> str:
@@ -134,28 +154,26 @@ def run_cell(model: torch.nn.Module, args: argparse.Namespace, length: int, name
     row: dict[str, Any] = {"cell": cell_key(length, name, label), "length": length, "config_name": name,
                            "concurrency_label": label, "model": args.random}
     max_model_len = length + output_len
-    budgets = bench.kv_budgets(model, model.config, args.device, max_model_len, args.max_num_batched_tokens,
-                               device_gib=args.kv_device_gib, host_gib=args.kv_host_gib,
-                               gpu_memory_utilization=args.gpu_memory_utilization)
     try:
-        if label == "max":
-            sparse = load_config(config)
-            layout = model.config.kv_layout(next(model.parameters()).dtype, args.device)
-            concurrency, bound = bench.memory_bound(sparse, layout, max_model_len, budgets)
-            if not concurrency:
-                raise CapacityError(f"no memory-bound maximum for {name} at {length} tokens ({bound}; device budget: "
-                                    f"{budgets.device_rule}; host budget: {budgets.host_rule})")
+        bench.reset_peak_memory(args.device)
+        plan = None
+        if label == "max":  # the engine's own memory plan sizes it (CapacityError: not one request fits)
+            llm = LLM.from_model(model, config, max_num_seqs=args.max_num_seqs,
+                                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
+                                 cuda_graphs=args.cuda_graphs, **args.memory)
+            concurrency = llm.engine.num_seqs
         else:
             concurrency = int(label)
+            tokens = max(args.max_num_batched_tokens, concurrency)
+            plan = bench.memory_plan(model, load_config(config), args.device, max_model_len=max_model_len,
+                                     max_num_batched_tokens=tokens, max_num_seqs=concurrency, **args.memory)
+            llm = LLM.from_model(model, config, max_num_seqs=concurrency, max_num_batched_tokens=tokens,
+                                 max_model_len=max_model_len, cuda_graphs=args.cuda_graphs)
         row["concurrency"] = concurrency
         spec = bench.BenchSpec(num_prompts=num_prompts or args.num_prompts or concurrency, input_len=length,
                                output_len=output_len, concurrency=concurrency)
-        bench.reset_peak_memory(args.device)
-        llm = LLM.from_model(model, config, max_num_seqs=concurrency,
-                             max_num_batched_tokens=max(args.max_num_batched_tokens, concurrency),
-                             max_model_len=max_model_len, cuda_graphs=args.cuda_graphs)
         try:
-            row.update(bench.run_benchmark(llm, spec, budgets))
+            row.update(bench.run_benchmark(llm, spec, plan))
         finally:
             del llm
     except Exception as exc:  # any failure is the cell's result, never the sweep's end  # noqa: BLE001

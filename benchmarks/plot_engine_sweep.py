@@ -90,8 +90,8 @@ def markdown(rows: list[dict[str, Any]], source: str, images: list[str]) -> str:
     lines = [
         "# Engine sweep", "",
         f"Rows of `{source}` (benchmarks/engine_sweep.py; every figure measured in that run). "
-        "*admitted*: the most requests running at once; *max*: the memory-bound maximum of the capacity "
-        "plan for the cell's store, context and KV budgets, and what bounds it. *step / floor*: the median "
+        "*admitted*: the most requests running at once; *max*: the memory-bound maximum of the engine's "
+        "memory plan (`plan --engine`) for the cell's config and context, and what bounds it (device or host). *step / floor*: the median "
         "decode step with the most requests decoding and no prefill, beside its HBM floor (weights + the "
         "bytes it must read, ÷ 3.0 TB/s). *prefill*: prompt FLOPs over the wall time of the steps with "
         "prefill. *hit rate*, *PCIe*: the hierarchical store's device-buffer hits and host→device bytes "

@@ -32,7 +32,7 @@ SMALL = ["--random", "tiny", "--device", "cpu", "--output-len", "4", "--top-k", 
 def swept(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sweep") / "results.json"
     argv = [*SMALL, "--lengths", "96,160", "--configs", "dense,quest-hier", "--concurrency", "1,2", "--out", str(out),
-            "--kv-device-gib", "0.01", "--kv-host-gib", "1"]
+            "--device-memory-gib", "0.01", "--host-memory-gib", "1"]
     assert sweep.main(argv) == 0
     return out
 
@@ -45,6 +45,8 @@ def test_every_cell_is_a_row_and_resume_skips_them(swept, capsys) -> None:
         assert "error" not in r, r
         assert r["input_lens"] == [r["length"]] * r["concurrency"] and r["output_lens"] == [4] * r["concurrency"]
         assert r["admitted_concurrency"] == r["concurrency"] and r["memory_bound_max"] >= 1
+        assert r["memory_bound_max"] == r["memory_plan"]["max_requests"] and r["memory_plan"]["num_seqs"] <= r["concurrency"]
+        assert r["memory_plan"]["device_total_bytes"] == int(0.01 * 2**30) and r["memory_plan"]["host_budget_bytes"] == 2**30
         assert (r["hit_rate"] is None) == (r["config_name"] == "dense")
     assert {r["config"]["store"] for r in rows if r["config_name"] == "dense"} == {"resident"}
     before = swept.read_text()
@@ -66,18 +68,44 @@ def test_failing_cells_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(sweep.bench, "run_benchmark", fail_once)
-    argv = [*SMALL, "--lengths", "96", "--configs", "dense", "--concurrency", "1,max", "--kv-host-gib", "1",
-            "--kv-device-gib", "0.0000001", "--out", str(out)]
+    argv = [*SMALL, "--lengths", "96", "--configs", "dense", "--concurrency", "1,max", "--host-memory-gib", "1",
+            "--device-memory-gib", "0.0000001", "--out", str(out)]
     assert sweep.main(argv) == 0
     rows = {r["cell"]: r for r in json.loads(out.read_text())}
     assert rows["96/dense/1"]["error"] == "MemoryError: pretend out of memory"
-    assert rows["96/dense/max"]["error"].startswith("CapacityError: no memory-bound maximum for dense at 96 tokens")
-    # with a budget, 'max' runs at the memory-bound maximum
-    argv[argv.index("0.0000001")] = "0.0003"  # 2 layers x 112 tokens x 256 B a request: 5 fit
+    assert rows["96/dense/max"]["error"].startswith("CapacityError: no request of max_model_len=100 fits")
+    # with room for 3 rows in the engine's plan, 'max' runs 3 requests, all admitted together
+    gib = total_for_rows(3.5, sweep.parse_args(argv)) / 2**30
+    argv[argv.index("0.0000001")] = repr(gib)
     out.unlink()
     assert sweep.main(argv) == 0
     row = {r["cell"]: r for r in json.loads(out.read_text())}["96/dense/max"]
-    assert "error" not in row and row["concurrency"] == row["memory_bound_max"] == 5
+    assert "error" not in row and row["concurrency"] == row["memory_bound_max"] == row["admitted_concurrency"] == 3
+    assert row["memory_plan"]["limited_by"] == "device" and row["requests"] == 3 and row["preemptions"] == 0
+
+
+def total_for_rows(rows: float, args) -> int:  # type: ignore[no-untyped-def]
+    """Device bytes whose fraction leaves room for `rows` request rows of a 'max' cell of the
+    dense config at 96 + 4 tokens (from the plan's own terms)."""
+    from sparse_framework.config import load_config
+    from sparse_framework.engine.memory import plan_for
+    from sparse_framework.engine.models import ModelConfig, random_model
+
+    model = random_model(ModelConfig.from_hf(sweep.RANDOM_MODELS["tiny"]), "float32", "cpu")
+    config = load_config(sweep.sweep_configs("torch_ref", 32, 160, 64, 0)["dense"])
+    probe = plan_for(model.parameters(), model.config, model.config.kv_layout(sweep.torch.float32), config,
+                     device=sweep.torch.device("cpu"), max_model_len=100, max_num_batched_tokens=args.max_num_batched_tokens,
+                     max_num_seqs=args.max_num_seqs, gpu_memory_utilization=args.gpu_memory_utilization,
+                     device_memory_bytes=2**30, host_memory_bytes=2**30)
+    fixed = probe.weight_bytes + probe.activation_bytes + probe.staging_bytes
+    return int((fixed + rows * probe.device_bytes_per_request) / args.gpu_memory_utilization) + 1
+
+
+def test_max_on_the_cpu_needs_device_memory(tmp_path) -> None:
+    out = tmp_path / "r.json"
+    assert sweep.main([*SMALL, "--lengths", "96", "--configs", "dense", "--concurrency", "max", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert "--device-memory-gib" in row["error"] and "concurrency" not in row
 
 
 def test_time_limit_stops_starting_cells(tmp_path) -> None:
@@ -92,6 +120,8 @@ def test_bad_arguments_are_clear_errors() -> None:
         sweep.parse_args(["--configs", "quest"])
     with pytest.raises(sweep.ConfigError, match="'zero' is neither a positive integer nor 'max'"):
         sweep.parse_args(["--concurrency", "zero"])
+    with pytest.raises(sweep.ConfigError, match="--device-memory-gib must be > 0"):
+        sweep.parse_args(["--device-memory-gib", "0"])
 
 
 def test_plots_and_page_from_the_json(swept, tmp_path) -> None:

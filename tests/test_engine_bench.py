@@ -14,11 +14,12 @@ from sparse_framework import cli
 from sparse_framework.common.errors import ConfigError
 from sparse_framework.engine import bench
 from sparse_framework.engine.command import RANDOM_MODELS
+from sparse_framework.config import load_config
 from sparse_framework.engine.llm import LLM
+from sparse_framework.engine.memory import plan_for
 from sparse_framework.engine.models import ModelConfig, random_model
 
 TINY = ModelConfig.from_hf(RANDOM_MODELS["tiny"])  # 2 layers, 4/2 heads of 16, hidden 64, MLP 128, vocab 512
-NO_BUDGET = bench.KVBudgets(None, None, "none", "none")
 
 
 @pytest.fixture(scope="module")
@@ -70,22 +71,25 @@ def test_the_engine_runs_the_drawn_lengths(tiny, dist, rate) -> None:
                            range_ratio=0.5, request_rate=rate, concurrency=3, seed=7)
     work = bench.draw_workload(spec, TINY.vocab_size)
     llm = LLM.from_model(tiny, quest("hierarchical"), max_num_seqs=3, max_model_len=work.max_model_len)
-    r = bench.run_benchmark(llm, spec, NO_BUDGET)
+    r = bench.run_benchmark(llm, spec)  # no plan, CPU: no bound
     assert r["input_lens"] == work.input_lens and r["output_lens"] == work.output_lens
     assert r["prefill_tokens_computed"] == sum(work.input_lens)  # from the engine's step log
     assert r["output_tokens"] == sum(work.output_lens)
     assert r["admitted_concurrency"] == 3 and r["memory_bound_max"] is None and r["peak_gpu_bytes"] is None
+    assert r["memory_plan"] is None
     if rate is not None:
         assert r["arrivals_s"] == work.arrivals and r["arrivals_s"][-1] > 0
 
 
 def test_hierarchical_figures_are_sane_and_resident_has_no_traffic(tiny) -> None:
     spec = bench.BenchSpec(num_prompts=3, input_len=200, output_len=8, concurrency=3)
-    budgets = bench.KVBudgets(2**20, 2**30, "given", "given")
-    rows = {}
+    rows, plans = {}, {}
     for store in ("hierarchical", "resident"):
+        plans[store] = bench.memory_plan(tiny, load_config(quest(store)), "cpu", max_model_len=208,
+                                         max_num_batched_tokens=2048, max_num_seqs=3, device_memory_bytes=2**25,
+                                         host_memory_bytes=2**30)
         llm = LLM.from_model(tiny, quest(store), max_num_seqs=3, max_model_len=208)
-        rows[store] = bench.run_benchmark(llm, spec, budgets)
+        rows[store] = bench.run_benchmark(llm, spec, plans[store])
     h, r = rows["hierarchical"], rows["resident"]
     assert h["buffer_hits"] + h["buffer_misses"] > 0 and 0 <= h["hit_rate"] <= 1
     assert h["h2d_bytes"] > 0 and h["h2d_gb_per_s"] > 0 and h["host_pool_bytes"] > 0
@@ -94,7 +98,10 @@ def test_hierarchical_figures_are_sane_and_resident_has_no_traffic(tiny) -> None
         assert x["prefill_flops"] == bench.prefill_flops(TINY, [200] * 3) and x["prefill_tflops"] > 0
         assert x["decode_step_rows"] == 3 and 0 < x["decode_step_floor_ms"] < x["decode_step_ms"]
         assert x["memory_bound_max"] >= 1 and x["ttft_p50_ms"] <= x["ttft_p99_ms"]
-    assert h["memory_bound"].startswith("hierarchical: ") and r["memory_bound"] == "resident: device"
+    for store, x in rows.items():  # the bound is the plan's, recorded whole
+        assert x["memory_bound_max"] == plans[store].max_requests and x["memory_bound"] == plans[store].limited_by
+        assert x["memory_plan"] == plans[store].as_dict()
+    assert r["memory_plan"]["host_bytes_per_request"] == 0 and h["memory_plan"]["host_bytes_per_request"] > 0
 
 
 def test_prefill_flops_equal_a_hand_computation() -> None:
@@ -128,19 +135,22 @@ def test_decode_floor_of_each_kind_equals_a_hand_computation(tiny, kind) -> None
         assert mixed == weights + 2 * (selected * per_token + 200 * representation + 90 * per_token)
 
 
-def test_memory_bound_follows_the_capacity_plan() -> None:
-    from sparse_framework.capacity import PRESETS, plan_capacity
-    from sparse_framework.config import load_config
-
-    layout = PRESETS["llama-3-8b"]
-    budgets = bench.KVBudgets(60 * 2**30, 100 * 2**30, "given", "given")
-    for store in ("resident", "hierarchical"):
-        config = load_config({"algorithm": "quest", "store": store})
-        plan = plan_capacity(layout, 60 * 2**30, 100 * 2**30, 32768 + 256, config)
-        n, why = bench.memory_bound(config, layout, 32768 + 256, budgets)
-        assert n == (plan.resident_requests if store == "resident" else plan.hierarchical_requests)
-        assert why == ("resident: device" if store == "resident" else f"hierarchical: {plan.limited_by}")
-    assert bench.memory_bound(config, layout, 1024, bench.KVBudgets(None, None, "", "")) == (None, "no device budget")
+@pytest.mark.parametrize("store", ["hierarchical", "resident"])
+def test_the_bound_is_the_engines_own_plan(tiny, store) -> None:
+    """bench.memory_plan equals the plan of an engine built with gpu_memory_utilization and the
+    same inputs, and a run of such an engine reports that engine's plan (the one it admits by)."""
+    options = dict(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=208, device_memory_bytes=2**24,
+                   host_memory_bytes=2**22)
+    planned = bench.memory_plan(tiny, load_config(quest(store)), "cpu", gpu_memory_utilization=0.7, **options)
+    llm = LLM.from_model(tiny, quest(store), gpu_memory_utilization=0.7, **options)
+    assert planned is not None and llm.engine.memory_plan == planned
+    default = bench.memory_plan(tiny, load_config(quest(store)), "cpu", **options)  # 0.9 when none is given
+    assert default == plan_for(tiny.parameters(), TINY, TINY.kv_layout(torch.float32), load_config(quest(store)),
+                               device=torch.device("cpu"), gpu_memory_utilization=0.9, **options)
+    r = bench.run_benchmark(llm, bench.BenchSpec(num_prompts=2, input_len=50, output_len=2, concurrency=3), default)
+    assert r["memory_plan"] == planned.as_dict() and r["memory_bound_max"] == planned.max_requests
+    options.pop("device_memory_bytes")
+    assert bench.memory_plan(tiny, load_config(quest(store)), "cpu", **options) is None  # the CPU has no memory
 
 
 def test_bench_cli_draws_lengths_and_fits_100_columns(monkeypatch, tmp_path) -> None:
@@ -149,7 +159,7 @@ def test_bench_cli_draws_lengths_and_fits_100_columns(monkeypatch, tmp_path) -> 
     path = tmp_path / "b.json"
     argv = ["bench", "--random", "tiny", "--no-progress", "--num-prompts", "4", "--input-len", "120", "--output-len", "5",
             "--input-len-dist", "uniform", "--range-ratio", "0.25", "--request-rate", "500", "--seed", "2",
-            "--kv-device-gib", "0.01", "--kv-host-gib", "1", "--config", json.dumps(quest("hierarchical")),
+            "--device-memory-gib", "0.01", "--host-memory-gib", "1", "--config", json.dumps(quest("hierarchical")),
             "--json", str(path)]
     assert cli.main(argv) == 0
     text = out.getvalue()
@@ -159,5 +169,26 @@ def test_bench_cli_draws_lengths_and_fits_100_columns(monkeypatch, tmp_path) -> 
                            output_len_dist="uniform", range_ratio=0.25, request_rate=500, seed=2)
     work = bench.draw_workload(spec, TINY.vocab_size)
     assert r["input_lens"] == work.input_lens and r["output_lens"] == work.output_lens
-    assert r["kv_device_budget_bytes"] == int(0.01 * 2**30) and r["memory_bound_max"] >= 1
+    assert r["memory_plan"]["device_total_bytes"] == int(0.01 * 2**30) and r["memory_bound_max"] >= 1
+    assert r["memory_plan"]["host_budget_bytes"] == 2**30 and r["memory_plan"]["gpu_memory_utilization"] == 0.9
     assert "hit" in text and "prefill TF/s" in text and r["max_model_len"] == work.max_model_len
+
+
+def test_bench_bound_equals_plan_engine(monkeypatch, tmp_path) -> None:
+    """`bench`'s memory-bound maximum is what `sparse-framework plan --engine` prints for the
+    same model shape, config, max_model_len, step, rows and memory (the whole plan, not only
+    its maximum)."""
+    monkeypatch.setattr(cli, "console", Console(file=io.StringIO(), width=100, force_terminal=False))
+    config = json.dumps(quest("hierarchical"))
+    device, host = repr(3 * 2**20 / 2**30), repr(2**20 / 2**30)  # requests of 132 tokens fit; the host bounds
+    path, planned = tmp_path / "b.json", tmp_path / "p.json"
+    assert cli.main(["bench", "--random", "tiny", "--no-progress", "--num-prompts", "2", "--input-len", "128",
+                     "--output-len", "4", "--concurrency", "2", "--max-num-batched-tokens", "64", "--config", config,
+                     "--device-memory-gib", device, "--host-memory-gib", host, "--json", str(path)]) == 0
+    assert cli.main(["plan", "--engine", "--model", "tiny", "--dtype", "float32", "--context", "132",
+                     "--max-num-batched-tokens", "64", "--max-num-seqs", "2", "--config", config,
+                     "--gpu-memory-gib", device, "--host-memory-gib", host, "--json", str(planned)]) == 0
+    r, (p,) = json.loads(path.read_text()), json.loads(planned.read_text())
+    assert r["max_model_len"] == 132 and r["memory_bound_max"] == p["max_requests"] >= 1
+    assert r["memory_bound"] == p["limited_by"]
+    assert r["memory_plan"] == {k: v for k, v in p.items() if k not in ("model", "config")}

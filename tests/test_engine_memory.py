@@ -14,6 +14,7 @@ from sparse_framework.config import load_config
 from sparse_framework.engine import LLM
 from sparse_framework.engine.command import RANDOM_MODELS
 from sparse_framework.engine.engine import Engine, EngineConfig
+from sparse_framework.engine import memory
 from sparse_framework.engine.memory import HOST_MEMORY_FRACTION, EngineMemoryPlan, plan_engine_memory
 from sparse_framework.engine.models import ModelConfig, random_model
 from sparse_framework.engine.sampling import SamplingParams
@@ -197,6 +198,31 @@ def test_a_cpu_device_needs_device_memory_bytes(model) -> None:
         Engine(model, TINY, SPARSE, EngineConfig(max_model_len=MAX_LEN, gpu_memory_utilization=0.9))
 
 
+def test_plan_for_takes_the_weights_and_the_device_memory(model) -> None:
+    """memory.plan_for (what the engine and bench call) = plan_engine_memory with the model's
+    parameter bytes and the given device memory; nothing in use on a CPU device."""
+    args = dict(max_model_len=MAX_LEN, max_num_batched_tokens=32, max_num_seqs=8, gpu_memory_utilization=U,
+                host_memory_bytes=2**40)
+    planned = memory.plan_for(model.parameters(), TINY, TINY.kv_layout(torch.float32), load_config(SPARSE),
+                              device=torch.device("cpu"), device_memory_bytes=3 * 2**20, **args)
+    assert planned == plan_for(model, device_total_bytes=3 * 2**20)
+    assert planned.weight_bytes == weights_of(model) and planned.device_other_bytes == 0
+    assert memory.device_memory(torch.device("cpu"), 123) == (123, None)
+    with pytest.raises(ConfigError, match="--device-memory-gib"):
+        memory.device_memory(torch.device("meta"), None)
+
+
+def test_cuda_device_memory_counts_cached_blocks_as_free_and_takes_a_given_total(monkeypatch) -> None:
+    """On CUDA (faked here: the machine has none) free = what the driver reports + torch's
+    cached blocks no tensor uses; device_memory_bytes replaces the measured total only."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (30 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 6 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 2 * 2**30)
+    cuda = torch.device("cuda", 0)
+    assert memory.device_memory(cuda, None) == (80 * 2**30, 34 * 2**30)
+    assert memory.device_memory(cuda, 40 * 2**30) == (40 * 2**30, 34 * 2**30)
+
+
 def test_without_utilization_the_engine_sizes_as_before(model) -> None:
     engine = Engine(model, TINY, SPARSE, EngineConfig(max_num_seqs=5, max_model_len=MAX_LEN))
     assert engine.memory_plan is None and engine.num_seqs == 5
@@ -238,3 +264,27 @@ def test_the_command_line_flags_reach_the_engine(monkeypatch) -> None:
     assert "--host-memory-gib must be > 0" in " ".join(out.getvalue().split())
     assert cli.main(["generate", "--no-progress", "--host-memory-gib", "1"]) == 2  # without the utilization
     assert "host_memory_bytes is a budget of the memory plan" in " ".join(out.getvalue().split())
+    assert cli.main(["generate", "--no-progress", "--device-memory-gib", "0"]) == 2
+    assert "--device-memory-gib must be > 0" in " ".join(out.getvalue().split())
+    assert cli.main(["generate", "--no-progress", "--device-memory-gib", "1"]) == 2  # without the utilization
+    assert "device_memory_bytes is a budget of the memory plan" in " ".join(out.getvalue().split())
+
+
+def test_device_memory_gib_makes_the_utilization_usable_on_the_cpu(monkeypatch, tmp_path) -> None:
+    """`bench --gpu-memory-utilization U --device-memory-gib G` on the CPU: the engine plans for G
+    and admits by it; the bench reports that plan (the engine's own)."""
+    import io
+    import json
+
+    from rich.console import Console
+
+    from sparse_framework import cli
+
+    monkeypatch.setattr(cli, "console", Console(file=io.StringIO(), width=100, force_terminal=False))
+    path = tmp_path / "b.json"
+    assert cli.main(["bench", "--random", "tiny", "--num-prompts", "2", "--input-len", "8", "--output-len", "2",
+                     "--no-progress", "--gpu-memory-utilization", "0.6", "--device-memory-gib", "0.25",
+                     "--host-memory-gib", "0.5", "--config", json.dumps(SPARSE), "--json", str(path)]) == 0
+    plan = json.loads(path.read_text())["memory_plan"]
+    assert plan["gpu_memory_utilization"] == 0.6 and plan["device_total_bytes"] == 2**28
+    assert plan["host_budget_bytes"] == 2**29 and plan["num_seqs"] == 2  # --concurrency (all 2) bounds the rows

@@ -6,9 +6,9 @@ runs the engine to completion and returns a flat dict of what it measured:
 
 - output tokens/s, TTFT and TPOT percentiles (TTFT from each request's arrival);
 - admitted concurrency (the most requests running at once, read from the scheduler after each
-  plan) beside the memory-bound maximum of `capacity.plan_capacity` for the run's context
-  length and KV budgets (the resident or the hierarchical count, whichever store the config
-  uses, and whether the device or the host bounds it);
+  plan) beside the memory-bound maximum: `max_requests` of the engine's own memory plan
+  (engine/memory.py, the one `sparse-framework plan --engine` prints) for the run's model,
+  sparse config, max_model_len and step size, and whether the device or the host bounds it;
 - the median decode step with the most requests decoding and no prefill, beside its HBM floor
   (`decode_floor_bytes` of each such step ÷ 3.0 TB/s);
 - prefill TFLOP/s (`prefill_flops` over the wall time of the steps that contained prefill);
@@ -22,7 +22,6 @@ Every figure is computed from this run; nothing is carried over from elsewhere.
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -32,20 +31,17 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from ..capacity import plan_capacity
 from ..cli_tables import new_table
 from ..common.errors import ConfigError
-from ..common.layout import KVLayout
 from ..config import SparseConfig
 from .llm import LLM
+from .memory import DEFAULT_GPU_MEMORY_UTILIZATION, EngineMemoryPlan, plan_for
 from .models import ModelConfig
 from .sampling import SamplingParams
-from .staging import PrefillStaging
 
 HBM_BYTES_PER_S = 3.0e12  # the H100's measured copy rate (DESIGN.md)
 PEAK_MATMUL_FLOPS = 790e12  # H100 SXM bf16 dense matmul, the issue's yardstick for prefill
 LENGTH_DISTRIBUTIONS = ("fixed", "uniform", "normal")
-ACTIVATION_SAFETY = 2  # the activation estimate of `kv_budgets` is doubled (allocator slack, temporaries)
 
 
 @dataclass(frozen=True)
@@ -56,8 +52,7 @@ class BenchSpec:
     [L(1-R), L(1+R)]) or "normal" (σ = L·R/2, clipped to the same range), R = range_ratio;
     request_rate: Poisson arrivals per second (None: every request queued at once);
     concurrency: requests running at once (the engine's max_num_seqs; None: num_prompts);
-    kv_device_bytes/kv_host_bytes: the budgets of the memory-bound maximum (None: see
-    `kv_budgets`); seed: the lengths, arrivals and prompt tokens."""
+    seed: the lengths, arrivals and prompt tokens."""
 
     num_prompts: int = 8
     input_len: int = 2048
@@ -167,65 +162,25 @@ def decode_floor_bytes(llm: LLM, rows: Sequence[tuple[int, int]]) -> float:
     return weights + num_dense * dense_layer + (layout.num_layers - num_dense) * (dense_ctx * per_token + sparse_layer)
 
 
-def activation_estimate_bytes(config: ModelConfig, element_size: int, max_num_batched_tokens: int) -> int:
-    """An estimate (not a measurement) of a step's activations: per token the hidden state,
-    residual, norms and attention output (4 x hidden), the q/k/v projections and the MLP's
-    gate, up and product (3 x intermediate), doubled (ACTIVATION_SAFETY) for temporaries."""
-    qkv = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-    per_token = 4 * config.hidden_size + qkv + 3 * config.intermediate_size
-    return ACTIVATION_SAFETY * max_num_batched_tokens * per_token * element_size
-
-
-@dataclass(frozen=True)
-class KVBudgets:
-    """Device and host bytes for KV that the memory-bound maximum is computed against, and how
-    each was obtained (None bytes: unknown, no maximum)."""
-
-    device_bytes: int | None
-    host_bytes: int | None
-    device_rule: str
-    host_rule: str
-
-
-def kv_budgets(model: torch.nn.Module, config: ModelConfig, device: str, max_model_len: int,
-               max_num_batched_tokens: int, *, device_gib: float | None = None, host_gib: float | None = None,
-               gpu_memory_utilization: float = 0.9) -> KVBudgets:
-    """The KV budgets: given ones (GiB), else on CUDA the GPU's total memory x
-    `gpu_memory_utilization` less the weights, the prefill staging of one longest request and
-    `activation_estimate_bytes`; on the CPU no device budget; the host: 0.9 x physical RAM."""
-    if device_gib is not None:
-        dev_bytes: int | None = int(device_gib * 2**30)
-        dev_rule = f"given: {device_gib:g} GiB"
-    elif torch.device(device).type == "cuda":
-        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
-        params = list(model.parameters())
-        weights = sum(p.numel() * p.element_size() for p in params)
-        elem = params[0].element_size()
-        staging = PrefillStaging.bytes_per_token(config.kv_layout(params[0].dtype, "meta")) * max_model_len
-        act = activation_estimate_bytes(config, elem, max_num_batched_tokens)
-        dev_bytes = max(0, int(total * gpu_memory_utilization) - weights - staging - act)
-        dev_rule = (f"{gpu_memory_utilization:g} x {total / 2**30:.1f} GiB GPU - weights {weights / 2**30:.1f} - "
-                    f"staging {staging / 2**30:.1f} - activations (est.) {act / 2**30:.1f} GiB")
-    else:
-        dev_bytes, dev_rule = None, "none on the CPU (give --kv-device-gib)"
-    if host_gib is not None:
-        host_bytes, host_rule = int(host_gib * 2**30), f"given: {host_gib:g} GiB"
-    else:
-        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        host_bytes, host_rule = int(0.9 * physical), f"0.9 x {physical / 2**30:.1f} GiB physical RAM"
-    return KVBudgets(dev_bytes, host_bytes, dev_rule, host_rule)
-
-
-def memory_bound(config: SparseConfig, layout: KVLayout, context_len: int, budgets: KVBudgets) -> tuple[int | None, str]:
-    """(requests, which bound) of `capacity.plan_capacity` for a sparse config: the resident
-    count for a resident store, the hierarchical count (limited by the device or the host)
-    otherwise. (None, why) without a device budget."""
-    if budgets.device_bytes is None:
-        return None, "no device budget"
-    plan = plan_capacity(layout, budgets.device_bytes, budgets.host_bytes or 0, context_len, config)
-    if config.store == "resident":
-        return plan.resident_requests, "resident: device"
-    return plan.hierarchical_requests, f"hierarchical: {plan.limited_by}"
+def memory_plan(model: torch.nn.Module, sparse_config: SparseConfig, device: str | torch.device, *,
+                max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
+                gpu_memory_utilization: float | None = None, device_memory_bytes: int | None = None,
+                host_memory_bytes: int | None = None) -> EngineMemoryPlan | None:
+    """The engine's memory plan (`memory.plan_for`) for an engine of these settings built with
+    `gpu_memory_utilization` (None: DEFAULT_GPU_MEMORY_UTILIZATION): the memory-bound maximum of
+    a run whose own engine was sized without one. Call it before building that engine (on CUDA
+    the plan measures the free memory, which the engine's pools would take). None on a device
+    with no memory of its own to measure and no `device_memory_bytes` (the CPU): no bound."""
+    device = torch.device(device)
+    if device.type != "cuda" and device_memory_bytes is None:
+        return None
+    params = list(model.parameters())
+    layout = model.config.kv_layout(params[0].dtype, device)  # type: ignore[union-attr]
+    return plan_for(params, model.config, layout, sparse_config, device=device,  # type: ignore[arg-type]
+                    max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+                    max_num_seqs=max_num_seqs,
+                    gpu_memory_utilization=gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
+                    device_memory_bytes=device_memory_bytes, host_memory_bytes=host_memory_bytes)
 
 
 # -- a run -------------------------------------------------------------------------------------
@@ -276,11 +231,14 @@ def store_traffic(llm: LLM) -> dict[str, float | int | None]:
             "h2d_bytes": sum(s["bytes_in"] for s in stats)}
 
 
-def run_benchmark(llm: LLM, spec: BenchSpec, budgets: KVBudgets, *,
+def run_benchmark(llm: LLM, spec: BenchSpec, plan: EngineMemoryPlan | None = None, *,
                   on_step: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Run `spec` through `llm`'s engine (built with max_num_seqs = the concurrency) and return
-    the figures (module docstring). Raises ConfigError if any request failed."""
+    the figures (module docstring). The memory-bound maximum is the engine's own plan when it
+    was built with gpu_memory_utilization, else `plan` (`memory_plan`, made before the engine;
+    None: no bound). Raises ConfigError if any request failed."""
     engine = llm.engine
+    plan = engine.memory_plan or plan
     device = engine.device
     work = draw_workload(spec, llm.model.config.vocab_size)
     if work.max_model_len > engine.max_model_len:
@@ -332,7 +290,6 @@ def run_benchmark(llm: LLM, spec: BenchSpec, budgets: KVBudgets, *,
     tokens = sum(len(o.token_ids) for o in outs)
     coord = engine.runner.coord
     pools = coord.memory_stats()
-    bound, bound_by = memory_bound(coord.config, coord.layout, engine.max_model_len, budgets)
     return {
         "requests": len(outs), "input_len": spec.input_len, "output_len": spec.output_len,
         "input_len_dist": spec.input_len_dist, "output_len_dist": spec.output_len_dist, "range_ratio": spec.range_ratio,
@@ -340,9 +297,9 @@ def run_benchmark(llm: LLM, spec: BenchSpec, budgets: KVBudgets, *,
         "input_lens": work.input_lens, "output_lens": work.output_lens, "arrivals_s": work.arrivals,
         "concurrency": spec.running, "max_model_len": engine.max_model_len,
         "admitted_concurrency": max((r.running for r in records), default=0),
-        "memory_bound_max": bound, "memory_bound": bound_by,
-        "kv_device_budget_bytes": budgets.device_bytes, "kv_host_budget_bytes": budgets.host_bytes,
-        "kv_device_budget_rule": budgets.device_rule, "kv_host_budget_rule": budgets.host_rule,
+        "memory_bound_max": None if plan is None else plan.max_requests,
+        "memory_bound": "no device memory to plan for" if plan is None else plan.limited_by,
+        "memory_plan": None if plan is None else plan.as_dict(),
         "elapsed_s": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
         "ttft_p50_ms": _ms(_percentile(ttft, 50)), "ttft_p99_ms": _ms(_percentile(ttft, 99)),
         "tpot_p50_ms": _ms(_percentile(tpot, 50)), "tpot_p99_ms": _ms(_percentile(tpot, 99)),
@@ -376,8 +333,8 @@ def bench_tables(results: Sequence[dict[str, Any]], title: str) -> list[Table]:
     """Two tables of one row per run, each within 100 columns: throughput and latency, then
     prefill, the store's traffic and memory."""
     first = new_table(title, (
-        "conc: admitted (most running at once) / asked; max: the memory-bound maximum (capacity plan of the "
-        "store, its KV budgets; bound by the device or the host). tok/s: output tokens per second; TTFT, TPOT "
+        "conc: admitted (most running at once) / asked; max: the memory-bound maximum (the engine's memory "
+        "plan at this max_model_len; bound by the device or the host). tok/s: output tokens per second; TTFT, TPOT "
         "in ms; step: median decode step (ms) with the most requests decoding and no prefill, floor: its HBM "
         "floor (weights + the K/V and representations it reads, at 3.0 TB/s)"), tight=True)
     for col in ("in", "conc", "max", "tok/s", "TTFT p50", "p99", "TPOT p50", "p99", "step", "floor", "preempt"):
@@ -391,7 +348,7 @@ def bench_tables(results: Sequence[dict[str, Any]], title: str) -> list[Table]:
     for r in results:
         length = f"{r['input_len']:,}"
         conc = f"{r['admitted_concurrency']}/{r['concurrency']}"
-        bound = "-" if r["memory_bound_max"] is None else f"{r['memory_bound_max']} {r['memory_bound'].split(': ')[-1]}"
+        bound = "-" if r["memory_bound_max"] is None else f"{r['memory_bound_max']} {r['memory_bound']}"
         first.add_row(length, conc, bound, _fmt(r["output_tokens_per_s"]), _fmt(r["ttft_p50_ms"], ",.0f"),
                       _fmt(r["ttft_p99_ms"], ",.0f"), _fmt(r["tpot_p50_ms"]), _fmt(r["tpot_p99_ms"]),
                       _fmt(r["decode_step_ms"]), _fmt(r["decode_step_floor_ms"]), str(r["preemptions"]))

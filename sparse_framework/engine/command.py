@@ -23,8 +23,9 @@ from ..common.errors import ConfigError
 from ..cli_tables import new_table
 from ..config import load_config
 from .engine import RequestOutput
-from .bench import LENGTH_DISTRIBUTIONS, BenchSpec, bench_tables, draw_workload, kv_budgets, reset_peak_memory, run_benchmark
+from .bench import LENGTH_DISTRIBUTIONS, BenchSpec, bench_tables, draw_workload, memory_plan, reset_peak_memory, run_benchmark
 from .llm import LLM
+from .memory import HOST_MEMORY_FRACTION
 from .models import ModelConfig, load_model, load_reference, random_model
 from .sampling import SamplingParams
 
@@ -60,6 +61,11 @@ tokens/s, TTFT and TPOT (p50/p99), admitted concurrency beside the memory-bound 
 decode step beside its HBM floor, prefill TFLOP/s, the store's hit rate and PCIe traffic, and
 memory.
 
+The memory-bound maximum is the engine's memory plan (`plan --engine`) for this model, config,
+--max-model-len and step: with --gpu-memory-utilization the engine's own (it then admits by
+it); without, the plan at 0.9 for --device-memory-gib (default: the CUDA device's; none on the
+CPU) and --host-memory-gib, while the engine takes --concurrency rows.
+
   sparse-framework bench                                      # the reference model, CPU
   sparse-framework bench --random llama-3-8b --device cuda --input-len 16384 --num-prompts 8 \\
       --config '{"algorithm": "quest", "backend": "triton"}' --json bench.json
@@ -92,9 +98,6 @@ def add_parsers(sub: Any) -> None:
     b.add_argument("--range-ratio", type=float, default=0.0, help="R of the length distributions, in [0, 1) (default 0)")
     b.add_argument("--request-rate", type=float, help="Poisson arrivals per second (default: all queued at once)")
     b.add_argument("--seed", type=int, default=0, help="seed of the lengths, arrivals and prompts (default 0)")
-    b.add_argument("--kv-device-gib", type=float, help="device KV budget of the memory-bound maximum (default: "
-                   "CUDA: 0.9 x GPU memory - weights, staging, activations; CPU: none)")
-    b.add_argument("--kv-host-gib", type=float, help="host KV budget of the memory-bound maximum (default: 0.9 x RAM)")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -114,17 +117,25 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="size the pools from this fraction (0 < u <= 1) of the GPU's memory less weights, activations "
                    "and staging; --max-num-seqs becomes an upper bound (docs/engine.md, Memory)")
     p.add_argument("--host-memory-gib", type=float, help="host budget for the host KV pool, GiB, with "
-                   "--gpu-memory-utilization (default: 0.8 x MemAvailable)")
+                   f"--gpu-memory-utilization; bench: also of its memory-bound maximum (default: "
+                   f"{HOST_MEMORY_FRACTION:g} x MemAvailable)")
+    p.add_argument("--device-memory-gib", type=float, help="the device memory the plan takes its fraction of, GiB, "
+                   "with --gpu-memory-utilization; bench: also of its memory-bound maximum (default: the CUDA "
+                   "device's; the CPU has none of its own: give it there)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _memory_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine's memory-plan options from --gpu-memory-utilization / --host-memory-gib."""
-    if args.host_memory_gib is not None and args.host_memory_gib <= 0:
-        raise ConfigError(f"--host-memory-gib must be > 0, got {args.host_memory_gib:g}")
-    host = None if args.host_memory_gib is None else int(args.host_memory_gib * 2**30)
-    return {"gpu_memory_utilization": args.gpu_memory_utilization, "host_memory_bytes": host}
+    """The engine's memory-plan options from --gpu-memory-utilization, --host-memory-gib and
+    --device-memory-gib (EngineConfig checks that the budgets come with the utilization)."""
+    sizes = {}
+    for flag, name in (("host_memory_gib", "host_memory_bytes"), ("device_memory_gib", "device_memory_bytes")):
+        gib = getattr(args, flag)
+        if gib is not None and gib <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be > 0, got {gib:g}")
+        sizes[name] = None if gib is None else int(gib * 2**30)
+    return {"gpu_memory_utilization": args.gpu_memory_utilization, **sizes}
 
 
 def _positive(args: argparse.Namespace, *names: str) -> None:
@@ -265,16 +276,19 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
     vocab = model.config.vocab_size
     max_model_len = args.max_model_len or draw_workload(spec, vocab).max_model_len
     tokens = max(args.max_num_batched_tokens, spec.running)
-    budgets = kv_budgets(model, model.config, args.device, max_model_len, tokens, device_gib=args.kv_device_gib,
-                         host_gib=args.kv_host_gib,
-                         gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None) or 0.9)
+    memory, plan = _memory_options(args), None
+    if args.gpu_memory_utilization is None:  # the engine sizes by max_num_seqs; the bound is its plan at 0.9
+        plan = memory_plan(model, config, args.device, max_model_len=max_model_len, max_num_batched_tokens=tokens,
+                           max_num_seqs=spec.running, device_memory_bytes=memory["device_memory_bytes"],
+                           host_memory_bytes=memory["host_memory_bytes"])
+        memory = {}
     reset_peak_memory(args.device)
     llm = LLM.from_model(model, config, max_num_seqs=spec.running, max_num_batched_tokens=tokens,
                          max_model_len=max_model_len, decode_graphs=args.decode_graphs, cuda_graphs=args.cuda_graphs,
-                         **_memory_options(args))
+                         **memory)
     with _progress(console, not args.no_progress, "benchmark") as bar:
         task = bar.add_task("bench", total=spec.num_prompts)
-        result = run_benchmark(llm, spec, budgets, on_step=lambda done, total: bar.update(task, completed=done))
+        result = run_benchmark(llm, spec, plan, on_step=lambda done, total: bar.update(task, completed=done))
     result["command"] = " ".join(["sparse-framework", *sys.argv[1:]])
     result["model"] = args.model or args.random or "reference"
     dist = "" if spec.input_len_dist == "fixed" else f" {spec.input_len_dist} ±{spec.range_ratio:g}"

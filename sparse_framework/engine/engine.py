@@ -24,10 +24,9 @@ from typing import Any
 import torch
 
 from ..common.errors import ConfigError, SparseFrameworkError
-from ..common.layout import KVLayout
 from ..config import SparseConfig, load_config
 from .budget import RunnerBudget
-from .memory import EngineMemoryPlan, plan_engine_memory
+from .memory import EngineMemoryPlan, plan_for
 from .models import ModelConfig
 from .runner import DecodeRow, Model, ModelRunner
 from .runner import PrefillChunk as RunnerChunk
@@ -164,8 +163,14 @@ class Engine:
         rows, device_tokens, host_tokens = config.max_num_seqs, config.device_capacity_tokens, config.host_capacity_tokens
         self.memory_plan: EngineMemoryPlan | None = None
         if config.gpu_memory_utilization is not None:
-            self.memory_plan = plan = self._plan_memory(model, model_config, layout, sparse_config, max_model_len,
-                                                        config.gpu_memory_utilization)
+            params = model.parameters() if hasattr(model, "parameters") else ()  # type: ignore[attr-defined]
+            self.memory_plan = plan = plan_for(
+                params, model_config, layout, sparse_config, device=self.device, max_model_len=max_model_len,
+                max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+                gpu_memory_utilization=config.gpu_memory_utilization, device_memory_bytes=config.device_memory_bytes,
+                host_memory_bytes=config.host_memory_bytes, max_prefill_chunk=config.max_prefill_chunk,
+                staging_tokens=config.staging_tokens,
+            )
             log.info("%s", plan.describe())
             plan.check()
             rows, device_tokens, host_tokens = plan.num_seqs, plan.device_capacity_tokens, plan.host_capacity_tokens
@@ -190,33 +195,6 @@ class Engine:
         # per step run: (decode rows, prefill tokens, context tokens of the decode rows, seconds);
         # a step ends with its sampled tokens on the host, so the wall time is the step's
         self.step_log: list[tuple[int, int, int, float]] = []
-
-    def _plan_memory(
-        self, model: Model, model_config: ModelConfig, layout: KVLayout, sparse_config: SparseConfig, max_model_len: int,
-        utilization: float,
-    ) -> EngineMemoryPlan:
-        """The memory plan of this engine's config (engine/memory.py): the device's memory from
-        device_memory_bytes or CUDA, the weights from the model's parameters."""
-        config = self.config
-        total, free = config.device_memory_bytes, None
-        if self.device.type == "cuda":
-            free, cuda_total = torch.cuda.mem_get_info(self.device)
-            # blocks torch's caching allocator holds but no tensor uses are free for the pools
-            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-            total = total or cuda_total
-        elif total is None:
-            raise ConfigError(f"gpu_memory_utilization on a {self.device.type} device: it has no device memory of its "
-                              "own to measure; give EngineConfig.device_memory_bytes (the memory to plan for), "
-                              "or run on a CUDA device")
-        params = model.parameters() if hasattr(model, "parameters") else ()  # type: ignore[attr-defined]
-        weights = sum(p.numel() * p.element_size() for p in params)
-        return plan_engine_memory(
-            model_config, layout, sparse_config, weight_bytes=weights, max_model_len=max_model_len,
-            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            gpu_memory_utilization=utilization, device_total_bytes=total, device_free_bytes=free,
-            host_memory_bytes=config.host_memory_bytes, max_prefill_chunk=config.max_prefill_chunk,
-            staging_tokens=config.staging_tokens,
-        )
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:

@@ -22,6 +22,11 @@ never waits on a pool that the plan said had room.
 
 The host budget is `host_memory_bytes`, or HOST_MEMORY_FRACTION of the host's MemAvailable.
 
+`plan_for` takes those inputs from a loaded model and a device (the weights from its
+parameters, the device's memory from CUDA or a given `device_memory_bytes`): it is what the
+engine runs with `gpu_memory_utilization`, and what `bench` and benchmarks/engine_sweep.py
+report as the memory-bound maximum, so the three never disagree on what fits.
+
 Activations are estimated, not measured: the peak of one step of `max_num_batched_tokens`
 packed tokens through one layer (residual stream, q/k/v and their rotated copies, the MLP's
 three intermediate tensors, the float32 norm statistics, the boolean mask of a prefill chunk
@@ -35,10 +40,13 @@ runs the tiny test models).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
+import torch
+
 from ..common.arith import cdiv
-from ..common.errors import CapacityError
+from ..common.errors import CapacityError, ConfigError
 from ..common.layout import KVLayout
 from ..config import SparseConfig, dense_layer_set
 from ..footprint import coordinator_parts
@@ -47,6 +55,7 @@ from ..kv_store.pinned import meminfo_bytes
 from .models import ModelConfig
 from .staging import PrefillStaging
 
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # `plan --engine`'s and the benchmarks' fraction when none is given
 HOST_MEMORY_FRACTION = 0.8  # of MemAvailable, when no host_memory_bytes is given
 SAMPLER_BYTES_PER_LOGIT = 64  # a full sort of int64 keys and the float32 scratch of top-k/top-p
 SELECTION_BYTES_PER_UNIT = 8  # a decode row's float32 score and int32 index per selection unit
@@ -241,6 +250,50 @@ def plan_engine_memory(
         device_capacity_tokens=device_tokens, host_capacity_tokens=host_tokens,
         device_pool_bytes=rows * per_device, host_pool_bytes=rows * per_host,
     )
+
+
+def device_memory(device: torch.device, device_memory_bytes: int | None) -> tuple[int, int | None]:
+    """(total, free now) of the device the plan takes its fraction of. CUDA: measured, the
+    blocks torch's caching allocator holds but no tensor uses counted as free; a given
+    `device_memory_bytes` replaces the total (free stays measured, so what others hold,
+    total - free - weights floored at 0, is counted against the given total). Another device
+    has no memory of its own to measure: `device_memory_bytes` is the total, nothing is in use
+    (free None)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return device_memory_bytes or total, free
+    if device_memory_bytes is None:
+        raise ConfigError(f"gpu_memory_utilization on a {device.type} device: it has no device memory of its "
+                          "own to measure; give EngineConfig.device_memory_bytes (the memory to plan for; "
+                          "--device-memory-gib on the command line), or run on a CUDA device")
+    return device_memory_bytes, None
+
+
+def weight_bytes_of(parameters: Iterable[torch.Tensor]) -> int:
+    """Bytes of a model's parameters (what the plan reserves for the weights)."""
+    return sum(p.numel() * p.element_size() for p in parameters)
+
+
+def plan_for(
+    parameters: Iterable[torch.Tensor],
+    model: ModelConfig,
+    layout: KVLayout,
+    config: SparseConfig,
+    *,
+    device: torch.device,
+    device_memory_bytes: int | None = None,
+    **settings: int | float | None,
+) -> EngineMemoryPlan:
+    """`plan_engine_memory` for a loaded model on `device`: the weights from its parameters,
+    the device's total and free memory from `device_memory` (call it with the weights loaded
+    and before the pools are allocated, so that free memory counts neither twice). `settings`
+    are plan_engine_memory's EngineConfig arguments (max_model_len, max_num_batched_tokens,
+    max_num_seqs, gpu_memory_utilization, host_memory_bytes, max_prefill_chunk,
+    staging_tokens); the Engine calls this with its own."""
+    total, free = device_memory(torch.device(device), device_memory_bytes)
+    return plan_engine_memory(model, layout, config, weight_bytes=weight_bytes_of(parameters),
+                              device_total_bytes=total, device_free_bytes=free, **settings)  # type: ignore[arg-type]
 
 
 def _query_tail_bytes(config: SparseConfig, model: ModelConfig, layout: KVLayout, staged: int) -> int:
