@@ -85,7 +85,7 @@ def _gib(n: int | None) -> str:
 def markdown(rows: list[dict[str, Any]], source: str, images: list[str]) -> str:
     """The page: what the columns are, a row per cell, the errors, the plots."""
     head = ("| prompt | config | conc | admitted / max (bound) | tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
-            "| step / floor ms | prefill TFLOP/s (% of 790) | hit rate | PCIe GB/s | GPU peak GiB | host pool GiB "
+            "| step / floor ms | prefill TFLOP/s (% of 790) | hit rate | PCIe GB/s (floor ms) | GPU peak GiB | host pool GiB "
             "| preempt |")
     lines = [
         "# Engine sweep", "",
@@ -95,7 +95,8 @@ def markdown(rows: list[dict[str, Any]], source: str, images: list[str]) -> str:
         "decode step with the most requests decoding and no prefill, beside its HBM floor (weights + the "
         "bytes it must read, ÷ 3.0 TB/s). *prefill*: prompt FLOPs over the wall time of the steps with "
         "prefill. *hit rate*, *PCIe*: the hierarchical store's device-buffer hits and host→device bytes "
-        "over the decode steps' time ('-': a resident store).", "",
+        "over the decode steps' time ('-': a resident store), and in brackets the swap-in's own floor: "
+        "the host→device bytes per decode step ÷ 55 GB/s (PCIe).", "",
         head, "|" + "---|" * (head.count("|") - 1),
     ]
     failed = []
@@ -111,7 +112,7 @@ def markdown(rows: list[dict[str, Any]], source: str, images: list[str]) -> str:
             f"| {_f(r['output_tokens_per_s'])} | {_f(r['ttft_p50_ms'], ',.0f')} / {_f(r['ttft_p99_ms'], ',.0f')} "
             f"| {_f(r['tpot_p50_ms'])} / {_f(r['tpot_p99_ms'])} "
             f"| {_f(r['decode_step_ms'])} / {_f(r['decode_step_floor_ms'])} | {prefill} | {_f(r['hit_rate'], '.1%')} "
-            f"| {_f(r['h2d_gb_per_s'], ',.2f')} | {_gib(r['peak_gpu_bytes'])} | {_gib(r['host_pool_bytes'])} "
+            f"| {_f(r['h2d_gb_per_s'], ',.2f')} ({_f(r.get('decode_step_pcie_floor_ms'))}) | {_gib(r['peak_gpu_bytes'])} | {_gib(r['host_pool_bytes'])} "
             f"| {r['preemptions']} |")
     if failed:
         lines += ["", "Cells that failed (the sweep went on):", ""]

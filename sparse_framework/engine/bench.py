@@ -41,6 +41,7 @@ from .sampling import SamplingParams
 
 HBM_BYTES_PER_S = 3.0e12  # the H100's measured copy rate (DESIGN.md)
 PEAK_MATMUL_FLOPS = 790e12  # H100 SXM bf16 dense matmul, the issue's yardstick for prefill
+PCIE_BYTES_PER_S = 55e9  # host -> device over PCIe, measured (DESIGN.md)
 LENGTH_DISTRIBUTIONS = ("fixed", "uniform", "normal")
 
 
@@ -283,6 +284,7 @@ def run_benchmark(llm: LLM, spec: BenchSpec, plan: EngineMemoryPlan | None = Non
     prefill_s = sum(entry[3] for entry in log if entry[1])
     flops = prefill_flops(llm.model.config, work.input_lens)
     decode_s = sum(entry[3] for entry in log if entry[0])
+    decode_steps = sum(1 for entry in log if entry[0])
     traffic = store_traffic(llm)
 
     ttft = [o.first_token_time - arrival_of[o.rid] for o in outs if o.first_token_time is not None]
@@ -311,6 +313,9 @@ def run_benchmark(llm: LLM, spec: BenchSpec, plan: EngineMemoryPlan | None = Non
         "prefill_tflops": flops / prefill_s / 1e12 if prefill_s else None, "peak_tflops": PEAK_MATMUL_FLOPS / 1e12,
         **traffic, "decode_seconds": decode_s,
         "h2d_gb_per_s": traffic["h2d_bytes"] / decode_s / 1e9 if traffic["h2d_bytes"] is not None and decode_s else None,
+        # the swap-in's own floor: the bytes the misses moved per decode step over PCIe
+        "decode_step_pcie_floor_ms": (_ms(traffic["h2d_bytes"] / decode_steps / PCIE_BYTES_PER_S)
+                                      if traffic["h2d_bytes"] is not None and decode_steps else None),
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "device_pool_bytes": sum(p["bytes"] for p in pools if p["kind"] != "host"),
         "host_pool_bytes": sum(p["bytes"] for p in pools if p["kind"] == "host"),
