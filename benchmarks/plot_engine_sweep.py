@@ -3,7 +3,8 @@
     python benchmarks/plot_engine_sweep.py results.json --out-dir docs/engine_sweep --markdown docs/engine_sweep.md
 
 PNGs (one panel per prompt length, one line per config, x = the concurrency asked):
-throughput.png (output tokens/s), tpot.png (TPOT p50, ms), memory.png (peak GPU memory, solid,
+throughput.png (output tokens/s of the whole run), decode_throughput.png (decode tokens/s
+of the full decode step: its rows / its median time), tpot.png (TPOT p50, ms), memory.png (peak GPU memory, solid,
 and the host pool, dashed, GiB). The page tables every row, failed cells with their error,
 and embeds the plots (paths relative to the page). Only figures in the JSON are shown.
 """
@@ -23,8 +24,18 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+def decode_tokens_per_s(r: dict[str, Any]) -> float | None:
+    """Output tokens/s of the decode step with the most requests decoding (its rows / its
+    median time): the decode throughput, without the prefill that dominates a whole run of
+    long prompts and few output tokens."""
+    if not r.get("decode_step_ms"):
+        return None
+    return 1e3 * r["decode_step_rows"] / r["decode_step_ms"]
+
+
 PLOTS = {
-    "throughput.png": ("output tokens/s", lambda r: r["output_tokens_per_s"]),
+    "throughput.png": ("output tokens/s (whole run)", lambda r: r["output_tokens_per_s"]),
+    "decode_throughput.png": ("decode tokens/s (full decode step)", decode_tokens_per_s),
     "tpot.png": ("TPOT p50 (ms)", lambda r: r["tpot_p50_ms"]),
     "memory.png": ("GiB: peak GPU (solid), host pool (dashed)", None),
 }
@@ -63,6 +74,7 @@ def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
             ax.set_title(f"prompt {length:,} tokens" if length else "no measured cells")
             ax.set_xlabel("concurrency")
             ax.set_ylabel(ylabel)
+            ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
             if ax.lines:
                 ax.legend(fontsize=7)
@@ -84,14 +96,16 @@ def _gib(n: int | None) -> str:
 
 def markdown(rows: list[dict[str, Any]], source: str, images: list[str]) -> str:
     """The page: what the columns are, a row per cell, the errors, the plots."""
-    head = ("| prompt | config | conc | admitted / max (bound) | tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
+    head = ("| prompt | config | conc | admitted / max (bound) | tok/s | decode tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
             "| step / floor ms | prefill TFLOP/s (% of 790) | hit rate | PCIe GB/s (floor ms) | GPU peak GiB | host pool GiB "
             "| preempt |")
     lines = [
         "# Engine sweep", "",
         f"Rows of `{source}` (benchmarks/engine_sweep.py; every figure measured in that run). "
         "*admitted*: the most requests running at once; *max*: the memory-bound maximum of the engine's "
-        "memory plan (`plan --engine`) for the cell's config and context, and what bounds it (device or host). *step / floor*: the median "
+        "memory plan (`plan --engine`) for the cell's config and context, and what bounds it (device or host). "
+        "*tok/s*: output tokens over the whole run (prefill included); *decode tok/s*: the rows of the "
+        "full decode step over its median time. *step / floor*: the median "
         "decode step with the most requests decoding and no prefill, beside its HBM floor (weights + the "
         "bytes it must read, ÷ 3.0 TB/s). *prefill*: prompt FLOPs over the wall time of the steps with "
         "prefill. *hit rate*, *PCIe*: the hierarchical store's device-buffer hits and host→device bytes "
@@ -109,7 +123,7 @@ def markdown(rows: list[dict[str, Any]], source: str, images: list[str]) -> str:
         prefill = "-" if tf is None else f"{tf:,.1f} ({100 * tf / r['peak_tflops']:.1f}%)"
         lines.append(
             f"| {r['length']:,} | {r['config_name']} | {r['concurrency']} | {r['admitted_concurrency']} / {bound} "
-            f"| {_f(r['output_tokens_per_s'])} | {_f(r['ttft_p50_ms'], ',.0f')} / {_f(r['ttft_p99_ms'], ',.0f')} "
+            f"| {_f(r['output_tokens_per_s'])} | {_f(decode_tokens_per_s(r))} | {_f(r['ttft_p50_ms'], ',.0f')} / {_f(r['ttft_p99_ms'], ',.0f')} "
             f"| {_f(r['tpot_p50_ms'])} / {_f(r['tpot_p99_ms'])} "
             f"| {_f(r['decode_step_ms'])} / {_f(r['decode_step_floor_ms'])} | {prefill} | {_f(r['hit_rate'], '.1%')} "
             f"| {_f(r['h2d_gb_per_s'], ',.2f')} ({_f(r.get('decode_step_pcie_floor_ms'))}) | {_gib(r['peak_gpu_bytes'])} | {_gib(r['host_pool_bytes'])} "

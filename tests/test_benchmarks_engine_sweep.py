@@ -133,11 +133,11 @@ def test_plots_and_page_from_the_json(swept, tmp_path) -> None:
     page = tmp_path / "docs" / "sweep.md"
     page.parent.mkdir()
     assert plotter.main([str(source), "--out-dir", str(tmp_path / "docs" / "png"), "--markdown", str(page)]) == 0
-    for name in ("throughput.png", "tpot.png", "memory.png"):
+    for name in ("throughput.png", "decode_throughput.png", "tpot.png", "memory.png"):
         data = (tmp_path / "docs" / "png" / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
         assert f"](png/{name})" in page.read_text()
     text = page.read_text()
     table = [line for line in text.splitlines() if line.startswith("| 96 ") or line.startswith("| 160 ")]
-    assert len(table) == 8 and all(line.count("|") == 15 for line in table)
+    assert len(table) == 8 and all(line.count("|") == 16 for line in table)
     assert "- 96/dsa-resident/max: CapacityError: no request fits" in text
