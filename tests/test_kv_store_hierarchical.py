@@ -356,13 +356,30 @@ for per_head, unit, mla in [(False, 1, False), (True, 1, False), (False, 4, Fals
         assert torch.equal(a.l2s[..., :-1], t.l2s[..., :-1]) and torch.equal(a.s2l[..., :-1], t.s2l[..., :-1])
         assert torch.equal(a.last_used[..., :-1], t.last_used[..., :-1]) and torch.equal(a.counts, t.counts)
         assert all(torch.equal(x, y) for pa, pt in zip(a.pools, t.pools) for x, y in zip(pa.tensors, pt.tensors))
+        # a decode token of each request (a fresh unit every `unit` steps: a victim is taken)
+        new = [torch.randn(2, layout.num_kv_heads, layout.head_dim, generator=g) for _ in range(layout.tensors_per_token)]
+        for st, rs in zip(stores, reqs):
+            for r in rs:
+                r.seq_len += 1
+            st.grow(Batch(rs))
+            b = Batch(rs)
+            b.prepare("cpu")
+            st.begin_step(b)
+            st.write_decode(1, b, new[0], new[1] if len(new) > 1 else None)
+            st.end_step(b)
+        lens = [n + 1 for n in lens]
+        assert torch.equal(a.l2s[..., :-1], t.l2s[..., :-1]) and torch.equal(a.s2l[..., :-1], t.s2l[..., :-1]), step
+        assert torch.equal(a.last_used[..., :-1], t.last_used[..., :-1]) and torch.equal(a.counts, t.counts)
+        assert all(torch.equal(x, y) for pa, pt in zip(a.pools, t.pools) for x, y in zip(pa.tensors, pt.tensors))
+        assert all(torch.equal(x, y) for x, y in zip(a.host, t.host)), ("host", step)
 print("parity ok")
 """
 
 
 def test_fused_kernels_match_the_torch_path_exactly() -> None:
-    """Same selections into a torch-path store and a fused-kernel store (interpreted): the
-    same slots, maps, recency, counters and device rows after every call."""
+    """Same selections and decode writes into a torch-path store and a fused-kernel store
+    (interpreted): the same slots, maps, recency, counters, device and host rows after every
+    call."""
     pytest.importorskip("triton")
     run_interpreted(PARITY_CHECK, "parity ok")
 

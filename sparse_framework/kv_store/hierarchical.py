@@ -134,6 +134,7 @@ class HierarchicalKVStore(KVStore):
 
         # per layer: hits, misses (selected tokens), rows copied host -> device
         self.counts = torch.zeros(L, 3, dtype=torch.int64, device=dev)
+        self._uncounted = torch.zeros(3, dtype=torch.int64, device=dev)  # counters of the decode writes' placement
         self.hits, self.misses, self.rows_in = self.counts[:, 0], self.counts[:, 1], self.counts[:, 2]
         self.rows_out = torch.zeros(L, dtype=torch.int64, device=dev)  # token rows device -> host
         self.timing = True  # time swap-ins (turn off while capturing a CUDA graph)
@@ -403,6 +404,11 @@ class HierarchicalKVStore(KVStore):
             self._write_dev(layer, slots[:, 0], [x[resident] for x in data])
             self._queue_host_write(layer, batch, resident, slots.expand(-1, self.streams))
         rows, p = batch.slot_ids[buffered], pos[buffered]
+        if self.impl == "triton":
+            slots = self._place_new_tokens_fused(layer, batch, buffered, p)
+            self._write_dev(layer, slots if self.head_major else slots[:, 0], [x[buffered] for x in data])
+            self._queue_host_write(layer, batch, buffered, slots)
+            return
         unit = (p // self.unit).view(-1, 1, 1).expand(-1, self.streams, 1)  # [n, S, 1]
         fresh = (p % self.unit == 0).view(-1, 1, 1).expand(-1, self.streams, 1)
         heads = torch.arange(self.streams, device=self.device).view(1, -1)
@@ -415,6 +421,38 @@ class HierarchicalKVStore(KVStore):
         slots = self._phys(layer, rows, bu * self.unit + (p % self.unit).view(-1, 1))  # [n, S]
         self._write_dev(layer, slots if self.head_major else slots[:, 0], [x[buffered] for x in data])
         self._queue_host_write(layer, batch, buffered, slots)
+
+    def _place_new_tokens_fused(self, layer: int, batch: Batch, buffered: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """Device slots [n, S] of the new tokens (positions `p`) of the buffered rows, in one
+        launch of the residency kernel instead of ~100 torch ops per layer (the torch path
+        below): each stream's "selection" is the unit of its new token, the tokens past it
+        -1. A fresh unit misses and takes a victim exactly as `SlotMaps.victims(..., 1)` picks
+        one (free, then least recently used, never pinned; nothing protected); an existing
+        unit hits and is stamped. Nothing is copied (the unit's earlier tokens are on the
+        device, the new one is written next) and the hit/miss counters are not touched."""
+        from ..kernels import pdl
+        from ..kernels.launch import launch
+        from ..kernels.residency import plan_residency_kernel
+
+        assert batch.slot_ids is not None and batch.seq_lens is not None
+        u, s, n = self.unit, self.streams, buffered.numel()
+        tokens = (p // u * u).view(-1, 1) + torch.arange(u, device=self.device)  # the new token's unit
+        idx = torch.where(tokens <= p.view(-1, 1), tokens, -1).to(torch.int32).view(n, 1, u).expand(n, s, u).contiguous()
+        slots = torch.empty_like(idx)
+        block_b = pow2(self.buffer_units)
+        scratch = torch.empty((n * s, block_b), dtype=torch.int64, device=self.device)
+        todo = torch.empty(n * s * u, dtype=torch.int64, device=self.device)
+        n_todo = torch.empty(n * s, dtype=torch.int32, device=self.device)
+        use_pdl = pdl.enabled(idx.device)
+        launch(plan_residency_kernel, (n * s,),
+            idx, batch.slot_ids[buffered], batch.seq_lens[buffered], self.l2s[layer], self.s2l[layer],
+            self.last_used[layer], self.clock, self.dev_table[layer], slots, todo, n_todo, scratch,
+            self._uncounted, s, u, 1, self.max_units, self.buffer_units, u, self.page_size,
+            self.dev_table.shape[-1], self.sink_tokens, self.recent_tokens,
+            BLOCK_W=2, BLOCK_B=block_b, BLOCK_U=pow2(u), PDL=use_pdl,
+            num_warps=8 if block_b <= 2048 else 16, launch_pdl=use_pdl,
+        )
+        return slots.gather(2, (p % u).view(-1, 1, 1).expand(n, s, 1))[..., 0]
 
     def _queue_host_write(self, layer: int, batch: Batch, sel: torch.Tensor, slots: torch.Tensor) -> None:
         """Remember the device→host copy of rows `sel`'s new token (device slots [n, S]);
