@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from sparse_framework import Batch, KVLayout, Request
 from sparse_framework.coordinator import SparseCoordinator
-from sparse_framework.common.errors import HookOrderError, SparseFrameworkError
+from sparse_framework.common.errors import CapacityError, HookOrderError, SparseFrameworkError
 
 LAYERS, KV_HEADS, Q_HEADS, DIM, MAX_LEN, MAX_REQUESTS = 2, 2, 4, 8, 64, 3
 # sparse: 2 pages of 4 selected per step in a 32-token buffer (sink 4 + recent 8 + top_k 8, whole pages: 28), so
@@ -492,6 +492,16 @@ class HookMachine(RuleBasedStateMachine):
             return self.refused(lambda: self.a.forward_begin(Batch(reqs, is_prefill=prefill)), "forward_begin")
         inputs = [self.data.step(reqs, layer, prefill) for layer in range(LAYERS)]
         batch = Batch(reqs, is_prefill=prefill)
+        if not prefill and not self.a.can_grow(reqs):
+            # a full device pool (requests decoding densely outgrow the sparse layers' pool) is a
+            # documented outcome, not a hook error: forward_begin raises CapacityError and
+            # changes nothing; an engine preempts instead (here: the newest request ends)
+            lengths = {rid: r.seq_len for rid, r in self.ra.items()}
+            with pytest.raises(CapacityError):
+                self.a.forward_begin(batch)
+            assert {rid: r.seq_len for rid, r in self.ra.items()} == lengths and self.a.steps.step is None
+            event("pool full: a request ended")
+            return self.end_request(sorted(self.ra).index(rids[-1]))
         self.a.forward_begin(batch)
         self.step = dict(batch=batch, rids=rids, prefill=prefill, done=set(), open=None, written=False,
                          inputs=inputs, outs={}, before={rid: self.seq[rid] for rid in rids})
