@@ -58,6 +58,9 @@ def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     data = _series(rows)
     lengths = sorted(data) or [0]
+    # one colour per config in every panel and plot
+    names = sorted({name for by_config in data.values() for name in by_config})
+    colour = {name: f"C{i % 10}" for i, name in enumerate(names)}
     paths = []
     for name, (ylabel, value) in PLOTS.items():
         fig, axes = plt.subplots(1, len(lengths), figsize=(4.2 * len(lengths), 3.4), squeeze=False)
@@ -65,10 +68,11 @@ def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
             for config, series in sorted(data.get(length, {}).items()):
                 x = [r["concurrency"] for r in series]
                 if value is not None:
-                    ax.plot(x, [value(r) for r in series], marker="o", label=config)
+                    ax.plot(x, [value(r) for r in series], marker="o", label=config, color=colour[config])
                     continue
                 gpu = [None if r["peak_gpu_bytes"] is None else r["peak_gpu_bytes"] / 2**30 for r in series]
-                (line,) = ax.plot(x, [g if g is not None else float("nan") for g in gpu], marker="o", label=config)
+                (line,) = ax.plot(x, [g if g is not None else float("nan") for g in gpu], marker="o", label=config,
+                                  color=colour[config])
                 ax.plot(x, [r["host_pool_bytes"] / 2**30 for r in series], marker="x", linestyle="--",
                         color=line.get_color())
             ax.set_title(f"prompt {length:,} tokens" if length else "no measured cells")
