@@ -416,6 +416,9 @@ class SparseCoordinator:
         attention (float32) at prefill. Returns q's shape and dtype. A layer replayed from a
         decode graph already holds its output (`metadata.output`), which is returned."""
         if metadata.is_prefill:
+            if q.shape[0] != sum(metadata.plan):
+                raise ValueError(f"attend at prefill needs every prompt query ({sum(metadata.plan)} rows), got "
+                                 f"{q.shape[0]}: the tail form of q is for attention_begin only")
             return _causal_prefill(q, metadata.k_cache, metadata.v_cache, metadata.plan)
         if metadata.output is not None:
             return metadata.output
@@ -437,14 +440,18 @@ class SparseCoordinator:
         if layer in self.dense_layers or pending.get("appended"):
             return
         if batch.is_prefill:
-            offset = 0
-            for r in batch.requests:
+            q = pending["q"]
+            tail = self._query_tail_rows(batch)
+            q_lens = tail if tail is not None and q.shape[0] == sum(tail) else batch.query_lens
+            offset = q_offset = 0
+            for r, q_len in zip(batch.requests, q_lens):
                 if not r.dense:
                     rows = slice(offset, offset + r.prompt_len)
-                    queries = pending["q"][rows] if self.algorithm.needs_prefill_queries else None
+                    queries = q[q_offset : q_offset + q_len] if self.algorithm.needs_prefill_queries else None
                     inputs = {name: t[rows] for name, t in pending["inputs"].items()}
                     self.algorithm.build(layer, r, pending["k"][rows], queries, inputs=inputs)
                 offset += r.prompt_len
+                q_offset += q_len
             return
         self._append(layer, batch, pending["k"], pending["inputs"])
 
@@ -523,11 +530,24 @@ class SparseCoordinator:
         elif v is None or tuple(k.shape) != want_kv or tuple(v.shape) != want_kv:
             got = "None" if v is None else list(v.shape)
             raise ValueError(f"k and v must be {list(want_kv)}, got {list(k.shape)} and {got}")
-        if q.dim() != 3 or q.shape[0] != tokens or q.shape[2] != lay.head_dim or q.shape[1] % lay.num_kv_heads:
+        tail = self._query_tail_rows(batch)
+        rows_ok = q.dim() == 3 and (q.shape[0] == tokens or (tail is not None and q.shape[0] == sum(tail)))
+        if not rows_ok or q.shape[2] != lay.head_dim or q.shape[1] % lay.num_kv_heads:
+            also = "" if tail is None else (
+                f" (or, at prefill, only each prompt's last {self.algorithm.prefill_query_rows} queries: "
+                f"{sum(tail)} rows, all that the algorithm's build reads)")
             raise ValueError(
-                f"q must be [{tokens}, num_q_heads, {lay.head_dim}] with num_q_heads a multiple of "
+                f"q must be [{tokens}, num_q_heads, {lay.head_dim}]{also} with num_q_heads a multiple of "
                 f"{lay.num_kv_heads} KV heads, got {list(q.shape)}"
             )
+
+    def _query_tail_rows(self, batch: Batch) -> list[int] | None:
+        """At prefill, the rows per request of q's tail form: the last `prefill_query_rows`
+        queries of each prompt, all an algorithm that declares it reads (None: no tail form)."""
+        rows = self.algorithm.prefill_query_rows
+        if not batch.is_prefill or rows is None or rows == 0:
+            return None
+        return [min(rows, n) for n in batch.query_lens]
 
 
 def _retract_advice(request: Request, exc: CapacityError, host_slots: int, store: str) -> str:

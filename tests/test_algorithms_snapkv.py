@@ -182,3 +182,38 @@ def test_build_reads_only_the_last_prefill_query_rows() -> None:
     algo.build(0, a, keys, queries)
     algo.build(0, b, keys, partial)
     assert torch.equal(algo.votes[0, 0], algo.votes[0, 1]) and not algo.votes[0, 1].isnan().any()
+
+
+def test_the_coordinator_takes_the_prompt_queries_in_their_tail_form() -> None:
+    """At prefill the coordinator accepts q as only each prompt's last `prefill_query_rows`
+    queries (the engine never builds a [prompt, q_heads, dim] tensor for SnapKV): the votes
+    equal those of the full q, a wrong row count is one clear error, and `attend` at prefill
+    (which needs every query) refuses the tail form."""
+    from sparse_framework import Batch
+    from sparse_framework.coordinator import SparseCoordinator
+
+    layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    config = {"algorithm": "snapkv", "backend": "torch_ref", "top_k": 8, "page_size": 4,
+              "min_sparse_prompt_len": 0, "extra": {"window": 6}}
+    g = torch.Generator().manual_seed(5)
+    lens = [20, 4]  # the second prompt is shorter than the window: all its queries
+    q, k, v = (torch.randn(sum(lens), h, 8, generator=g) for h in (4, 2, 2))
+    tail = torch.cat([q[14:20], q[20:24]])
+    votes = []
+    for queries in (q, tail):
+        coord = SparseCoordinator(config, layout, max_requests=2, max_seq_len=32)
+        reqs = [Request(f"r{i}", n) for i, n in enumerate(lens)]
+        for r in reqs:
+            coord.on_request_begin(r)
+        batch = Batch(reqs, is_prefill=True)
+        coord.forward_begin(batch)
+        with pytest.raises(ValueError, match=r"last 6 queries: 10 rows"):
+            coord.attention_begin(0, queries[:-1], k, v, batch)
+        meta = coord.attention_begin(0, queries, k, v, batch)
+        if queries is tail:
+            with pytest.raises(ValueError, match="needs every prompt query"):
+                coord.attend(0, queries, meta)
+        coord.attention_end(0, None, batch)
+        coord.forward_end(batch)
+        votes.append(coord.algorithm.votes.clone())
+    assert torch.equal(votes[0], votes[1])

@@ -74,11 +74,12 @@ class SnapKVOptions(BaseModel):
 
 
 def snapkv_votes(keys: torch.Tensor, queries: torch.Tensor, options: SnapKVOptions, impl: str = "torch") -> torch.Tensor:
-    """Pooled votes of one prompt: keys [L, Hkv, D], queries [L, Hq, D] -> float32
-    [Hkv, L - window] (empty when the prompt is no longer than the window)."""
+    """Pooled votes of one prompt: keys [L, Hkv, D], queries [L, Hq, D] (or only the last
+    min(window, L) of them: all that is read) -> float32 [Hkv, L - window] (empty when the
+    prompt is no longer than the window)."""
     n, hkv, _ = keys.shape
     w = min(options.window, n)
-    votes = scoring_kernel("snapkv_window_mass", impl, keys.device)(queries[n - w :], keys)  # [Hq, n - w]
+    votes = scoring_kernel("snapkv_window_mass", impl, keys.device)(queries[queries.shape[0] - w :], keys)  # [Hq, n - w]
     if votes.shape[-1]:
         pool = torch.nn.functional.max_pool1d if options.pooling == "max" else torch.nn.functional.avg_pool1d
         votes = pool(votes.unsqueeze(1), options.kernel_size, stride=1, padding=options.kernel_size // 2).squeeze(1)

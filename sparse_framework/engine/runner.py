@@ -266,14 +266,11 @@ class ModelRunner:
         self._q_tails.pop(rid, None)
 
     def _prompt_queries(self, layer: int, rid: str, n: int) -> torch.Tensor:
-        """q [n, Hq, D] for the coordinator's prefill: the kept last queries in place and a
-        zero-stride stand-in for the rest (no memory) when the algorithm reads none."""
-        shape = (n, self.num_q_heads, self.layout.head_dim)
+        """q for the coordinator's prefill: the kept last queries (the coordinator's tail form
+        when the algorithm reads only those: never a [prompt, Hq, D] tensor), or a zero-stride
+        stand-in [n, Hq, D] (no memory) when the algorithm reads none."""
         tail = self._q_tails.get(rid)
         if tail is None:
+            shape = (n, self.num_q_heads, self.layout.head_dim)
             return torch.zeros((1, *shape[1:]), dtype=self.layout.dtype, device=self.layout.device).expand(shape)
-        if tail.shape[1] == n:
-            return tail[layer]
-        q = torch.zeros(shape, dtype=self.layout.dtype, device=self.layout.device)
-        q[n - tail.shape[1] :] = tail[layer]
-        return q
+        return tail[layer]
