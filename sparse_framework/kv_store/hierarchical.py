@@ -405,7 +405,7 @@ class HierarchicalKVStore(KVStore):
             self._queue_host_write(layer, batch, resident, slots.expand(-1, self.streams))
         rows, p = batch.slot_ids[buffered], pos[buffered]
         if self.impl == "triton":
-            slots = self._place_new_tokens_fused(layer, batch, buffered, p)
+            slots = self._place_new_tokens_fused(layer, rows, batch.seq_lens[buffered], p)
             self._write_dev(layer, slots if self.head_major else slots[:, 0], [x[buffered] for x in data])
             self._queue_host_write(layer, batch, buffered, slots)
             return
@@ -422,36 +422,18 @@ class HierarchicalKVStore(KVStore):
         self._write_dev(layer, slots if self.head_major else slots[:, 0], [x[buffered] for x in data])
         self._queue_host_write(layer, batch, buffered, slots)
 
-    def _place_new_tokens_fused(self, layer: int, batch: Batch, buffered: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        """Device slots [n, S] of the new tokens (positions `p`) of the buffered rows, in one
+    def _place_new_tokens_fused(self, layer: int, rows: torch.Tensor, lens: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """Device slots [n, S] of the new tokens (positions `p`) of state `rows` (lengths `lens`), in one
         launch of the residency kernel instead of ~100 torch ops per layer (the torch path
         below): each stream's "selection" is the unit of its new token, the tokens past it
         -1. A fresh unit misses and takes a victim exactly as `SlotMaps.victims(..., 1)` picks
         one (free, then least recently used, never pinned; nothing protected); an existing
         unit hits and is stamped. Nothing is copied (the unit's earlier tokens are on the
         device, the new one is written next) and the hit/miss counters are not touched."""
-        from ..kernels import pdl
-        from ..kernels.launch import launch
-        from ..kernels.residency import plan_residency_kernel
-
-        assert batch.slot_ids is not None and batch.seq_lens is not None
-        u, s, n = self.unit, self.streams, buffered.numel()
+        u, s, n = self.unit, self.streams, rows.numel()
         tokens = (p // u * u).view(-1, 1) + torch.arange(u, device=self.device)  # the new token's unit
         idx = torch.where(tokens <= p.view(-1, 1), tokens, -1).to(torch.int32).view(n, 1, u).expand(n, s, u).contiguous()
-        slots = torch.empty_like(idx)
-        block_b = pow2(self.buffer_units)
-        scratch = torch.empty((n * s, block_b), dtype=torch.int64, device=self.device)
-        todo = torch.empty(n * s * u, dtype=torch.int64, device=self.device)
-        n_todo = torch.empty(n * s, dtype=torch.int32, device=self.device)
-        use_pdl = pdl.enabled(idx.device)
-        launch(plan_residency_kernel, (n * s,),
-            idx, batch.slot_ids[buffered], batch.seq_lens[buffered], self.l2s[layer], self.s2l[layer],
-            self.last_used[layer], self.clock, self.dev_table[layer], slots, todo, n_todo, scratch,
-            self._uncounted, s, u, 1, self.max_units, self.buffer_units, u, self.page_size,
-            self.dev_table.shape[-1], self.sink_tokens, self.recent_tokens,
-            BLOCK_W=2, BLOCK_B=block_b, BLOCK_U=pow2(u), PDL=use_pdl,
-            num_warps=8 if block_b <= 2048 else 16, launch_pdl=use_pdl,
-        )
+        slots, _, _ = self._plan_residency(layer, idx, rows, lens, self._uncounted, block_w=2)
         return slots.gather(2, (p % u).view(-1, 1, 1).expand(n, s, 1))[..., 0]
 
     def _queue_host_write(self, layer: int, batch: Batch, sel: torch.Tensor, slots: torch.Tensor) -> None:
@@ -579,28 +561,15 @@ class HierarchicalKVStore(KVStore):
         """`ensure_resident` in two kernel launches (kernels/residency.py)."""
         from ..kernels import pdl
         from ..kernels.launch import launch
-        from ..kernels.residency import copy_missing_kernel, plan_residency_kernel
+        from ..kernels.residency import copy_missing_kernel
         from .copy import _as_kernel_arg
 
         idx = selection.indices.contiguous()
         b, s, w = idx.shape
-        u = self.unit
-        wu = -(-w // u)
-        block_b = pow2(self.buffer_units)
-        scratch = torch.empty((b * s, block_b), dtype=torch.int64, device=self.device)
-        slots = torch.empty_like(idx)
-        todo = torch.empty(b * s * w, dtype=torch.int64, device=self.device)
-        n_todo = torch.empty(b * s, dtype=torch.int32, device=self.device)  # every entry written
         start = self._timer() if self.timing else None
+        slots, todo, n_todo = self._plan_residency(layer, idx, batch.slot_ids, batch.seq_lens, self.counts[layer],
+                                                   block_w=pow2(-(-w // self.unit)))
         use_pdl = pdl.enabled(idx.device)
-        launch(plan_residency_kernel, (b * s,),
-            idx, batch.slot_ids, batch.seq_lens, self.l2s[layer], self.s2l[layer], self.last_used[layer],
-            self.clock, self.dev_table[layer], slots, todo, n_todo, scratch, self.counts[layer],
-            s, w, wu, self.max_units, self.buffer_units, u, self.page_size, self.dev_table.shape[-1],
-            self.sink_tokens, self.recent_tokens,
-            BLOCK_W=pow2(wu), BLOCK_B=block_b, BLOCK_U=pow2(u), PDL=use_pdl,
-            num_warps=8 if block_b <= 2048 else 16, launch_pdl=use_pdl,
-        )
         host = [_as_kernel_arg(t) for t in self.host]
         pool = self._pool[layer]
         dev = pool.tensors
@@ -618,6 +587,35 @@ class HierarchicalKVStore(KVStore):
         if start is not None:
             self._stop_timer(layer, start)
         return slots
+
+    def _plan_residency(
+        self, layer: int, idx: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, counts: torch.Tensor, *,
+        block_w: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One launch of `plan_residency_kernel` over selections idx [B, S, W] (whole units,
+        -1 padded) of state `rows` [B] with lengths `lens` [B]: (device slots [B, S, W], the
+        missed entries, their count per stream); hits and misses are added to `counts` [3]."""
+        from ..kernels import pdl
+        from ..kernels.launch import launch
+        from ..kernels.residency import plan_residency_kernel
+
+        b, s, w = idx.shape
+        u = self.unit
+        block_b = pow2(self.buffer_units)
+        scratch = torch.empty((b * s, block_b), dtype=torch.int64, device=self.device)
+        slots = torch.empty_like(idx)
+        todo = torch.empty(b * s * w, dtype=torch.int64, device=self.device)
+        n_todo = torch.empty(b * s, dtype=torch.int32, device=self.device)  # every entry written
+        use_pdl = pdl.enabled(idx.device)
+        launch(plan_residency_kernel, (b * s,),
+            idx, rows, lens, self.l2s[layer], self.s2l[layer], self.last_used[layer],
+            self.clock, self.dev_table[layer], slots, todo, n_todo, scratch, counts,
+            s, w, -(-w // u), self.max_units, self.buffer_units, u, self.page_size, self.dev_table.shape[-1],
+            self.sink_tokens, self.recent_tokens,
+            BLOCK_W=block_w, BLOCK_B=block_b, BLOCK_U=pow2(u), PDL=use_pdl,
+            num_warps=8 if block_b <= 2048 else 16, launch_pdl=use_pdl,
+        )
+        return slots, todo, n_todo
 
     def _copy_in(self, layer: int, rows: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor) -> None:
         """Host→device copy of logical `tokens` [B, S, W] (or [B, W] for all streams) into
