@@ -24,6 +24,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from sparse_framework.engine.bench import fmt_or_dash, gib_or_dash  # noqa: E402
+
+
 def decode_tokens_per_s(r: dict[str, Any]) -> float | None:
     """Output tokens/s of the decode step with the most requests decoding (its rows / its
     median time): the decode throughput, without the prefill that dominates a whole run of
@@ -90,14 +93,6 @@ def plot(rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     return paths
 
 
-def _f(value: float | None, spec: str = ",.1f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _gib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**30:,.2f}"
-
-
 def markdown(rows: list[dict[str, Any]], source: str, images: list[str]) -> str:
     """The page: what the columns are, a row per cell, the errors, the plots."""
     head = ("| prompt | config | conc | admitted / max (bound) | tok/s | decode tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
@@ -127,10 +122,10 @@ def markdown(rows: list[dict[str, Any]], source: str, images: list[str]) -> str:
         prefill = "-" if tf is None else f"{tf:,.1f} ({100 * tf / r['peak_tflops']:.1f}%)"
         lines.append(
             f"| {r['length']:,} | {r['config_name']} | {r['concurrency']} | {r['admitted_concurrency']} / {bound} "
-            f"| {_f(r['output_tokens_per_s'])} | {_f(decode_tokens_per_s(r))} | {_f(r['ttft_p50_ms'], ',.0f')} / {_f(r['ttft_p99_ms'], ',.0f')} "
-            f"| {_f(r['tpot_p50_ms'])} / {_f(r['tpot_p99_ms'])} "
-            f"| {_f(r['decode_step_ms'])} / {_f(r['decode_step_floor_ms'])} | {prefill} | {_f(r['hit_rate'], '.1%')} "
-            f"| {_f(r['h2d_gb_per_s'], ',.2f')} ({_f(r.get('decode_step_pcie_floor_ms'))}) | {_gib(r['peak_gpu_bytes'])} | {_gib(r['host_pool_bytes'])} "
+            f"| {fmt_or_dash(r['output_tokens_per_s'])} | {fmt_or_dash(decode_tokens_per_s(r))} | {fmt_or_dash(r['ttft_p50_ms'], ',.0f')} / {fmt_or_dash(r['ttft_p99_ms'], ',.0f')} "
+            f"| {fmt_or_dash(r['tpot_p50_ms'])} / {fmt_or_dash(r['tpot_p99_ms'])} "
+            f"| {fmt_or_dash(r['decode_step_ms'])} / {fmt_or_dash(r['decode_step_floor_ms'])} | {prefill} | {fmt_or_dash(r['hit_rate'], '.1%')} "
+            f"| {fmt_or_dash(r['h2d_gb_per_s'], ',.2f')} ({fmt_or_dash(r.get('decode_step_pcie_floor_ms'))}) | {gib_or_dash(r['peak_gpu_bytes'])} | {gib_or_dash(r['host_pool_bytes'])} "
             f"| {r['preemptions']} |")
     if failed:
         lines += ["", "Cells that failed (the sweep went on):", ""]

@@ -35,7 +35,7 @@ from ..cli_tables import new_table
 from ..common.errors import ConfigError
 from ..config import SparseConfig
 from .llm import LLM
-from .memory import DEFAULT_GPU_MEMORY_UTILIZATION, EngineMemoryPlan, plan_for
+from .memory import DEFAULT_GPU_MEMORY_UTILIZATION, EngineMemoryPlan, plan_for, weight_bytes_of
 from .models import ModelConfig
 from .sampling import SamplingParams
 
@@ -150,7 +150,7 @@ def decode_floor_bytes(llm: LLM, rows: Sequence[tuple[int, int]]) -> float:
     whole context (what its scoring reads). The store does not matter: a resident store with a
     sparse algorithm reads only the selection, like the hierarchical one."""
     model, coord = llm.model, llm.engine.runner.coord
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = weight_bytes_of(model.parameters())
     layout, config, algorithm = coord.layout, coord.config, coord.algorithm
     per_token = layout.bytes_per_token_per_layer
     representation = algorithm.representation_bytes_per_token(layout, config)
@@ -233,15 +233,16 @@ def store_traffic(llm: LLM) -> dict[str, float | int | None]:
 
 
 def run_benchmark(llm: LLM, spec: BenchSpec, plan: EngineMemoryPlan | None = None, *,
-                  on_step: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+                  work: Workload | None = None, on_step: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Run `spec` through `llm`'s engine (built with max_num_seqs = the concurrency) and return
     the figures (module docstring). The memory-bound maximum is the engine's own plan when it
     was built with gpu_memory_utilization, else `plan` (`memory_plan`, made before the engine;
-    None: no bound). Raises ConfigError if any request failed."""
+    None: no bound). `work`: spec's requests when the caller has drawn them already (None:
+    drawn here). Raises ConfigError if any request failed."""
     engine = llm.engine
     plan = engine.memory_plan or plan
     device = engine.device
-    work = draw_workload(spec, llm.model.config.vocab_size)
+    work = work or draw_workload(spec, llm.model.config.vocab_size)
     if work.max_model_len > engine.max_model_len:
         raise ConfigError(f"the drawn requests need {work.max_model_len} tokens (prompt + output) but the engine's "
                           f"max_model_len is {engine.max_model_len}; raise --max-model-len")
@@ -326,11 +327,13 @@ def run_benchmark(llm: LLM, spec: BenchSpec, plan: EngineMemoryPlan | None = Non
 
 
 # -- tables ------------------------------------------------------------------------------------
-def _fmt(value: float | None, spec: str = ",.1f") -> str:
+def fmt_or_dash(value: float | None, spec: str = ",.1f") -> str:
+    """A figure for a table, '-' where there is none (also the sweep page's)."""
     return "-" if value is None else format(value, spec)
 
 
-def _gib(n: int | None) -> str:
+def gib_or_dash(n: int | None) -> str:
+    """Bytes in GiB for a table, '-' where there are none."""
     return "-" if n is None else f"{n / 2**30:,.2f}"
 
 
@@ -354,14 +357,14 @@ def bench_tables(results: Sequence[dict[str, Any]], title: str) -> list[Table]:
         length = f"{r['input_len']:,}"
         conc = f"{r['admitted_concurrency']}/{r['concurrency']}"
         bound = "-" if r["memory_bound_max"] is None else f"{r['memory_bound_max']} {r['memory_bound']}"
-        first.add_row(length, conc, bound, _fmt(r["output_tokens_per_s"]), _fmt(r["ttft_p50_ms"], ",.0f"),
-                      _fmt(r["ttft_p99_ms"], ",.0f"), _fmt(r["tpot_p50_ms"]), _fmt(r["tpot_p99_ms"]),
-                      _fmt(r["decode_step_ms"]), _fmt(r["decode_step_floor_ms"]), str(r["preemptions"]))
+        first.add_row(length, conc, bound, fmt_or_dash(r["output_tokens_per_s"]), fmt_or_dash(r["ttft_p50_ms"], ",.0f"),
+                      fmt_or_dash(r["ttft_p99_ms"], ",.0f"), fmt_or_dash(r["tpot_p50_ms"]), fmt_or_dash(r["tpot_p99_ms"]),
+                      fmt_or_dash(r["decode_step_ms"]), fmt_or_dash(r["decode_step_floor_ms"]), str(r["preemptions"]))
         tf = r["prefill_tflops"]
-        second.add_row(length, conc, _fmt(tf, ",.3g"), _fmt(None if tf is None else 100 * tf / r["peak_tflops"]),
-                       _fmt(r["hit_rate"], ".1%"), _fmt(None if r["h2d_bytes"] is None else r["h2d_bytes"] / 1e9, ",.2f"),
-                       _fmt(r["h2d_gb_per_s"], ",.2f"), _gib(r["peak_gpu_bytes"]), _gib(r["device_pool_bytes"]),
-                       _gib(r["host_pool_bytes"]))
+        second.add_row(length, conc, fmt_or_dash(tf, ",.3g"), fmt_or_dash(None if tf is None else 100 * tf / r["peak_tflops"]),
+                       fmt_or_dash(r["hit_rate"], ".1%"), fmt_or_dash(None if r["h2d_bytes"] is None else r["h2d_bytes"] / 1e9, ",.2f"),
+                       fmt_or_dash(r["h2d_gb_per_s"], ",.2f"), gib_or_dash(r["peak_gpu_bytes"]), gib_or_dash(r["device_pool_bytes"]),
+                       gib_or_dash(r["host_pool_bytes"]))
     return [first, second]
 
 

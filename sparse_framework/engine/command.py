@@ -274,7 +274,8 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
     else:
         model = load_reference(args.dtype, args.device) if args.model is None else load_model(args.model, args.dtype, args.device)
     vocab = model.config.vocab_size
-    max_model_len = args.max_model_len or draw_workload(spec, vocab).max_model_len
+    work = draw_workload(spec, vocab)
+    max_model_len = args.max_model_len or work.max_model_len
     tokens = max(args.max_num_batched_tokens, spec.running)
     memory, plan = _memory_options(args), None
     if args.gpu_memory_utilization is None:  # the engine sizes by max_num_seqs; the bound is its plan at 0.9
@@ -288,7 +289,7 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
                          **memory)
     with _progress(console, not args.no_progress, "benchmark") as bar:
         task = bar.add_task("bench", total=spec.num_prompts)
-        result = run_benchmark(llm, spec, plan, on_step=lambda done, total: bar.update(task, completed=done))
+        result = run_benchmark(llm, spec, plan, work=work, on_step=lambda done, total: bar.update(task, completed=done))
     result["command"] = " ".join(["sparse-framework", *sys.argv[1:]])
     result["model"] = args.model or args.random or "reference"
     dist = "" if spec.input_len_dist == "fixed" else f" {spec.input_len_dist} ±{spec.range_ratio:g}"
