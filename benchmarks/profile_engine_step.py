@@ -31,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pdl", choices=["auto", "on", "off"], default="off",
                    help="programmatic dependent launch of our kernels (default off: with it a kernel's time "
                    "includes waiting for its predecessor, so the per-kernel times overlap)")
+    p.add_argument("--fused-ops", choices=["on", "off"], default="on",
+                   help="the model's fused projections and layer kernels (default on, the engine's CUDA default)")
+    p.add_argument("--timed-steps", type=int, default=20,
+                   help="decode steps timed without the profiler first: their median is the step time (default 20)")
     p.add_argument("--host-profile", action="store_true",
                    help="also cProfile the host side of the profiled steps (functions by own time)")
     args = p.parse_args(argv)
@@ -50,11 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     model = random_model(model_config, "bfloat16", "cuda")
     engine = Engine(model, model_config, json.loads(args.config), EngineConfig(
         max_num_seqs=args.batch, max_num_batched_tokens=16384, max_model_len=args.context + 64,
-        decode_graphs=args.decode_graphs, cuda_graphs=args.cuda_graphs))
+        decode_graphs=args.decode_graphs, cuda_graphs=args.cuda_graphs, fused_ops=args.fused_ops == "on"))
     g = torch.Generator().manual_seed(0)
     for i in range(args.batch):
         engine.add_request(f"r{i}", torch.randint(0, model_config.vocab_size, (args.context,), generator=g).tolist(),
-                           SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+                           SamplingParams(max_tokens=args.timed_steps + 2 * args.steps + 16, temperature=0.0,
+                                          ignore_eos=True))
     while not engine.step_log or engine.step_log[-1][1] or engine.step_log[-1][0] < args.batch:
         engine.step()  # prefill, until a step decodes every request and prefills nothing
     prefill = [(tokens, sec) for _, tokens, _, sec in engine.step_log if tokens]
@@ -66,6 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(3):
         engine.step()  # warm-up (first sighting and capture of the graphs)
     torch.cuda.synchronize()
+    times = []
+    for _ in range(args.timed_steps):
+        start = time.perf_counter()
+        engine.step()  # ends with the sampled tokens on the host: its wall time is the step's
+        times.append(time.perf_counter() - start)
+    if times:
+        times.sort()
+        print(f"decode step (no profiler): median {1e3 * times[len(times) // 2]:.2f} ms, min {1e3 * times[0]:.2f} ms "
+              f"over {len(times)} steps (fused ops {args.fused_ops})")
     before = _hits(engine)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()

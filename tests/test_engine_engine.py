@@ -261,3 +261,52 @@ def test_bad_model_directories_are_clear_errors(tmp_path) -> None:
         LLM(tmp_path)
     with pytest.raises(ConfigError, match="the engine options are"):
         LLM(None, max_num_seq=2)
+
+
+FUSED = r"""
+import torch
+from sparse_framework.engine.engine import Engine, EngineConfig
+from sparse_framework.engine.models import ModelConfig, random_model
+from sparse_framework.engine.sampling import SamplingParams
+
+config = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 32,
+                              "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+                              "num_key_value_heads": 2, "max_position_embeddings": 256})
+g = torch.Generator().manual_seed(0)
+batch = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (37, 5, 60)]
+outs = {}
+for fused in (False, True):
+    model = random_model(config, torch.float32, "cpu", seed=0)
+    engine = Engine(model, config, SPARSE, EngineConfig(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=16,
+                                                       fused_ops=fused))
+    assert model.fused_ops == fused
+    for i, p in enumerate(batch):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=10, temperature=0.0))
+    outs[fused] = {o.rid: o.token_ids for o in engine.run_to_completion()}
+assert outs[True] == outs[False], outs
+print("fused engine ok")
+"""
+
+
+@pytest.mark.parametrize("sparse", [SMALL, {**FULL, "store": "resident", "min_sparse_prompt_len": 1000}],
+                         ids=["sparse-hierarchical", "dense-resident"])
+def test_fused_ops_give_the_same_tokens_interpreted(sparse) -> None:
+    """The model's fused projections and Triton layer kernels (what a CUDA engine runs) decode
+    the same greedy tokens as the plain torch path (float32, kernels interpreted)."""
+    pytest.importorskip("triton")
+    from helpers import run_interpreted
+
+    run_interpreted(FUSED.replace("SPARSE", repr(sparse)), "fused engine ok")
+
+
+def test_fused_ops_need_a_model_with_a_fused_path() -> None:
+    class Bare(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+    from sparse_framework.engine.models import ModelConfig
+
+    config = ModelConfig.from_hf({**TINY, "architectures": ["LlamaForCausalLM"]})
+    with pytest.raises(ConfigError, match="fused_ops"):
+        Engine(Bare(), config, FULL, EngineConfig(max_num_seqs=1, max_model_len=64, fused_ops=True))

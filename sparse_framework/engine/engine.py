@@ -48,7 +48,9 @@ class EngineConfig:
     (None: max_model_len, one longest prompt); device/host_capacity_tokens: the store's pools
     (None: the coordinator's sizing); decode_graphs: the coordinator's per-layer decode graphs
     (CUDA); cuda_graphs: whole decode-only steps replayed from CUDA graphs (CUDA;
-    step_graphs.py); seed: the sampler's generator for requests without a seed of their own.
+    step_graphs.py); fused_ops: the model's fused projections and layer kernels
+    (DecoderModel.use_fused_ops; None: on for a CUDA device); seed: the sampler's generator
+    for requests without a seed of their own.
 
     Memory (engine/memory.py, docs/engine.md "Memory"): gpu_memory_utilization (0 < u <= 1)
     sizes the pools from that fraction of the device's memory less the weights, one step's
@@ -67,6 +69,7 @@ class EngineConfig:
     host_capacity_tokens: int | None = None
     decode_graphs: bool = False
     cuda_graphs: bool = False
+    fused_ops: bool | None = None
     seed: int | None = 0
     gpu_memory_utilization: float | None = None
     host_memory_bytes: int | None = None
@@ -175,6 +178,12 @@ class Engine:
             plan.check()
             rows, device_tokens, host_tokens = plan.num_seqs, plan.device_capacity_tokens, plan.host_capacity_tokens
         self.num_seqs = rows
+        fused = config.fused_ops if config.fused_ops is not None else self.device.type == "cuda"
+        if fused:
+            if not hasattr(model, "use_fused_ops"):
+                raise ConfigError(f"EngineConfig.fused_ops=True: the model ({type(model).__name__}) has no fused path "
+                                  "(engine/models' DecoderModel has)")
+            model.use_fused_ops()  # type: ignore[attr-defined]
         self.runner = ModelRunner(
             model, layout, sparse_config,
             num_q_heads=model_config.num_heads, max_num_seqs=rows, max_model_len=max_model_len,

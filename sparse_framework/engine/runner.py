@@ -217,6 +217,11 @@ class ModelRunner:
         coord, staging = self.coord, self.staging
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            if not prefill and batch is not None:  # decode rows only: the coordinator's output is the layer's
+                meta = coord.attention_begin(layer, q, k, v, batch)
+                out = coord.attend(layer, q, meta)
+                coord.attention_end(layer, out, batch)
+                return out
             out = torch.empty_like(q)
             if batch is not None:
                 b = num_decode

@@ -4,6 +4,15 @@ Parameters carry Hugging Face's names (`model.layers.3.self_attn.q_proj.weight`,
 checkpoint loads by name. The forward takes one step's tokens of every request packed in one
 tensor with their positions (no padding, no batch dimension) and leaves attention to the
 runner's `attend` callback; everything else (projections, norms, RoPE, MLP) is here.
+
+Two ways to run a layer, the same arithmetic:
+  plain torch ops (the default; the CPU path the tests compare with transformers), and
+  fused (`use_fused_ops()`, what the engine takes on CUDA): the q/k/v and gate/up projections
+  as one matmul each (their weights packed in one tensor per layer, the Hugging Face
+  parameters kept as views of it, so loading, counting and tying see the same names and
+  bytes), and the residual add + RMSNorm, RoPE and SiLU-times-up as one Triton kernel each
+  (kernels/layer_ops.py). A decode layer then issues 8 kernels besides attention instead of
+  ~45: at a batch of 8 those small kernels, not bytes, were a quarter of the step's GPU time.
 """
 
 from __future__ import annotations
@@ -13,9 +22,25 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...kernels.layer_ops import add_rms_norm, rope_qkv, silu_mul
 from .attention import Attend
 from .config import ModelConfig
 from .rope import RotaryEmbedding, apply_rotary
+
+
+def _pack(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) holding the linears' rows back to back; each linear's own
+    parameters become views into it (no second copy of the weights)."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    bias = torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None
+    start = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[start : start + n], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[start : start + n], requires_grad=False)
+        start += n
+    return weight, bias
 
 
 class RMSNorm(nn.Module):
@@ -62,6 +87,24 @@ class Attention(nn.Module):
         out = attend(layer, q, k, v)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
+    def pack(self) -> None:
+        """q/k/v weights (and biases) as one tensor for `forward_fused`."""
+        self.qkv_weight, self.qkv_bias = _pack([self.q_proj, self.k_proj, self.v_proj])
+
+    def forward_fused(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend, layer: int
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv = nn.functional.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv[:, :q_dim], qkv[:, q_dim : q_dim + kv_dim], qkv[:, q_dim + kv_dim :]
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, q_dim)
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, kv_dim)
+        q, k, v = rope_qkv(q, k, v, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        out = attend(layer, q, k, v)
+        return self.o_proj(out.reshape(t, q_dim))
+
 
 class MLP(nn.Module):
     """down(silu(gate(x)) * up(x))."""
@@ -74,6 +117,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def pack(self) -> None:
+        """gate/up weights (and biases) as one tensor for `forward_fused`."""
+        self.gate_up_weight, self.gate_up_bias = _pack([self.gate_proj, self.up_proj])
+
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_mul(nn.functional.linear(x, self.gate_up_weight, self.gate_up_bias)))
 
 
 class DecoderLayer(nn.Module):
@@ -91,6 +141,19 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, attend, layer)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_fused(
+        self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+        attend: Attend, layer: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, residual) -> (this layer's MLP output, the residual stream before adding it):
+        each residual add happens inside the next RMSNorm's kernel."""
+        norm = self.input_layernorm
+        x, residual = add_rms_norm(h, residual, norm.weight, norm.eps)
+        h = self.self_attn.forward_fused(x, cos, sin, attend, layer)
+        norm = self.post_attention_layernorm
+        x, residual = add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp.forward_fused(x), residual
 
 
 class Backbone(nn.Module):
@@ -119,7 +182,18 @@ class DecoderModel(nn.Module):
         self.model = Backbone(config, **factory)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.fused_ops = False
         self.tie_weights()
+
+    def use_fused_ops(self) -> None:
+        """Run layers through the fused projections and Triton kernels (module docstring):
+        for CUDA (or the Triton interpreter). Call once the weights are loaded: it packs them."""
+        if self.fused_ops:
+            return
+        for layer in self.model.layers:
+            layer.self_attn.pack()
+            layer.mlp.pack()
+        self.fused_ops = True
 
     def tie_weights(self) -> None:
         """With tie_word_embeddings the LM head is the embedding matrix itself (one tensor)."""
@@ -145,6 +219,14 @@ class DecoderModel(nn.Module):
             )
         h = self.model.embed_tokens(token_ids)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        if self.fused_ops:
+            residual: torch.Tensor | None = None
+            for i, layer in enumerate(self.model.layers):
+                h, residual = layer.forward_fused(h, residual, cos, sin, attend, i)
+            if logits_rows is not None:
+                h, residual = h[logits_rows], residual[logits_rows]
+            norm = self.model.norm
+            return self.lm_head(add_rms_norm(h, residual, norm.weight, norm.eps)[0]).float()
         for i, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, attend, i)
         if logits_rows is not None:

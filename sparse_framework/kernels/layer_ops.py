@@ -1,0 +1,175 @@
+"""A decoder layer's elementwise work in three Triton kernels, where torch needs ~35 ops.
+
+Why: a Llama layer of the engine's decode step issued ~45 torch kernels outside attention
+(benchmarks/count_step_ops.py: RMSNorm 8 ops twice, RoPE 5 ops each for q and k, three q/k/v
+and two gate/up projections, SiLU, the product, two residual adds). In a decode step of a
+batch of 8 each is a few µs of almost no bytes: on the H100 ~1,500 of them per step cost
+~3.5 ms of GPU time beside the ~11 ms of bytes the step must read, and as many nodes to launch
+in its CUDA graph. With the projections fused (one q/k/v and one gate/up matmul: see
+engine/models/llama.py) and these three kernels a layer issues 8 kernels plus attention:
+
+  add_rms_norm    residual += x (rounded to the activations' dtype, as torch's add is), then
+                  RMSNorm of the sum: statistic in float32, normalised value rounded to the
+                  dtype, times the weight rounded again (transformers' Llama numerics)
+  rope_qkv        the packed q/k/v projection output -> contiguous q, k (rotated by their
+                  token's cos/sin, each product and the sum rounded as torch's bf16 ops are)
+                  and v (copied)
+  silu_mul        silu(gate) * up from the packed gate/up output, each rounded as torch does
+
+Each rounding point follows the torch code it replaces, so outputs equal the torch layer's
+up to the order of the float32 RMS reduction (a rare 1-ulp difference in bf16; exact in float32
+up to that sum). The launchers check shapes and dtypes and never synchronise with the host,
+so a step using them captures in a CUDA graph. The tests (tests/test_kernels_layer_ops.py)
+compare each with its torch twin under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common.arith import pow2
+from .launch import launch
+
+__all__ = ["add_rms_norm", "rope_qkv", "silu_mul"]
+
+
+def _launchable(*tensors: torch.Tensor) -> None:
+    if tensors[0].device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the layer-op kernels need CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
+    for t in tensors:
+        if t.stride(-1) != 1:
+            raise ValueError(f"layer ops: every tensor must be contiguous in its last dim, got strides {t.stride()}")
+
+
+# -- residual add + RMSNorm ------------------------------------------------------------------------
+@triton.jit
+def add_rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    N, s_x, s_res, s_out, s_res_out, eps,
+    HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < N
+    x = tl.load(x_ptr + row * s_x + cols, mask=m, other=0.0)
+    if HAS_RES:
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * s_res + cols, mask=m, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + row * s_res_out + cols, x, mask=m)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * s_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, N] (+ residual [T, N]) -> (RMSNorm(sum) * weight, sum). Without a residual the
+    sum is x itself (returned as is)."""
+    _launchable(x, weight, *(() if residual is None else (residual,)))
+    if x.ndim != 2 or weight.shape != (x.shape[1],) or (residual is not None and residual.shape != x.shape):
+        raise ValueError(f"add_rms_norm: x [T, N], residual [T, N] or None, weight [N]; got {tuple(x.shape)}, "
+                         f"{None if residual is None else tuple(residual.shape)}, {tuple(weight.shape)}")
+    out = torch.empty_like(x)
+    summed = x if residual is None else torch.empty_like(x)
+    t, n = x.shape
+    if t:
+        res = x if residual is None else residual
+        launch(add_rms_norm_kernel, (t,), x, res, weight, out, summed,
+               n, x.stride(0), res.stride(0), out.stride(0), summed.stride(0), float(eps),
+               HAS_RES=residual is not None, BLOCK=pow2(n), num_warps=4 if n <= 2048 else 8)
+    return out, summed
+
+
+# -- RoPE of q and k, v copied ---------------------------------------------------------------------
+@triton.jit
+def rope_qkv_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out, k_out, v_out,
+    s_q, s_k, s_v, s_cos, HQ, HKV,
+    D: tl.constexpr, HALF: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, HALF)
+    if h < HQ + HKV:
+        if h < HQ:
+            src = q_ptr + t * s_q + h * D
+            dst = q_out + (t * HQ + h) * D
+        else:
+            src = k_ptr + t * s_k + (h - HQ) * D
+            dst = k_out + (t * HKV + h - HQ) * D
+        x1 = tl.load(src + d)
+        x2 = tl.load(src + HALF + d)
+        c1 = tl.load(cos_ptr + t * s_cos + d).to(tl.float32)
+        c2 = tl.load(cos_ptr + t * s_cos + HALF + d).to(tl.float32)
+        s1 = tl.load(sin_ptr + t * s_cos + d).to(tl.float32)
+        s2 = tl.load(sin_ptr + t * s_cos + HALF + d).to(tl.float32)
+        dt = x1.dtype
+        # x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1); each product rounded
+        a1 = (x1.to(tl.float32) * c1).to(dt).to(tl.float32)
+        b1 = (-x2.to(tl.float32) * s1).to(dt).to(tl.float32)
+        a2 = (x2.to(tl.float32) * c2).to(dt).to(tl.float32)
+        b2 = (x1.to(tl.float32) * s2).to(dt).to(tl.float32)
+        tl.store(dst + d, (a1 + b1).to(dt))
+        tl.store(dst + HALF + d, (a2 + b2).to(dt))
+    else:
+        dd = tl.arange(0, D)
+        src = v_ptr + t * s_v + (h - HQ - HKV) * D
+        tl.store(v_out + (t * HKV + h - HQ - HKV) * D + dd, tl.load(src + dd))
+
+
+def rope_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    num_heads: int, num_kv_heads: int, head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, Hq*D], k and v [T, Hkv*D] (rows may be strided: views into one packed q/k/v
+    projection), cos/sin [T, D] -> q [T, Hq, D] and k [T, Hkv, D] rotated (RoPE, the two
+    halves of each head rotating as pairs), v [T, Hkv, D]; all three contiguous."""
+    _launchable(q, k, v, cos, sin)
+    t = q.shape[0]
+    if (q.shape != (t, num_heads * head_dim) or k.shape != (t, num_kv_heads * head_dim) or k.shape != v.shape
+            or cos.shape != (t, head_dim) or sin.stride() != cos.stride() or head_dim % 2 or pow2(head_dim) != head_dim):
+        raise ValueError(f"rope_qkv: q [T, {num_heads}*{head_dim}], k and v [T, {num_kv_heads}*{head_dim}], cos/sin "
+                         f"[T, {head_dim}] sharing strides (head_dim a power of two); got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}, {tuple(cos.shape)}")
+    qo = torch.empty((t, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    ko = torch.empty((t, num_kv_heads, head_dim), dtype=k.dtype, device=k.device)
+    vo = torch.empty((t, num_kv_heads, head_dim), dtype=v.dtype, device=v.device)
+    if t:
+        launch(rope_qkv_kernel, (t, num_heads + 2 * num_kv_heads), q, k, v, cos, sin, qo, ko, vo,
+               q.stride(0), k.stride(0), v.stride(0), cos.stride(0), num_heads, num_kv_heads,
+               D=head_dim, HALF=head_dim // 2, num_warps=1)
+    return qo, ko, vo
+
+
+# -- SiLU(gate) * up -------------------------------------------------------------------------------
+@triton.jit
+def silu_mul_kernel(gu_ptr, out_ptr, N, s_gu, s_out, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < N
+    g = tl.load(gu_ptr + t * s_gu + cols, mask=m, other=0.0)
+    u = tl.load(gu_ptr + t * s_gu + N + cols, mask=m, other=0.0)
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
+    tl.store(out_ptr + t * s_out + cols, (act * u.to(tl.float32)).to(g.dtype), mask=m)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] (gate, then up) -> silu(gate) * up [T, I]."""
+    _launchable(gate_up)
+    t, two_i = gate_up.shape
+    if two_i % 2:
+        raise ValueError(f"silu_mul: gate_up must be [T, 2I], got {tuple(gate_up.shape)}")
+    n = two_i // 2
+    out = torch.empty((t, n), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, pow2(n))
+    if t:
+        launch(silu_mul_kernel, (t, triton.cdiv(n, block)), gate_up, out, n, gate_up.stride(0), out.stride(0),
+               BLOCK=block, num_warps=4)
+    return out
