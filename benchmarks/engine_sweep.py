@@ -105,6 +105,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=256, help="upper bound on a 'max' cell's rows (default 256, "
                    "as `plan --engine`)")
     p.add_argument("--cuda-graphs", action="store_true", help="whole decode steps replayed from CUDA graphs")
+    p.add_argument("--prefill-attention", choices=["auto", "flash_attn", "sdpa"], default="auto",
+                   help="prefill chunks' attention (default auto: flash-attn's varlen kernel where installed)")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the untimed warm-up run of each config (Triton compiles, allocator) before its cells")
     p.add_argument("--time-limit-s", type=float, help="start no new cell after this many seconds (the first always starts)")
@@ -160,7 +162,7 @@ def run_cell(model: torch.nn.Module, args: argparse.Namespace, length: int, name
         if label == "max":  # the engine's own memory plan sizes it (CapacityError: not one request fits)
             llm = LLM.from_model(model, config, max_num_seqs=args.max_num_seqs,
                                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
-                                 cuda_graphs=args.cuda_graphs, **args.memory)
+                                 cuda_graphs=args.cuda_graphs, prefill_attention=args.prefill_attention, **args.memory)
             concurrency = llm.engine.num_seqs
         else:
             concurrency = int(label)
@@ -168,7 +170,8 @@ def run_cell(model: torch.nn.Module, args: argparse.Namespace, length: int, name
             plan = bench.memory_plan(model, load_config(config), args.device, max_model_len=max_model_len,
                                      max_num_batched_tokens=tokens, max_num_seqs=concurrency, **args.memory)
             llm = LLM.from_model(model, config, max_num_seqs=concurrency, max_num_batched_tokens=tokens,
-                                 max_model_len=max_model_len, cuda_graphs=args.cuda_graphs)
+                                 max_model_len=max_model_len, cuda_graphs=args.cuda_graphs,
+                                 prefill_attention=args.prefill_attention)
         row["concurrency"] = concurrency
         spec = bench.BenchSpec(num_prompts=num_prompts or args.num_prompts or concurrency, input_len=length,
                                output_len=output_len, concurrency=concurrency)

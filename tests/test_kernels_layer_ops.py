@@ -143,15 +143,22 @@ def test_gpu_bfloat16_equals_torch_ops() -> None:
     norm = RMSNorm(n, 1e-5, dtype=bf, device="cuda")
     norm.weight.data = torch.randn(n, generator=g, device="cuda").to(bf)
     out, summed = add_rms_norm(x, r, norm.weight, 1e-5)
-    assert torch.equal(summed, x + r)
     want = norm(x + r)
-    close = torch.isclose(out.float(), want.float(), rtol=2**-7, atol=0)
-    assert bool(close.all()) and float((out != want).float().mean()) < 0.01
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g, device="cuda").to(bf)
     q, k, v = qkv[:, : hq * d], qkv[:, hq * d : (hq + hkv) * d], qkv[:, (hq + hkv) * d :]
     cos, sin = RotaryEmbedding(d, 500_000.0).cos_sin(torch.arange(t, device="cuda") * 997, bf)
     qo, ko, vo = rope_qkv(q, k, v, cos, sin, hq, hkv, d)
-    assert torch.equal(qo, apply_rotary(q.reshape(t, hq, d), cos, sin))
-    assert torch.equal(ko, apply_rotary(k.reshape(t, hkv, d), cos, sin)) and torch.equal(vo, v.reshape(t, hkv, d))
     gu = torch.randn(t, 2 * i, generator=g, device="cuda").to(bf)
-    assert torch.equal(silu_mul(gu), torch.nn.functional.silu(gu[:, :i]) * gu[:, i:])
+
+    def differ(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+        """(share of elements that differ, largest difference in units of b's bf16 spacing)"""
+        spacing = torch.finfo(bf).eps * b.float().abs().clamp(min=torch.finfo(bf).tiny)
+        return float((a != b).float().mean()), float(((a.float() - b.float()).abs() / spacing).max())
+
+    report = {"sum": differ(summed, x + r), "norm": differ(out, want),
+              "q": differ(qo, apply_rotary(q.reshape(t, hq, d), cos, sin)),
+              "k": differ(ko, apply_rotary(k.reshape(t, hkv, d), cos, sin)), "v": differ(vo, v.reshape(t, hkv, d)),
+              "silu": differ(silu_mul(gu), torch.nn.functional.silu(gu[:, :i]) * gu[:, i:])}
+    exact = ("sum", "q", "k", "v", "silu")
+    assert all(report[name][0] == 0 for name in exact), report
+    assert report["norm"][0] < 0.01 and report["norm"][1] <= 2, report  # the float32 sum's order

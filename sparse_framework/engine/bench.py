@@ -323,6 +323,8 @@ def run_benchmark(llm: LLM, spec: BenchSpec, plan: EngineMemoryPlan | None = Non
         "config": coord.config.model_dump(mode="json"), "device": str(device),
         "decode_graphs": engine.config.decode_graphs, "cuda_graphs": engine.config.cuda_graphs,
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+        "prefill_attention": engine.runner.prefill_attention_label,
+        "fused_ops": bool(getattr(engine.runner.model, "fused_ops", False)),
     }
 
 

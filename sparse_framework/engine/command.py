@@ -27,6 +27,7 @@ from .bench import LENGTH_DISTRIBUTIONS, BenchSpec, bench_tables, draw_workload,
 from .llm import LLM
 from .memory import HOST_MEMORY_FRACTION
 from .models import ModelConfig, load_model, load_reference, random_model
+from .prefill_attention import CHOICES as PREFILL_CHOICES
 from .sampling import SamplingParams
 
 DEMO_MAX_MODEL_LEN = 8192  # the reference model was trained to 8K
@@ -113,6 +114,11 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="CUDA: replay each decode layer's sparse attention from a CUDA graph (the coordinator's)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="CUDA: replay whole decode-only steps (every layer, model and attention) from CUDA graphs")
+    p.add_argument("--prefill-attention", choices=PREFILL_CHOICES, default="auto",
+                   help="prefill chunks' attention: auto (flash-attn's varlen kernel where installed, else SDPA; the "
+                   "default), flash_attn (required), sdpa")
+    p.add_argument("--fused-ops", choices=["auto", "on", "off"], default="auto",
+                   help="the model's fused projections and Triton layer kernels: auto (on for CUDA; the default)")
     p.add_argument("--gpu-memory-utilization", type=float,
                    help="size the pools from this fraction (0 < u <= 1) of the GPU's memory less weights, activations "
                    "and staging; --max-num-seqs becomes an upper bound (docs/engine.md, Memory)")
@@ -124,6 +130,12 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "device's; the CPU has none of its own: give it there)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _kernel_options(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig's kernel choices from --prefill-attention and --fused-ops."""
+    return {"prefill_attention": args.prefill_attention,
+            "fused_ops": {"auto": None, "on": True, "off": False}[args.fused_ops]}
 
 
 def _memory_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -173,7 +185,8 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
     max_model_len = args.max_model_len or (DEMO_MAX_MODEL_LEN if args.model is None else None)
     llm = LLM(args.model, config, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
-              decode_graphs=args.decode_graphs, cuda_graphs=args.cuda_graphs, **_memory_options(args))
+              decode_graphs=args.decode_graphs, cuda_graphs=args.cuda_graphs, **_kernel_options(args),
+              **_memory_options(args))
     with _progress(console, not args.no_progress, "generating") as bar:
         task = bar.add_task("generate", total=len(prompts))
         outs = llm.generate(prompts, params, on_step=lambda done, total: bar.update(task, completed=done))
@@ -286,7 +299,7 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
     reset_peak_memory(args.device)
     llm = LLM.from_model(model, config, max_num_seqs=spec.running, max_num_batched_tokens=tokens,
                          max_model_len=max_model_len, decode_graphs=args.decode_graphs, cuda_graphs=args.cuda_graphs,
-                         **memory)
+                         **_kernel_options(args), **memory)
     with _progress(console, not args.no_progress, "benchmark") as bar:
         task = bar.add_task("bench", total=spec.num_prompts)
         result = run_benchmark(llm, spec, plan, work=work, on_step=lambda done, total: bar.update(task, completed=done))

@@ -28,6 +28,7 @@ from ..config import SparseConfig, load_config
 from .budget import RunnerBudget
 from .memory import EngineMemoryPlan, plan_for
 from .models import ModelConfig
+from .prefill_attention import CHOICES as PREFILL_CHOICES
 from .runner import DecodeRow, Model, ModelRunner
 from .runner import PrefillChunk as RunnerChunk
 from .sampling import Sampler, SamplingParams, finished
@@ -49,7 +50,9 @@ class EngineConfig:
     (None: the coordinator's sizing); decode_graphs: the coordinator's per-layer decode graphs
     (CUDA); cuda_graphs: whole decode-only steps replayed from CUDA graphs (CUDA;
     step_graphs.py); fused_ops: the model's fused projections and layer kernels
-    (DecoderModel.use_fused_ops; None: on for a CUDA device); seed: the sampler's generator
+    (DecoderModel.use_fused_ops; None: on for a CUDA device); prefill_attention: "auto"
+    (flash-attn's varlen kernel where installed, else SDPA), "flash_attn" (required) or "sdpa"
+    (engine/prefill_attention.py); seed: the sampler's generator
     for requests without a seed of their own.
 
     Memory (engine/memory.py, docs/engine.md "Memory"): gpu_memory_utilization (0 < u <= 1)
@@ -70,6 +73,7 @@ class EngineConfig:
     decode_graphs: bool = False
     cuda_graphs: bool = False
     fused_ops: bool | None = None
+    prefill_attention: str = "auto"
     seed: int | None = 0
     gpu_memory_utilization: float | None = None
     host_memory_bytes: int | None = None
@@ -84,6 +88,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"EngineConfig.{name} must be None or >= 1, got {value}")
+        if self.prefill_attention not in PREFILL_CHOICES:
+            raise ConfigError(f"EngineConfig.prefill_attention must be one of {', '.join(PREFILL_CHOICES)}, "
+                              f"got {self.prefill_attention!r}")
         u = self.gpu_memory_utilization
         if u is None:
             for name in ("host_memory_bytes", "device_memory_bytes"):
@@ -190,6 +197,7 @@ class Engine:
             staging_tokens=config.staging_tokens or max_model_len,
             device_capacity_tokens=device_tokens, host_capacity_tokens=host_tokens,
             decode_graphs=config.decode_graphs, cuda_graphs=config.cuda_graphs,
+            prefill_attention=config.prefill_attention,
         )
         self.budget = RunnerBudget(self.runner)
         self.scheduler = Scheduler(

@@ -7,7 +7,8 @@ engine/models), and the runner splits the rows:
   decode rows     through the coordinator's decode hooks (store write, select, make resident,
                   attend, append), one coordinator step around the whole forward;
   prefill chunks  K/V written to the prompt's staging span, queries attending causally to the
-                  staged prefix (`chunk_attention`): the prompt never passes through a
+                  staged prefix (flash-attn's varlen kernel where installed, else SDPA:
+                  prefill_attention.py): the prompt never passes through a
                   full-context attention and never needs more than a chunk of activations.
 
 After the forward, each prompt whose last chunk ran is handed to the coordinator from its
@@ -34,7 +35,8 @@ from ..common.errors import CapacityError, ConfigError
 from ..common.layout import KVLayout
 from ..config import SparseConfig, load_config
 from ..coordinator import SparseCoordinator
-from .staging import PrefillStaging, chunk_attention
+from .prefill_attention import choose as choose_prefill_attention
+from .staging import PrefillStaging
 from .step_graphs import StepGraphs
 
 
@@ -76,7 +78,8 @@ class ModelRunner:
     device/host_capacity_tokens: the coordinator's pools (defaults: its own sizing);
     decode_graphs: the coordinator replays each decode layer's sparse work from a CUDA graph;
     cuda_graphs: whole decode-only steps (model and coordinator) replayed from CUDA graphs
-    (step_graphs.py)."""
+    (step_graphs.py); prefill_attention: "auto", "flash_attn" or "sdpa" (prefill_attention.py;
+    `prefill_attention_label` says which was taken)."""
 
     def __init__(
         self,
@@ -92,8 +95,11 @@ class ModelRunner:
         host_capacity_tokens: int | None = None,
         decode_graphs: bool = False,
         cuda_graphs: bool = False,
+        prefill_attention: str = "auto",
     ) -> None:
         self.model = model
+        self.prefill_attention_label, self._chunk_attention = choose_prefill_attention(
+            prefill_attention, torch.device(layout.device), layout.dtype)
         self.layout = layout
         self.num_q_heads = num_q_heads
         config = load_config(sparse_config)
@@ -234,7 +240,7 @@ class ModelRunner:
                 rows = slice(offset, offset + n)
                 staging.write(layer, chunk.rid, chunk.start, k[rows], v[rows])
                 pk, pv = staging.prefix(layer, chunk.rid, chunk.start + n)
-                out[rows] = chunk_attention(q[rows], pk, pv)
+                out[rows] = self._chunk_attention(q[rows], pk, pv)
                 self._keep_queries(layer, chunk, q[rows])
                 offset += n
             return out

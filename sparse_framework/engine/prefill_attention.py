@@ -1,0 +1,82 @@
+"""Which kernel a prefill chunk attends with: flash-attn's varlen kernel where installed, else
+SDPA.
+
+A chunk's n queries are the last n of the m staged prompt positions (`staging.chunk_attention`
+says how the SDPA path does it): causal attention aligned to the bottom right of the [n, m]
+score matrix, query i seeing keys 0..m-n+i. flash-attn's varlen kernels (2.1+, 3 and 4) align
+a causal mask exactly so when a sequence has fewer queries than keys, so a chunk is one call
+with `cu_seqlens_q = [0, n]`, `cu_seqlens_k = [0, m]` and no mask tensor at all; SDPA needs an
+[n, m] boolean mask for a chunk that is not the whole prompt, and with a mask it cannot take its
+flash kernel. Chunks are attended one call each: a step holds a few (the token budget over
+prompts of thousands of tokens) and their prefixes are separate staging spans.
+
+Which library, first found first (`EngineConfig.prefill_attention`: "auto" takes the first,
+"flash_attn" requires one, "sdpa" never looks):
+  flash-attn 4  `flash_attn.cute.flash_attn_varlen_func` (returns (out, lse))
+  flash-attn 3  `flash_attn_interface.flash_attn_varlen_func` (the `hopper/` build)
+  flash-attn 2  `flash_attn.flash_attn_varlen_func`
+Each needs CUDA and fp16/bf16; anything else (the CPU, float32) takes SDPA.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+import torch
+
+from ..common.errors import ConfigError
+from .staging import chunk_attention
+
+CHOICES = ("auto", "flash_attn", "sdpa")
+INSTALL = 'pip install "sparse-framework[flash-attn]"'
+_LIBRARIES = (("flash-attn 4", "flash_attn.cute"), ("flash-attn 3", "flash_attn_interface"),
+              ("flash-attn 2", "flash_attn"))
+
+ChunkAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@cache
+def find_varlen() -> tuple[str, Callable[..., Any]] | str:
+    """(library label, its flash_attn_varlen_func), or why none can be used."""
+    reasons = []
+    for label, module in _LIBRARIES:
+        try:
+            fn = getattr(importlib.import_module(module), "flash_attn_varlen_func")
+        except Exception as exc:  # ImportError, or a broken CUDA / cutlass install
+            reasons.append(f"{module}: {type(exc).__name__}: {exc}".splitlines()[0])
+            continue
+        return label, fn
+    return "no flash-attn with a varlen kernel is installed (" + "; ".join(reasons) + f"); {INSTALL}"
+
+
+def choose(mode: str, device: torch.device, dtype: torch.dtype) -> tuple[str, ChunkAttention]:
+    """(label, chunk attention) for an engine on `device` with activations of `dtype`."""
+    if mode not in CHOICES:
+        raise ConfigError(f"EngineConfig.prefill_attention must be one of {', '.join(CHOICES)}, got {mode!r}")
+    if mode == "sdpa":
+        return "sdpa", chunk_attention
+    usable = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    found = find_varlen() if usable else None
+    if isinstance(found, tuple):
+        label, fn = found
+        return label, lambda q, k, v: flash_chunk_attention(fn, q, k, v)
+    if mode == "flash_attn":
+        why = found if isinstance(found, str) else f"it needs a CUDA device and fp16/bf16 (got {device.type}, {dtype})"
+        raise ConfigError(f"EngineConfig.prefill_attention='flash_attn': {why}")
+    return "sdpa", chunk_attention
+
+
+def flash_chunk_attention(fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """`chunk_attention` through a flash-attn varlen function `fn`: q [n, Hq, D], k and v
+    [m, Hkv, D] (the staged prefix, n <= m) -> [n, Hq, D]."""
+    n, m = q.shape[0], k.shape[0]
+    if n > m:
+        raise ValueError(f"chunk_attention: {n} queries but only {m} keys")
+    lens = torch.tensor([0, n, 0, m], dtype=torch.int32).to(q.device, non_blocking=True)
+    out = fn(q, k, v, cu_seqlens_q=lens[:2], cu_seqlens_k=lens[2:], max_seqlen_q=n, max_seqlen_k=m,
+             softmax_scale=1 / math.sqrt(q.shape[-1]), causal=True)
+    return out[0] if isinstance(out, tuple) else out
