@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..common.errors import ConfigError
+from ..common.errors import ConfigError, UnsupportedFeatureError
 from ..common.layout import KVLayout
 
 
@@ -79,16 +79,13 @@ class AttentionBackend(ABC):
 
     @classmethod
     def check_attention_options(cls, softcap: float | None, sinks: torch.Tensor | None) -> None:
-        """Raise ConfigError naming the option (`softcap`, `sinks`) this backend cannot apply.
-        Messages start with a verb, like `check_layout`'s. Backends whose support depends on
-        an installed library override this and look at the library."""
-        names = [n for n, given in (("softcap", softcap is not None), ("sinks", sinks is not None))
-                 if given and not getattr(cls, f"supports_{n}")]
-        if names:
-            raise ConfigError(
-                f"does not support the attention option(s) {', '.join(names)} "
-                "(logit soft-capping, attention-sink logits); use backend 'torch_ref' or 'triton'"
-            )
+        """Raise UnsupportedFeatureError (a ConfigError) naming the option (`softcap`, `sinks`)
+        this backend cannot apply. Messages start with a verb, like `check_layout`'s. Backends
+        whose support depends on an installed library override this and look at the library."""
+        missing = [n for n, given in (("softcap", softcap is not None), ("sinks", sinks is not None))
+                   if given and not getattr(cls, f"supports_{n}")]
+        if missing:
+            raise UnsupportedFeatureError(f"does not support {_describe(missing)}; use backend 'torch_ref' or 'triton'")
 
     @abstractmethod
     def run(
@@ -110,6 +107,14 @@ class AttentionBackend(ABC):
         `sinks: float32 [num_q_heads] | None` (a logit per query head in the softmax's
         denominator, with no value); see `torch_ref.softcap_and_sink_softmax`. They are passed
         only when set, so backends without them keep this signature."""
+
+
+OPTION_NAMES = {"softcap": "softcap (logit soft-capping)", "sinks": "sinks (attention-sink logits)"}
+
+
+def _describe(options: list[str]) -> str:
+    """'softcap (logit soft-capping) and sinks (...)' for the option names given."""
+    return " and ".join(OPTION_NAMES[o] for o in options)
 
 
 def fold_sinks(sinks: torch.Tensor, batch: int, kv_heads: int) -> torch.Tensor:
