@@ -2,7 +2,14 @@
 
 from .common.batch import Batch, Request, Selection
 from .config import SparseConfig, config_schema, load_config
-from .common.errors import CapacityError, ConfigError, HookOrderError, PluginError, SparseFrameworkError
+from .common.errors import (
+    CapacityError,
+    ConfigError,
+    HookOrderError,
+    PluginError,
+    SparseFrameworkError,
+    UnsupportedFeatureError,
+)
 from .common.layout import KVLayout
 
 __all__ = [
@@ -16,6 +23,7 @@ __all__ = [
     "Selection",
     "SparseConfig",
     "SparseFrameworkError",
+    "UnsupportedFeatureError",
     "config_schema",
     "load_config",
 ]

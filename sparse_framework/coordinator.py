@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from .algorithms.base import Inputs
+from .attention_options import DEFAULT, AttentionOptions
 from .common.batch import Batch, Request, Selection
 from .config import SparseConfig, dense_layer_set, load_config
 from .decode_graphs import DecodeGraphs, signature
@@ -43,6 +44,7 @@ from .dense_fallback import DenseTally
 from .footprint import check_footprint, reraise_allocation_error
 from .step_order import StepOrder
 from .kv_store.hierarchical import HierarchicalKVStore
+from .backends.torch_ref import softcap_and_sink_softmax
 from .common.layout import KVLayout
 
 
@@ -155,11 +157,39 @@ class SparseCoordinator:
         self.steps = StepOrder(layout.num_layers)  # the open step, checked hook by hook
         # requests and decode layer-steps that attended densely, and why (`dense_report`)
         self.dense_tally = DenseTally()
+        self._options: dict[int, AttentionOptions] = {}  # layers with softcap / sinks (set_attention_options)
         self.graphs: DecodeGraphs | None = None
         if decode_graphs:
             self.store.timing = False  # no timing events inside a graph
             cap = max_graphs if max_graphs is not None else 4 * layout.num_layers
             self.graphs = DecodeGraphs(self.store, graph_bucket_tokens, max_seq_len, cap)
+
+    def set_attention_options(
+        self, layer: int, *, softcap: float | None = None, sinks: torch.Tensor | None = None
+    ) -> None:
+        """Set a layer's logit soft-capping and attention-sink logits (attention_options.py):
+        softcap, a float > 0 (Gemma 2's `attn_logit_softcapping`), applied to the scaled
+        logits; sinks, a floating tensor [num_q_heads] on the layout's device (GPT-OSS's
+        `sinks`). Both None restores the default. They apply from the next call of the layer
+        on, at prefill (`attend`) and decode (the backend's run; a decode graph captured
+        before is not reused: the options are part of its key). Refused with ConfigError
+        naming the field for a bad value, and with UnsupportedFeatureError (a ConfigError)
+        when the configured backend cannot apply an option."""
+        if not isinstance(layer, int) or not 0 <= layer < self.layout.num_layers:
+            raise ConfigError(f"layer must be in 0..{self.layout.num_layers - 1}, got {layer!r}")
+        options = AttentionOptions.make(softcap, sinks, self.layout.device)
+        if options.is_default:
+            self._options.pop(layer, None)
+            return
+        try:
+            self.config.backend_class.check_attention_options(options.softcap, options.sinks)
+        except ConfigError as exc:
+            raise type(exc)(f"backend {self.config.backend!r} {exc}") from None
+        self._options[layer] = options
+
+    def attention_options(self, layer: int) -> AttentionOptions:
+        """The layer's options (the default, both None, unless set)."""
+        return self._options.get(layer, DEFAULT)
 
     def memory_stats(self) -> list[dict[str, Any]]:
         """Per pool (device pools by layer kind, then the host pool): kind, layers, tokens per
@@ -385,15 +415,16 @@ class SparseCoordinator:
         `attention_end` included) replayed, captured or run eagerly (decode_graphs.py)."""
         assert self.graphs is not None
         given = inputs or {}
+        options = self.attention_options(layer)
         key = (layer, batch.composition, batch.max_seq_len, self.backend, self.adaptor,
-               tuple(given), signature(q, k, v, *given.values()))
+               tuple(given), signature(q, k, v, *given.values()), options.key())
         if not self.graphs.captured(key):  # a captured key's inputs were checked when first seen
             self._check_inputs(layer, q, k, v, batch)
             given = self._check_model_inputs(q.shape[0], inputs, False)
 
         def body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, inputs: Inputs) -> tuple[AttentionMetadata, torch.Tensor]:
             meta = self._decode_metadata(layer, q, k, v, batch, inputs)
-            out = self.backend.run(q, meta.k_cache, meta.v_cache, meta.plan)
+            out = self._run_backend(q, meta, options)
             self._append(layer, batch, k, inputs)
             return meta, out
 
@@ -419,10 +450,20 @@ class SparseCoordinator:
             if q.shape[0] != sum(metadata.plan):
                 raise ValueError(f"attend at prefill needs every prompt query ({sum(metadata.plan)} rows), got "
                                  f"{q.shape[0]}: the tail form of q is for attention_begin only")
-            return _causal_prefill(q, metadata.k_cache, metadata.v_cache, metadata.plan)
+            options = self.attention_options(layer)
+            options.check_heads(q.shape[1])
+            return _causal_prefill(q, metadata.k_cache, metadata.v_cache, metadata.plan, options=options)
         if metadata.output is not None:
             return metadata.output
-        return self.backend.run(q, metadata.k_cache, metadata.v_cache, metadata.plan)
+        return self._run_backend(q, metadata, self.attention_options(layer))
+
+    def _run_backend(self, q: torch.Tensor, meta: AttentionMetadata, options: AttentionOptions) -> torch.Tensor:
+        """The backend's decode attention; the layer's options passed only when set, so that
+        the default call (and backends without them) stay as they are."""
+        if options.is_default:
+            return self.backend.run(q, meta.k_cache, meta.v_cache, meta.plan)
+        options.check_heads(q.shape[-2])
+        return self.backend.run(q, meta.k_cache, meta.v_cache, meta.plan, **options.kwargs())
 
     def attention_end(self, layer: int, output: torch.Tensor | None, batch: Batch) -> None:
         """Build (prefill) or extend (decode) the algorithm's representations. `output` is
@@ -581,10 +622,12 @@ def _dense_selection(batch: Batch, heads: int, page_size: int) -> Selection:
 
 
 def _causal_prefill(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], chunk: int = 256
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], chunk: int = 256,
+    options: AttentionOptions = DEFAULT,
 ) -> torch.Tensor:
     """Dense causal attention per request over packed rows, float32 accumulation; queries in
-    chunks so that memory stays at [q_heads, chunk, prompt_len]."""
+    chunks so that memory stays at [q_heads, chunk, prompt_len]. `options`: the layer's
+    softcap / sinks, as torch_ref's `softcap_and_sink_softmax` applies them."""
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     group = q.shape[1] // k.shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -598,7 +641,11 @@ def _causal_prefill(
             scores = (qs @ ks[:, :stop].transpose(1, 2)) * scale
             rows = torch.arange(start, stop, device=q.device).unsqueeze(1)
             future = torch.arange(stop, device=q.device).unsqueeze(0) > rows
-            probs = scores.masked_fill(future, float("-inf")).softmax(-1)
+            if options.is_default:
+                probs = scores.masked_fill(future, float("-inf")).softmax(-1)
+            else:
+                sinks = None if options.sinks is None else options.sinks.view(-1, 1).expand(-1, stop - start)
+                probs = softcap_and_sink_softmax(scores, future, options.softcap, sinks)
             out[offset + start : offset + stop] = (probs @ vs[:, :stop]).transpose(0, 1).to(q.dtype)
         offset += n
     return out

@@ -1,5 +1,6 @@
 """Shared test constants and helpers."""
 
+import math
 import os
 import shutil
 import subprocess
@@ -66,3 +67,29 @@ def run_interpreted(script: str, marker: str, *, timeout: int = 900) -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     assert marker in done.stdout, done.stdout[-3000:]
+
+
+def dense_attention_f64(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+    softcap: float | None = None, sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The plain formula, in float64, a loop over query heads: q [Hq, D], k [L, Hk, D],
+    v [L, Hk, Dv] -> [Hq, Dv]. Query head h reads KV head h // (Hq // Hk); logits
+    s = scale q.k, soft-capped to softcap * tanh(s / softcap) when softcap is set; with
+    sinks [Hq], out = sum_j e^(s_j - m) v_j / (e^(sink - m) + sum_j e^(s_j - m)) for
+    m = max(sink, max_j s_j); no tokens gives zeros."""
+    hq, hk = q.shape[0], k.shape[1]
+    out = torch.zeros(hq, v.shape[-1], dtype=torch.float64)
+    for h in range(hq):
+        kh, vh = k[:, h // (hq // hk)].double(), v[:, h // (hq // hk)].double()
+        s = kh @ q[h].double() * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        sink = None if sinks is None else float(sinks[h])
+        if k.shape[0] == 0:
+            continue
+        m = s.max() if sink is None else torch.maximum(s.max(), torch.tensor(sink, dtype=torch.float64))
+        e = torch.exp(s - m)
+        den = e.sum() + (0.0 if sink is None else math.exp(sink - float(m)))
+        out[h] = (e @ vh) / den
+    return out

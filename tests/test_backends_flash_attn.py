@@ -76,6 +76,76 @@ def test_page_table_is_passed_as_the_library_expects(fake_library, version, head
     torch.testing.assert_close(out, want)
 
 
+@pytest.fixture
+def fake_library_with_options(monkeypatch):
+    """flash-attn 4 with `softcap` and `learnable_sink` (bfloat16 [heads], as its interface
+    asserts) or flash-attn 3 with `softcap` only; records the calls, computes with torch_ref."""
+    calls = []
+
+    def fa4(q, k, v, *, seqused_k, page_table, softmax_scale, softcap=None, learnable_sink=None):
+        assert learnable_sink is None or (learnable_sink.dtype == torch.bfloat16 and learnable_sink.shape == (q.shape[2],))
+        calls.append(dict(q=q, softcap=softcap, sink=learnable_sink, table=page_table))
+        out = paged_attention(q[:, 0], k, v, page_table, seqused_k, softmax_scale, softcap=softcap, sinks=learnable_sink)
+        return out.unsqueeze(1).to(q.dtype), None
+
+    def fa3(q, k, v, *, cache_seqlens, page_table, softmax_scale, softcap=0.0):
+        calls.append(dict(q=q, softcap=softcap, table=page_table))
+        out = paged_attention(q[:, 0], k, v, page_table, cache_seqlens, softmax_scale, softcap=softcap or None)
+        return out.unsqueeze(1).to(q.dtype)
+
+    def use(version: int) -> list:
+        found = ("flash-attn 4", fa4) if version == 4 else ("flash-attn 3", fa3)
+        monkeypatch.setattr(fa_backend, "_find_library", lambda: found)
+        return calls
+
+    return use
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_softcap_and_sinks_are_passed_where_the_library_takes_them(fake_library_with_options, heads) -> None:
+    """flash-attn 4: softcap and learnable_sink; with the KV heads folded into the batch, one
+    call per KV head with that head's group of sinks. Equal to torch_ref with the same options
+    (the sinks rounded to bfloat16, as flash-attn 4 takes them)."""
+    calls = fake_library_with_options(4)
+    b, hk, g, d, page, n_slots = 2, 2, 3, 16, 4, 64
+    gen = torch.Generator().manual_seed(heads)
+    perm = torch.stack([torch.randperm(n_slots // page, generator=gen) for _ in range(b * heads)]).view(b, heads, -1)
+    slots = (perm[..., :5, None] * page + torch.arange(page)).flatten(-2).int()
+    lengths = torch.randint(1, 5 * page + 1, (b, heads), generator=gen).int()
+    slots = torch.where(torch.arange(5 * page) < lengths.unsqueeze(-1), slots, -1)
+    plan = FlashAttentionAdaptor().plan(slots, lengths, page_size=page, num_slots=n_slots)
+    k_cache = torch.randn(hk * n_slots // page if heads > 1 else n_slots // page, page, 1 if heads > 1 else hk, d, generator=gen)
+    v_cache = torch.randn(k_cache.shape, generator=gen)
+    q = torch.randn(b, hk * g, d, generator=gen) * 3
+    sinks = torch.randn(hk * g, generator=gen).bfloat16().float()  # exact in bfloat16
+    out = FlashAttnBackend().run(q, k_cache, v_cache, plan, softcap=2.0, sinks=sinks)
+    assert len(calls) == (hk if heads > 1 else 1) and all(c["softcap"] == 2.0 for c in calls)
+    if heads > 1:
+        for h, call in enumerate(calls):
+            torch.testing.assert_close(call["sink"].float(), sinks[h * g : (h + 1) * g])
+            torch.testing.assert_close(call["table"], plan.page_table[h::hk])
+    want = TorchRefBackend().run(q, k_cache, v_cache, plan, softcap=2.0, sinks=sinks)
+    torch.testing.assert_close(out, want)
+
+
+def test_a_library_without_sinks_refuses_them_by_name(fake_library_with_options) -> None:
+    """flash-attn 3 has softcap but no sinks: sinks raise UnsupportedFeatureError (a ConfigError
+    and a NotImplementedError) naming the option, when configured and if run anyway."""
+    from sparse_framework.common.errors import UnsupportedFeatureError
+
+    fake_library_with_options(3)
+    FlashAttnBackend.check_attention_options(50.0, None)  # softcap: taken
+    with pytest.raises(UnsupportedFeatureError, match="cannot apply sinks .its keyword 'learnable_sink'.: the installed flash-attn 3"):
+        FlashAttnBackend.check_attention_options(None, torch.zeros(4))
+    plan = FlashAttentionAdaptor().plan(torch.arange(4, dtype=torch.int32).view(1, 1, 4), torch.tensor([[4]], dtype=torch.int32),
+                                        page_size=4, num_slots=8)
+    k = torch.randn(2, 4, 2, 8)
+    with pytest.raises(NotImplementedError, match="sinks"):
+        FlashAttnBackend().run(torch.randn(1, 4, 8), k, k, plan, sinks=torch.zeros(4))
+    out = FlashAttnBackend().run(torch.randn(1, 4, 8), k, k, plan, softcap=5.0)
+    assert out.shape == (1, 4, 8) and not out.isnan().any()
+
+
 def test_mla_and_odd_head_dims_are_rejected_naming_the_alternatives(fake_library, monkeypatch) -> None:
     fake_library(4)
     monkeypatch.setattr(FlashAttnBackend, "device_types", ("cpu", "cuda"))

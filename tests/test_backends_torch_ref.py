@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparse_framework.adaptors.flash_attention import FlashAttentionMetadata
-from sparse_framework.backends.torch_ref import TorchRefBackend, paged_attention
+from sparse_framework.backends.torch_ref import TorchRefBackend, indexed_attention, paged_attention
+
+from helpers import dense_attention_f64
 
 
 def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
@@ -278,3 +281,76 @@ def test_mla_value_is_a_prefix_of_the_latent() -> None:
                           torch.tensor([12], dtype=torch.int32), 1 / math.sqrt(24))
     assert out.shape == (1, 8, 16)
     assert torch.allclose(out[0].double(), dense(q[0], lat, lat[..., :16]), atol=1e-5)
+
+
+# -- soft-capping and attention sinks ----------------------------------------------------------
+OPTIONS = st.sampled_from([(None, False), (2.5, False), (None, True), (0.7, True)])  # (softcap, sinks?)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    page=st.integers(1, 4),
+    hk=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 3]),
+    lens=st.lists(st.integers(0, 20), min_size=1, max_size=3),
+    options=OPTIONS,
+    folded=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_softcap_and_sinks_follow_the_float64_formula(page, hk, group, lens, options, folded, seed) -> None:
+    """paged_attention and the backend (plain and with the KV heads folded into the batch)
+    against helpers.dense_attention_f64 written from the definition; logits large enough
+    (q x 3) that the cap bends them; a sequence of length 0 gives zeros with or without sinks."""
+    softcap, with_sinks = options
+    g = torch.Generator().manual_seed(seed)
+    d, scale = 8, 0.4
+    seqs = [(torch.randn(n, hk, d, generator=g), torch.randn(n, hk, d, generator=g)) for n in lens]
+    k_cache, v_cache, table, seqlens = paged(seqs, page, g)
+    q = torch.randn(len(lens), hk * group, d, generator=g) * 3
+    sinks = torch.randn(hk * group, generator=g) * 2 if with_sinks else None
+    raw = paged_attention(q, k_cache, v_cache, table, seqlens, scale, softcap=softcap, sinks=sinks)
+    for i, (k, v) in enumerate(seqs):
+        want = dense_attention_f64(q[i], k, v, scale, softcap, sinks)
+        assert torch.allclose(raw[i].double(), want, atol=1e-5, rtol=0)
+    if folded:  # the same sequences, one folded sequence per (request, KV head), head-major cache
+        kc = k_cache.permute(2, 0, 1, 3).reshape(-1, page, 1, d)  # KV head h's pages: h * num_pages + p
+        vc = v_cache.permute(2, 0, 1, 3).reshape(-1, page, 1, d)
+        num_pages = k_cache.shape[0]
+        ftable = torch.cat([table.unsqueeze(1) + h * num_pages for h in range(hk)], 1).view(-1, table.shape[1])
+        ftable = torch.where(table.repeat_interleave(hk, 0) < 0, 0, ftable).int()  # garbage ids stay unread
+        meta = FlashAttentionMetadata(ftable, seqlens.repeat_interleave(hk), page, heads_folded=True)
+        out = TorchRefBackend().run(q, kc, vc, meta, scale=scale, softcap=softcap, sinks=sinks)
+    else:
+        meta = FlashAttentionMetadata(table, seqlens, page, heads_folded=False)
+        out = TorchRefBackend().run(q, k_cache, v_cache, meta, scale=scale, softcap=softcap, sinks=sinks)
+    torch.testing.assert_close(out, raw, atol=1e-6, rtol=0)
+
+
+@settings(max_examples=20, deadline=None)
+@given(options=OPTIONS, s_q=st.integers(1, 2), topk=st.integers(1, 12), seed=st.integers(0, 2**16))
+def test_indexed_softcap_and_sinks_follow_the_float64_formula(options, s_q, topk, seed) -> None:
+    """indexed_attention (token rows named by index lists, -1 unused) with the options; a query
+    token whose list is all -1 gives zeros."""
+    softcap, with_sinks = options
+    g = torch.Generator().manual_seed(seed)
+    n, hk, group, d, rows = 2, 2, 2, 8, 20
+    kv = torch.randn(rows, hk, d, generator=g)
+    idx = torch.stack([torch.randperm(rows, generator=g)[:topk] for _ in range(n * s_q)]).view(n, s_q, topk)
+    idx = torch.where(torch.rand(idx.shape, generator=g) < 0.3, -1, idx).int()
+    idx[-1, -1] = -1
+    q = torch.randn(n, s_q, hk * group, d, generator=g) * 3
+    sinks = torch.randn(hk * group, generator=g) if with_sinks else None
+    out = indexed_attention(q, kv, idx, 0.5, d, softcap=softcap, sinks=sinks)
+    for i in range(n):
+        for j in range(s_q):
+            used = idx[i, j][idx[i, j] >= 0].long()
+            want = dense_attention_f64(q[i, j], kv[used], kv[used], 0.5, softcap, sinks)
+            assert torch.allclose(out[i, j].double(), want, atol=1e-5, rtol=0)
+    assert bool((out[-1, -1] == 0).all())
+
+
+def test_sinks_of_the_wrong_shape_are_refused() -> None:
+    q, k = torch.randn(1, 4, 8), torch.randn(2, 4, 2, 8)
+    table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"sinks must be \[4\]"):
+        paged_attention(q, k, k, table, lens, 0.5, sinks=torch.zeros(3))

@@ -24,14 +24,15 @@ from helpers import SMALL_QUEST, run_interpreted
 sd = pytest.importorskip("sparse_framework.kernels.sparse_decode")
 
 
-def reference_paged(q4, k, v, table, lens, scale, causal=True):
+def reference_paged(q4, k, v, table, lens, scale, causal=True, **options):
     """float32 [N, s_q, Hq, Dv]: torch_ref per query token, query i of s_q seeing
-    lens - (s_q - 1 - i) tokens when causal (flash_attn_with_kvcache's convention)."""
+    lens - (s_q - 1 - i) tokens when causal (flash_attn_with_kvcache's convention);
+    `options`: softcap / sinks, passed on."""
     s_q = q4.shape[1]
     outs = []
     for i in range(s_q):
         li = (lens.long() - (s_q - 1 - i)).clamp(min=0) if causal else lens.long()
-        outs.append(paged_attention(q4[:, i], k, v, table, li.to(torch.int32), scale))
+        outs.append(paged_attention(q4[:, i], k, v, table, li.to(torch.int32), scale, **options))
     return torch.stack(outs, 1)
 
 
@@ -155,7 +156,8 @@ def test_backend_without_triton_says_how_to_install_it() -> None:
 
 
 # -- Triton vs torch_ref, interpreted on the CPU -----------------------------------------------
-INTERPRETED = r"""
+# imports and helpers of the interpreted scripts (each runs in its own interpreted Python)
+INTERPRETED_SETUP = r"""
 import dataclasses, math, sys, types
 import torch
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
@@ -209,7 +211,9 @@ def paged_case(g, n, hk, group, s_q, d, dv_kind, page, max_pages, lengths, dtype
     v = k[..., :dv] if dv_kind == "prefix" else v.to(dtype)  # prefix: MLA's strided V view
     q = torch.randn(n, s_q, hk * group, d, generator=g).to(dtype)
     return q, k, v, table, torch.tensor(lengths, dtype=torch.int32)
+"""
 
+INTERPRETED = INTERPRETED_SETUP + r"""
 @settings(max_examples=25, **SETTINGS)
 @given(n=st.integers(1, 3), hk=st.integers(1, 2), group=st.integers(1, 4), s_q=st.integers(1, 3),
        causal=st.booleans(), d=st.sampled_from([16, 40, 64]), dv_kind=st.sampled_from(["same", "half", "prefix"]),
@@ -363,6 +367,119 @@ print("interpreted ok")
 def test_triton_kernels_interpreted_match_torch_ref() -> None:
     pytest.importorskip("triton")
     run_interpreted(INTERPRETED, "interpreted ok", timeout=600)
+
+
+INTERPRETED_OPTIONS = INTERPRETED_SETUP + r"""
+from test_attention_options import check_against_formula, coordinator
+
+def options_of(kind, hq, n, g):
+    # (softcap, sinks): sinks per head [Hq] or per sequence [N, Hq], some large enough to dominate
+    softcap = 1.5 if kind in ("softcap", "both") else None
+    sinks = None
+    if kind in ("sinks", "both", "sinks per sequence"):
+        shape = (n, hq) if kind == "sinks per sequence" else (hq,)
+        sinks = torch.randn(shape, generator=g) * 3
+    return softcap, sinks
+
+KINDS = st.sampled_from(["softcap", "sinks", "both", "sinks per sequence"])
+
+@settings(max_examples=14, **SETTINGS)
+@given(n=st.integers(1, 3), hk=st.integers(1, 2), group=st.integers(1, 3), s_q=st.integers(1, 2),
+       causal=st.booleans(), d=st.sampled_from([16, 40]), page=st.sampled_from([1, 4]), max_pages=st.integers(1, 6),
+       fill=st.lists(st.floats(0, 1), min_size=3, max_size=3), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       splits=st.sampled_from([None, 1, 3]), kind=KINDS, seed=st.integers(0, 2**16))
+def test_paged_options(n, hk, group, s_q, causal, d, page, max_pages, fill, dtype, splits, kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    cap = max_pages * page
+    lengths = [0 if f < 0.1 else cap if f > 0.9 else int(f * cap) for f in fill[:n]]
+    q, k, v, table, lens = paged_case(g, n, hk, group, s_q, d, "same", page, max_pages, lengths, dtype)
+    q = q * 3  # logits large enough for the cap to bend them
+    softcap, sinks = options_of(kind, hk * group, n, g)
+    tunables(16, 16)  # 16-token steps: splits of the longer sequences
+    got = sd.paged_decode(q, k, v, table, lens, d**-0.5, causal=causal, num_splits=splits, softcap=softcap, sinks=sinks)
+    want = reference_paged(q, k, v, table, lens, d**-0.5, causal, softcap=softcap, sinks=sinks)
+    check(got, want, dtype, ("paged", kind, lengths, splits))
+
+@settings(max_examples=8, **SETTINGS)
+@given(s_q=st.integers(1, 2), hq=st.integers(1, 4), mla=st.booleans(), topk=st.integers(1, 50),
+       splits=st.sampled_from([None, 1, 3]), kind=KINDS, seed=st.integers(0, 2**16))
+def test_indexed_options(s_q, hq, mla, topk, splits, kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    n, rows = 2, 60
+    d, v_dim = (576, 512) if mla else (48, 32)
+    kv = torch.randn(rows, 1, d, generator=g)
+    idx = torch.stack([torch.randperm(rows, generator=g)[:topk] for _ in range(n * s_q)]).view(n, s_q, topk)
+    idx = torch.where(torch.rand(idx.shape, generator=g) < 0.2, -1, idx).int()
+    idx[-1, -1] = -1  # nothing to attend to: zeros, sinks or not
+    q = torch.randn(n, s_q, hq, d, generator=g) * (0.2 if mla else 1.0)
+    softcap, sinks = options_of(kind, hq, n, g)
+    tunables(16, 64)
+    got = sd.sparse_mla_decode(q, kv, idx, d**-0.5, v_dim=v_dim, num_splits=splits, softcap=softcap, sinks=sinks)
+    want = indexed_attention(q, kv, idx, d**-0.5, v_dim, softcap=softcap, sinks=sinks)
+    check(got, want, torch.float32, ("indexed", kind, topk, splits))
+    assert bool((got[-1, -1] == 0).all())
+
+test_paged_options()
+test_indexed_options()
+restore()
+
+# the default path: the options off give the very same bits as a call without them, and a
+# sink of -inf (weight 0) the same attention
+g = torch.Generator().manual_seed(5)
+tunables(16, 16)
+q, k, v, table, lens = paged_case(g, 2, 2, 2, 1, 16, "same", 4, 8, [30, 17], torch.float32)
+for splits in (1, 3):
+    plain = sd.paged_decode(q, k, v, table, lens, 0.25, num_splits=splits)
+    assert torch.equal(sd.paged_decode(q, k, v, table, lens, 0.25, num_splits=splits, softcap=None, sinks=None), plain)
+    never = sd.paged_decode(q, k, v, table, lens, 0.25, num_splits=splits, sinks=torch.full((4,), -math.inf))
+    check(never, plain.float(), torch.float32, ("sink of -inf", splits))
+restore()
+
+# the backend: FlashAttention metadata, plain and with the KV heads folded (per-KV-head sinks
+# folded with them), and FlashMLA metadata, against torch_ref's backend with the same options
+adaptor = FlashAttentionAdaptor()
+for heads, page in [(1, 4), (2, 1), (2, 4)]:
+    b, hk, group, d, n_slots = 3, 2, 3, 16, 64
+    perm = torch.stack([torch.randperm(n_slots // page, generator=g) for _ in range(b * heads)]).view(b, heads, -1)
+    slots = (perm[..., :5, None] * page + torch.arange(page)).flatten(-2).int()
+    lengths = torch.randint(0, 5 * page + 1, (b, heads), generator=g).int()
+    slots = torch.where(torch.arange(5 * page) < lengths.unsqueeze(-1), slots, -1)
+    plan = adaptor.plan(slots, lengths, page_size=page, num_slots=n_slots)
+    pages = hk * n_slots // page if heads > 1 else n_slots // page
+    k_cache = torch.randn(pages, page, 1 if heads > 1 else hk, d, generator=g)
+    v_cache = torch.randn(k_cache.shape, generator=g)
+    q = torch.randn(b, hk * group, d, generator=g) * 3
+    for softcap, sinks in [(2.0, None), (None, torch.randn(hk * group, generator=g) * 2), (0.5, torch.randn(hk * group, generator=g))]:
+        got = TritonBackend().run(q, k_cache, v_cache, plan, softcap=softcap, sinks=sinks)
+        want = TorchRefBackend().run(q, k_cache, v_cache, plan, softcap=softcap, sinks=sinks)
+        check(got, want, torch.float32, ("backend fa", heads, page, softcap))
+k_cache = torch.randn(10, 4, 1, 576, generator=g)
+idx = torch.randint(-1, 40, (2, 1, 25), generator=g).int()
+q = torch.randn(2, 3, 576, generator=g) * 0.2
+sinks = torch.randn(3, generator=g)
+got = TritonBackend().run(q, k_cache, k_cache[..., :512], types.SimpleNamespace(indices=idx), scale=0.07, softcap=1.0, sinks=sinks)
+want = indexed_attention(q.unsqueeze(1), k_cache.view(-1, 1, 576), idx, 0.07, 512, softcap=1.0, sinks=sinks)[:, 0]
+check(got, want, torch.float32, "backend flashmla")
+
+# through the coordinator with the triton backend: a budget holding every token equals the
+# float64 formula with each layer's options, at prefill and decode
+coord = coordinator({"backend": "triton", "top_k": 256, "device_buffer_tokens": 512}, layers=3)
+sinks = torch.tensor([0.5, -1.0, 2.0, 6.0])
+options = {0: {"softcap": 1.5, "sinks": sinks}, 1: {"sinks": sinks}, 2: {"softcap": 2.0}}
+for layer, opts in options.items():
+    coord.set_attention_options(layer, **opts)
+assert check_against_formula(coord, options, [37, 20], steps=2) > 0
+print("options ok")
+"""
+
+
+def test_triton_softcap_and_sinks_interpreted_match_torch_ref() -> None:
+    """Soft-capping and sinks in the Triton kernels (paged, indexed / MLA, split or not, per
+    head or per sequence sinks) and the backend against torch_ref, under the interpreter;
+    the default path bit-identical with the options off; the coordinator at a full budget
+    equal to the float64 formula."""
+    pytest.importorskip("triton")
+    run_interpreted(INTERPRETED_OPTIONS, "options ok", timeout=600)
 
 
 # -- Triton vs torch_ref on CUDA, full shapes --------------------------------------------------

@@ -6,12 +6,13 @@ KV layout when it is built, so an unsupported combination fails before the first
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 import torch
 
-from ..common.errors import ConfigError
+from ..common.errors import ConfigError, UnsupportedFeatureError
 from ..common.layout import KVLayout
 
 
@@ -24,12 +25,19 @@ class AttentionBackend(ABC):
       device_types     torch device types it runs on.
       dtypes           KV/query dtypes it accepts.
       head_dims        supported head dims, or None for any.
+      supports_softcap whether `run` applies logit soft-capping (`softcap=`, Gemma 2).
+      supports_sinks   whether `run` takes per-head sink logits (`sinks=`, GPT-OSS's s_aux).
+
+    A backend that does not declare them is never called with them: the
+    coordinator refuses such a layer (`check_attention_options`) when it is configured.
     """
 
     metadata_formats: ClassVar[tuple[str, ...]] = ("flash_attention",)
     device_types: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
     head_dims: ClassVar[tuple[int, ...] | None] = None
+    supports_softcap: ClassVar[bool] = False
+    supports_sinks: ClassVar[bool] = False
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -70,6 +78,16 @@ class AttentionBackend(ABC):
                 f"supports head_dim in {cls.head_dims}, not {layout.head_dim}"
             )
 
+    @classmethod
+    def check_attention_options(cls, softcap: float | None, sinks: torch.Tensor | None) -> None:
+        """Raise UnsupportedFeatureError (a ConfigError) naming the option (`softcap`, `sinks`)
+        this backend cannot apply. Messages start with a verb, like `check_layout`'s. Backends
+        whose support depends on an installed library override this and look at the library."""
+        missing = [n for n, given in (("softcap", softcap is not None), ("sinks", sinks is not None))
+                   if given and not getattr(cls, f"supports_{n}")]
+        if missing:
+            raise UnsupportedFeatureError(f"does not support {_describe(missing)}; use backend 'torch_ref' or 'triton'")
+
     @abstractmethod
     def run(
         self,
@@ -83,7 +101,41 @@ class AttentionBackend(ABC):
         """Decode attention. q: [batch, num_q_heads, head_dim]; k_cache/v_cache: the paged
         view [num_pages, page_size, heads, head_dim] that matches the metadata (heads = 1
         when the metadata folds KV heads into the batch; v_cache's dim is 512 for an MLA
-        latent of 576). Returns [batch, num_q_heads, v_dim] in q's dtype."""
+        latent of 576). Returns [batch, num_q_heads, v_dim] in q's dtype.
+
+        A backend that declares `supports_softcap` / `supports_sinks` also takes them as keywords:
+        `softcap: float | None` (logits = softcap * tanh(scale * q.k / softcap)) and
+        `sinks: float32 [num_q_heads] | None` (a logit per query head in the softmax's
+        denominator, with no value); see `torch_ref.softcap_and_sink_softmax`. They are passed
+        only when set, so backends without them keep this signature."""
+
+
+OPTION_NAMES = {"softcap": "softcap (logit soft-capping)", "sinks": "sinks (attention-sink logits)"}
+
+
+def _describe(options: list[str]) -> str:
+    """'softcap (logit soft-capping) and sinks (...)' for the option names given."""
+    return " and ".join(OPTION_NAMES[o] for o in options)
+
+
+def fold_sinks(sinks: torch.Tensor, batch: int, kv_heads: int) -> torch.Tensor:
+    """Sinks [Hq] as [batch * kv_heads, Hq // kv_heads]: per sequence of metadata that folds
+    the KV heads into the batch (sequence i = request i // kv_heads, KV head i % kv_heads,
+    whose query heads are that head's group)."""
+    return sinks.reshape(1, kv_heads, -1).expand(batch, -1, -1).reshape(batch * kv_heads, -1)
+
+
+def check_softcap_and_sinks(softcap: float | None, sinks: torch.Tensor | None) -> None:
+    """ConfigError unless softcap is None or a finite number > 0 and sinks is None or a 1-D
+    floating tensor (whose length, one per query head, is checked against q when it runs)."""
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap <= 0
+    ):
+        raise ConfigError(f"softcap must be None (off) or a finite number > 0 (Gemma 2: 50.0), got {softcap!r}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or sinks.dim() != 1 or not sinks.dtype.is_floating_point:
+            got = f"{sinks.dtype} {list(sinks.shape)}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+            raise ConfigError(f"sinks must be None or a 1-D floating tensor, one logit per query head, got {got}")
 
 
 def _device_present(device_types: tuple[str, ...]) -> bool:

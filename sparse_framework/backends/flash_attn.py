@@ -14,11 +14,20 @@ The metadata is the FlashAttention adaptor's plan, used as it is: `page_table` a
 `cache_seqlens` (= flash-attn 4's `seqused_k`); per-KV-head selections arrive with the KV heads
 folded into the batch over the head-major buffer, so the kernel sees sequences of one KV head
 and its group of query heads.
+
+Attention options, found by the decode function's keywords (the libraries' public Python
+interfaces: flash-attn 3's `flash_attn_with_kvcache` and 4's cute `flash_attn_varlen_func`):
+  softcap  `softcap=` (flash-attn 3 and 4)
+  sinks    `learnable_sink=` (flash-attn 4: bfloat16 [num_heads], the same for every sequence;
+           with the KV heads folded into the batch the heads of a sequence differ by KV head,
+           so the call is made once per KV head). flash-attn 3 has none.
+A library without one raises UnsupportedFeatureError naming it.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from collections.abc import Callable
 from functools import cache
@@ -27,9 +36,12 @@ from typing import Any
 import torch
 
 from ..adaptors.flash_attention import FlashAttentionMetadata
-from ..common.errors import ConfigError
+from ..common.errors import ConfigError, UnsupportedFeatureError
 from ..common.layout import KVLayout
 from .base import AttentionBackend, module_missing
+
+# our option -> the decode function's keyword for it
+LIBRARY_KEYWORDS = {"softcap": "softcap", "sinks": "learnable_sink"}
 
 INSTALL = 'pip install "sparse-framework[flash-attn]"'
 
@@ -58,6 +70,15 @@ def _find_library() -> tuple[str, Callable[..., Any]] | str:
             f"tokens (sparse selections use page_size or single tokens); {INSTALL} installs flash-attn 4"
         )
     return f"no flash-attn is installed (flash_attn.cute failed with {fa4}); {INSTALL}"
+
+
+def _keywords(fn: Callable[..., Any]) -> frozenset[str]:
+    """The keyword parameters of the library's decode function (empty if it has no signature)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return frozenset()
+    return frozenset(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
 def _library() -> tuple[str, Callable[..., Any]]:
@@ -92,6 +113,24 @@ class FlashAttnBackend(AttentionBackend):
             reasons.append("needs a CUDA GPU (none visible)")
         return not reasons, "; ".join(reasons)
 
+    supports_softcap = True  # where the installed library takes it: see check_attention_options
+    supports_sinks = True
+
+    @classmethod
+    def check_attention_options(cls, softcap: float | None, sinks: torch.Tensor | None) -> None:
+        """UnsupportedFeatureError naming each option the installed flash-attn's decode
+        function takes no keyword for (see the module docstring)."""
+        name, fn = _library()
+        have = _keywords(fn)
+        missing = [o for o, given in (("softcap", softcap is not None), ("sinks", sinks is not None))
+                   if given and LIBRARY_KEYWORDS[o] not in have]
+        if missing:
+            what = " and ".join(f"{o} (its keyword {LIBRARY_KEYWORDS[o]!r})" for o in missing)
+            raise UnsupportedFeatureError(
+                f"cannot apply {what}: the installed {name} does not take it; use backend 'triton' or "
+                "'torch_ref' for this model"
+            )
+
     @classmethod
     def check_layout(cls, layout: KVLayout) -> None:
         super().check_layout(layout)
@@ -113,22 +152,47 @@ class FlashAttnBackend(AttentionBackend):
         metadata: FlashAttentionMetadata,
         *,
         scale: float | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """q [B, Hq, D] -> [B, Hq, Dv]; softcap and sinks ([Hq]) where the library takes them
+        (UnsupportedFeatureError otherwise)."""
         name, fn = _library()
+        if softcap is not None or sinks is not None:
+            self.check_attention_options(softcap, sinks)
         b, hq, d = q.shape
         scale = 1.0 / math.sqrt(d) if scale is None else scale
         n = metadata.page_table.shape[0]
         # one query token per sequence; folded: each (request, KV head) with its query group
         qs = q.to(k_cache.dtype).reshape(n, 1, hq * b // n, d)
-        if name == "flash-attn 4":
-            out, _ = fn(
-                qs, k_cache, v_cache, seqused_k=metadata.cache_seqlens,
-                page_table=metadata.page_table, softmax_scale=scale,
-            )
-        else:
-            out = fn(
-                qs, k_cache, v_cache, cache_seqlens=metadata.cache_seqlens,
-                page_table=metadata.page_table, softmax_scale=scale,
-            )
-            out = out[0] if isinstance(out, tuple) else out
+        options: dict[str, Any] = {} if softcap is None else {"softcap": softcap}
+        table, lens = metadata.page_table, metadata.cache_seqlens
+        if sinks is None:
+            out = _call(name, fn, qs, k_cache, v_cache, table, lens, scale, options)
+        elif n == b:  # every sequence has all Hq heads: one sink per head, as the library takes it
+            out = _call(name, fn, qs, k_cache, v_cache, table, lens, scale, {**options, "learnable_sink": _sink_arg(sinks)})
+        else:  # folded: sequence i is KV head i % hk, whose group of heads has its own sinks
+            hk = n // b
+            groups = sinks.reshape(hk, -1)
+            out = qs.new_empty(n, 1, qs.shape[2], v_cache.shape[-1])
+            for h in range(hk):
+                out[h::hk] = _call(name, fn, qs[h::hk], k_cache, v_cache, table[h::hk], lens[h::hk].contiguous(),
+                                   scale, {**options, "learnable_sink": _sink_arg(groups[h])})
         return out.reshape(b, hq, v_cache.shape[-1]).to(q.dtype)
+
+
+def _sink_arg(sinks: torch.Tensor) -> torch.Tensor:
+    """flash-attn 4 takes the sinks as a contiguous bfloat16 vector (its interface asserts it)."""
+    return sinks.to(torch.bfloat16).contiguous()
+
+
+def _call(
+    name: str, fn: Callable[..., Any], q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    table: torch.Tensor, lens: torch.Tensor, scale: float, options: dict[str, Any],
+) -> torch.Tensor:
+    """One decode call of the library, [n, 1, heads, Dv]."""
+    if name == "flash-attn 4":
+        out, _ = fn(q, k_cache, v_cache, seqused_k=lens, page_table=table, softmax_scale=scale, **options)
+        return out
+    out = fn(q, k_cache, v_cache, cache_seqlens=lens, page_table=table, softmax_scale=scale, **options)
+    return out[0] if isinstance(out, tuple) else out

@@ -13,7 +13,7 @@ from ..adaptors.flash_attention import FlashAttentionMetadata
 from ..adaptors.flashmla import FlashMLAMetadata
 from ..common.flashmla_format import NOPE_DIM, PACKED_BYTES, unpack_flashmla_fp8
 from ..common.layout import FP8_DTYPES
-from .base import AttentionBackend
+from .base import AttentionBackend, fold_sinks
 
 
 def paged_attention(
@@ -23,11 +23,15 @@ def paged_attention(
     page_table: torch.Tensor,
     cache_seqlens: torch.Tensor,
     scale: float,
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [N, Hq, D]; k_cache: [num_pages, P, Hk, D]; v_cache: [num_pages, P, Hk, Dv] (Dv < D
     for MLA, where V is a prefix of the latent row); page_table: int32 [N, max_pages];
     cache_seqlens: int32 [N]. Each of the Hq // Hk query heads of a group reads KV head
-    h = q_head // (Hq // Hk). A sequence of length 0 gives zeros. Returns float32 [N, Hq, Dv]."""
+    h = q_head // (Hq // Hk). A sequence of length 0 gives zeros. `softcap` and `sinks`
+    ([Hq] or [N, Hq]): see `softcap_and_sink_softmax`. Returns float32 [N, Hq, Dv]."""
     n, hq, d = q.shape
     dv = v_cache.shape[-1]
     _, p, hk, _ = k_cache.shape
@@ -42,21 +46,28 @@ def paged_attention(
     group = hq // hk
     qg = q.float().view(n, hk, group, d)
     scores = torch.einsum("nhgd,nthd->nhgt", qg, k) * scale
-    scores = scores.masked_fill(~valid.view(n, 1, 1, -1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # empty sequences: all -inf -> 0
+    hidden_scores = ~valid.view(n, 1, 1, -1)
+    if softcap is None and sinks is None:
+        scores = scores.masked_fill(hidden_scores, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # empty sequences: all -inf -> 0
+    else:
+        row_sinks = None if sinks is None else _per_row(sinks, n, hq).view(n, hk, group)
+        probs = softcap_and_sink_softmax(scores, hidden_scores, softcap, row_sinks)
     out = torch.einsum("nhgt,nthd->nhgd", probs, v)
     return out.reshape(n, hq, dv)
 
 
 def indexed_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, scale: float, v_dim: int
+    q: torch.Tensor, kv_cache: torch.Tensor, indices: torch.Tensor, scale: float, v_dim: int,
+    *, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sparse attention over token indices (FlashMLA's sparse decode semantics).
 
     q: [N, s_q, Hq, D]; kv_cache: [num_tokens, Hk, D] rows (MLA: Hk = 1, the latent, whose
     first `v_dim` dims are V); indices: int [N, s_q, topk], row numbers into kv_cache, -1 for
     unused entries (never read). Query head h reads KV head h // (Hq // Hk). A query token
-    with no valid index gives zeros. Returns float32 [N, s_q, Hq, v_dim]."""
+    with no valid index gives zeros. `softcap` and `sinks` ([Hq] or [N, Hq]): see
+    `softcap_and_sink_softmax`. Returns float32 [N, s_q, Hq, v_dim]."""
     n, s_q, hq, d = q.shape
     hk = kv_cache.shape[1]
     valid = indices >= 0
@@ -65,10 +76,46 @@ def indexed_attention(
     group = hq // hk
     qg = q.float().view(n, s_q, hk, group, d)
     scores = torch.einsum("nshgd,nsthd->nshgt", qg, rows) * scale
-    scores = scores.masked_fill(~valid[:, :, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    if softcap is None and sinks is None:
+        scores = scores.masked_fill(~valid[:, :, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    else:
+        row_sinks = None if sinks is None else _per_row(sinks, n, hq).view(n, 1, hk, group).expand(n, s_q, hk, group)
+        probs = softcap_and_sink_softmax(scores, ~valid[:, :, None, None, :], softcap, row_sinks)
     out = torch.einsum("nshgt,nsthd->nshgd", probs, rows[..., :v_dim])
     return out.reshape(n, s_q, hq, v_dim)
+
+
+def softcap_and_sink_softmax(
+    scores: torch.Tensor, hidden: torch.Tensor, softcap: float | None, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    """Attention probabilities from scaled scores [..., T] (float32), with `hidden` (broadcast
+    to scores) masking tokens out:
+
+      softcap  Gemma 2's logit soft-capping: s -> softcap * tanh(s / softcap), after the scale
+               and before the softmax (bounds every logit to (-softcap, softcap)).
+      sinks    [...] (scores' shape without T): GPT-OSS's learned sink logit, one per query
+               head: it joins the softmax denominator, exp(sink - m), but has no value, so the
+               probabilities sum to less than one. It is not soft-capped (GPT-OSS has none).
+
+    Rows with no visible token give zeros (their sink takes all the weight)."""
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(hidden, float("-inf"))
+    if sinks is None:
+        return torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    with_sink = torch.cat([scores, sinks.float().unsqueeze(-1)], dim=-1)
+    return torch.softmax(with_sink, dim=-1)[..., :-1].nan_to_num(0.0)  # a sink of -inf and no token
+
+
+def _per_row(sinks: torch.Tensor, n: int, hq: int) -> torch.Tensor:
+    """Sinks [Hq] (one per query head) or [N, Hq] (per sequence: heads folded into the
+    batch) as [N, Hq] float32."""
+    if sinks.dim() == 1:
+        sinks = sinks.unsqueeze(0)
+    if sinks.shape[-1] != hq or sinks.shape[0] not in (1, n) or sinks.dim() != 2:
+        raise ValueError(f"sinks must be [{hq}] (one per query head) or [{n}, {hq}], got {list(sinks.shape)}")
+    return sinks.float().expand(n, hq)
 
 
 class TorchRefBackend(AttentionBackend):
@@ -79,6 +126,8 @@ class TorchRefBackend(AttentionBackend):
 
     metadata_formats = ("flash_attention", "flashmla")
     dtypes = (torch.float32, torch.float16, torch.bfloat16, *FP8_DTYPES)
+    supports_softcap = True
+    supports_sinks = True
 
     def run(
         self,
@@ -88,14 +137,17 @@ class TorchRefBackend(AttentionBackend):
         metadata: FlashAttentionMetadata | FlashMLAMetadata,
         *,
         scale: float | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [B, Hq, D] -> [B, Hq, Dv]; with FlashMLA metadata also q [B, s_q, Hq, D] ->
-        [B, s_q, Hq, Dv] (several query tokens per request)."""
+        [B, s_q, Hq, Dv] (several query tokens per request). softcap: a float > 0 or None;
+        sinks: [Hq] or None (see `softcap_and_sink_softmax`)."""
         d = q.shape[-1]
         scale = 1.0 / math.sqrt(d) if scale is None else scale
         packed = _is_flashmla_packed(k_cache)
         if isinstance(metadata, FlashMLAMetadata):
-            return self._run_indexed(q, k_cache, v_cache, metadata, scale, packed)
+            return self._run_indexed(q, k_cache, v_cache, metadata, scale, packed, softcap, sinks)
         b, hq, d = q.shape
         table = metadata.page_table
         if packed:  # dequantise the pages the table reads, renumbered 0..n-1
@@ -104,13 +156,14 @@ class TorchRefBackend(AttentionBackend):
         if metadata.heads_folded:
             hk = metadata.page_table.shape[0] // b
             q = q.reshape(b * hk, hq // hk, d)  # each (request, KV head) its group of heads
-        out = paged_attention(q, k_cache, v_cache, table, metadata.cache_seqlens, scale)
+            sinks = None if sinks is None else fold_sinks(sinks, b, hk)
+        out = paged_attention(q, k_cache, v_cache, table, metadata.cache_seqlens, scale, softcap=softcap, sinks=sinks)
         return out.reshape(b, hq, v_cache.shape[-1]).to(q.dtype)
 
     @staticmethod
     def _run_indexed(
         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: FlashMLAMetadata,
-        scale: float, packed: bool,
+        scale: float, packed: bool, softcap: float | None, sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         if v_cache.data_ptr() != k_cache.data_ptr():
             raise ValueError("FlashMLA metadata needs an MLA cache: V must be the first dims of the latent rows (k_cache)")
@@ -122,7 +175,7 @@ class TorchRefBackend(AttentionBackend):
             v_dim = NOPE_DIM
         else:
             kv, v_dim = k_cache.reshape(-1, k_cache.shape[2], k_cache.shape[-1]), v_cache.shape[-1]
-        out = indexed_attention(q4, kv, indices, scale, v_dim).to(q.dtype)
+        out = indexed_attention(q4, kv, indices, scale, v_dim, softcap=softcap, sinks=sinks).to(q.dtype)
         return out[:, 0] if single else out
 
 

@@ -24,7 +24,7 @@ import torch
 
 from ..common.errors import ConfigError
 from ..common.layout import KVLayout
-from .base import AttentionBackend, module_missing
+from .base import AttentionBackend, fold_sinks, module_missing
 
 MAX_HEAD_DIM = 576  # the kernel keeps a [rows, head dim] query tile and a [rows, v dim] accumulator in registers
 
@@ -54,6 +54,8 @@ class TritonBackend(AttentionBackend):
     metadata_formats = ("flash_attention", "flashmla")
     device_types = ("cuda", "cpu")
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    supports_softcap = True
+    supports_sinks = True
 
     @classmethod
     def unavailable_reason(cls) -> str | None:
@@ -90,10 +92,12 @@ class TritonBackend(AttentionBackend):
         metadata: Any,
         *,
         scale: float | None = None,
+        softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [B, Hq, D] -> [B, Hq, Dv] in q's dtype; also q [B, s_q, Hq, D] -> [B, s_q, Hq, Dv]
         (several query tokens per request: FlashMLA indices per token, or causal over the
-        newest s_q rows of a page table)."""
+        newest s_q rows of a page table). softcap (> 0) and sinks ([Hq]) as torch_ref's."""
         reason = _triton_missing()
         if reason:
             raise ConfigError(f"backend triton is unavailable: {reason}")
@@ -109,17 +113,18 @@ class TritonBackend(AttentionBackend):
         if indices is not None:  # FlashMLA: row numbers, one list per query token
             if k_cache.dim() == 3:  # rows [num_tokens, heads, D]: pages of one row
                 k_cache, v_cache = k_cache.unsqueeze(1), v_cache.unsqueeze(1)
-            out = sparse_decode.indexed_decode(q4, k_cache, v_cache, indices, scale)
+            out = sparse_decode.indexed_decode(q4, k_cache, v_cache, indices, scale, softcap=softcap, sinks=sinks)
         elif hasattr(metadata, "page_table") and hasattr(metadata, "cache_seqlens"):
             table, lens = metadata.page_table, metadata.cache_seqlens
             if getattr(metadata, "heads_folded", False):
                 # each (request, KV head) is a sequence of one KV head with its group of heads
                 hk = table.shape[0] // b
                 qf = q4.reshape(b, s_q, hk, hq // hk, d).transpose(1, 2).reshape(b * hk, s_q, hq // hk, d)
-                out = sparse_decode.paged_decode(qf, k_cache, v_cache, table, lens, scale)
+                folded = None if sinks is None else fold_sinks(sinks, b, hk)
+                out = sparse_decode.paged_decode(qf, k_cache, v_cache, table, lens, scale, softcap=softcap, sinks=folded)
                 out = out.view(b, hk, s_q, hq // hk, -1).transpose(1, 2).reshape(b, s_q, hq, -1)
             else:
-                out = sparse_decode.paged_decode(q4, k_cache, v_cache, table, lens, scale)
+                out = sparse_decode.paged_decode(q4, k_cache, v_cache, table, lens, scale, softcap=softcap, sinks=sinks)
         else:
             raise TypeError(
                 "backend triton runs FlashAttention metadata (page_table, cache_seqlens) or FlashMLA "

@@ -14,6 +14,13 @@ class ConfigError(SparseFrameworkError, ValueError):
     """A configuration value is invalid; the message names the field and the allowed values."""
 
 
+class UnsupportedFeatureError(ConfigError, NotImplementedError):
+    """A backend, or the library under it, cannot apply an attention option that a layer
+    needs (logit soft-capping, attention-sink logits). The message names the option and the
+    backends that can. A ConfigError (the combination is refused when configured) and a
+    NotImplementedError (the backend has no implementation of it)."""
+
+
 class PluginError(SparseFrameworkError, LookupError):
     """A plugin is unknown, duplicated, broken, or of the wrong kind."""
 

@@ -80,10 +80,23 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FITTING_TILE: dict[tuple, int] = {}  # launch shape -> the KV tile bytes that fit this GPU (see _launch)
 
 
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from exp2 of -2|x| (no overflow at any x; no libdevice, so the interpreter runs it)."""
+    e = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr, sinks_ptr,
     n_tokens, split_len, num_splits, qk_scale,  # qk_scale = softmax scale * log2(e)
+    cap_in, cap_out,  # softcap: scale / softcap and softcap * log2(e)
+    s_sn, s_sh,
     s_qn, s_qs, s_qh, s_qd,
     s_kp, s_kt, s_kh, s_kd,
     s_vp, s_vt, s_vh, s_vd,
@@ -94,10 +107,13 @@ def _decode_split_kernel(
     V_FROM_K: tl.constexpr, QK_MODE: tl.constexpr, KDT: tl.constexpr, PV_MODE: tl.constexpr,
     VDT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DA: tl.constexpr,
     BLOCK_DB: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
+    SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
 ):
     """One program: sequence n, KV head h, one block of BLOCK_M of its G*S query rows (row
     r = query head h*G + r // S, query token r % S), the tokens [sp*split_len, (sp+1)*split_len)
-    of split sp, in steps of BLOCK_N tokens. PDL: waits for the previous kernel first."""
+    of split sp, in steps of BLOCK_N tokens. PDL: waits for the previous kernel first.
+    SOFTCAP: logits cap * tanh(scale * q.k / cap). SINKS (never with SPLIT: the combine
+    adds them, once): sinks[n, head] joins the denominator."""
     pdl.wait(PDL)
     ROWS: tl.constexpr = G * S
     ROW_BLOCKS: tl.constexpr = (ROWS + BLOCK_M - 1) // BLOCK_M
@@ -154,7 +170,10 @@ def _decode_split_kernel(
             k_b = tl.load(k_rows[:, None] + db[None, :] * s_kd, mask=t_ok[:, None] & (db[None, :] < D), other=0.0)
             qk += _dot(q_b, tl.trans(k_b.to(KDT)), QK_MODE)
         seen = t_ok[None, :] & (t[None, :] < limit[:, None])
-        qk = tl.where(seen, qk * qk_scale, float("-inf"))
+        if SOFTCAP:
+            qk = tl.where(seen, _tanh(qk * cap_in) * cap_out, float("-inf"))
+        else:
+            qk = tl.where(seen, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen nothing yet
         alpha = tl.exp2(m_i - m_use)
@@ -168,7 +187,16 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + _dot(p.to(VDT), v.to(VDT), PV_MODE)
         m_i = m_new
 
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows that saw nothing: zeros
+    if SINKS:  # the sink's exp joins the denominator; its max may be the row's max
+        sink = tl.load(sinks_ptr + n64 * s_sn + (h * G + g) * s_sh, mask=row_ok, other=0.0).to(tl.float32)
+        sink = sink * 1.4426950408889634
+        m_f = tl.maximum(m_i, sink)
+        m_f = tl.where(m_f == float("-inf"), 0.0, m_f)
+        alpha = tl.exp2(m_i - m_f)
+        l_f = l_i * alpha + tl.exp2(sink - m_f)
+        o = acc * alpha[:, None] / tl.where(l_f > 0, l_f, 1.0)[:, None]
+    else:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows that saw nothing: zeros
     out_mask = row_ok[:, None] & (dv[None, :] < DV)
     if SPLIT:
         # workspace rows [(n, h, r), split]: the normalised partial output and its log2-sum-exp2
@@ -183,13 +211,15 @@ def _decode_split_kernel(
 
 @triton.jit
 def _combine_kernel(
-    part_ptr, lse_ptr, out_ptr, num_splits,
-    s_on, s_os, s_oh, s_od,
+    part_ptr, lse_ptr, out_ptr, sinks_ptr, num_splits,
+    s_on, s_os, s_oh, s_od, s_sn, s_sh,
     HK: tl.constexpr, G: tl.constexpr, S: tl.constexpr, DV: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr, SINKS: tl.constexpr,
 ):
     """One program per query row (n, h, r): out = Σ_i 2^(lse_i - max) o_i / Σ_i 2^(lse_i - max);
-    splits that saw nothing have lse -inf and weigh 0; a row that saw nothing gets zeros."""
+    splits that saw nothing have lse -inf and weigh 0; a row that saw nothing gets zeros.
+    SINKS: the row's sink (log2 units: sink * log2(e)) joins the max and the denominator,
+    here and only here, so that it counts once whatever the number of splits."""
     pdl.wait(PDL)
     ROWS: tl.constexpr = G * S
     pid = tl.program_id(0)
@@ -200,8 +230,14 @@ def _combine_kernel(
     i = tl.arange(0, BLOCK_SPLITS)
     lse = tl.load(lse_ptr + base + i, mask=i < num_splits, other=float("-inf"))
     top = tl.max(lse, axis=0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + n.to(tl.int64) * s_sn + (h * G + r // S) * s_sh).to(tl.float32)
+        sink = sink * 1.4426950408889634
+        top = tl.maximum(top, sink)
     top = tl.where(top == float("-inf"), 0.0, top)
     total = tl.sum(tl.exp2(lse - top), axis=0)
+    if SINKS:
+        total += tl.exp2(sink - top)
     dv = tl.arange(0, BLOCK_DV)
     acc = tl.zeros([BLOCK_DV], tl.float32)
     for j in range(num_splits):  # one split at a time: [splits, 512] at once would not fit registers
@@ -306,11 +342,12 @@ def _check_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def _launch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
     lens: torch.Tensor | None, n_tokens: int, scale: float, *, indexed: bool, causal: bool,
-    num_splits: int | None,
+    num_splits: int | None, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [NS, S, Hq, D]; caches [num_pages, P, Hk, D / Dv]; table [NS, width] (pages, or row
     numbers when `indexed`); lens [NS] (paged only); n_tokens: the most tokens a sequence can
-    have (width * P, or topk). Returns [NS, S, Hq, Dv] in q's dtype."""
+    have (width * P, or topk); softcap: None or > 0; sinks: None or [NS, Hq] (any strides,
+    a stride of 0 broadcasts). Returns [NS, S, Hq, Dv] in q's dtype."""
     ns, s_q, hq, d = q.shape
     _, page, hk, _ = k_cache.shape
     dv = v_cache.shape[-1]
@@ -329,7 +366,7 @@ def _launch(
         tiles = _tiles(*tile_args, tile_bytes=_FITTING_TILE.get(shape, KV_TILE_BYTES))
         try:
             _launch_tiles(q, k_cache, v_cache, table, lens, out, n_tokens, scale, tiles, indexed=indexed,
-                          causal=causal, num_splits=num_splits, v_shares_k=v_shares_k)
+                          causal=causal, num_splits=num_splits, v_shares_k=v_shares_k, softcap=softcap, sinks=sinks)
             return out
         except OutOfResources:
             block_n = tiles[1]
@@ -356,9 +393,10 @@ def _launch_tiles(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
     lens: torch.Tensor | None, out: torch.Tensor, n_tokens: int, scale: float,
     tiles: tuple[int, int, int, int, int, int], *, indexed: bool, causal: bool, num_splits: int | None,
-    v_shares_k: bool,
+    v_shares_k: bool, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> None:
-    """`_launch`'s kernels with the launch shape `tiles` (see `_tiles`)."""
+    """`_launch`'s kernels with the launch shape `tiles` (see `_tiles`). Soft-capping and
+    sinks are constexpr switches: without them the kernels compile exactly as before."""
     ns, s_q, hq, d = q.shape
     _, page, hk, _ = k_cache.shape
     dv = v_cache.shape[-1]
@@ -381,20 +419,24 @@ def _launch_tiles(
     qk_mode, kdt = _dot_mode(q.dtype, k_cache.dtype)
     pv_mode, vdt = _dot_mode(v_cache.dtype, v_cache.dtype)
     use_pdl = pdl.enabled(q.device)
+    has_sinks = sinks is not None
+    sinks_arg, sink_strides = (sinks, tuple(sinks.stride())) if has_sinks else (q, (0, 0))  # q: never read
+    cap_in, cap_out = (scale / softcap, softcap * LOG2E) if softcap is not None else (1.0, 1.0)
     launch(_decode_split_kernel, (programs, num_splits),
-        q, k_cache, v_cache, table, table if lens is None else lens, out, part, lse,
-        n_tokens, split_len, num_splits, scale * 1.4426950408889634,
+        q, k_cache, v_cache, table, table if lens is None else lens, out, part, lse, sinks_arg,
+        n_tokens, split_len, num_splits, scale * 1.4426950408889634, cap_in, cap_out, *sink_strides,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *table.stride(), *out.stride(),
         HK=hk, G=group, S=s_q, D=d, DV=dv, PAGE=page, INDEXED=indexed, CAUSAL=causal, SPLIT=split,
         V_FROM_K=v_from_k, QK_MODE=qk_mode, KDT=kdt, PV_MODE=pv_mode, VDT=vdt,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DA=block_da, BLOCK_DB=block_db, BLOCK_DV=block_dv,
-        PDL=use_pdl, num_warps=warps, num_stages=NUM_STAGES, launch_pdl=use_pdl,
+        PDL=use_pdl, SOFTCAP=softcap is not None, SINKS=has_sinks and not split,
+        num_warps=warps, num_stages=NUM_STAGES, launch_pdl=use_pdl,
     )
     if split:
         launch(_combine_kernel, (ns * hk * rows,),
-            part, lse, out, num_splits, *out.stride(),
+            part, lse, out, sinks_arg, num_splits, *out.stride(), *sink_strides,
             HK=hk, G=group, S=s_q, DV=dv, BLOCK_SPLITS=_pow2(num_splits), BLOCK_DV=block_dv,
-            PDL=use_pdl, num_warps=max(1, min(4, block_dv // 128)), launch_pdl=use_pdl,
+            PDL=use_pdl, SINKS=has_sinks, num_warps=max(1, min(4, block_dv // 128)), launch_pdl=use_pdl,
         )
 
 
@@ -408,6 +450,8 @@ def paged_decode(
     *,
     causal: bool = True,
     num_splits: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged decode attention with `torch_ref.paged_attention`'s semantics.
 
@@ -419,6 +463,8 @@ def paged_decode(
     only the first cache_seqlens[n] - (s_q - 1 - i) rows (flash_attn_with_kvcache's convention:
     the query tokens are the newest rows of the cache). A row that sees nothing gives zeros.
     `num_splits`: at most this many splits of the token range (None: `choose_num_splits`).
+    `softcap` (> 0) and `sinks` ([Hq] or [N, Hq], a logit per query head, any float dtype):
+    Gemma 2's soft-capping and GPT-OSS's sinks, as `torch_ref.softcap_and_sink_softmax`.
     Returns [N, Hq, Dv] or [N, s_q, Hq, Dv] in q's dtype (float32 accumulation)."""
     if q.dim() not in (3, 4):
         raise ValueError(f"paged_decode: q must be [N, Hq, D] or [N, s_q, Hq, D], got {tuple(q.shape)}")
@@ -433,9 +479,12 @@ def paged_decode(
     if page_table.dtype.is_floating_point or cache_seqlens.dtype.is_floating_point:
         raise ValueError("paged_decode: page_table and cache_seqlens must be integer tensors (int32)")
     _check_launchable(q4, k_cache, v_cache, page_table, cache_seqlens)
+    sinks = _sinks_per_sequence(sinks, n, q4.shape[2], softcap, "paged_decode")
+    if sinks is not None:
+        _check_launchable(q4, sinks)
     n_tokens = page_table.shape[1] * k_cache.shape[1]
     out = _launch(q4, k_cache, v_cache, page_table, cache_seqlens, n_tokens, scale,
-                  indexed=False, causal=causal, num_splits=num_splits)
+                  indexed=False, causal=causal, num_splits=num_splits, softcap=softcap, sinks=sinks)
     return out[:, 0] if q.dim() == 3 else out
 
 
@@ -447,14 +496,16 @@ def indexed_decode(
     scale: float,
     *,
     num_splits: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sparse decode attention over row numbers (`torch_ref.indexed_attention`'s semantics).
 
     q: [N, s_q, Hq, D]; k_cache / v_cache: [num_pages, P, Hk, D / Dv] (any strides; Dv <= D);
     indices: int [N, s_q, topk], row numbers into the caches viewed as [-1, Hk, D] (row
     page * P + offset), -1 for unused entries (never read, anywhere in the list). Query token
-    (n, i) attends to its own indices[n, i] rows; no causal mask. Returns [N, s_q, Hq, Dv] in
-    q's dtype."""
+    (n, i) attends to its own indices[n, i] rows; no causal mask. `softcap`, `sinks` ([Hq] or
+    [N, Hq]): as `paged_decode`. Returns [N, s_q, Hq, Dv] in q's dtype."""
     if q.dim() != 4 or indices.dim() != 3 or tuple(indices.shape[:2]) != tuple(q.shape[:2]):
         raise ValueError(
             f"indexed_decode: q must be [N, s_q, Hq, D] and indices [N, s_q, topk], got "
@@ -465,11 +516,18 @@ def indexed_decode(
     _check_caches(q, k_cache, v_cache, "indexed_decode")
     _check_launchable(q, k_cache, v_cache, indices)
     n, s_q, hq, d = q.shape
+    sinks = _sinks_per_sequence(sinks, n, hq, softcap, "indexed_decode")
+    if sinks is not None:
+        _check_launchable(q, sinks)
+        if s_q > 1 and sinks.stride(0) != 0:  # one row per (request, query token)
+            sinks = sinks.repeat_interleave(s_q, dim=0)
     # every query token is its own sequence (its own index list): fold s_q into the batch
     qf = q.reshape(n * s_q, 1, hq, d)
     table = indices.reshape(n * s_q, indices.shape[-1])
+    if sinks is not None and sinks.stride(0) == 0:
+        sinks = sinks[:1].expand(n * s_q, hq)
     out = _launch(qf, k_cache, v_cache, table, None, indices.shape[-1], scale,
-                  indexed=True, causal=False, num_splits=num_splits)
+                  indexed=True, causal=False, num_splits=num_splits, softcap=softcap, sinks=sinks)
     return out.view(n, s_q, hq, v_cache.shape[-1])
 
 
@@ -480,12 +538,15 @@ def sparse_mla_decode(
     scale: float,
     v_dim: int = 512,
     num_splits: int | None = None,
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FlashMLA sparse decode: q [N, s_q, Hq, 576]; kv_cache [num_tokens, 1, 576] latent rows
     (K = the row, V = its first `v_dim` dims); indices int32 [N, s_q, topk] row numbers, -1
     unused. Heads go through the kernel in blocks of up to 64 (16 for small Hq), so each latent
-    row is read once per head block and its V reuses the K tile. Returns [N, s_q, Hq, v_dim]
-    in q's dtype."""
+    row is read once per head block and its V reuses the K tile. `softcap`, `sinks`: as
+    `paged_decode`. Returns [N, s_q, Hq, v_dim] in q's dtype."""
     if kv_cache.dim() != 3:
         raise ValueError(
             f"sparse_mla_decode: kv_cache must be [num_tokens, kv_heads, dim], got {tuple(kv_cache.shape)}"
@@ -493,4 +554,21 @@ def sparse_mla_decode(
     if not 1 <= v_dim <= kv_cache.shape[-1]:
         raise ValueError(f"sparse_mla_decode: v_dim must be in 1..{kv_cache.shape[-1]}, got {v_dim}")
     paged = kv_cache.unsqueeze(1)  # [num_tokens, 1, Hk, D]: pages of one row
-    return indexed_decode(q, paged, paged[..., :v_dim], indices, scale, num_splits=num_splits)
+    return indexed_decode(q, paged, paged[..., :v_dim], indices, scale, num_splits=num_splits,
+                          softcap=softcap, sinks=sinks)
+
+
+def _sinks_per_sequence(
+    sinks: torch.Tensor | None, n: int, hq: int, softcap: float | None, what: str
+) -> torch.Tensor | None:
+    """Check softcap; sinks [Hq] (broadcast: stride 0 over sequences) or [N, Hq] as [N, Hq]."""
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"{what}: softcap must be None or > 0, got {softcap!r}")
+    if sinks is None:
+        return None
+    if sinks.dtype not in _FLOAT_DTYPES or sinks.dim() not in (1, 2) or sinks.shape[-1] != hq or (
+        sinks.dim() == 2 and sinks.shape[0] != n
+    ):
+        raise ValueError(f"{what}: sinks must be a float tensor [{hq}] (one logit per query head) or "
+                         f"[{n}, {hq}], got {sinks.dtype} {list(sinks.shape)}")
+    return sinks.unsqueeze(0).expand(n, hq) if sinks.dim() == 1 else sinks
