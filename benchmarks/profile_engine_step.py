@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
                    "includes waiting for its predecessor, so the per-kernel times overlap)")
     p.add_argument("--fused-ops", choices=["on", "off"], default="on",
                    help="the model's fused projections and layer kernels (default on, the engine's CUDA default)")
+    p.add_argument("--prefill-attention", choices=["auto", "flash_attn", "sdpa"], default="auto",
+                   help="prefill chunks' attention (default auto: flash-attn's varlen kernel where installed)")
     p.add_argument("--timed-steps", type=int, default=20,
                    help="decode steps timed without the profiler first: their median is the step time (default 20)")
     p.add_argument("--host-profile", action="store_true",
@@ -54,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     model = random_model(model_config, "bfloat16", "cuda")
     engine = Engine(model, model_config, json.loads(args.config), EngineConfig(
         max_num_seqs=args.batch, max_num_batched_tokens=16384, max_model_len=args.context + 64,
-        decode_graphs=args.decode_graphs, cuda_graphs=args.cuda_graphs, fused_ops=args.fused_ops == "on"))
+        decode_graphs=args.decode_graphs, cuda_graphs=args.cuda_graphs, fused_ops=args.fused_ops == "on",
+        prefill_attention=args.prefill_attention))
     g = torch.Generator().manual_seed(0)
     for i in range(args.batch):
         engine.add_request(f"r{i}", torch.randint(0, model_config.vocab_size, (args.context,), generator=g).tolist(),
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     flops = 2 * model_config.num_parameters() * tokens + 2 * 2 * model_config.num_layers * model_config.num_heads \
         * model_config.head_dim * args.context ** 2 / 2 * args.batch  # matmuls + causal attention
     print(f"prefill: {tokens} tokens in {sec:.2f} s over {len(prefill)} steps, {tokens / sec:,.0f} tok/s, "
-          f"{flops / sec / 1e12:.0f} TFLOP/s")
+          f"{flops / sec / 1e12:.0f} TFLOP/s ({engine.runner.prefill_attention_label})")
     for _ in range(3):
         engine.step()  # warm-up (first sighting and capture of the graphs)
     torch.cuda.synchronize()
