@@ -59,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         decode_graphs=args.decode_graphs, cuda_graphs=args.cuda_graphs, fused_ops=args.fused_ops == "on",
         prefill_attention=args.prefill_attention))
     g = torch.Generator().manual_seed(0)
+    # one short request first: kernel compilation (Triton, flash-attn's JIT) stays out of the figures
+    engine.add_request("warm-up", torch.randint(0, model_config.vocab_size, (min(args.context, 4096),),
+                                                generator=g).tolist(), SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.run_to_completion()
+    engine.step_log.clear()
     for i in range(args.batch):
         engine.add_request(f"r{i}", torch.randint(0, model_config.vocab_size, (args.context,), generator=g).tolist(),
                            SamplingParams(max_tokens=args.timed_steps + 2 * args.steps + 16, temperature=0.0,
