@@ -10,7 +10,8 @@ rotation are the model's business) and passes them to `attention_begin` as input
 (at prefill only `index_k` is needed: prefill attention is dense here).
 The weights are taken as given: the original multiplies them by heads^-1/2 · dim^-1/2, and a
 positive global factor does not change the top-k. The indexer keys are the representation,
-stored as bfloat16 (float32 to keep a float32 model's keys unrounded) or as FP8 e4m3 with one float32 scale per 128 values (the original's
+stored as bfloat16 (float32 keeps a float32 model's keys unrounded) or as FP8 e4m3 with one
+float32 scale per 128 values (the original's
 `act_quant`: scale = amax / 448, rounded up to a power of two in the "ue8m0" format V3.2
 ships with); with FP8 the queries are quantised the same way before scoring, as the original
 does. That quantisation is part of the scoring function (`dsa_index_scores_fp8q`): the Triton

@@ -80,6 +80,7 @@ from ..coordinator import SparseCoordinator
 from ..common.errors import SparseFrameworkError
 from ..common.layout import KVLayout
 from ..dense_fallback import NO_CACHE, DenseTally
+from .index_mask import fold_indices
 
 try:
     import transformers
@@ -132,6 +133,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS  # noqa: E40
 _HANDLES: weakref.WeakKeyDictionary[Any, SparseHandle] = weakref.WeakKeyDictionary()  # attention module -> handle
 _ENABLED: weakref.WeakKeyDictionary[Any, SparseHandle] = weakref.WeakKeyDictionary()  # model -> handle
 _cache_ids = itertools.count()
+# model families served by modules above this one, which register here when imported (an
+# import from this module would be a circle): "mla" -> transformers_mla.enable_mla
+FAMILY_ENABLERS: dict[str, Callable[..., Any]] = {}
 
 
 def enable(
@@ -166,10 +170,14 @@ def enable(
         raise ValueError("sparse decode is already enabled on this model; disable its handle first")
     cfg = _text_config(model)
     if is_mla(cfg):  # DeepSeek-V3.2 / GLM-MoE-DSA: latent cache, indexer inputs, absorbed decode
-        from .transformers_mla import enable_mla
-        return enable_mla(model, cfg, config, max_requests=max_requests, max_seq_len=max_seq_len,
-                          device_capacity_tokens=device_capacity_tokens,
-                          host_capacity_tokens=host_capacity_tokens, decode_graphs=decode_graphs)
+        if "mla" not in FAMILY_ENABLERS:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} is an MLA model: import sparse_framework.integrations.transformers_mla "
+                "first (it registers MLA + DSA models with enable)"
+            )
+        return FAMILY_ENABLERS["mla"](model, cfg, config, max_requests=max_requests, max_seq_len=max_seq_len,
+                                      device_capacity_tokens=device_capacity_tokens,
+                                      host_capacity_tokens=host_capacity_tokens, decode_graphs=decode_graphs)
     layout = KVLayout(
         num_layers=cfg.num_hidden_layers,
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
@@ -600,7 +608,6 @@ def sparse_attention_forward(
     if handle is not None:
         handle._count_bypass(query.shape[0])
     if kwargs.get("indices") is not None:  # an MLA + DSA model's top-k, which sdpa alone would ignore
-        from .transformers_mla import fold_indices
         attention_mask = fold_indices(attention_mask, kwargs.pop("indices"), key.shape[2])
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 

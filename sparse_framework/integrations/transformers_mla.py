@@ -1,11 +1,12 @@
 """MLA models with DSA's lightning indexer in the transformers integration: DeepSeek-V3.2
 (`DeepseekV32ForCausalLM`) and GLM-MoE-DSA (`GlmMoeDsaForCausalLM`), transformers >= 5.24.
 
+    import sparse_framework.integrations.transformers_mla  # registers MLA + DSA models with enable
     from sparse_framework.integrations.transformers import sparse
 
     cfg = {"algorithm": "dsa", "top_k": 2048, "sink_tokens": 0, "recent_tokens": 0,
            "extra": {"index_heads": 64, "index_dim": 128, "key_dtype": "bfloat16", "score_newest": True}}
-    with sparse(model, cfg, max_seq_len=32768) as handle:   # enable() dispatches here
+    with sparse(model, cfg, max_seq_len=32768) as handle:   # enable() dispatches to enable_mla
         out = model.generate(**inputs, max_new_tokens=64)
 
 What the model does (transformers' modeling_deepseek_v32.py), and what changes
@@ -70,6 +71,8 @@ from ..common.layout import KVLayout
 from ..coordinator import SparseCoordinator
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from . import transformers as _integration
+from .index_mask import fold_indices
 from .transformers import AttentionEvent, SparseCache, SparseHandle, UnsupportedModelError
 
 MIN_MLA_TRANSFORMERS = "5.24"
@@ -94,38 +97,22 @@ def check_mla_transformers_version(version: str | None = None) -> None:
         )
 
 
-def fold_indices(mask: torch.Tensor | None, indices: torch.Tensor | None, kv_len: int) -> torch.Tensor | None:
-    """The model's attention mask [B, 1, S, T] with its indexer's top-k `indices` [B, S, k]
-    folded in (as the sdpa model does): only the selected keys stay attended. The model hands
-    the indices to attention functions other than sdpa/eager instead of masking itself."""
-    if indices is None or indices.shape[-1] == 0:
-        return mask
-    b, s, _ = indices.shape
-    dropped = torch.ones(b, s, kv_len, dtype=torch.bool, device=indices.device)
-    dropped = dropped.scatter(-1, indices.long(), False).unsqueeze(1)  # [B, 1, S, T], True = masked
-    if mask is None:
-        return ~dropped
-    if mask.dtype == torch.bool:
-        return mask & ~dropped
-    return mask.masked_fill(dropped, torch.finfo(mask.dtype).min)
-
-
 def enable_mla(model: Any, cfg: Any, config: Any, **sizes: Any) -> MLAHandle:
     """`enable` for an MLA model (transformers.enable dispatches here): the latent layout, a
     coordinator, and a handle whose caches drive the absorbed decode (module docstring)."""
     check_mla_transformers_version()
     name = type(model).__name__
     modules = _attention_modules(model)
-    if len(modules) != cfg.num_hidden_layers:
-        raise UnsupportedModelError(
-            f"{name}: MLA without DSA's lightning indexer (DeepSeek-V2/V3) is not supported; MLA models with "
-            f"an indexer are: DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM"
-        )
     shared = [i for i, t in enumerate(getattr(cfg, "indexer_types", None) or []) if t != "full"]
     if shared:
         raise UnsupportedModelError(
             f"{name}: layers {shared} reuse the previous layer's top-k (indexer_types 'shared'), which sparse "
             "decode does not support (every layer needs its own indexer)"
+        )
+    if len(modules) != cfg.num_hidden_layers:
+        raise UnsupportedModelError(
+            f"{name}: MLA without DSA's lightning indexer (DeepSeek-V2/V3) is not supported; MLA models with "
+            f"an indexer are: DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM"
         )
     layout = KVLayout.mla(
         cfg.num_hidden_layers, latent_dim=cfg.kv_lora_rank + cfg.qk_rope_head_dim, v_head_dim=cfg.kv_lora_rank,
@@ -368,3 +355,6 @@ def expand_values(module: Any, attended: torch.Tensor) -> torch.Tensor:
     """Attention over the latent [B, H, kv_lora_rank] -> [B, H, v_head_dim] through W_UV."""
     _, w_uv = _kv_b(module)
     return torch.einsum("bhl,hvl->bhv", attended.to(w_uv.dtype), w_uv)
+
+
+_integration.FAMILY_ENABLERS["mla"] = enable_mla  # transformers.enable dispatches MLA models here
