@@ -187,6 +187,10 @@ class ScoringAlgorithm(SparseAlgorithm):
     """False: the unit holding the newest token takes one of the `budget_units` places unless
     the sink or recent window already holds it (the exact top-k count of DSA's and Quest's
     originals); True: it is kept on top of them. Set from an algorithm's option."""
+    newest_scored: bool = False
+    """True (with newest_forced False): the newest token is an ordinary candidate ranked by its
+    own score, and may be left out, as a model's own indexer does (DSA's `score_newest`); the
+    algorithm must then score it (its key is not appended before `select`)."""
 
     @abstractmethod
     def score(self, layer: int, queries: torch.Tensor, batch: Batch, *, inputs: Inputs = NO_INPUTS) -> torch.Tensor:
@@ -224,6 +228,7 @@ class ScoringAlgorithm(SparseAlgorithm):
             first_pass=first_pass,
             # a recent window holds the newest token: both rules are the same, keep the default's
             newest_forced=self.newest_forced or self.config.recent_tokens >= 1,
+            newest_scored=self.newest_scored,
             tail_start=tail_start,
         )
 
@@ -241,6 +246,7 @@ def topk_selection(
     first_pass: torch.Tensor | None = None,
     newest_forced: bool = True,
     tail_start: torch.Tensor | None = None,
+    newest_scored: bool = False,
 ) -> Selection:
     """Turn unit scores into a Selection without a host sync.
 
@@ -249,7 +255,10 @@ def topk_selection(
     best-scoring remaining valid units. Output width is min(width_units, n_units) * unit.
     newest_forced False: the newest token's unit is forced only if the sink or the recent
     window holds it; otherwise it is eligible and ranked above every score, so it takes the
-    first of the `budget_units` places (which must then be >= 1). tail_start: int [B], every
+    first of the `budget_units` places (which must then be >= 1); with `newest_scored` too, it
+    is an ordinary eligible unit ranked by its own score (it may be left out: a model's own
+    indexer's rule; the Triton kernels do not implement it, so it runs this torch code on any
+    device). tail_start: int [B], every
     unit holding a token at or after it is forced too (a per-request recent window).
     impl: "torch" (this code), "triton" (`kernels.topk.topk_selection_triton`: the same
     result in a few kernels instead of ~15 torch ops and a sort; both keep the lowest ids
@@ -259,7 +268,8 @@ def topk_selection(
     """
     if not newest_forced and budget_units < 1:
         raise ValueError("topk_selection: newest_forced=False needs budget_units >= 1 (the newest unit takes a place)")
-    if resolve_impl(impl, scores.device) == "triton":
+    newest_scored = newest_scored and not newest_forced
+    if resolve_impl(impl, scores.device) == "triton" and not newest_scored:
         from ..kernels.topk import topk_selection_triton
         return topk_selection_triton(
             scores, seq_lens, unit=unit, budget_units=budget_units, sink_tokens=sink_tokens,
@@ -288,7 +298,7 @@ def topk_selection(
     # ineligible ones rank below every eligible one and are never kept
     big = torch.finfo(torch.float32).max
     ranked = scores.float().nan_to_num(nan=-big, posinf=big, neginf=-big).masked_fill(~eligible, float("-inf"))
-    if not newest_forced:  # above every score (each is at most big after nan_to_num)
+    if not newest_forced and not newest_scored:  # above every score (each is at most big after nan_to_num)
         ranked = ranked.masked_fill(eligible & newest, float("inf"))
     k = min(budget_units, n_units)
     keep = forced.clone()

@@ -10,7 +10,8 @@ rotation are the model's business) and passes them to `attention_begin` as input
 (at prefill only `index_k` is needed: prefill attention is dense here).
 The weights are taken as given: the original multiplies them by heads^-1/2 · dim^-1/2, and a
 positive global factor does not change the top-k. The indexer keys are the representation,
-stored as bfloat16 or as FP8 e4m3 with one float32 scale per 128 values (the original's
+stored as bfloat16 (float32 keeps a float32 model's keys unrounded) or as FP8 e4m3 with one
+float32 scale per 128 values (the original's
 `act_quant`: scale = amax / 448, rounded up to a power of two in the "ue8m0" format V3.2
 ships with); with FP8 the queries are quantised the same way before scoring, as the original
 does. That quantisation is part of the scoring function (`dsa_index_scores_fp8q`): the Triton
@@ -30,6 +31,10 @@ The framework's sink and recent tokens are always kept (the original keeps only 
 set sink_tokens / recent_tokens to 0 to match it). The newest token is always selected too:
 with `newest_in_top_k` (default, as V3.2's exact `topk(min(top_k, end_pos))`) it takes one of
 the top_k places unless the sink or recent window holds it; false: it is kept on top.
+`score_newest` instead lets the newest token compete by its own index score (it may then be
+left out), which is what V3.2's reference indexer and transformers' DeepseekV32 do (they append
+the new key before scoring): the newest key is then stored at `select`, from the step's
+`index_k`, before the scores are computed (the top-k then runs its torch code on any device).
 """
 
 from __future__ import annotations
@@ -62,8 +67,10 @@ class DSAOptions(BaseModel):
     )
     index_heads: int = Field(64, ge=1, description="indexer query heads")
     index_dim: int = Field(128, ge=1, description="indexer query/key dimension")
-    key_dtype: Literal["bfloat16", "fp8_e4m3"] = Field(
-        "fp8_e4m3", description="storage of the indexer keys: bfloat16, or FP8 e4m3 with a float32 scale per 128 values"
+    key_dtype: Literal["bfloat16", "float32", "fp8_e4m3"] = Field(
+        "fp8_e4m3",
+        description="storage of the indexer keys: bfloat16, float32 (a float32 model's own keys, unrounded), or "
+        "FP8 e4m3 with a float32 scale per 128 values",
     )
     scale_format: Literal["ue8m0", "float32"] = Field(
         "ue8m0", description="FP8 scales: ue8m0 = rounded up to powers of two (V3.2's config), float32 = amax / 448"
@@ -73,6 +80,12 @@ class DSAOptions(BaseModel):
         description="the newest token takes one of the top_k places unless the sink or recent window holds it "
         "(V3.2 selects exactly min(top_k, length) tokens: set sink_tokens = recent_tokens = 0 too); "
         "false: it is kept on top of top_k",
+    )
+    score_newest: bool = Field(
+        False,
+        description="the newest token competes for the top_k places by its own index score and may be left out, "
+        "as V3.2's reference indexer and transformers' DeepseekV32 do (source 'indexer' only; overrides "
+        "newest_in_top_k; the top-k runs in torch)",
     )
     impl: Literal["auto", "torch", "triton"] = Field(
         "auto", description="index-score kernel: auto = triton on CUDA, torch elsewhere"
@@ -85,6 +98,8 @@ class DSAOptions(BaseModel):
                 f"key_dtype 'fp8_e4m3' quantises in blocks of {FP8_BLOCK} values: index_dim "
                 f"({self.index_dim}) must be a multiple of {FP8_BLOCK}, or use key_dtype 'bfloat16'"
             )
+        if self.score_newest and self.source != "indexer":
+            raise ValueError("score_newest needs source 'indexer' (the newest token's index key comes with the step)")
         return self
 
 
@@ -103,12 +118,15 @@ class DSA(ScoringAlgorithm):
         o = config.extra_config
         if o.source == "keys":
             return float(layout.row_bytes)
-        return float(2 * o.index_dim if o.key_dtype == "bfloat16" else o.index_dim * (1 + 4 / FP8_BLOCK))
+        if o.key_dtype == "fp8_e4m3":
+            return float(o.index_dim * (1 + 4 / FP8_BLOCK))
+        return float((2 if o.key_dtype == "bfloat16" else 4) * o.index_dim)
 
     def __init__(self, config, layout, max_requests, max_seq_len) -> None:  # type: ignore[no-untyped-def]
         super().__init__(config, layout, max_requests, max_seq_len)
         self.topk_impl = resolve_impl(self.options.impl, layout.device)
-        self.newest_forced = not self.options.newest_in_top_k
+        self.newest_forced = not self.options.newest_in_top_k and not self.options.score_newest
+        self.newest_scored = self.options.score_newest
         o, dev = self.options, layout.device
         if o.source == "keys":
             self.per_kv_head = layout.num_kv_heads > 1
@@ -131,7 +149,8 @@ class DSA(ScoringAlgorithm):
             self.index_scores = partial(fp8q, pow2_scales=self.pow2_scales)
         else:
             self.index_scores = scoring_kernel("dsa_index_scores", o.impl, dev)
-        self.index_k = torch.zeros(shape, dtype=torch.uint8 if self.fp8 else torch.bfloat16, device=dev)
+        stored = {"fp8_e4m3": torch.uint8, "bfloat16": torch.bfloat16, "float32": torch.float32}[o.key_dtype]
+        self.index_k = torch.zeros(shape, dtype=stored, device=dev)
         self.k_scale = (
             torch.ones((*shape[:3], o.index_dim // FP8_BLOCK), dtype=torch.float32, device=dev) if self.fp8 else None
         )
@@ -144,7 +163,7 @@ class DSA(ScoringAlgorithm):
             self.index_k[layer, slots, pos] = bits
             self.k_scale[layer, slots, pos] = scales
         else:
-            self.index_k[layer, slots, pos] = keys.to(torch.bfloat16)
+            self.index_k[layer, slots, pos] = keys.to(self.index_k.dtype)
 
     def build(
         self, layer: int, request: Request, keys: torch.Tensor, queries: torch.Tensor | None = None, *, inputs: Inputs = NO_INPUTS
@@ -172,6 +191,10 @@ class DSA(ScoringAlgorithm):
         # the fused first pass follows the default rule (the newest token forced on top), which
         # newest_in_top_k equals when the recent window holds the newest token
         fuse = FUSE_TOPK_FIRST_PASS and (self.newest_forced or self.config.recent_tokens >= 1)
+        if self.newest_scored:  # the newest key scored with the others: stored now (append rewrites it)
+            assert batch.seq_lens is not None and batch.slot_ids is not None
+            self._store_index_keys(layer, batch.slot_ids, batch.seq_lens.long() - 1, inputs["index_k"])
+            fuse = False
         if not (fuse and self.options.source == "indexer" and self.fp8 and self.topk_impl == "triton"):
             return super().select(layer, queries, batch, inputs=inputs)
         from ..kernels.topk import first_pass_buffer

@@ -55,9 +55,10 @@ Requests and padding
 Not supported (clear errors): beam search and assisted decoding (the cache cannot reorder or
 crop requests), several tokens per row after the prefill (chunked prefill, multi-turn reuse
 of a cache: start a new cache), sliding-window layers whose window is shorter than
-`max_seq_len`, logit soft-capping, attention sinks (GPT-OSS; refused at enable), MLA models, algorithms that need extra
-model inputs (DSA's lightning indexer; DSA with `extra.source = "keys"` works), multimodal
-models. One forward at a time per handle (no thread safety).
+`max_seq_len`, logit soft-capping, attention sinks (GPT-OSS; refused at enable), MLA models other than
+those with DSA's indexer (DeepSeek-V3.2 and GLM-MoE-DSA: transformers_mla.py), algorithms
+that need extra model inputs on other models (DSA's lightning indexer; DSA with
+`extra.source = "keys"` works), multimodal models. One forward at a time per handle (no thread safety).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ from ..coordinator import SparseCoordinator
 from ..common.errors import SparseFrameworkError
 from ..common.layout import KVLayout
 from ..dense_fallback import NO_CACHE, DenseTally
+from .index_mask import fold_indices
 
 try:
     import transformers
@@ -131,6 +133,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS  # noqa: E40
 _HANDLES: weakref.WeakKeyDictionary[Any, SparseHandle] = weakref.WeakKeyDictionary()  # attention module -> handle
 _ENABLED: weakref.WeakKeyDictionary[Any, SparseHandle] = weakref.WeakKeyDictionary()  # model -> handle
 _cache_ids = itertools.count()
+# model families served by modules above this one, which register here when imported (an
+# import from this module would be a circle): "mla" -> transformers_mla.enable_mla
+FAMILY_ENABLERS: dict[str, Callable[..., Any]] = {}
 
 
 def enable(
@@ -164,6 +169,15 @@ def enable(
     if model in _ENABLED:
         raise ValueError("sparse decode is already enabled on this model; disable its handle first")
     cfg = _text_config(model)
+    if is_mla(cfg):  # DeepSeek-V3.2 / GLM-MoE-DSA: latent cache, indexer inputs, absorbed decode
+        if "mla" not in FAMILY_ENABLERS:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} is an MLA model: import sparse_framework.integrations.transformers_mla "
+                "first (it registers MLA + DSA models with enable)"
+            )
+        return FAMILY_ENABLERS["mla"](model, cfg, config, max_requests=max_requests, max_seq_len=max_seq_len,
+                                      device_capacity_tokens=device_capacity_tokens,
+                                      host_capacity_tokens=host_capacity_tokens, decode_graphs=decode_graphs)
     layout = KVLayout(
         num_layers=cfg.num_hidden_layers,
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
@@ -593,6 +607,8 @@ def sparse_attention_forward(
         return cache._attend(module, query, key, value, attention_mask, scaling, kwargs)
     if handle is not None:
         handle._count_bypass(query.shape[0])
+    if kwargs.get("indices") is not None:  # an MLA + DSA model's top-k, which sdpa alone would ignore
+        attention_mask = fold_indices(attention_mask, kwargs.pop("indices"), key.shape[2])
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
@@ -664,9 +680,12 @@ def _text_config(model: Any) -> Any:
         raise UnsupportedModelError(f"{name}: encoder-decoder models are not supported")
     if getattr(cfg, "attn_logit_softcapping", None) is not None:
         raise UnsupportedModelError(f"{name}: attention logit soft-capping is not supported by sparse decode")
-    if any(getattr(cfg, a, None) is not None for a in ("kv_lora_rank", "v_head_dim")):
-        raise UnsupportedModelError(f"{name}: MLA models are not supported by the transformers integration yet")
     return cfg
+
+
+def is_mla(cfg: Any) -> bool:
+    """An MLA model (a latent KV cache): handled by transformers_mla.py."""
+    return getattr(cfg, "kv_lora_rank", None) is not None
 
 
 def _check_windows(cfg: Any, max_seq_len: int) -> None:
