@@ -248,7 +248,9 @@ def test_a_forward_failing_midway_abandons_its_step(llama) -> None:
 def test_errors_are_clear(llama, monkeypatch) -> None:
     with pytest.raises(ImportError, match=r"transformers >= 4\.56.*found 4\.40\.0"):
         tf.check_transformers_version("4.40.0")
-    monkeypatch.setattr(transformers, "__version__", "4.55.4")
+    # the module the integration imported: transformers 5 can swap sys.modules["transformers"]
+    # when another test file's lazy model import runs first (transformers.modeling_layers)
+    monkeypatch.setattr(tf.transformers, "__version__", "4.55.4")
     with pytest.raises(ImportError, match="found 4.55.4"):
         tf.enable(llama, SMALL)
     monkeypatch.undo()
