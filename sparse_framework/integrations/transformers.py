@@ -12,7 +12,7 @@ registry (`AttentionInterface`: Llama, Qwen2/3, Mistral, Gemma, ...) on transfor
 
 How it plugs in
   `enable(model, config)` builds a coordinator whose `KVLayout` comes from the model config
-  (num_hidden_layers, num_key_value_heads KV heads, head_dim, the model's dtype and device),
+  (its full-attention layers, num_key_value_heads KV heads, head_dim, the model's dtype and device),
   registers an attention function and the sdpa mask function under the name
   "sparse_framework" (`AttentionInterface` / `AttentionMaskInterface`), switches the model to
   it (`set_attn_implementation`) and gives `model.generate` a thin wrapper (an attribute of
@@ -43,6 +43,24 @@ How it plugs in
   `use_cache=False`) get transformers' sdpa attention: dense, unchanged, and counted as dense
   layer-steps in `handle.stats()["dense"]` with the reason.
 
+Hybrid sliding-window models
+  A sliding-window layer (Mistral with `sliding_window`, Qwen2 with `use_sliding_window`
+  from layer `max_window_layers` on, Gemma 3's local layers; `LayerMap.of` reads the
+  config's `layer_types`) whose window is shorter than `max_seq_len` does not go through the
+  coordinator: its token t attends densely to positions (t - window, t], transformers'
+  convention in every family, and only that window is kept, on the device, in a ring of
+  `window` slots per request row (`kv_store/sliding_window.py`: `SlidingWindowKV`; nothing
+  of it on the host). Prefill: dense sdpa with the model's own sliding mask, then each row's
+  last `window` real tokens into the ring; decode: the new token into slot position %
+  window, attention over the ring's valid slots with the model's scale. The coordinator's
+  `KVLayout` counts the full-attention layers only (store layer i is model layer
+  `handle.layers.full[i]`: `dense_layers` and `dense_first_layers` in the config count in
+  store layers), so its store and host pool hold no sliding-window KV; a model whose every
+  layer slides has a layout of 0 layers (the coordinator then only tracks the requests).
+  The last model layer, sliding or not, closes the step. A window >= max_seq_len never
+  binds: such layers stay full layers. The observer and `last_selections` see the full
+  layers only (under their model layer index); `stats()` counts the sliding layers apart.
+
 Requests and padding
   The first forward through a SparseCache is its prefill: each batch row becomes a
   `Request` whose prompt is the row's attended tokens (from the attention mask: left
@@ -54,8 +72,10 @@ Requests and padding
 
 Not supported (clear errors): beam search and assisted decoding (the cache cannot reorder or
 crop requests), several tokens per row after the prefill (chunked prefill, multi-turn reuse
-of a cache: start a new cache), sliding-window layers whose window is shorter than
-`max_seq_len`, logit soft-capping, attention sinks (GPT-OSS; refused at enable), MLA models, algorithms that need extra
+of a cache: start a new cache), layer types other than full and sliding attention (e.g.
+chunked attention), logit soft-capping (Gemma 2) and attention sinks (GPT-OSS), both
+refused at enable until the sparse backends apply them (the sliding-window ring already
+does: `SlidingWindowKV.attend(softcap=, sinks=)`), MLA models, algorithms that need extra
 model inputs (DSA's lightning indexer; DSA with `extra.source = "keys"` works), multimodal
 models. One forward at a time per handle (no thread safety).
 """
