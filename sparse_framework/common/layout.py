@@ -53,7 +53,11 @@ class KVLayout:
     v_head_dim: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_kv_heads", "head_dim"):
+        # num_layers may be 0: a model whose every layer is sliding-window keeps nothing in
+        # the store (integrations/transformers.py), and the coordinator only tracks requests
+        if not isinstance(self.num_layers, int) or self.num_layers < 0:
+            raise ValueError(f"KVLayout.num_layers must be a non-negative int, got {self.num_layers!r}")
+        for name in ("num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")

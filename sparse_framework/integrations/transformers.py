@@ -12,7 +12,7 @@ registry (`AttentionInterface`: Llama, Qwen2/3, Mistral, Gemma, ...) on transfor
 
 How it plugs in
   `enable(model, config)` builds a coordinator whose `KVLayout` comes from the model config
-  (num_hidden_layers, num_key_value_heads KV heads, head_dim, the model's dtype and device),
+  (its full-attention layers, num_key_value_heads KV heads, head_dim, the model's dtype and device),
   registers an attention function and the sdpa mask function under the name
   "sparse_framework" (`AttentionInterface` / `AttentionMaskInterface`), switches the model to
   it (`set_attn_implementation`) and gives `model.generate` a thin wrapper (an attribute of
@@ -43,6 +43,24 @@ How it plugs in
   `use_cache=False`) get transformers' sdpa attention: dense, unchanged, and counted as dense
   layer-steps in `handle.stats()["dense"]` with the reason.
 
+Hybrid sliding-window models
+  A sliding-window layer (Mistral with `sliding_window`, Qwen2 with `use_sliding_window`
+  from layer `max_window_layers` on, Gemma 3's local layers; `LayerMap.of` reads the
+  config's `layer_types`) whose window is shorter than `max_seq_len` does not go through the
+  coordinator: its token t attends densely to positions (t - window, t], transformers'
+  convention in every family, and only that window is kept, on the device, in a ring of
+  `window` slots per request row (`kv_store/sliding_window.py`: `SlidingWindowKV`; nothing
+  of it on the host). Prefill: dense sdpa with the model's own sliding mask, then each row's
+  last `window` real tokens into the ring; decode: the new token into slot position %
+  window, attention over the ring's valid slots with the model's scale. The coordinator's
+  `KVLayout` counts the full-attention layers only (store layer i is model layer
+  `handle.layers.full[i]`: `dense_layers` and `dense_first_layers` in the config count in
+  store layers), so its store and host pool hold no sliding-window KV; a model whose every
+  layer slides has a layout of 0 layers (the coordinator then only tracks the requests).
+  The last model layer, sliding or not, closes the step. A window >= max_seq_len never
+  binds: such layers stay full layers. The observer and `last_selections` see the full
+  layers only (under their model layer index); `stats()` counts the sliding layers apart.
+
 Requests and padding
   The first forward through a SparseCache is its prefill: each batch row becomes a
   `Request` whose prompt is the row's attended tokens (from the attention mask: left
@@ -54,11 +72,13 @@ Requests and padding
 
 Not supported (clear errors): beam search and assisted decoding (the cache cannot reorder or
 crop requests), several tokens per row after the prefill (chunked prefill, multi-turn reuse
-of a cache: start a new cache), sliding-window layers whose window is shorter than
-`max_seq_len`, logit soft-capping, attention sinks (GPT-OSS; refused at enable), MLA models other than
-those with DSA's indexer (DeepSeek-V3.2 and GLM-MoE-DSA: transformers_mla.py), algorithms
-that need extra model inputs on other models (DSA's lightning indexer; DSA with
-`extra.source = "keys"` works), multimodal models. One forward at a time per handle (no thread safety).
+of a cache: start a new cache), layer types other than full and sliding attention (e.g.
+chunked attention), logit soft-capping (Gemma 2) and attention sinks (GPT-OSS), both
+refused at enable until the integration passes them to the coordinator's per-layer attention
+options (the backends and the sliding-window ring apply them), MLA models other than those
+with DSA's indexer (DeepSeek-V3.2 and GLM-MoE-DSA: transformers_mla.py), algorithms that need
+extra model inputs on other models (DSA's lightning indexer; DSA with `extra.source = "keys"`
+works), multimodal models. One forward at a time per handle (no thread safety).
 """
 
 from __future__ import annotations
@@ -69,6 +89,7 @@ import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from os import PathLike
 from typing import Any
 
@@ -80,6 +101,7 @@ from ..coordinator import SparseCoordinator
 from ..common.errors import SparseFrameworkError
 from ..common.layout import KVLayout
 from ..dense_fallback import NO_CACHE, DenseTally
+from ..kv_store.sliding_window import SlidingWindowKV
 from .index_mask import fold_indices
 
 try:
@@ -161,7 +183,9 @@ def enable(
     device_buffer_tokens and min_sparse_prompt_len (docs/kv_store.md);
     device_capacity_tokens replaces the sparse layers' tokens per layer, host_capacity_tokens
     the host pool's (`sparse-framework plan` counts the same bytes; `handle.stats()["pools"]`
-    and the INFO log say what was allocated). Returns the handle; `handle.disable()` restores
+    and the INFO log say what was allocated). Sliding-window layers whose window is shorter
+    than max_seq_len are not in the store: each keeps a device ring of max_requests x window
+    tokens (`SlidingWindowKV`; see "Hybrid sliding-window models" in the module docstring). Returns the handle; `handle.disable()` restores
     the model, and the handle is also a context manager (`with sparse(...) as handle:`).
     """
     check_transformers_version()
@@ -178,14 +202,16 @@ def enable(
         return FAMILY_ENABLERS["mla"](model, cfg, config, max_requests=max_requests, max_seq_len=max_seq_len,
                                       device_capacity_tokens=device_capacity_tokens,
                                       host_capacity_tokens=host_capacity_tokens, decode_graphs=decode_graphs)
+    layers = LayerMap.of(cfg, max_seq_len)
+    num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     layout = KVLayout(
-        num_layers=cfg.num_hidden_layers,
-        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        num_layers=len(layers.full),  # the store holds the full-attention layers only (0 is fine)
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
         dtype=model.dtype,
         device=model.device,
     )
-    _check_windows(cfg, max_seq_len)
     _check_attention_modules(model)
     coord = SparseCoordinator(
         config, layout, max_requests=max_requests, max_seq_len=max_seq_len,
@@ -199,7 +225,12 @@ def enable(
             f"algorithm {coord.config.algorithm!r} with these options needs model inputs {needs} that a "
             "transformers model does not compute (for DSA set extra.source to 'keys')"
         )
-    return SparseHandle(model, coord)
+    sliding = None
+    if layers.sliding:
+        assert layers.window is not None
+        sliding = SlidingWindowKV(len(layers.sliding), layers.window, max_requests, num_kv_heads, head_dim,
+                                  dtype=model.dtype, device=model.device)
+    return SparseHandle(model, coord, layers, sliding)
 
 
 sparse = enable  # `with sparse(model, config) as handle: ...` reads better in a with statement
@@ -210,9 +241,16 @@ class SparseHandle:
     decode selections (`stats()`, `last_selections`), new caches for manual forwards
     (`new_cache()`), and `disable()`. A context manager that disables on exit."""
 
-    def __init__(self, model: Any, coordinator: SparseCoordinator) -> None:
+    def __init__(
+        self, model: Any, coordinator: SparseCoordinator, layers: LayerMap | None = None,
+        sliding: SlidingWindowKV | None = None,
+    ) -> None:
         self.model = model
         self.coordinator = coordinator
+        # model layer -> store layer (full attention) or ring layer (sliding window)
+        self.layers = layers if layers is not None else LayerMap.all_full(coordinator.layout.num_layers)
+        self.sliding = sliding  # the sliding-window layers' device rings, None without such layers
+        self._sliding_steps = 0  # decode layer-steps of sliding-window layers (row x layer x step)
         self.original_attn_implementation = model.config._attn_implementation
         self.enabled = False
         # the last decode step's selection per layer (logical token indices, see Selection)
@@ -265,9 +303,20 @@ class SparseHandle:
         `sparse_fraction` the share that attended sparsely (None before any step).
 
         `pools`: the store's device pools (per layer kind) and host pool, how each was sized
-        and what it holds (`SparseCoordinator.memory_stats`)."""
+        and what it holds (`SparseCoordinator.memory_stats`), then, for a hybrid model, the
+        sliding-window layers' rings (kind "sliding_window": device only, nothing on the host).
+
+        Layer counts (`layer_steps`, the selected and context tokens, "dense") are the
+        full-attention layers', the ones that go through the coordinator; `sliding_window`
+        says which model layers slide instead, their window and their decode layer-steps
+        (each attends to its whole window: min(seq_len, window) tokens). `full_layers`: the
+        model layers the store holds, in store order (store layer i is model layer
+        full_layers[i]; the config's `dense_layers` count in store layers)."""
         selected, context = (int(x) for x in self._counts.tolist())
         dense = self.dense_tally()
+        pools = self.coordinator.memory_stats()
+        if self.sliding is not None:
+            pools.append(self._sliding_pool())
         return {
             "decode_steps": self._decode_steps,
             "layer_steps": self._layer_steps,
@@ -276,7 +325,29 @@ class SparseHandle:
             "read_fraction": selected / context if context else 0.0,
             "sparse_fraction": dense.sparse_fraction,
             "dense": {**self.coordinator.dense_report(), **dense.as_dict()},
-            "pools": self.coordinator.memory_stats(),
+            "pools": pools,
+            "full_layers": list(self.layers.full),
+            "sliding_window": {
+                "layers": list(self.layers.sliding),
+                "window": self.layers.window if self.layers.sliding else None,
+                "layer_steps": self._sliding_steps,
+            },
+        }
+
+    def _sliding_pool(self) -> dict[str, Any]:
+        """The rings' entry in `stats()["pools"]`, in the store pools' format."""
+        ring = self.sliding
+        assert ring is not None
+        held = sum(min(r.seq_len, ring.window) for r in self.coordinator.requests.values())
+        per_token = ring.bytes_per_token() * ring.num_layers
+        return {
+            "kind": "sliding_window",
+            "layers": ring.num_layers,
+            "tokens_per_layer": ring.max_rows * ring.window,
+            "bytes": ring.nbytes,
+            "used_tokens": held * ring.num_layers,
+            "used_bytes": held * per_token,
+            "rule": f"max_requests {ring.max_rows} x window {ring.window}: the last window tokens of every request",
         }
 
     def dense_tally(self) -> DenseTally:
@@ -414,7 +485,7 @@ class SparseCache(Cache):
 
     def __init__(self, handle: SparseHandle) -> None:
         coord = handle.coordinator
-        super().__init__(layers=[_SparseLayer() for _ in range(coord.layout.num_layers)])
+        super().__init__(layers=[_SparseLayer() for _ in range(handle.layers.num_layers)])
         self.handle = handle
         self.live = _Requests(coord, f"hf{next(_cache_ids)}")
         handle._live.add(self.live)
@@ -502,7 +573,7 @@ class SparseCache(Cache):
             if kwargs.get(name) is not None:
                 raise UnsupportedModelError(f"attention with {name!r} is not supported by sparse decode")
         layer = module.layer_idx
-        coord, live = self.handle.coordinator, self.live
+        coord, live, layers = self.handle.coordinator, self.live, self.handle.layers
         b, hq, n, d = query.shape
         if layer == 0:
             self._open_step(attention_mask, b, n)
@@ -512,21 +583,25 @@ class SparseCache(Cache):
         scale = d**-0.5 if scaling is None else scaling
         factor = scale * math.sqrt(d)  # the coordinator scales q·k by 1/sqrt(D): scale q instead
         rescale = (lambda q: q) if math.isclose(factor, 1.0, rel_tol=1e-9) else (lambda q: q * factor)
+        ring = layers.ring.get(layer)
         with torch.no_grad():
-            if batch.is_prefill:
+            if ring is not None:
+                out = self._sliding_layer(module, ring, batch, query, key, value, attention_mask, scale, kwargs)
+            elif batch.is_prefill:
                 out = self._prefill_layer(module, layer, batch, query, key, value, attention_mask, scale, rescale, kwargs)
             else:
+                at = layers.store[layer]
                 q = rescale(query[:, :, 0].contiguous())
                 k, v = key[:, :, 0].contiguous(), value[:, :, 0].contiguous()
-                meta = coord.attention_begin(layer, q, k, v, batch)
-                attended = coord.attend(layer, q, meta)
-                coord.attention_end(layer, attended, batch)
+                meta = coord.attention_begin(at, q, k, v, batch)
+                attended = coord.attend(at, q, meta)
+                coord.attention_end(at, attended, batch)
                 assert meta.selection is not None
                 self.handle._record(layer, meta.selection, batch)
                 if self.handle.observer is not None:
                     self.handle.observer(AttentionEvent(layer, batch, q, k, v, attended, meta.selection))
                 out = attended.unsqueeze(1)
-        if layer == coord.layout.num_layers - 1:
+        if layer == layers.num_layers - 1:
             coord.forward_end(batch)
             live.batch = None  # after: a refused forward_end leaves the step for end() to abort
             if not batch.is_prefill:
@@ -545,14 +620,43 @@ class SparseCache(Cache):
         def packed(x: torch.Tensor) -> torch.Tensor:  # [B, H, n, D] -> [real tokens, H, D]
             return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[-1]).index_select(0, rows)
 
-        coord = self.handle.coordinator
+        coord, at = self.handle.coordinator, self.handle.layers.store[layer]
         q, k, v = rescale(packed(query)), packed(key), packed(value)
-        coord.attention_begin(layer, q, k, v, batch)
+        coord.attention_begin(at, q, k, v, batch)
         if self.handle.observer is not None:
             self.handle.observer(AttentionEvent(layer, batch, q, k, v))
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=scale, **kwargs)
-        coord.attention_end(layer, out.reshape(-1, out.shape[2], out.shape[3]).index_select(0, rows), batch)
+        coord.attention_end(at, out.reshape(-1, out.shape[2], out.shape[3]).index_select(0, rows), batch)
         return out
+
+    def _sliding_layer(
+        self, module: Any, ring: int, batch: Batch, query: torch.Tensor, key: torch.Tensor,
+        value: torch.Tensor, attention_mask: torch.Tensor | None, scale: float, kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        """A sliding-window layer, outside the coordinator. Prefill: dense sdpa with the mask
+        the model built for this layer (its own sliding-window mask: what the sdpa model
+        computes), then each row's last `window` real tokens into the ring. Decode: the new
+        token into the ring at position seq_len - 1, then attention over the ring's valid
+        slots (positions (t - window, t]), the model's scale as is."""
+        windows = self.handle.sliding
+        assert windows is not None
+        if batch.is_prefill:
+            rows = self.live.prompt_rows
+            assert rows is not None
+            k = key.transpose(1, 2).reshape(-1, key.shape[1], key.shape[-1]).index_select(0, rows)
+            v = value.transpose(1, 2).reshape(-1, value.shape[1], value.shape[-1]).index_select(0, rows)
+            offset = 0
+            for r in batch.requests:
+                windows.write_prefill(ring, r.slot, k[offset : offset + r.prompt_len], v[offset : offset + r.prompt_len])
+                offset += r.prompt_len
+            out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=scale, **kwargs)
+            return out
+        assert batch.seq_lens is not None and batch.slot_ids is not None
+        positions = batch.seq_lens.long() - 1
+        windows.write_decode(ring, batch.slot_ids, positions, key[:, :, 0], value[:, :, 0])
+        attended = windows.attend(ring, query[:, :, 0], batch.slot_ids, batch.seq_lens, scale)
+        self.handle._sliding_steps += len(batch)
+        return attended.unsqueeze(1)
 
     def _open_step(self, attention_mask: torch.Tensor | None, b: int, n: int) -> None:
         """Layer 0 of a forward (checked by `_check_step`): begin the requests at prefill, then
@@ -679,7 +783,13 @@ def _text_config(model: Any) -> Any:
     if getattr(cfg, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{name}: encoder-decoder models are not supported")
     if getattr(cfg, "attn_logit_softcapping", None) is not None:
-        raise UnsupportedModelError(f"{name}: attention logit soft-capping is not supported by sparse decode")
+        # To enable (Gemma 2): once the backends (torch_ref, triton) take a softcap, pass the
+        # module's `softcap` kwarg to the coordinator's attend for full layers;
+        # SlidingWindowKV.attend already takes it for the sliding-window layers.
+        raise UnsupportedModelError(
+            f"{name}: attention logit soft-capping (attn_logit_softcapping = {cfg.attn_logit_softcapping}, "
+            "as in Gemma 2) is not supported yet: the sparse attention backends do not apply a softcap"
+        )
     return cfg
 
 
@@ -688,20 +798,53 @@ def is_mla(cfg: Any) -> bool:
     return getattr(cfg, "kv_lora_rank", None) is not None
 
 
-def _check_windows(cfg: Any, max_seq_len: int) -> None:
-    """Sliding-window layers are fine only when the window never binds (>= max_seq_len)."""
-    types = getattr(cfg, "layer_types", None)
-    window = getattr(cfg, "sliding_window", None)
-    if types is None:
-        types = ["sliding_attention" if window is not None else "full_attention"] * cfg.num_hidden_layers
-    other = sorted(set(types) - {"full_attention", "sliding_attention"})
-    if other:
-        raise UnsupportedModelError(f"layer types {other} are not supported (full and sliding attention are)")
-    if "sliding_attention" in types and window is not None and window < max_seq_len:
-        raise UnsupportedModelError(
-            f"the model has sliding-window layers (window {window}) and sparse decode attends to the whole "
-            f"sequence: set max_seq_len <= {window} so that the window never binds"
-        )
+@dataclass(frozen=True)
+class LayerMap:
+    """Which model layers go where: `full` (model layer indices in store order: store layer
+    i is model layer full[i]) through the coordinator, `sliding` (in ring order) through the
+    `SlidingWindowKV`, with `store` / `ring` the inverse maps and `window` the sliding
+    layers' window (None without sliding layers)."""
+
+    num_layers: int
+    full: tuple[int, ...]
+    sliding: tuple[int, ...] = ()
+    window: int | None = None
+
+    @cached_property
+    def store(self) -> dict[int, int]:
+        return {layer: i for i, layer in enumerate(self.full)}
+
+    @cached_property
+    def ring(self) -> dict[int, int]:
+        return {layer: i for i, layer in enumerate(self.sliding)}
+
+    @classmethod
+    def all_full(cls, num_layers: int) -> LayerMap:
+        return cls(num_layers, tuple(range(num_layers)))
+
+    @classmethod
+    def of(cls, cfg: Any, max_seq_len: int) -> LayerMap:
+        """From the decoder config: `layer_types` where the config has them (Gemma 2/3,
+        Qwen2 from `use_sliding_window` and `max_window_layers`, GPT-OSS, Mistral on
+        transformers 5), else every layer slides when `sliding_window` is set (Mistral on
+        4.x). A sliding layer whose window is >= max_seq_len never binds: it is a full layer
+        (through the coordinator, as before hybrid support)."""
+        n = cfg.num_hidden_layers
+        types = getattr(cfg, "layer_types", None)
+        window = getattr(cfg, "sliding_window", None)
+        if types is None:
+            types = ["sliding_attention" if window is not None else "full_attention"] * n
+        other = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if other:
+            raise UnsupportedModelError(f"layer types {other} are not supported (full and sliding attention are)")
+        if len(types) != n:
+            raise UnsupportedModelError(f"the config has {len(types)} layer_types for {n} layers")
+        if "sliding_attention" in types and (not isinstance(window, int) or window < 1):
+            raise UnsupportedModelError(f"the config has sliding-window layers but sliding_window = {window!r}")
+        binds = window is not None and window < max_seq_len
+        sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention" and binds)
+        full = tuple(i for i in range(n) if i not in sliding)
+        return cls(n, full, sliding, window if sliding else None)
 
 
 def _uncompiled(model: Any) -> Any:
@@ -715,9 +858,11 @@ def _check_attention_modules(model: Any) -> None:
     """Refuse, at enable, attention modules whose extra terms sparse decode would drop."""
     for name, module in model.named_modules():
         if isinstance(getattr(module, "layer_idx", None), int) and getattr(module, "sinks", None) is not None:
+            # To enable (GPT-OSS): once the backends take per-head sinks, pass `module.sinks` to
+            # the coordinator's attend for full layers; SlidingWindowKV.attend already takes them.
             raise UnsupportedModelError(
                 f"{type(model).__name__}: {name} has attention sinks (learned per-head logits, as in "
-                "GPT-OSS), which sparse decode does not support"
+                "GPT-OSS), which the sparse attention backends do not support yet"
             )
 
 

@@ -724,13 +724,13 @@ class HierarchicalKVStore(KVStore):
     def device_tokens(self, request: Request) -> int:
         """Device token slots the request holds, averaged over layers."""
         pages = sum(ids.numel() for (layer, slot), ids in self._dev_pages.items() if slot == request.slot)
-        return pages * self.page_size // self.layout.num_layers
+        return pages * self.page_size // max(1, self.layout.num_layers)  # 0 layers: nothing held
 
     def host_tokens(self, request: Request) -> int:
         return self.host_pool.tokens(request)
 
     def used_tokens(self) -> int:
-        return sum(a.used for a in self.dev_alloc) * self.page_size // self.layout.num_layers
+        return sum(a.used for a in self.dev_alloc) * self.page_size // max(1, self.layout.num_layers)
 
     def device_bytes(self) -> int:
         return sum(a.used for a in self.dev_alloc) * self.page_size * self.layout.bytes_per_token_per_layer

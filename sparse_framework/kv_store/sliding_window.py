@@ -1,0 +1,135 @@
+"""`SlidingWindowKV`: the device K/V of sliding-window layers, a ring of `window` slots per row.
+
+A sliding-window layer (Mistral, Gemma 2/3's local layers, Qwen2 with `use_sliding_window`,
+GPT-OSS's banded layers) lets the token at position t attend to the keys at positions
+(t - window, t]: itself and the `window - 1` before it. This is transformers' convention for
+every family (`masking_utils.sliding_window_overlay`: `kv_idx > q_idx - sliding_window`, the
+same in 4.56 and 5.x; its sliding cache layers keep `window - 1` past tokens plus the new
+one), so one rule serves Mistral, Qwen2 and Gemma alike.
+
+Why a ring and not the hierarchical store: a key leaves a sliding-window layer's attention
+for good `window` tokens after it arrived, so nothing of it is worth keeping on the host (a
+prefix cache may snapshot the window, see `window_kv`), and the keys a decode step attends to
+are exactly the live slots: no selection, no residency, no paging. Per row and layer the ring
+holds `window` slots; the token at position p lives in slot p % window, so after writing
+position t the ring holds exactly positions max(0, t - window + 1)..t, i.e. the window, in
+slot order (0, 1, ...) until it first wraps. Softmax attention does not depend on the order
+of its keys, so the decode attends over the valid slots as they lie: slots 0..min(len,
+window) - 1, with `len` the row's tokens including the new one. Rows are the caller's request
+rows (`Request.slot` in the coordinator); a row's stale slots from an earlier request are
+masked out by `len`, so ending a request frees nothing.
+
+Lengths are passed in, not kept: the caller already has them (`Batch.seq_lens`), and a
+stateless ring cannot disagree with the coordinator about a row's length.
+
+Attention here is plain torch in float32 (the window is small: a decode step reads
+window x kv_heads x head_dim per row and layer). It takes the two extra terms some
+sliding-window models have, logit soft-capping (Gemma 2) and per-head attention sinks
+(GPT-OSS's `s_aux`), so that those models need only the full-attention backends to support
+them (see `UnsupportedModelError` in integrations/transformers.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..common.errors import CapacityError, ConfigError
+
+
+class SlidingWindowKV:
+    """Per sliding-window layer and request row, `window` device slots of K and V.
+
+    k, v: [num_layers, max_rows, window, num_kv_heads, head_dim] in `dtype` on `device`;
+    layer indices are this store's (0..num_layers-1), not the model's: the caller maps them.
+    """
+
+    def __init__(
+        self, num_layers: int, window: int, max_rows: int, num_kv_heads: int, head_dim: int,
+        *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    ) -> None:
+        for name, value in (("num_layers", num_layers), ("window", window), ("max_rows", max_rows),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"SlidingWindowKV.{name} must be a positive int, got {value!r}")
+        self.num_layers, self.window, self.max_rows = num_layers, window, max_rows
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        shape = (num_layers, max_rows, window, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of both rings (every layer and row)."""
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token's K and V take in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * self.k.element_size()
+
+    # -- writes -----------------------------------------------------------------------------
+    def write_prefill(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
+        """Tokens at positions start..start+n-1 of `row` (k, v [n, kv_heads, head_dim]): only
+        the last `window` of them are kept, each at slot position % window."""
+        self._check(layer, k, v)
+        if not 0 <= row < self.max_rows:
+            raise CapacityError(f"row {row} out of range 0..{self.max_rows - 1} (max_rows)")
+        n = k.shape[0]
+        keep = min(n, self.window)
+        pos = torch.arange(start + n - keep, start + n, device=self.k.device)
+        slots = pos % self.window
+        self.k[layer, row, slots] = k[n - keep:].to(self.k.dtype)
+        self.v[layer, row, slots] = v[n - keep:].to(self.v.dtype)
+
+    def write_decode(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One new token per row: rows, positions [B] (int, device), k, v [B, kv_heads, head_dim]."""
+        self._check(layer, k, v)
+        slots = positions.long() % self.window
+        self.k[layer, rows.long(), slots] = k.to(self.k.dtype)
+        self.v[layer, rows.long(), slots] = v.to(self.v.dtype)
+
+    # -- reads ------------------------------------------------------------------------------
+    def attend(
+        self, layer: int, q: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, scale: float,
+        *, softcap: float | None = None, sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Decode attention over each row's window, after `write_decode` stored the new token.
+
+        q [B, Hq, D] (Hq a multiple of kv_heads: GQA), rows [B], lengths [B] (tokens of the
+        row including the new one) -> [B, Hq, D] in q's dtype, accumulated in float32.
+        logit = scale * q·k, then softcap * tanh(logit / softcap) when `softcap` is given;
+        `sinks` [Hq]: one extra logit per head in the softmax's denominator, with no value
+        (GPT-OSS)."""
+        b, hq, d = q.shape
+        hk = self.num_kv_heads
+        if d != self.head_dim or hq % hk:
+            raise ValueError(f"q [B, Hq, D] needs D = {self.head_dim} and Hq a multiple of {hk}, got {list(q.shape)}")
+        rows = rows.long()
+        keys = self.k[layer, rows].float()  # [B, W, Hk, D]
+        values = self.v[layer, rows].float()
+        qg = q.float().view(b, hk, hq // hk, d)
+        logits = torch.einsum("bhgd,bwhd->bhgw", qg, keys) * scale
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        valid = torch.arange(self.window, device=q.device)[None, :] < lengths.long().clamp(max=self.window)[:, None]
+        logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().view(1, hk, hq // hk, 1).expand(b, -1, -1, 1)
+            probs = torch.softmax(torch.cat([logits, sink], -1), -1)[..., :-1]
+        else:
+            probs = torch.softmax(logits, -1)
+        out = torch.einsum("bhgw,bwhd->bhgd", probs, values)
+        return out.reshape(b, hq, d).to(q.dtype)
+
+    def window_kv(self, layer: int, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The row's window in token order: k, v [min(length, window), kv_heads, head_dim] of
+        positions max(0, length - window)..length-1 (for tests and prefix-cache snapshots)."""
+        keep = min(length, self.window)
+        slots = torch.arange(length - keep, length, device=self.k.device) % self.window
+        return self.k[layer, row, slots], self.v[layer, row, slots]
+
+    def _check(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"sliding-window layer {layer} out of range 0..{self.num_layers - 1}")
+        want = (self.num_kv_heads, self.head_dim)
+        if tuple(k.shape[-2:]) != want or k.shape != v.shape:
+            raise ValueError(f"k and v must be [..., {want[0]}, {want[1]}] of one shape, got {list(k.shape)}, {list(v.shape)}")
