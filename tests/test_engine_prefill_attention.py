@@ -119,3 +119,22 @@ def test_gpu_flash_attn_varlen_equals_sdpa() -> None:
         got = pa.flash_chunk_attention(fn, q, k, v)
         want = chunk_attention(q, k, v)
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2, msg=f"{label} n={n} m={m}")
+
+
+def test_auto_takes_sdpa_for_whole_prompts_and_varlen_for_later_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a flash-attn found (a stand-in) on a CUDA-typed device, "auto" sends a chunk that
+    is its whole prompt to SDPA and any later chunk to the varlen call; "flash_attn" sends all."""
+    fake = FakeVarlen()
+    monkeypatch.setattr(pa, "find_varlen", lambda: ("flash-attn 9", fake))
+    cuda = torch.device("cuda")
+    label, auto = pa.choose("auto", cuda, torch.bfloat16)
+    assert label == "flash-attn 9 (sdpa for whole prompts)"
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(6, 4, 8, generator=g), torch.randn(10, 2, 8, generator=g), torch.randn(10, 2, 8, generator=g)
+    torch.testing.assert_close(auto(q[:4], k[:4], v[:4]), chunk_attention(q[:4], k[:4], v[:4]))
+    assert fake.calls == []
+    torch.testing.assert_close(auto(q, k, v), chunk_attention(q, k, v))
+    assert len(fake.calls) == 1
+    label, every = pa.choose("flash_attn", cuda, torch.bfloat16)
+    every(q[:4], k[:4], v[:4])
+    assert label == "flash-attn 9" and len(fake.calls) == 2

@@ -10,8 +10,15 @@ with `cu_seqlens_q = [0, n]`, `cu_seqlens_k = [0, m]` and no mask tensor at all;
 flash kernel. Chunks are attended one call each: a step holds a few (the token budget over
 prompts of thousands of tokens) and their prefixes are separate staging spans.
 
-Which library, first found first (`EngineConfig.prefill_attention`: "auto" takes the first,
-"flash_attn" requires one, "sdpa" never looks):
+`EngineConfig.prefill_attention`:
+  "auto"        flash-attn's varlen kernel for a chunk that is not its whole prompt (n < m, where
+                SDPA would need a mask), SDPA's causal flash kernel for a whole prompt (n == m,
+                no mask: on the H100 it measured faster than flash-attn 4's Hopper path,
+                benchmarks/results/prefill_attention_h100.json); SDPA for all where no
+                flash-attn is installed
+  "flash_attn"  flash-attn's varlen kernel for every chunk (an error if none is installed)
+  "sdpa"        SDPA for every chunk, never looking for flash-attn
+Which library, first found first:
   flash-attn 4  `flash_attn.cute.flash_attn_varlen_func` (returns (out, lse))
   flash-attn 3  `flash_attn_interface.flash_attn_varlen_func` (the `hopper/` build)
   flash-attn 2  `flash_attn.flash_attn_varlen_func`
@@ -63,7 +70,10 @@ def choose(mode: str, device: torch.device, dtype: torch.dtype) -> tuple[str, Ch
     found = find_varlen() if usable else None
     if isinstance(found, tuple):
         label, fn = found
-        return label, lambda q, k, v: flash_chunk_attention(fn, q, k, v)
+        if mode == "flash_attn":
+            return label, lambda q, k, v: flash_chunk_attention(fn, q, k, v)
+        return f"{label} (sdpa for whole prompts)", lambda q, k, v: (
+            chunk_attention(q, k, v) if q.shape[0] == k.shape[0] else flash_chunk_attention(fn, q, k, v))
     if mode == "flash_attn":
         why = found if isinstance(found, str) else f"it needs a CUDA device and fp16/bf16 (got {device.type}, {dtype})"
         raise ConfigError(f"EngineConfig.prefill_attention='flash_attn': {why}")

@@ -1,0 +1,78 @@
+"""A prefill chunk's attention: SDPA against flash-attn's varlen kernel, by chunk shape.
+
+The engine prefills a prompt in chunks; chunk i of n queries attends to the m staged keys of
+its prompt so far (causal, bottom-right aligned). SDPA takes its flash kernel only for a whole
+prompt (n == m, `is_causal`); a later chunk (n < m) needs an [n, m] mask, and with a mask SDPA
+falls back to its memory-efficient or math kernel. flash-attn's varlen kernel takes both
+without a mask (engine/prefill_attention.py). Per (n, m): median time (CUDA events, L2 flushed)
+and TFLOP/s of the causal part actually computed (4 · Hq · D per query-key pair), beside the
+790 TFLOP/s bf16 matmul peak. CUDA only; flash-attn rows where it is installed.
+
+    python benchmarks/prefill_attention.py --out benchmarks/results/prefill_attention_h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from timing import Timer, write_results
+
+PEAK_TFLOPS = 790.0
+SHAPES = "16384x16384,8192x8192,4096x16384,2048x16384,4096x32768,8192x131072"
+
+
+def causal_pairs(n: int, m: int) -> int:
+    """Query-key pairs a bottom-right causal chunk computes: query i sees m - n + i + 1 keys."""
+    return n * (m - n) + n * (n + 1) // 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default=SHAPES, help=f"chunk queries x staged keys, comma separated (default {SHAPES})")
+    p.add_argument("--heads", default="32,8", help="query heads, KV heads (default 32,8: Llama-3-8B)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--out", help="write the results as JSON")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("prefill_attention.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from sparse_framework.engine import prefill_attention as pa
+    from sparse_framework.engine.staging import chunk_attention
+
+    hq, hkv = (int(x) for x in args.heads.split(","))
+    d = args.head_dim
+    found = pa.find_varlen()
+    kernels = {"sdpa": chunk_attention}
+    if isinstance(found, tuple):
+        label, fn = found
+        kernels[label] = lambda q, k, v: pa.flash_chunk_attention(fn, q, k, v)
+    else:
+        print(f"flash-attn: {found}", file=sys.stderr)
+    timer = Timer(torch.device("cuda"), warmup=3, iters=args.iters, flush=True)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    print(f"{'n x m':>14} {'kernel':<14} {'ms':>8} {'TFLOP/s':>8} {'of peak':>8}")
+    for shape in args.shapes.split(","):
+        n, m = (int(x) for x in shape.split("x"))
+        q = torch.randn(n, hq, d, generator=g, device="cuda").to(torch.bfloat16)
+        k, v = (torch.randn(m, hkv, d, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
+        flops = 4 * hq * d * causal_pairs(n, m)
+        for name, kernel in kernels.items():
+            us = timer(lambda: kernel(q, k, v))
+            tflops = flops / us / 1e6
+            rows.append({"n": n, "m": m, "kernel": name, "ms": us / 1e3, "tflops": tflops,
+                         "fraction_of_peak": tflops / PEAK_TFLOPS})
+            print(f"{shape:>14} {name:<14} {us / 1e3:8.2f} {tflops:8.0f} {100 * tflops / PEAK_TFLOPS:7.1f}%")
+        del q, k, v
+    if args.out:
+        write_results(args.out, {"device": torch.cuda.get_device_name(), "heads": [hq, hkv], "head_dim": d,
+                                 "dtype": "bfloat16", "peak_tflops": PEAK_TFLOPS}, rows, "prefill_attention.py", argv)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
