@@ -208,7 +208,10 @@ def main(argv: list[str] | None = None) -> int:
             break
         if name not in warm and not args.no_warmup:
             warm.add(name)
-            warmup = run_cell(model, args, min(length, 4096), name, configs[name], "2", num_prompts=2, output_len=8)
+            # four prompts that overflow one step's token budget: the last is split, so the
+            # kernels of a partial chunk (flash-attn's varlen JIT) compile here too
+            warm_len = min(length, args.max_num_batched_tokens // 3 + 1)
+            warmup = run_cell(model, args, warm_len, name, configs[name], "4", num_prompts=4, output_len=8)
             print(f"[{time.monotonic() - start:7.1f} s] warm-up of {name}: {warmup.get('error') or 'done'}", flush=True)
         row = run_cell(model, args, length, name, configs[name], label)
         rows.append(row)

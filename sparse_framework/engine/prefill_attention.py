@@ -12,10 +12,11 @@ prompts of thousands of tokens) and their prefixes are separate staging spans.
 
 `EngineConfig.prefill_attention`:
   "auto"        flash-attn's varlen kernel for a chunk that is not its whole prompt (n < m, where
-                SDPA would need a mask), SDPA's causal flash kernel for a whole prompt (n == m,
-                no mask: on the H100 it measured faster than flash-attn 4's Hopper path,
-                benchmarks/results/prefill_attention_h100.json); SDPA for all where no
-                flash-attn is installed
+                SDPA needs a mask and falls off its flash kernel: flash-attn 4 measured 2.2x
+                faster there on the H100), SDPA's causal kernel for a whole prompt (n == m, no
+                mask: within 5% of flash-attn 4, 644 vs 680 TFLOP/s at 16K and 606 vs 592 at
+                8K, benchmarks/results/prefill_attention_h100.json, and no JIT compilation);
+                SDPA for all where no flash-attn is installed
   "flash_attn"  flash-attn's varlen kernel for every chunk (an error if none is installed)
   "sdpa"        SDPA for every chunk, never looking for flash-attn
 Which library, first found first:
