@@ -2,7 +2,9 @@
 alternating sliding and full layers) through the transformers integration (issue 21, item 1).
 
 Both models attend eagerly by default (sdpa cannot soft-cap; GPT-OSS declares no sdpa), so the
-dense reference is transformers' own `generate` with the model's default implementation. The
+dense reference is transformers' own `generate` with the model's default implementation,
+eager. Gemma 2 asks for it explicitly: transformers 4.56 still defaulted it to sdpa, which
+there silently dropped the soft-cap (the integration applies it on every version). The
 tiny configs make the features bind: a soft-cap far below the logits' range and sinks of
 standard deviation 2 (the checkpoints' initialisation, 0.02, would leave them negligible);
 each test of equality also shows that without the feature the model's output differs."""
@@ -43,7 +45,7 @@ def build(name: str, seed: int = 0):
         model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=10, sliding_window=WINDOW,
-            attn_logit_softcapping=SOFTCAP, max_position_embeddings=2048))
+            attn_logit_softcapping=SOFTCAP, max_position_embeddings=2048, attn_implementation="eager"))
     else:  # alternating sliding / full, 4 experts of which 2 per token; max_position_embeddings
         # = 32 x 4096 matches the YaRN factor of the default rope parameters (no warning)
         model = transformers.GptOssForCausalLM(transformers.GptOssConfig(

@@ -65,7 +65,9 @@ Logit soft-capping and attention sinks (Gemma 2, GPT-OSS)
   Gemma 2 passes its attention function `softcap` (`attn_logit_softcapping`: logits s become
   softcap * tanh(s / softcap)), GPT-OSS `s_aux` (the attention module's `sinks`, one learned
   logit per query head in the softmax's denominator, with no value); both attend eagerly
-  by default, since sdpa cannot express either. The integration applies them on every path:
+  by default, since sdpa cannot express either (transformers 4.56 still defaulted Gemma 2 to
+  sdpa, which there drops the soft-cap: the integration applies it, as eager attention does,
+  on every version). The integration applies them on every path:
   enable gives each full layer's soft-cap and sinks to the coordinator
   (`set_attention_options`, under the store layer index), so its backend applies them at
   decode (`torch_ref` and `triton` do; a backend that cannot is refused at enable); the
