@@ -240,6 +240,18 @@ def test_backend_without_the_option_is_refused_at_enable(name, monkeypatch) -> N
     tf.enable(model, FULL, max_requests=1, max_seq_len=MAX_LEN).disable()  # the model was left enableable
 
 
+@needs("gemma2")
+def test_a_soft_cap_changed_after_enable_is_refused() -> None:
+    """The coordinator applies what enable read; a call that brings another cap is an error,
+    not a silently different model."""
+    model = build("gemma2")
+    with tf.sparse(model, FULL, max_requests=1, max_seq_len=MAX_LEN) as handle:
+        attention_modules(model)[1].attn_logit_softcapping = 2 * SOFTCAP
+        with pytest.raises(RuntimeError, match=r"layer 1's attention was called with softcap=0\.1.*enabled with softcap=0\.05"):
+            greedy(model, prompt(12, seed=1), new=2)
+        assert not handle.coordinator.requests  # generate's cache ended its requests
+
+
 TRITON_SCRIPT = """
 import sys, torch
 sys.path.insert(0, TESTS_DIR)
