@@ -332,18 +332,6 @@ def test_cache_implementation_of_the_model_config_is_set_aside(llama) -> None:
     assert torch.equal(seq, ref)
 
 
-def test_attention_sinks_are_refused_at_enable() -> None:
-    cfg = transformers.GptOssConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_local_experts=2, num_experts_per_tok=1, sliding_window=128,
-    )
-    model = transformers.GptOssForCausalLM(cfg).eval()
-    before = model.config._attn_implementation
-    with pytest.raises(tf.UnsupportedModelError, match=r"model\.layers\.0\.self_attn has attention sinks"):
-        tf.enable(model, SMALL, max_requests=1, max_seq_len=64)
-    assert model.config._attn_implementation == before and "generate" not in vars(model)
-
-
 def test_prompt_length_in_errors_of_a_windowed_model_is_the_real_one() -> None:
     """The first layer of Mistral is windowed: the last row of its mask sees only the last
     `window` tokens, which used to be reported as the prompt length (450 tokens as 64)."""

@@ -2,8 +2,8 @@
 Mistral (every layer slides), Qwen2 with use_sliding_window (layers from max_window_layers
 on) and Gemma 3 (interleaved, query_pre_attn_scalar) decode at contexts several times their
 window equal to transformers' dense generate; a small budget changes only the full layers;
-the sliding-window ring (`SlidingWindowKV`) against a plain masked-softmax reference; Gemma 2
-(softcap) and GPT-OSS (sinks) refused naming the missing feature."""
+the sliding-window ring (`SlidingWindowKV`) against a plain masked-softmax reference. Gemma 2
+(softcap) and GPT-OSS (sinks): test_integrations_transformers_softcap_sinks.py."""
 
 from __future__ import annotations
 
@@ -234,23 +234,3 @@ def test_sliding_pool_counts_the_live_window() -> None:
         assert handle._sliding_pool()["used_tokens"] == 2 * WINDOW * 2
         cache.close()
         assert handle._sliding_pool()["used_tokens"] == 0
-
-
-# -- refused until the backends support them ---------------------------------------------------
-@pytest.mark.skipif(not hasattr(transformers, "Gemma2ForCausalLM"), reason="no Gemma 2 in this transformers")
-def test_gemma2_softcap_is_refused_naming_it() -> None:
-    cfg = transformers.Gemma2Config(**TINY, head_dim=16, sliding_window=WINDOW)
-    model = transformers.Gemma2ForCausalLM(cfg).eval()
-    with pytest.raises(tf.UnsupportedModelError, match=r"soft-capping \(attn_logit_softcapping = 50\.0.*Gemma 2"):
-        tf.enable(model, FULL, max_requests=1, max_seq_len=MAX_LEN)
-
-
-@pytest.mark.skipif(not hasattr(transformers, "GptOssForCausalLM"), reason="no GPT-OSS in this transformers")
-def test_gpt_oss_sinks_are_refused_naming_them() -> None:
-    cfg = transformers.GptOssConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_local_experts=2, num_experts_per_tok=1, sliding_window=WINDOW,
-    )
-    model = transformers.GptOssForCausalLM(cfg).eval()
-    with pytest.raises(tf.UnsupportedModelError, match="attention sinks.*GPT-OSS.*backends do not support"):
-        tf.enable(model, FULL, max_requests=1, max_seq_len=MAX_LEN)

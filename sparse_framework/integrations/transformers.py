@@ -61,6 +61,22 @@ Hybrid sliding-window models
   binds: such layers stay full layers. The observer and `last_selections` see the full
   layers only (under their model layer index); `stats()` counts the sliding layers apart.
 
+Logit soft-capping and attention sinks (Gemma 2, GPT-OSS)
+  Gemma 2 passes its attention function `softcap` (`attn_logit_softcapping`: logits s become
+  softcap * tanh(s / softcap)), GPT-OSS `s_aux` (the attention module's `sinks`, one learned
+  logit per query head in the softmax's denominator, with no value); both attend eagerly
+  by default, since sdpa cannot express either (transformers 4.56 still defaulted Gemma 2 to
+  sdpa, which there drops the soft-cap: the integration applies it, as eager attention does,
+  on every version). The integration applies them on every path:
+  enable gives each full layer's soft-cap and sinks to the coordinator
+  (`set_attention_options`, under the store layer index), so its backend applies them at
+  decode (`torch_ref` and `triton` do; a backend that cannot is refused at enable); the
+  sliding-window ring takes them per call (`SlidingWindowKV.attend`); and the prefill, and
+  forwards without a SparseCache, run the models' eager formula with the sdpa mask instead of
+  sdpa (`eager_attention.py`), so a full budget equals the model's own dense generate.
+  The sinks are read at enable: a float32 parameter is used in place, another dtype's is
+  copied to float32 (enable again after loading new weights).
+
 Requests and padding
   The first forward through a SparseCache is its prefill: each batch row becomes a
   `Request` whose prompt is the row's attended tokens (from the attention mask: left
@@ -73,9 +89,8 @@ Requests and padding
 Not supported (clear errors): beam search and assisted decoding (the cache cannot reorder or
 crop requests), several tokens per row after the prefill (chunked prefill, multi-turn reuse
 of a cache: start a new cache), layer types other than full and sliding attention (e.g.
-chunked attention), logit soft-capping (Gemma 2) and attention sinks (GPT-OSS), both
-refused at enable until the integration passes them to the coordinator's per-layer attention
-options (the backends and the sliding-window ring apply them), MLA models other than those
+chunked attention), a backend that cannot apply a model's soft-cap or sinks (refused at
+enable: `flash_attn` without the library's support, `flashmla`), MLA models other than those
 with DSA's indexer (DeepSeek-V3.2 and GLM-MoE-DSA: transformers_mla.py), algorithms that need
 extra model inputs on other models (DSA's lightning indexer; DSA with `extra.source = "keys"`
 works), multimodal models. One forward at a time per handle (no thread safety).
@@ -102,6 +117,7 @@ from ..common.errors import SparseFrameworkError
 from ..common.layout import KVLayout
 from ..dense_fallback import NO_CACHE, DenseTally
 from ..kv_store.sliding_window import SlidingWindowKV
+from .eager_attention import eager_attention
 from .index_mask import fold_indices
 
 try:
@@ -212,12 +228,12 @@ def enable(
         dtype=model.dtype,
         device=model.device,
     )
-    _check_attention_modules(model)
     coord = SparseCoordinator(
         config, layout, max_requests=max_requests, max_seq_len=max_seq_len,
         device_capacity_tokens=device_capacity_tokens, host_capacity_tokens=host_capacity_tokens,
         decode_graphs=decode_graphs,
     )
+    _set_attention_options(model, cfg, layers, coord)
     algo = coord.algorithm
     if algo.prefill_inputs or algo.decode_inputs:
         needs = sorted({**algo.prefill_inputs, **algo.decode_inputs})
@@ -569,9 +585,7 @@ class SparseCache(Cache):
         """One layer: query [B, Hq, n, D], key/value [B, Hkv, n, D] (this forward's, post-RoPE)
         -> ([B, n, Hq, D], None), as transformers' attention functions return."""
         self._pending = None
-        for name in ("softcap", "s_aux", "sinks"):
-            if kwargs.get(name) is not None:
-                raise UnsupportedModelError(f"attention with {name!r} is not supported by sparse decode")
+        softcap, sinks = _split_options(kwargs)
         layer = module.layer_idx
         coord, live, layers = self.handle.coordinator, self.live, self.handle.layers
         b, hq, n, d = query.shape
@@ -584,11 +598,15 @@ class SparseCache(Cache):
         factor = scale * math.sqrt(d)  # the coordinator scales q·k by 1/sqrt(D): scale q instead
         rescale = (lambda q: q) if math.isclose(factor, 1.0, rel_tol=1e-9) else (lambda q: q * factor)
         ring = layers.ring.get(layer)
+        if ring is None:
+            self._check_options(layer, softcap, sinks)
         with torch.no_grad():
             if ring is not None:
-                out = self._sliding_layer(module, ring, batch, query, key, value, attention_mask, scale, kwargs)
+                out = self._sliding_layer(module, ring, batch, query, key, value, attention_mask, scale, kwargs,
+                                          softcap, sinks)
             elif batch.is_prefill:
-                out = self._prefill_layer(module, layer, batch, query, key, value, attention_mask, scale, rescale, kwargs)
+                out = self._prefill_layer(module, layer, batch, query, key, value, attention_mask, scale, rescale, kwargs,
+                                          softcap, sinks)
             else:
                 at = layers.store[layer]
                 q = rescale(query[:, :, 0].contiguous())
@@ -608,12 +626,25 @@ class SparseCache(Cache):
                 self.handle._decode_steps += 1
         return out, None
 
+    def _check_options(self, layer: int, softcap: float | None, sinks: torch.Tensor | None) -> None:
+        """A full layer's call must bring the soft-cap and sinks `enable` gave the coordinator
+        (`_set_attention_options`): the coordinator's backend applies those, not the call's."""
+        options = self.handle.coordinator.attention_options(self.handle.layers.store[layer])
+        if options.softcap != softcap or (options.sinks is None) != (sinks is None):
+            raise RuntimeError(
+                f"layer {layer}'s attention was called with softcap={softcap} and "
+                f"{'no ' if sinks is None else ''}sinks, but sparse decode was enabled with softcap={options.softcap} "
+                f"and {'no ' if options.sinks is None else ''}sinks for it (changed after enable? enable again)"
+            )
+
     def _prefill_layer(
         self, module: Any, layer: int, batch: Batch, query: torch.Tensor, key: torch.Tensor,
         value: torch.Tensor, attention_mask: torch.Tensor | None, scale: float,
         rescale: Callable[[torch.Tensor], torch.Tensor], kwargs: dict[str, Any],
+        softcap: float | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Store the packed prompt (pad tokens dropped) and attend densely over the padded batch."""
+        """Store the packed prompt (pad tokens dropped) and attend densely over the padded
+        batch, with the layer's soft-cap and sinks as the model's eager attention has them."""
         rows = self.live.prompt_rows
         assert rows is not None
 
@@ -625,19 +656,21 @@ class SparseCache(Cache):
         coord.attention_begin(at, q, k, v, batch)
         if self.handle.observer is not None:
             self.handle.observer(AttentionEvent(layer, batch, q, k, v))
-        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=scale, **kwargs)
+        out = _dense(module, query, key, value, attention_mask, scale, kwargs, softcap, sinks)
         coord.attention_end(at, out.reshape(-1, out.shape[2], out.shape[3]).index_select(0, rows), batch)
         return out
 
     def _sliding_layer(
         self, module: Any, ring: int, batch: Batch, query: torch.Tensor, key: torch.Tensor,
         value: torch.Tensor, attention_mask: torch.Tensor | None, scale: float, kwargs: dict[str, Any],
+        softcap: float | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """A sliding-window layer, outside the coordinator. Prefill: dense sdpa with the mask
-        the model built for this layer (its own sliding-window mask: what the sdpa model
-        computes), then each row's last `window` real tokens into the ring. Decode: the new
-        token into the ring at position seq_len - 1, then attention over the ring's valid
-        slots (positions (t - window, t]), the model's scale as is."""
+        """A sliding-window layer, outside the coordinator. Prefill: dense attention with the
+        mask the model built for this layer (its own sliding-window mask: what the sdpa model
+        computes; the eager formula with a soft-cap or sinks), then each row's last `window`
+        real tokens into the ring. Decode: the new token into the ring at position
+        seq_len - 1, then attention over the ring's valid slots (positions (t - window, t]),
+        the model's scale as is, with the call's soft-cap and sinks."""
         windows = self.handle.sliding
         assert windows is not None
         if batch.is_prefill:
@@ -649,12 +682,11 @@ class SparseCache(Cache):
             for r in batch.requests:
                 windows.write_prefill(ring, r.slot, k[offset : offset + r.prompt_len], v[offset : offset + r.prompt_len])
                 offset += r.prompt_len
-            out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=scale, **kwargs)
-            return out
+            return _dense(module, query, key, value, attention_mask, scale, kwargs, softcap, sinks)
         assert batch.seq_lens is not None and batch.slot_ids is not None
         positions = batch.seq_lens.long() - 1
         windows.write_decode(ring, batch.slot_ids, positions, key[:, :, 0], value[:, :, 0])
-        attended = windows.attend(ring, query[:, :, 0], batch.slot_ids, batch.seq_lens, scale)
+        attended = windows.attend(ring, query[:, :, 0], batch.slot_ids, batch.seq_lens, scale, softcap=softcap, sinks=sinks)
         self.handle._sliding_steps += len(batch)
         return attended.unsqueeze(1)
 
@@ -704,7 +736,8 @@ def sparse_attention_forward(
     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, **kwargs: Any,
 ) -> tuple[torch.Tensor, Any]:
     """The attention function registered as "sparse_framework": through the coordinator when
-    the step is a SparseCache's, transformers' sdpa attention otherwise."""
+    the step is a SparseCache's, transformers' sdpa attention otherwise (the eager formula for
+    a call with a soft-cap or attention sinks, which sdpa cannot express)."""
     handle = _HANDLES.get(module)
     cache = handle._active() if handle is not None and handle._active is not None else None
     if cache is not None and cache._claims(module.layer_idx, key):
@@ -713,6 +746,14 @@ def sparse_attention_forward(
         handle._count_bypass(query.shape[0])
     if kwargs.get("indices") is not None:  # an MLA + DSA model's top-k, which sdpa alone would ignore
         attention_mask = fold_indices(attention_mask, kwargs.pop("indices"), key.shape[2])
+    softcap, sinks = _split_options(kwargs)
+    if softcap is not None or sinks is not None:  # what the model's own (eager) attention computes
+        if dropout:
+            raise UnsupportedModelError(
+                f"attention dropout ({dropout}) with a soft-cap or sinks is not supported through {NAME}: "
+                "call model.eval(), or disable the handle to train"
+            )
+        return _dense(module, query, key, value, attention_mask, scaling, kwargs, softcap, sinks), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
@@ -782,14 +823,6 @@ def _text_config(model: Any) -> Any:
         raise UnsupportedModelError(f"{name}: multimodal and encoder-decoder models are not supported yet")
     if getattr(cfg, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{name}: encoder-decoder models are not supported")
-    if getattr(cfg, "attn_logit_softcapping", None) is not None:
-        # To enable (Gemma 2): once the backends (torch_ref, triton) take a softcap, pass the
-        # module's `softcap` kwarg to the coordinator's attend for full layers;
-        # SlidingWindowKV.attend already takes it for the sliding-window layers.
-        raise UnsupportedModelError(
-            f"{name}: attention logit soft-capping (attn_logit_softcapping = {cfg.attn_logit_softcapping}, "
-            "as in Gemma 2) is not supported yet: the sparse attention backends do not apply a softcap"
-        )
     return cfg
 
 
@@ -854,16 +887,51 @@ def _uncompiled(model: Any) -> Any:
     return orig if isinstance(model, torch.nn.Module) and isinstance(orig, torch.nn.Module) else model
 
 
-def _check_attention_modules(model: Any) -> None:
-    """Refuse, at enable, attention modules whose extra terms sparse decode would drop."""
-    for name, module in model.named_modules():
-        if isinstance(getattr(module, "layer_idx", None), int) and getattr(module, "sinks", None) is not None:
-            # To enable (GPT-OSS): once the backends take per-head sinks, pass `module.sinks` to
-            # the coordinator's attend for full layers; SlidingWindowKV.attend already takes them.
-            raise UnsupportedModelError(
-                f"{type(model).__name__}: {name} has attention sinks (learned per-head logits, as in "
-                "GPT-OSS), which the sparse attention backends do not support yet"
-            )
+def _set_attention_options(model: Any, cfg: Any, layers: LayerMap, coord: SparseCoordinator) -> None:
+    """Give each full-attention layer's soft-cap (Gemma 2's `attn_logit_softcapping`, from the
+    attention module or the config) and attention sinks (GPT-OSS's `sinks` parameter) to the
+    coordinator under its store layer index, so that its backend applies them at decode. A
+    backend that cannot apply one refuses here, at enable (UnsupportedFeatureError naming the
+    backend and the option). Sliding-window layers take them per call (`_split_options`).
+
+    The sinks are read once: a float32 model's parameter is used in place (later in-place
+    weight updates are seen); another dtype's is copied to float32, so enable again after
+    loading new weights."""
+    default_cap = getattr(cfg, "attn_logit_softcapping", None)
+    found: dict[int, tuple[float | None, torch.Tensor | None]] = {}  # model layer -> (softcap, sinks)
+    for module in model.modules():  # modules with a layer_idx: the attention module (and maybe its block)
+        layer = getattr(module, "layer_idx", None)
+        if not isinstance(layer, int) or layer not in layers.store:
+            continue
+        softcap, sinks = found.get(layer, (default_cap, None))
+        softcap = getattr(module, "attn_logit_softcapping", None) or softcap
+        param = getattr(module, "sinks", None)
+        found[layer] = (softcap, param if isinstance(param, torch.Tensor) else sinks)
+    for layer, (softcap, sinks) in found.items():
+        if softcap is not None or sinks is not None:
+            coord.set_attention_options(layers.store[layer], softcap=softcap, sinks=sinks)
+
+
+def _split_options(kwargs: dict[str, Any]) -> tuple[float | None, torch.Tensor | None]:
+    """Take the soft-cap and the sinks out of an attention call's keywords: `softcap` (Gemma
+    2, None in Gemma 3) and `s_aux` (GPT-OSS; `sinks` accepted too)."""
+    softcap = kwargs.pop("softcap", None)
+    s_aux, sinks = kwargs.pop("s_aux", None), kwargs.pop("sinks", None)
+    return softcap, s_aux if s_aux is not None else sinks
+
+
+def _dense(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+    scale: float | None, kwargs: dict[str, Any], softcap: float | None, sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Dense attention over the padded batch with the model's mask -> [B, n, Hq, D]:
+    transformers' sdpa attention, or, for a call with a soft-cap or sinks (which sdpa cannot
+    express), the eager formula those models use (eager_attention.py)."""
+    if softcap is None and sinks is None:
+        out, _ = sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scale, **kwargs)
+        return out
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    return eager_attention(query, key, value, mask, scale, softcap=softcap, sinks=sinks)
 
 
 def _check_cache_implementation(value: Any) -> None:
