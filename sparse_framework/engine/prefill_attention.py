@@ -59,9 +59,8 @@ def choose(mode: str, device: torch.device, dtype: torch.dtype) -> tuple[str, Ch
     """(label, chunk attention) for an engine on `device` with activations of `dtype`."""
     if mode not in CHOICES:
         raise ConfigError(f"EngineConfig.prefill_attention must be one of {', '.join(CHOICES)}, got {mode!r}")
-    sdpa = lambda q, k, v, scale: chunk_attention(q, k, v, scale=scale)  # noqa: E731
     if mode == "sdpa":
-        return "sdpa", sdpa
+        return "sdpa", chunk_attention
     usable = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
     found = find_varlen() if usable else None
     if isinstance(found, tuple):
@@ -70,7 +69,7 @@ def choose(mode: str, device: torch.device, dtype: torch.dtype) -> tuple[str, Ch
     if mode == "flash_attn":
         why = found if isinstance(found, str) else f"it needs a CUDA device and fp16/bf16 (got {device.type}, {dtype})"
         raise ConfigError(f"EngineConfig.prefill_attention='flash_attn': {why}")
-    return "sdpa", sdpa
+    return "sdpa", chunk_attention
 
 
 def flash_chunk_attention(

@@ -99,7 +99,7 @@ class PrefillStaging:
 
 
 def chunk_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
     softcap: float | None = None, window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of a prompt chunk over its prefix: q [n, Hq, D] are the last n of the
