@@ -68,7 +68,8 @@ class AttendFn(Protocol):
 
 
 class Model(Protocol):
-    """What the runner needs of a model (engine/models' DecoderModel)."""
+    """What the runner needs of a model (engine/models' DecoderModel or GemmaDecoderModel; its
+    `config`, a ModelConfig, gives the layer types, window, scale and soft-cap)."""
 
     def __call__(
         self, token_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn, logits_rows: torch.Tensor

@@ -32,7 +32,6 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
 }
 GEMMA_FAMILIES = ("gemma2", "gemma3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
-FULL_ATTENTION, SLIDING_ATTENTION = FULL, SLIDING
 DEFAULT_ROPE_THETA = 10_000.0  # transformers' default when a config names no theta
 
 
