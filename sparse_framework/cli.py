@@ -263,11 +263,11 @@ def _engine_plan(args: argparse.Namespace) -> int:
         raise SparseFrameworkError("--max-num-batched-tokens and --max-num-seqs must be >= 1")
     model = ModelConfig.from_hf(models[args.model])
     dtype = LAYOUT_DTYPES[args.dtype]
-    layout = model.kv_layout(dtype)
     config = load_config(args.config) if args.config else load_config(PLAN_DEFAULT)
     host = None if args.host_memory_gib is None else int(args.host_memory_gib * 2**30)
     plans = []
     for context in _int_list(args.context, "--context"):
+        layout = model.kv_layout(dtype, max_model_len=context)  # the store's layers: full attention at this context
         p = plan_engine_memory(
             model, layout, config, weight_bytes=model.num_parameters() * dtype.itemsize, max_model_len=context,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,

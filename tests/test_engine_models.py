@@ -19,8 +19,10 @@ from sparse_framework.common.errors import ConfigError  # noqa: E402
 from sparse_framework.engine.models import (  # noqa: E402
     CheckpointError,
     DecoderModel,
+    GemmaDecoderModel,
     ModelConfig,
     UnsupportedModelError,
+    build_model,
     causal_attention,
     default_dtype,
     dense_causal_attend,
@@ -46,6 +48,18 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1_000_000.0, tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, rope_theta=1_000_000.0)),  # head_dim != d/H
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    # sliding windows (8) shorter than the 40-token sequence below; Gemma's own parts
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    "qwen2_window": ("Qwen2Config", "Qwen2ForCausalLM",
+                     dict(sliding_window=8, use_sliding_window=True, max_window_layers=1)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",  # softcaps 50 / 30, alternating layers
+               dict(head_dim=8, sliding_window=8, query_pre_attn_scalar=16, attn_logit_softcapping=5.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(head_dim=8, sliding_window=8, query_pre_attn_scalar=16, final_logit_softcapping=3.0,
+                    layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                     "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                        "rope_theta": 1_000_000.0}})),
 }
 
 
@@ -97,13 +111,14 @@ def test_packed_forward_equals_transformers_per_sequence(family: str, checkpoint
     lens = [7, 40, 1]  # 40 > llama3's original context of 16: every rescaled band is used
     seqs = random_seqs(lens, seed=1)
     ids, pos = packed(seqs)
-    got = ours(ids, pos, dense_causal_attend(lens))
+    got = ours(ids, pos, dense_causal_attend(lens, config=ours.config))  # its scale, softcap and windows
     want = hf_logits(hf, seqs)
     assert got.dtype == torch.float32 and got.shape == (sum(lens), VOCAB)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
     last = torch.tensor([6, 46, 47])  # each sequence's last token
-    torch.testing.assert_close(ours(ids, pos, dense_causal_attend(lens), last), want[last], atol=1e-4, rtol=1e-4)
+    attend = dense_causal_attend(lens, config=ours.config)
+    torch.testing.assert_close(ours(ids, pos, attend, last), want[last], atol=1e-4, rtol=1e-4)
 
 
 class CacheAttend:
@@ -189,11 +204,13 @@ def test_old_style_rope_keys_are_read() -> None:
 def test_config_facts_and_parameter_count(checkpoints) -> None:
     for family, (hf, path) in checkpoints.items():
         config = ModelConfig.from_hf(path)
-        model = DecoderModel(config)
+        model = build_model(config)
+        assert type(model) is (GemmaDecoderModel if family.startswith("gemma") else DecoderModel)
         assert config.num_parameters() == sum(p.numel() for p in model.parameters()) == hf.num_parameters()
-        layout = config.kv_layout(torch.bfloat16)
-        assert (layout.num_layers, layout.num_kv_heads, layout.head_dim) == (2, 2, config.head_dim)
-        assert config.qk_norm == (family == "qwen3")
+        layout = config.kv_layout(torch.bfloat16)  # the store's layers: those not sliding at 256 tokens
+        sliding = config.layer_types.count("sliding_attention")
+        assert (layout.num_layers, layout.num_kv_heads, layout.head_dim) == (2 - sliding, 2, config.head_dim)
+        assert config.qk_norm == (family in ("qwen3", "gemma3"))
         assert config.eos_token_ids == (() if hf.config.eos_token_id is None else (hf.config.eos_token_id,))
 
 
@@ -248,19 +265,63 @@ def test_unsupported_architecture_names_it_and_the_supported(tmp_path: Path) -> 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"architectures": ["MistralForCausalLM"], "sliding_window": 64},
-         r"sliding_window 64 .*\(windows come in step 8\)"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
-         "rope_type 'yarn' is not supported; supported: default, llama3"),
+         "rope_type 'yarn' is not supported; supported: default, llama3, linear"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
-        ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 8,
-          "max_window_layers": 0}, "sliding_window 8"),
+        ({"architectures": ["Gemma2ForCausalLM"], "hidden_activation": "silu"},
+         "hidden_act 'silu' is not supported for gemma2; its MLP uses 'gelu_pytorch_tanh'"),
+        ({"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True},
+         "use_bidirectional_attention is not supported"),
+        ({"architectures": ["Gemma3ForConditionalGeneration"]},
+         "'Gemma3ForConditionalGeneration' is not supported.*Gemma3ForCausalLM"),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 8,
+          "layer_types": ["chunked_attention"] * TINY["num_hidden_layers"]},
+         r"layer types \['chunked_attention'\] are not supported"),
+        ({"rope_parameters": {"full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "default"}}},
+         "per-layer-type RoPE settings .* are supported for Gemma 3 only"),
     ],
 )
 def test_unsupported_features_are_refused_by_name(change: dict, message: str) -> None:
     raw = {"architectures": ["LlamaForCausalLM"], **TINY} | change
     with pytest.raises(UnsupportedModelError, match=message):
         ModelConfig.from_hf(raw)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window must be a positive int"),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 8, "layer_types": ["sliding_attention"]},
+         "layer_types must be a list of 2 entries"),
+        ({"architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": -1.0},
+         "attn_logit_softcapping must be a number > 0 or null"),
+    ],
+)
+def test_bad_window_and_softcap_values_are_refused_by_name(change: dict, message: str) -> None:
+    raw = {"architectures": ["LlamaForCausalLM"], **TINY} | change
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf(raw)
+
+
+def test_layer_types_as_transformers_reads_them() -> None:
+    """Mistral slides every layer; Qwen2 from max_window_layers on and only with
+    use_sliding_window; Gemma 2 alternates (sliding first); Gemma 3 has one full layer per
+    sliding_window_pattern; a window as long as the context never binds (routed full)."""
+    n = TINY["num_hidden_layers"]
+    S, F = "sliding_attention", "full_attention"
+    mistral = ModelConfig.from_hf({"architectures": ["MistralForCausalLM"], **TINY, "sliding_window": 8})
+    assert mistral.layer_types == (S,) * n and mistral.sliding_window == 8
+    assert mistral.layer_map(64).sliding == tuple(range(n)) and mistral.kv_layout(torch.float32, "cpu", 64).num_layers == 0
+    assert mistral.layer_map(8).full == tuple(range(n))  # window 8 >= context 8: never binds
+    qwen = {"architectures": ["Qwen2ForCausalLM"], **TINY, "sliding_window": 8}
+    assert ModelConfig.from_hf(qwen).layer_types == ()  # use_sliding_window unset: no window
+    assert ModelConfig.from_hf({**qwen, "use_sliding_window": True, "max_window_layers": 1}).layer_types == (F, S)
+    gemma2 = ModelConfig.from_hf({"architectures": ["Gemma2ForCausalLM"], **TINY, "sliding_window": 8})
+    assert gemma2.layer_types == (S, F) and gemma2.attn_logit_softcapping == 50.0  # transformers' defaults
+    assert gemma2.final_logit_softcapping == 30.0 and gemma2.attention_scale == 256**-0.5
+    gemma3 = ModelConfig.from_hf({"architectures": ["Gemma3ForCausalLM"], **TINY, "sliding_window": 8,
+                                  "sliding_window_pattern": 2, "rope_local_base_freq": 10.0})
+    assert gemma3.layer_types == (S, F) and gemma3.local_rope_theta == 10.0 and gemma3.qk_norm
 
 
 def test_windows_that_never_bind_are_accepted() -> None:

@@ -98,7 +98,7 @@ def test_engine_prefill_through_the_varlen_call(monkeypatch: pytest.MonkeyPatch)
     plain = run()
     fake = FakeVarlen()
     monkeypatch.setattr(runner_module, "choose_prefill_attention",
-                        lambda mode, device, dtype: ("fake", lambda q, k, v: pa.flash_chunk_attention(fake, q, k, v)))
+                        lambda mode, device, dtype: ("fake", lambda q, k, v, s: pa.flash_chunk_attention(fake, q, k, v, s)))
     assert run() == plain
     chunks = sum(-(-len(p) // 16) for p in prompts)  # at most 16 tokens of a prompt per step
     assert len(fake.calls) >= chunks * config.num_layers

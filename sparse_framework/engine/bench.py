@@ -176,7 +176,7 @@ def memory_plan(model: torch.nn.Module, sparse_config: SparseConfig, device: str
     if device.type != "cuda" and device_memory_bytes is None:
         return None
     params = list(model.parameters())
-    layout = model.config.kv_layout(params[0].dtype, device)  # type: ignore[union-attr]
+    layout = model.config.kv_layout(params[0].dtype, device, max_model_len)  # type: ignore[union-attr]
     return plan_for(params, model.config, layout, sparse_config, device=device,  # type: ignore[arg-type]
                     max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                     max_num_seqs=max_num_seqs,

@@ -50,7 +50,8 @@ class EngineConfig:
     (None: the coordinator's sizing); decode_graphs: the coordinator's per-layer decode graphs
     (CUDA); cuda_graphs: whole decode-only steps replayed from CUDA graphs (CUDA;
     step_graphs.py); fused_ops: the model's fused projections and layer kernels
-    (DecoderModel.use_fused_ops; None: on for a CUDA device); prefill_attention: "auto"
+    (DecoderModel.use_fused_ops; None: on for a CUDA device when the model has them — Gemma's
+    have none, `supports_fused_ops`); prefill_attention: "auto"
     (flash-attn's varlen kernel where installed, else SDPA), "flash_attn" (required) or "sdpa"
     (engine/prefill_attention.py); seed: the sampler's generator
     for requests without a seed of their own.
@@ -168,7 +169,7 @@ class Engine:
         self.device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
         dtype = dtype or (first.dtype if first is not None else torch.float32)
         max_model_len = config.max_model_len or model_config.max_position_embeddings
-        layout = model_config.kv_layout(dtype, self.device)
+        layout = model_config.kv_layout(dtype, self.device, max_model_len)  # the store's: full-attention layers
         sparse_config = load_config(sparse_config)
         rows, device_tokens, host_tokens = config.max_num_seqs, config.device_capacity_tokens, config.host_capacity_tokens
         self.memory_plan: EngineMemoryPlan | None = None
@@ -185,11 +186,13 @@ class Engine:
             plan.check()
             rows, device_tokens, host_tokens = plan.num_seqs, plan.device_capacity_tokens, plan.host_capacity_tokens
         self.num_seqs = rows
-        fused = config.fused_ops if config.fused_ops is not None else self.device.type == "cuda"
+        supported = getattr(model, "supports_fused_ops", hasattr(model, "use_fused_ops"))
+        fused = config.fused_ops if config.fused_ops is not None else self.device.type == "cuda" and supported
         if fused:
-            if not hasattr(model, "use_fused_ops"):
-                raise ConfigError(f"EngineConfig.fused_ops=True: the model ({type(model).__name__}) has no fused path "
-                                  "(engine/models' DecoderModel has)")
+            if not supported:
+                why = getattr(model, "fused_ops_unsupported", "engine/models' DecoderModel has one")
+                raise ConfigError(f"EngineConfig.fused_ops=True: the model ({type(model).__name__}) has no fused path: "
+                                  f"{why}")
             model.use_fused_ops()  # type: ignore[attr-defined]
         self.runner = ModelRunner(
             model, layout, sparse_config,
@@ -197,7 +200,7 @@ class Engine:
             staging_tokens=config.staging_tokens or max_model_len,
             device_capacity_tokens=device_tokens, host_capacity_tokens=host_tokens,
             decode_graphs=config.decode_graphs, cuda_graphs=config.cuda_graphs,
-            prefill_attention=config.prefill_attention,
+            prefill_attention=config.prefill_attention, model_config=model_config,
         )
         self.budget = RunnerBudget(self.runner)
         self.scheduler = Scheduler(

@@ -24,7 +24,7 @@ import torch
 from ..common.errors import ConfigError
 from ..config import SparseConfig
 from .engine import Engine, EngineConfig, RequestOutput
-from .models import DecoderModel, load_model, load_reference
+from .models import EngineModel, load_model, load_reference
 from .sampling import SamplingParams
 
 DEFAULT_SPARSE = {"algorithm": "quest"}
@@ -86,7 +86,7 @@ class LLM:
 
     @classmethod
     def from_model(
-        cls, model: DecoderModel, sparse_config: SparseConfig | dict[str, Any] | str | None = None, *,
+        cls, model: EngineModel, sparse_config: SparseConfig | dict[str, Any] | str | None = None, *,
         tokenizer: Any | None = None, **engine_options: Any,
     ) -> LLM:
         """An LLM over a model already built (e.g. `random_model` for benchmarks)."""
@@ -94,7 +94,7 @@ class LLM:
         llm._setup(model, tokenizer, sparse_config, engine_options)
         return llm
 
-    def _setup(self, model: DecoderModel, tokenizer: Any | None, sparse_config: Any, engine_options: dict[str, Any]) -> None:
+    def _setup(self, model: EngineModel, tokenizer: Any | None, sparse_config: Any, engine_options: dict[str, Any]) -> None:
         self.model, self.tokenizer = model, tokenizer
         try:
             config = EngineConfig(**engine_options)

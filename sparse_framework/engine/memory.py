@@ -11,7 +11,9 @@ model needs to run; the engine does the same for the SparseCoordinator's pools:
     request rows       = min(max_num_seqs, requests by device, requests by host)
 
 A request row is what the coordinator allocates per `max_requests` at `max_seq_len =
-max_model_len`: its share of the device pools (a sparse layer's buffer, a dense layer's whole
+max_model_len` (`layout`: the store's, full-attention layers only), plus its row of the
+sliding-window layers' ring (`ModelConfig.sliding_ring_bytes`: window slots per sliding
+layer, device only): its share of the device pools (a sparse layer's buffer, a dense layer's whole
 context; every token in every layer for the resident store), the algorithm's representations
 and the store's maps on the device, and its whole KV on the host (the hierarchical store; the
 resident store has no host pool). Those bytes are footprint.py's `coordinator_parts` for one
@@ -232,6 +234,7 @@ def plan_engine_memory(
     activations = max(layer, logits, handover)
     budget = int(gpu_memory_utilization * device_total_bytes) - weight_bytes - activations - staging - other
     per_device, per_host = request_bytes(config, layout, max_model_len)
+    per_device += model.sliding_ring_bytes(layout.dtype, max_model_len)  # sliding layers' ring row
     host_bytes, source = host_budget(host_memory_bytes)
     by_device = max(0, budget) // per_device
     by_host = host_bytes // per_host if per_host else None

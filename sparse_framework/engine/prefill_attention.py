@@ -44,7 +44,9 @@ INSTALL = 'pip install "sparse-framework[flash-attn]"'
 _LIBRARIES = (("flash-attn 4", "flash_attn.cute"), ("flash-attn 3", "flash_attn_interface"),
               ("flash-attn 2", "flash_attn"))
 
-ChunkAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (q, k, v, scale) -> out: a full-attention layer's chunk over its staged prefix (sliding or
+# soft-capped layers take staging.chunk_attention, which applies those terms)
+ChunkAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 @cache
@@ -72,22 +74,25 @@ def choose(mode: str, device: torch.device, dtype: torch.dtype) -> tuple[str, Ch
     if isinstance(found, tuple):
         label, fn = found
         if mode == "flash_attn":
-            return label, lambda q, k, v: flash_chunk_attention(fn, q, k, v)
-        return f"{label} (sdpa for whole prompts)", lambda q, k, v: (
-            chunk_attention(q, k, v) if q.shape[0] == k.shape[0] else flash_chunk_attention(fn, q, k, v))
+            return label, lambda q, k, v, scale=None: flash_chunk_attention(fn, q, k, v, scale)
+        return f"{label} (sdpa for whole prompts)", lambda q, k, v, scale=None: (
+            chunk_attention(q, k, v, scale) if q.shape[0] == k.shape[0] else flash_chunk_attention(fn, q, k, v, scale))
     if mode == "flash_attn":
         why = found if isinstance(found, str) else f"it needs a CUDA device and fp16/bf16 (got {device.type}, {dtype})"
         raise ConfigError(f"EngineConfig.prefill_attention='flash_attn': {why}")
     return "sdpa", chunk_attention
 
 
-def flash_chunk_attention(fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def flash_chunk_attention(
+    fn: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
     """`chunk_attention` through a flash-attn varlen function `fn`: q [n, Hq, D], k and v
-    [m, Hkv, D] (the staged prefix, n <= m) -> [n, Hq, D]."""
+    [m, Hkv, D] (the staged prefix, n <= m) -> [n, Hq, D]; logits scaled by `scale` (None:
+    1/sqrt(D))."""
     n, m = q.shape[0], k.shape[0]
     if n > m:
         raise ValueError(f"chunk_attention: {n} queries but only {m} keys")
     lens = torch.tensor([0, n, 0, m], dtype=torch.int32).to(q.device, non_blocking=True)
     out = fn(q, k, v, cu_seqlens_q=lens[:2], cu_seqlens_k=lens[2:], max_seqlen_q=n, max_seqlen_k=m,
-             softmax_scale=1 / math.sqrt(q.shape[-1]), causal=True)
+             softmax_scale=1 / math.sqrt(q.shape[-1]) if scale is None else scale, causal=True)
     return out[0] if isinstance(out, tuple) else out

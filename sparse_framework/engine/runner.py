@@ -11,6 +11,24 @@ engine/models), and the runner splits the rows:
                   prefill_attention.py): the prompt never passes through a
                   full-context attention and never needs more than a chunk of activations.
 
+Sliding-window layers (a hybrid model's, `ModelConfig.layer_types`) do not go through the
+coordinator: each has a `SlidingWindowKV` ring of `window` slots per request row (the row is
+the coordinator's `Request.slot`). A decode row writes its token there and attends to the
+ring's valid slots; a prefill chunk attends to the ring's window before it (the last window
+positions of its prompt so far, written by the chunks before) and its own keys, under the
+sliding mask ([chunk, window + chunk]: never the whole prefix), then writes its last `window`
+keys to the ring. So nothing of a sliding layer is staged, handed over or kept on the host,
+and the coordinator's `KVLayout` counts the full-attention layers only (`layers.store` maps a
+model layer to its store layer, `layers.ring` to its ring layer). A retracted request keeps
+its coordinator slot, hence its ring row and window, until it ends: resuming needs nothing
+for the sliding layers (their bytes are reserved per row, like the slot). A request
+preempted while still prefilling is admitted again from token 0 and rewrites its window.
+
+Attention terms per layer come from the model's config: q·k is scaled by
+`attention_scale` (the coordinator always scales by 1/sqrt(D), so its q is multiplied by
+attention_scale x sqrt(D)), and `attn_logit_softcapping` is set as the coordinator's
+attention option of every store layer and applied by the ring and the prefill chunks.
+
 After the forward, each prompt whose last chunk ran is handed to the coordinator from its
 staging (a prefill step of its own: the store offloads it to the host and fills the request's
 buffer, the algorithm builds its representations; no attention is computed there) and its
@@ -30,13 +48,18 @@ from typing import Any, Protocol
 
 import torch
 
+import math
+
 from ..common.batch import Batch, Request
 from ..common.errors import CapacityError, ConfigError
+from ..common.layer_map import LayerMap
 from ..common.layout import KVLayout
 from ..config import SparseConfig, load_config
 from ..coordinator import SparseCoordinator
+from ..kv_store.sliding_window import SlidingWindowKV
+from .models import ModelConfig
 from .prefill_attention import choose as choose_prefill_attention
-from .staging import PrefillStaging
+from .staging import PrefillStaging, chunk_attention
 from .step_graphs import StepGraphs
 
 
@@ -45,7 +68,8 @@ class AttendFn(Protocol):
 
 
 class Model(Protocol):
-    """What the runner needs of a model (engine/models' DecoderModel)."""
+    """What the runner needs of a model (engine/models' DecoderModel or GemmaDecoderModel; its
+    `config`, a ModelConfig, gives the layer types, window, scale and soft-cap)."""
 
     def __call__(
         self, token_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn, logits_rows: torch.Tensor
@@ -79,7 +103,10 @@ class ModelRunner:
     decode_graphs: the coordinator replays each decode layer's sparse work from a CUDA graph;
     cuda_graphs: whole decode-only steps (model and coordinator) replayed from CUDA graphs
     (step_graphs.py); prefill_attention: "auto", "flash_attn" or "sdpa" (prefill_attention.py;
-    `prefill_attention_label` says which was taken)."""
+    `prefill_attention_label` says which was taken). model_config: the layers' types, window,
+    attention scale and soft-cap (None: `model.config` if the model has one, else every layer
+    full attention at 1/sqrt(D)); `layout` is the store's, its num_layers the full-attention
+    layers at max_model_len (`ModelConfig.kv_layout(dtype, device, max_model_len)`)."""
 
     def __init__(
         self,
@@ -96,6 +123,7 @@ class ModelRunner:
         decode_graphs: bool = False,
         cuda_graphs: bool = False,
         prefill_attention: str = "auto",
+        model_config: ModelConfig | None = None,
     ) -> None:
         self.model = model
         self.prefill_attention_label, self._chunk_attention = choose_prefill_attention(
@@ -119,11 +147,38 @@ class ModelRunner:
                 f"algorithm {config.algorithm!r} needs model inputs {needs} that these models do not compute "
                 "(for DSA set extra.source to 'keys')"
             )
+        self._layers(model_config if model_config is not None else getattr(model, "config", None),
+                     layout, max_num_seqs, max_model_len)
         self.staging = PrefillStaging(layout, staging_tokens)
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
         self._q_rows = algo.prefill_query_rows  # None: every prompt query; 0: none
         self._q_tails: dict[str, torch.Tensor] = {}  # rid -> [layers, rows, Hq, D]: the queries build reads
+
+    def _layers(self, config: ModelConfig | None, layout: KVLayout, rows: int, max_model_len: int) -> None:
+        """The layer map, the sliding-window ring, the attention scale and soft-cap."""
+        if not isinstance(config, ModelConfig):
+            self.layers, self.scale, self.softcap = LayerMap.all_full(layout.num_layers), None, None
+            self.ring, self._q_factor = None, None
+            return
+        self.layers = config.layer_map(max_model_len)
+        if len(self.layers.full) != layout.num_layers:
+            raise ConfigError(
+                f"the KV layout has {layout.num_layers} layers but the model has {len(self.layers.full)} "
+                f"full-attention layers at max_model_len {max_model_len} (layout: "
+                "ModelConfig.kv_layout(dtype, device, max_model_len))"
+            )
+        self.scale, self.softcap = config.attention_scale, config.attn_logit_softcapping
+        factor = self.scale * math.sqrt(layout.head_dim)  # the coordinator scales by 1/sqrt(D)
+        self._q_factor = None if math.isclose(factor, 1.0, rel_tol=1e-9) else factor
+        if self.softcap is not None:
+            for layer in range(layout.num_layers):
+                self.coord.set_attention_options(layer, softcap=self.softcap)
+        self.ring = None
+        if self.layers.sliding:
+            assert self.layers.window is not None
+            self.ring = SlidingWindowKV(len(self.layers.sliding), self.layers.window, rows, layout.num_kv_heads,
+                                        layout.head_dim, dtype=layout.dtype, device=layout.device)
 
     # -- memory (what the scheduler's budget asks) -----------------------------------------------
     def admit(self, rid: str, prompt_len: int) -> bool:
@@ -220,19 +275,25 @@ class ModelRunner:
         return logits
 
     def _attend_fn(self, batch: Batch | None, num_decode: int, prefill: list[PrefillChunk]) -> AttendFn:
-        coord, staging = self.coord, self.staging
+        coord, staging, ring_of, store_of = self.coord, self.staging, self.layers.ring, self.layers.store
+        factor = self._q_factor
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            ring_layer = ring_of.get(layer)
+            if ring_layer is not None:
+                return self._attend_sliding(ring_layer, batch, num_decode, prefill, q, k, v)
+            layer = store_of[layer]
+            qc = q if factor is None else q * factor  # the coordinator's scale is 1/sqrt(D)
             if not prefill and batch is not None:  # decode rows only: the coordinator's output is the layer's
-                meta = coord.attention_begin(layer, q, k, v, batch)
-                out = coord.attend(layer, q, meta)
+                meta = coord.attention_begin(layer, qc, k, v, batch)
+                out = coord.attend(layer, qc, meta)
                 coord.attention_end(layer, out, batch)
                 return out
             out = torch.empty_like(q)
             if batch is not None:
                 b = num_decode
-                meta = coord.attention_begin(layer, q[:b], k[:b], v[:b], batch)
-                out[:b] = coord.attend(layer, q[:b], meta)
+                meta = coord.attention_begin(layer, qc[:b], k[:b], v[:b], batch)
+                out[:b] = coord.attend(layer, qc[:b], meta)
                 coord.attention_end(layer, out[:b], batch)
             offset = num_decode
             for chunk in prefill:
@@ -240,12 +301,45 @@ class ModelRunner:
                 rows = slice(offset, offset + n)
                 staging.write(layer, chunk.rid, chunk.start, k[rows], v[rows])
                 pk, pv = staging.prefix(layer, chunk.rid, chunk.start + n)
-                out[rows] = self._chunk_attention(q[rows], pk, pv)
-                self._keep_queries(layer, chunk, q[rows])
+                if self.softcap is None:
+                    out[rows] = self._chunk_attention(q[rows], pk, pv, self.scale)
+                else:
+                    out[rows] = chunk_attention(q[rows], pk, pv, scale=self.scale, softcap=self.softcap)
+                self._keep_queries(layer, chunk, qc[rows])
                 offset += n
             return out
 
         return attend
+
+    def _attend_sliding(
+        self, layer: int, batch: Batch | None, num_decode: int, prefill: list[PrefillChunk],
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    ) -> torch.Tensor:
+        """A sliding-window layer (ring layer `layer`): decode rows write their token into the
+        ring and attend to its valid slots; a prefill chunk attends to the ring's window before
+        it and its own keys under the sliding mask, then leaves its last `window` keys there."""
+        ring = self.ring
+        assert ring is not None
+        scale = q.shape[-1] ** -0.5 if self.scale is None else self.scale
+        if not prefill and batch is not None:
+            ring.write_decode(layer, batch.slot_ids, batch.seq_lens.long() - 1, k, v)
+            return ring.attend(layer, q, batch.slot_ids, batch.seq_lens, scale, softcap=self.softcap)
+        out = torch.empty_like(q)
+        b = num_decode
+        if batch is not None:
+            ring.write_decode(layer, batch.slot_ids, batch.seq_lens.long() - 1, k[:b], v[:b])
+            out[:b] = ring.attend(layer, q[:b], batch.slot_ids, batch.seq_lens, scale, softcap=self.softcap)
+        offset = num_decode
+        for chunk in prefill:
+            n = len(chunk.tokens)
+            rows = slice(offset, offset + n)
+            row = self.requests[chunk.rid].slot
+            before_k, before_v = ring.window_kv(layer, row, chunk.start)  # positions (start - window, start)
+            keys, values = torch.cat([before_k, k[rows]]), torch.cat([before_v, v[rows]])
+            out[rows] = chunk_attention(q[rows], keys, values, scale=scale, softcap=self.softcap, window=ring.window)
+            ring.write_prefill(layer, row, k[rows], v[rows], start=chunk.start)
+            offset += n
+        return out
 
     def _keep_queries(self, layer: int, chunk: PrefillChunk, q: torch.Tensor) -> None:
         """The chunk's queries among the prompt's last ones that `build` reads."""

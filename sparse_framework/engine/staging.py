@@ -98,15 +98,32 @@ class PrefillStaging:
         return self.k[layer, rows], self.v[layer, rows]
 
 
-def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def chunk_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, *,
+    softcap: float | None = None, window: int | None = None,
+) -> torch.Tensor:
     """Causal attention of a prompt chunk over its prefix: q [n, Hq, D] are the last n of the
     m positions whose K/V are k, v [m, Hkv, D] (GQA: Hq a multiple of Hkv). Query i sees keys
-    0..m-n+i. No O(m²) mask: the mask is [n, m] for this chunk only, and SDPA picks its fused
-    kernels where it can (float32 math on the CPU). Returns [n, Hq, D] in q's dtype."""
+    0..m-n+i, and with a `window` only the last `window` of those (a sliding layer: keys at
+    positions (t - window, t]). Logits are q·k x `scale` (None: 1/sqrt(D)), capped as
+    softcap x tanh(s / softcap) when `softcap` is given. No O(m²) mask: the mask is [n, m]
+    for this chunk only, and SDPA picks its fused kernels where it can (float32 math on the
+    CPU); a soft-cap, which SDPA cannot apply, takes a float32 matmul path over the same
+    [Hq, n, m] scores. Returns [n, Hq, D] in q's dtype."""
     n, hq, d = q.shape
     m, hkv, _ = k.shape
     if n > m:
         raise ValueError(f"chunk_attention: {n} queries but only {m} keys")
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    allowed = None  # None: plain causal over the whole prefix (n == m)
+    if n != m or window is not None:
+        rows = torch.arange(m - n, m, device=q.device).unsqueeze(1)
+        cols = torch.arange(m, device=q.device).unsqueeze(0)
+        allowed = cols <= rows  # [n, m]
+        if window is not None:
+            allowed &= cols > rows - window
+    if softcap is not None:
+        return _capped_attention(q, k, v, allowed, scale, softcap)
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
     kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, Hkv, m, D]
     if _GQA:  # torch >= 2.5: the group shares its K/V rows (no copy per query head)
@@ -114,13 +131,27 @@ def chunk_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     else:
         kh, vh, kw = kh.repeat_interleave(hq // hkv, dim=1), vh.repeat_interleave(hq // hkv, dim=1), {}
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    if n == m:
-        out = sdpa(qh, kh, vh, is_causal=True, scale=1 / math.sqrt(d), **kw)
+    if allowed is None:
+        out = sdpa(qh, kh, vh, is_causal=True, scale=scale, **kw)
     else:
-        rows = torch.arange(m - n, m, device=q.device).unsqueeze(1)
-        allowed = torch.arange(m, device=q.device).unsqueeze(0) <= rows  # [n, m]
-        out = sdpa(qh, kh, vh, attn_mask=allowed, scale=1 / math.sqrt(d), **kw)
+        out = sdpa(qh, kh, vh, attn_mask=allowed, scale=scale, **kw)
     return out[0].transpose(0, 1)
+
+
+def _capped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float, softcap: float
+) -> torch.Tensor:
+    """`chunk_attention` with a logit soft-cap: float32 scores [Hq, n, m], capped, masked."""
+    n, m, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    qf = q.float().transpose(0, 1)  # [Hq, n, D]
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, m, D]
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = qf @ kf.transpose(1, 2) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if allowed is None:
+        allowed = torch.ones(n, m, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return (scores.softmax(-1) @ vf).transpose(0, 1).to(q.dtype)
 
 
 _GQA = "enable_gqa" in (torch.nn.functional.scaled_dot_product_attention.__doc__ or "")

@@ -1,4 +1,6 @@
-"""`DecoderModel`: Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 as one pre-norm decoder.
+"""`DecoderModel`: Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 as one pre-norm decoder (Gemma 2/3:
+gemma.py, built from the pieces here). Sliding-window layers (Mistral's window, Qwen2's
+`use_sliding_window`) need nothing here: which keys a layer sees is the runner's business.
 
 Parameters carry Hugging Face's names (`model.layers.3.self_attn.q_proj.weight`, ...) so a
 checkpoint loads by name. The forward takes one step's tokens of every request packed in one
@@ -61,7 +63,8 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """q/k/v projections (+ q/k norm), RoPE, the `attend` callback, the output projection."""
 
-    def __init__(self, c: ModelConfig, **factory: Any) -> None:
+    def __init__(self, c: ModelConfig, norm: type[nn.Module] = RMSNorm, **factory: Any) -> None:
+        """`norm`: the q/k norm's class where the config has one (Gemma's differs)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -70,8 +73,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, kv_dim, bias=c.attention_bias, **factory)
         self.o_proj = nn.Linear(q_dim, c.hidden_size, bias=c.o_proj_bias, **factory)
         if c.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **factory)
-            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, **factory)
+            self.q_norm = norm(c.head_dim, c.rms_norm_eps, **factory)
+            self.k_norm = norm(c.head_dim, c.rms_norm_eps, **factory)
         self.qk_norm = c.qk_norm
 
     def forward(
@@ -173,10 +176,14 @@ class DecoderModel(nn.Module):
     memory, for `load_model` to materialise (`to_empty` then `tie_weights`).
     """
 
+    supports_fused_ops = True  # the engine may call use_fused_ops (engine.py)
+
     def __init__(
         self, config: ModelConfig, dtype: torch.dtype | None = None, device: torch.device | str | None = None
     ) -> None:
         super().__init__()
+        if config.is_gemma:
+            raise ValueError(f"DecoderModel builds the Llama family, got {config.architecture} (use GemmaDecoderModel)")
         self.config = config
         factory = {"dtype": dtype, "device": device}
         self.model = Backbone(config, **factory)

@@ -1,5 +1,5 @@
-"""Build a `DecoderModel` from a Hugging Face checkpoint directory, the shipped reference
-model, or random weights.
+"""Build a `DecoderModel` (Llama family) or `GemmaDecoderModel` (Gemma 2/3) from a Hugging
+Face checkpoint directory, the shipped reference model, or random weights.
 
 The model is built on the meta device (no memory, no random init of billions of weights),
 materialised on the target device and filled tensor by tensor from the safetensors files,
@@ -19,12 +19,23 @@ import torch
 from ...common.errors import ConfigError
 from ...common.layout import check_device
 from .config import CheckpointError, ModelConfig, read_config_json
+from .gemma import GemmaDecoderModel
 from .llama import DecoderModel
+
+EngineModel = DecoderModel | GemmaDecoderModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INDEX_FILE = "model.safetensors.index.json"
 # stored by some older checkpoints, recomputed here from the config
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def build_model(
+    config: ModelConfig, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> EngineModel:
+    """The model class of the config's family, built with `dtype` on `device` ("meta": no memory)."""
+    cls = GemmaDecoderModel if config.is_gemma else DecoderModel
+    return cls(config, dtype=dtype, device=device)
 
 
 def default_dtype(device: str | torch.device) -> torch.dtype:
@@ -47,7 +58,7 @@ def _resolve(dtype: torch.dtype | str | None, device: str | torch.device) -> tup
 
 def load_model(
     path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"
-) -> DecoderModel:
+) -> EngineModel:
     """The checkpoint in directory `path` (config.json + *.safetensors, single file or sharded
     with model.safetensors.index.json) on `device` in `dtype` (None: bfloat16 on a GPU,
     float32 on the CPU), in eval mode. Raises CheckpointError / UnsupportedModelError."""
@@ -58,7 +69,7 @@ def load_model(
     return _build(config, _weight_files(root), dtype, device)
 
 
-def load_reference(dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu") -> DecoderModel:
+def load_reference(dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu") -> EngineModel:
     """The shipped reference model (sparse_framework/reference) through the same loader."""
     from ...reference.model import WEIGHTS
 
@@ -76,19 +87,19 @@ def reference_config() -> ModelConfig:
 
 def random_model(
     config: ModelConfig, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu", seed: int = 0
-) -> DecoderModel:
+) -> EngineModel:
     """Random weights for benchmarks: N(0, 0.02) matrices and biases (transformers' default
     initializer range), unit norms; drawn on `device` from `seed`, so the same seed gives the
     same model on the same kind of device."""
     dtype, dev = _resolve(dtype, device)
-    model = DecoderModel(config, dtype=dtype, device="meta")
+    model = build_model(config, dtype=dtype, device="meta")
     model.to_empty(device=dev)
     model.tie_weights()
     gen = torch.Generator(device=dev).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():  # a tied head is listed once
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
+            if name.endswith("norm.weight"):  # unit norms: Gemma's scale by 1 + weight
+                param.fill_(0.0 if config.is_gemma else 1.0)
             else:
                 param.normal_(0.0, 0.02, generator=gen)
     return model.eval()
@@ -119,11 +130,11 @@ def _weight_files(root: Path) -> dict[Path, set[str] | None]:
 
 def _build(
     config: ModelConfig, files: dict[Path, set[str] | None], dtype: torch.dtype | str | None, device: str | torch.device
-) -> DecoderModel:
+) -> EngineModel:
     from safetensors import safe_open
 
     dtype, dev = _resolve(dtype, device)
-    model = DecoderModel(config, dtype=dtype, device="meta")
+    model = build_model(config, dtype=dtype, device="meta")
     model.to_empty(device=dev)
     model.tie_weights()
     params = dict(model.named_parameters())  # a tied LM head appears once, as the embedding

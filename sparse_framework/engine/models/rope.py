@@ -1,4 +1,5 @@
-"""Rotary position embeddings: the default (RoFormer) frequencies and Llama 3.1's rescaling.
+"""Rotary position embeddings: the default (RoFormer) frequencies, Llama 3.1's rescaling and
+linear position interpolation (Gemma 3's global layers).
 
 The numerics follow transformers' so a checkpoint decodes the same tokens here and there:
 inverse frequencies in float32, angles `position x inv_freq` in float32, cos/sin cast to the
@@ -13,13 +14,15 @@ import math
 
 import torch
 
-from .config import Llama3RopeScaling
+from .config import Llama3RopeScaling, LinearRopeScaling, RopeScaling
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None) -> torch.Tensor:
-    """[head_dim / 2] float32: theta^(-2i / head_dim), then Llama 3.1's rescaling if given."""
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+    """[head_dim / 2] float32: theta^(-2i / head_dim), then the scaling if given."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
     inv_freq = 1.0 / (theta**exponents)
+    if isinstance(scaling, LinearRopeScaling):
+        return inv_freq / scaling.factor
     return inv_freq if scaling is None else _llama3(inv_freq, scaling)
 
 
@@ -42,7 +45,7 @@ class RotaryEmbedding:
     must not cast the float32 frequencies (long-context angles would drift), and materialising
     a meta-device model must not leave them uninitialised."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: Llama3RopeScaling | None = None) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None = None) -> None:
         self.inv_freq = inverse_frequencies(head_dim, theta, scaling)
         self._on_device: dict[torch.device, torch.Tensor] = {}
 
