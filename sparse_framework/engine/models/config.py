@@ -25,6 +25,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    # MLA + DSA's lightning indexer + MoE (engine/models/deepseek_v32.py; fields in mla_config.py)
+    "DeepseekV32ForCausalLM": "deepseek_v32",
 }
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 DEFAULT_ROPE_THETA = 10_000.0  # transformers' default when a config names no theta
@@ -76,6 +78,10 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k, before RoPE
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # DeepSeek-V3.2 only (mla_config.MLAConfig): MLA, indexer and MoE shapes. With it,
+    # num_kv_heads is 1 and head_dim the latent row (kv_lora_rank + qk_rope_head_dim): the KV
+    # cache the model writes; rope_scaling may be a YarnRopeScaling.
+    mla: Any = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -100,12 +106,17 @@ class ModelConfig:
 
     def kv_layout(self, dtype: torch.dtype, device: str | torch.device = "cpu") -> KVLayout:
         """The KV cache this model writes: one K and one V row of num_kv_heads x head_dim per
-        layer and token."""
+        layer and token (MLA: one latent row, its first kv_lora_rank values the V)."""
+        if self.mla is not None:
+            return KVLayout.mla(self.num_layers, latent_dim=self.head_dim, v_head_dim=self.mla.kv_lora_rank,
+                                dtype=dtype, device=device)
         return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim, dtype=dtype, device=device)
 
     def num_parameters(self) -> int:
         """Parameters the model holds (a tied LM head counted once): weights bytes = this x
         the element size, the first term of a decode step's byte floor."""
+        if self.mla is not None:
+            return self.mla.num_parameters(self)
         d, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = d * (q + 2 * kv) + q * d
         attn += (q + 2 * kv) * self.attention_bias + d * self.o_proj_bias + 2 * self.head_dim * self.qk_norm
@@ -234,6 +245,10 @@ def _check_no_window(raw: Mapping[str, Any], family: str, num_layers: int, max_p
 def _from_dict(raw: Mapping[str, Any]) -> ModelConfig:
     architecture = _architecture(raw)
     family = SUPPORTED_ARCHITECTURES[architecture]
+    if family == "deepseek_v32":
+        from .mla_config import deepseek_v32_config  # it builds on this module
+
+        return deepseek_v32_config(raw, architecture)
     act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
     if act not in ("silu", "swish"):
         raise UnsupportedModelError(f"hidden_act {act!r} is not supported; the Llama family's MLP uses 'silu'")
