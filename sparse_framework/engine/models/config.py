@@ -16,8 +16,10 @@ from typing import Any
 
 import torch
 
-from ...common.errors import ConfigError, SparseFrameworkError
+from ...common.errors import ConfigError
 from ...common.layout import KVLayout
+from .errors import CheckpointError, UnsupportedModelError
+from .mla_config import DEFAULT_ROPE_THETA, MLAConfig, read_mla_config
 
 # architecture (config.json "architectures") -> family; every one is a pre-norm Llama decoder
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
@@ -29,17 +31,6 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "DeepseekV32ForCausalLM": "deepseek_v32",
 }
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
-DEFAULT_ROPE_THETA = 10_000.0  # transformers' default when a config names no theta
-
-
-class UnsupportedModelError(ConfigError):
-    """The checkpoint's architecture or one of its features is not implemented; the message
-    names it and what is supported."""
-
-
-class CheckpointError(SparseFrameworkError, ValueError):
-    """A checkpoint directory cannot be read: missing directory, config or weights, or a tensor
-    missing, unexpected or of the wrong shape. The message names the path or tensor."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +72,7 @@ class ModelConfig:
     # DeepSeek-V3.2 only (mla_config.MLAConfig): MLA, indexer and MoE shapes. With it,
     # num_kv_heads is 1 and head_dim the latent row (kv_lora_rank + qk_rope_head_dim): the KV
     # cache the model writes; rope_scaling may be a YarnRopeScaling.
-    mla: Any = None
+    mla: MLAConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -246,9 +237,7 @@ def _from_dict(raw: Mapping[str, Any]) -> ModelConfig:
     architecture = _architecture(raw)
     family = SUPPORTED_ARCHITECTURES[architecture]
     if family == "deepseek_v32":
-        from .mla_config import deepseek_v32_config  # it builds on this module
-
-        return deepseek_v32_config(raw, architecture)
+        return _from_deepseek_v32(raw, architecture)
     act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
     if act not in ("silu", "swish"):
         raise UnsupportedModelError(f"hidden_act {act!r} is not supported; the Llama family's MLP uses 'silu'")
@@ -283,4 +272,33 @@ def _from_dict(raw: Mapping[str, Any]) -> ModelConfig:
         qk_norm=family == "qwen3",
         bos_token_id=None if raw.get("bos_token_id") is None else int(raw["bos_token_id"]),
         eos_token_ids=eos_ids,
+    )
+
+
+def _from_deepseek_v32(raw: Mapping[str, Any], architecture: str) -> ModelConfig:
+    """A DeepseekV32ForCausalLM config: the MLA part from mla_config, the cache one latent row
+    (num_kv_heads 1, head_dim kv_lora_rank + qk_rope_head_dim)."""
+    mla, theta = read_mla_config(raw)
+    num_heads = int(_required(raw, "num_attention_heads"))
+    eos = raw.get("eos_token_id")
+    attn_bias = bool(raw.get("attention_bias", False))
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=int(_required(raw, "vocab_size")),
+        hidden_size=int(_required(raw, "hidden_size")),
+        intermediate_size=int(_required(raw, "intermediate_size")),
+        num_layers=len(mla.mlp_layer_types),
+        num_heads=num_heads,
+        num_kv_heads=1,  # one latent row per token
+        head_dim=mla.latent_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=None,  # YaRN, if any, is mla.yarn
+        max_position_embeddings=int(_required(raw, "max_position_embeddings")),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=attn_bias,
+        o_proj_bias=attn_bias,
+        bos_token_id=None if raw.get("bos_token_id") is None else int(raw["bos_token_id"]),
+        eos_token_ids=() if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos])),
+        mla=mla,
     )

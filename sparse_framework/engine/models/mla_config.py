@@ -12,14 +12,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ...common.errors import ConfigError
-from .config import DEFAULT_ROPE_THETA, UnsupportedModelError
+from .errors import UnsupportedModelError
 
-if TYPE_CHECKING:
-    from .config import ModelConfig
-
+DEFAULT_ROPE_THETA = 10_000.0  # transformers' default when a config names no theta
 MLA_ROPE_TYPES = ("default", "yarn")
 
 
@@ -129,8 +127,8 @@ class MLAConfig:
                        topk_group=topk_group or self.topk_group,
                        num_experts_per_tok=num_experts_per_tok or self.num_experts_per_tok)
 
-    def num_parameters(self, c: ModelConfig) -> int:
-        """Parameters of the whole model (c is the ModelConfig holding this)."""
+    def num_parameters(self, c: Any) -> int:
+        """Parameters of the whole model (c: the ModelConfig holding this)."""
         d, h = c.hidden_size, c.num_heads
         attn = (d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * self.qk_head_dim
                 + d * self.latent_dim + self.kv_lora_rank + self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
@@ -180,10 +178,9 @@ def _yarn(raw: Mapping[str, Any], max_pos: int) -> tuple[float, YarnRopeScaling 
     )
 
 
-def deepseek_v32_config(raw: Mapping[str, Any], architecture: str) -> ModelConfig:
-    """ModelConfig (with .mla) of a DeepseekV32ForCausalLM config.json."""
-    from .config import ModelConfig
-
+def read_mla_config(raw: Mapping[str, Any]) -> tuple[MLAConfig, float]:
+    """(MLAConfig, rope theta) of a DeepseekV32ForCausalLM config.json; refuses what the
+    engine's model does not compute (module docstring)."""
     if raw.get("quantization_config"):
         method = raw["quantization_config"].get("quant_method", "?") if isinstance(raw["quantization_config"], Mapping) else "?"
         raise UnsupportedModelError(
@@ -203,7 +200,6 @@ def deepseek_v32_config(raw: Mapping[str, Any], architecture: str) -> ModelConfi
     if raw.get("mlp_bias"):
         raise UnsupportedModelError("DeepseekV32: mlp_bias true is not supported")
     num_layers = _int(raw, "num_hidden_layers")
-    hidden = _int(raw, "hidden_size")
     max_pos = _int(raw, "max_position_embeddings")
     layer_types = raw.get("mlp_layer_types")
     if layer_types is None:
@@ -231,25 +227,4 @@ def deepseek_v32_config(raw: Mapping[str, Any], architecture: str) -> ModelConfi
             f"DeepseekV32: router topk_method {raw.get('topk_method')!r} / scoring_func {raw.get('scoring_func')!r} "
             "not supported; only 'noaux_tc' with 'sigmoid' (DeepSeek-V3's)"
         )
-    num_heads = _int(raw, "num_attention_heads")
-    eos = raw.get("eos_token_id")
-    return ModelConfig(
-        architecture=architecture,
-        vocab_size=_int(raw, "vocab_size"),
-        hidden_size=hidden,
-        intermediate_size=_int(raw, "intermediate_size"),
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=1,  # one latent row per token
-        head_dim=mla.latent_dim,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=None,  # YaRN, if any, is mla.yarn
-        max_position_embeddings=max_pos,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=bool(raw.get("attention_bias", False)),
-        o_proj_bias=bool(raw.get("attention_bias", False)),
-        bos_token_id=None if raw.get("bos_token_id") is None else int(raw["bos_token_id"]),
-        eos_token_ids=() if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos])),
-        mla=mla,
-    )
+    return mla, theta
