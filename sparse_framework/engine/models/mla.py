@@ -120,14 +120,49 @@ def dense_mla_attend(seq_lens: Sequence[int], compute_dtype: torch.dtype = torch
         start = 0
         for n in lens:
             rows = slice(start, start + n)
-            k, v = x.expand(x.latent[rows])
-            q = torch.cat([x.q_nope[rows], x.q_rot[rows]], dim=-1)
-            logits = torch.einsum("thd,shd->hts", q.to(compute_dtype), k.to(compute_dtype)) * x.scale
-            keep = indexer_keep(index_scores(x.index_q[rows], x.index_weights[rows], x.index_k[rows]),
-                                torch.arange(n, device=q.device), x.index_topk)
-            probs = logits.masked_fill(~keep[None], float("-inf")).softmax(dim=-1)
-            out[rows] = torch.einsum("hts,shv->thv", probs, v.to(compute_dtype)).to(out.dtype)
+            out[rows] = mla_chunk_attention(x, rows, torch.arange(n, device=out.device), x.latent[rows],
+                                            x.index_k[rows], compute_dtype).to(out.dtype)
             start += n
         return out
 
     return attend
+
+
+def mla_chunk_attention(
+    x: MLAInputs, rows: slice, q_pos: torch.Tensor, latent: torch.Tensor, index_k: torch.Tensor,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The queries `rows` of x (one sequence's, at positions q_pos [n]) over its latent rows
+    [m, Dl] and indexer keys [m, Di] at positions 0..m-1 (the prefix, those rows included):
+    expanded (non-absorbed) MLA, causal, each query restricted to its indexer top-k as the
+    model does. Returns [n, H, v_head] in `compute_dtype`. Builds an [H, n, m] score matrix:
+    for a prefill chunk over its staged prefix, not a whole context at once."""
+    k, v = x.expand(latent)
+    q = torch.cat([x.q_nope[rows], x.q_rot[rows]], dim=-1)
+    logits = torch.einsum("thd,shd->hts", q.to(compute_dtype), k.to(compute_dtype)) * x.scale
+    keep = indexer_keep(index_scores(x.index_q[rows], x.index_weights[rows], index_k), q_pos, x.index_topk)
+    probs = logits.masked_fill(~keep[None], float("-inf")).softmax(dim=-1)
+    return torch.einsum("hts,shv->thv", probs, v.to(compute_dtype))
+
+
+def mla_prefill_attention(
+    x: MLAInputs, rows: slice, q_pos: torch.Tensor, latent: torch.Tensor, index_k: torch.Tensor, block: int = 256,
+) -> torch.Tensor:
+    """`mla_chunk_attention` for the engine's prefill: the same keys and arithmetic (expanded
+    K/V, each query's indexer top-k of the causal prefix), in blocks of `block` queries so the
+    index scores ([block, Hi, m] float32) and the mask stay bounded, attention by SDPA (its
+    fused kernels where the mask allows; float32 math on the CPU). Returns [n, H, v_head] in
+    the latent's dtype."""
+    k, v = x.expand(latent)  # [m, H, nope + rope], [m, H, v]
+    kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    q = torch.cat([x.q_nope[rows], x.q_rot[rows]], dim=-1).to(k.dtype)
+    n = q.shape[0]
+    out = q.new_empty((n, q.shape[1], v.shape[-1]))
+    for lo in range(0, n, block):
+        hi = min(lo + block, n)
+        r = slice((rows.start or 0) + lo, (rows.start or 0) + hi)
+        keep = indexer_keep(index_scores(x.index_q[r], x.index_weights[r], index_k), q_pos[lo:hi], x.index_topk)
+        qh = q[lo:hi].transpose(0, 1).unsqueeze(0)
+        o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=keep, scale=x.scale)
+        out[lo:hi] = o[0].transpose(0, 1)
+    return out
