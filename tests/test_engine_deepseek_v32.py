@@ -82,3 +82,14 @@ def test_index_shape_mismatch_is_named(checkpoint) -> None:
     _, path = checkpoint
     with pytest.raises(ConfigError, match="extra.index_heads"):
         run(path, {**DSA, "extra": {**DSA["extra"], "index_heads": 8}}, [[1, 2, 3]])
+
+
+def test_whole_step_graphs_are_refused_by_name(checkpoint) -> None:
+    """The MoE dispatch syncs with the host, so whole-step graphs cannot capture it (yet)."""
+    from sparse_framework.engine.runner import ModelRunner
+
+    _, path = checkpoint
+    model = load_model(path)
+    with pytest.raises(NotImplementedError, match="cuda_graphs"):
+        ModelRunner(model, model.config.kv_layout(torch.float32), DSA, num_q_heads=4, max_num_seqs=1,
+                    max_model_len=32, staging_tokens=32, cuda_graphs=True, mla=model.config.mla)

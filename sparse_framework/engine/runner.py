@@ -113,6 +113,11 @@ class ModelRunner:
         if layout.is_mla and mla is None:
             raise ConfigError("ModelRunner: an MLA layout needs the model's MLAConfig (mla=model_config.mla)")
         self.mla = mla if layout.is_mla else None
+        if cuda_graphs and self.mla is not None:
+            raise NotImplementedError(
+                "cuda_graphs (whole-step CUDA graphs) with an MLA model: DeepseekV32Model's MoE dispatch reads the "
+                "chosen experts on the host (not capturable); run without cuda_graphs (decode_graphs is untested too)"
+            )
         self.model = model
         self.prefill_attention_label, self._chunk_attention = choose_prefill_attention(
             prefill_attention, torch.device(layout.device), layout.dtype)
