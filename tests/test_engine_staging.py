@@ -100,3 +100,22 @@ def test_misuse_is_refused() -> None:
     with pytest.raises(CapacityError, match="capacity_tokens=0"):
         PrefillStaging(LAYOUT, 0)
     assert PrefillStaging.bytes_per_token(LAYOUT) == 2 * 2 * 2 * 8 * 4
+
+
+def test_mla_staging_keeps_latent_rows_and_indexer_keys() -> None:
+    """MLA: one latent row per token (V a view of its first v_head_dim values, not a copy) and
+    the indexer keys, written chunk by chunk and read back as the prompt's prefix."""
+    layout = KVLayout.mla(2, latent_dim=12, v_head_dim=8, dtype=torch.float32)
+    st_ = PrefillStaging(layout, 20, index_dim=4)
+    assert st_.v is None and PrefillStaging.bytes_per_token(layout, 4) == 2 * (12 + 4) * 4
+    assert st_.reserve("a", 3) and st_.reserve("b", 7)
+    rows, keys = torch.randn(7, 1, 12), torch.randn(7, 4)
+    st_.write(1, "b", 0, rows[:5], None, keys[:5])
+    st_.write(1, "b", 5, rows[5:], None, keys[5:])
+    k, v = st_.prefix(1, "b", 7)
+    assert torch.equal(k, rows) and torch.equal(v, rows[..., :8]) and v.data_ptr() == k.data_ptr()
+    assert torch.equal(st_.index_prefix(1, "b", 6), keys[:6])
+    with pytest.raises(ValueError, match="index_k is required"):
+        st_.write(0, "a", 0, rows[:1], None)
+    with pytest.raises(ValueError, match="MLA models only"):
+        PrefillStaging(LAYOUT, 8, index_dim=4)

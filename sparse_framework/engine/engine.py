@@ -200,7 +200,7 @@ class Engine:
             staging_tokens=config.staging_tokens or max_model_len,
             device_capacity_tokens=device_tokens, host_capacity_tokens=host_tokens,
             decode_graphs=config.decode_graphs, cuda_graphs=config.cuda_graphs,
-            prefill_attention=config.prefill_attention, model_config=model_config,
+            prefill_attention=config.prefill_attention, model_config=model_config, mla=model_config.mla,
         )
         self.budget = RunnerBudget(self.runner)
         self.scheduler = Scheduler(

@@ -229,7 +229,8 @@ def plan_engine_memory(
         selection_units=streams * cdiv(max_model_len, unit),
     )
     staged = staging_tokens or max_model_len
-    staging = staged * PrefillStaging.bytes_per_token(layout) + _query_tail_bytes(config, model, layout, staged)
+    index_dim = model.mla.index_head_dim if model.mla is not None else 0
+    staging = staged * PrefillStaging.bytes_per_token(layout, index_dim) + _query_tail_bytes(config, model, layout, staged)
     other = 0 if device_free_bytes is None else max(0, device_total_bytes - device_free_bytes - weight_bytes)
     activations = max(layer, logits, handover)
     budget = int(gpu_memory_utilization * device_total_bytes) - weight_bytes - activations - staging - other

@@ -29,6 +29,12 @@ Attention terms per layer come from the model's config: q·k is scaled by
 attention_scale x sqrt(D)), and `attn_logit_softcapping` is set as the coordinator's
 attention option of every store layer and applied by the ring and the prefill chunks.
 
+MLA models (`layout.is_mla`, DeepSeek-V3.2) call an `MLAAttend` instead (engine/models/mla.py):
+decode rows go to the coordinator in absorbed form (queries folded through W_UK, one latent
+row per token, the lightning indexer's queries, weights and key as DSA's `inputs`) and come
+back through W_UV; prefill chunks stage their latent rows and indexer keys and attend in
+expanded form, each query over its indexer top-k of the staged prefix, as the model does.
+
 After the forward, each prompt whose last chunk ran is handed to the coordinator from its
 staging (a prefill step of its own: the store offloads it to the host and fills the request's
 buffer, the algorithm builds its representations; no attention is computed there) and its
@@ -43,12 +49,11 @@ host pages, and the staging span of the whole prompt) and grows one token per de
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-
-import math
 
 from ..common.batch import Batch, Request
 from ..common.errors import CapacityError, ConfigError
@@ -58,6 +63,8 @@ from ..config import SparseConfig, load_config
 from ..coordinator import SparseCoordinator
 from ..kv_store.sliding_window import SlidingWindowKV
 from .models import ModelConfig
+from .models.mla import MLAInputs, mla_prefill_attention
+from .models.mla_config import MLAConfig
 from .prefill_attention import choose as choose_prefill_attention
 from .staging import PrefillStaging, chunk_attention
 from .step_graphs import StepGraphs
@@ -106,7 +113,11 @@ class ModelRunner:
     `prefill_attention_label` says which was taken). model_config: the layers' types, window,
     attention scale and soft-cap (None: `model.config` if the model has one, else every layer
     full attention at 1/sqrt(D)); `layout` is the store's, its num_layers the full-attention
-    layers at max_model_len (`ModelConfig.kv_layout(dtype, device, max_model_len)`)."""
+    layers at max_model_len (`ModelConfig.kv_layout(dtype, device, max_model_len)`); mla: the model's
+    MLAConfig when the layout is MLA (its indexer's shape: DSA's `inputs` and the staged indexer
+    keys)."""
+
+    INDEX_INPUTS = ("index_q", "index_weights", "index_k")
 
     def __init__(
         self,
@@ -124,7 +135,16 @@ class ModelRunner:
         cuda_graphs: bool = False,
         prefill_attention: str = "auto",
         model_config: ModelConfig | None = None,
+        mla: MLAConfig | None = None,
     ) -> None:
+        if layout.is_mla and mla is None:
+            raise ConfigError("ModelRunner: an MLA layout needs the model's MLAConfig (mla=model_config.mla)")
+        self.mla = mla if layout.is_mla else None
+        if cuda_graphs and self.mla is not None:
+            raise NotImplementedError(
+                "cuda_graphs (whole-step CUDA graphs) with an MLA model: DeepseekV32Model's MoE dispatch reads the "
+                "chosen experts on the host (not capturable); run without cuda_graphs (decode_graphs is untested too)"
+            )
         self.model = model
         self.prefill_attention_label, self._chunk_attention = choose_prefill_attention(
             prefill_attention, torch.device(layout.device), layout.dtype)
@@ -141,15 +161,24 @@ class ModelRunner:
         )
         self.step_graphs = StepGraphs(self.coord) if cuda_graphs else None
         algo = self.coord.algorithm
-        if algo.prefill_inputs or algo.decode_inputs:
-            needs = sorted({**algo.prefill_inputs, **algo.decode_inputs})
+        needs = sorted({**algo.prefill_inputs, **algo.decode_inputs})
+        if needs and (self.mla is None or set(needs) - set(self.INDEX_INPUTS)):
             raise ConfigError(
-                f"algorithm {config.algorithm!r} needs model inputs {needs} that these models do not compute "
-                "(for DSA set extra.source to 'keys')"
+                f"algorithm {config.algorithm!r} needs model inputs {needs} that this model does not compute "
+                "(an MLA + indexer model gives index_q, index_weights, index_k; otherwise for DSA set "
+                "extra.source to 'keys')"
             )
         self._layers(model_config if model_config is not None else getattr(model, "config", None),
                      layout, max_num_seqs, max_model_len)
-        self.staging = PrefillStaging(layout, staging_tokens)
+        if needs and self.mla is not None:
+            o = self.coord.config.extra_config
+            if (o.index_heads, o.index_dim) != (self.mla.index_n_heads, self.mla.index_head_dim):
+                raise ConfigError(
+                    f"extra.index_heads / extra.index_dim are {o.index_heads} / {o.index_dim}, but the model's indexer "
+                    f"has {self.mla.index_n_heads} heads of {self.mla.index_head_dim}: set extra.index_heads = "
+                    f"{self.mla.index_n_heads} and extra.index_dim = {self.mla.index_head_dim}"
+                )
+        self.staging = PrefillStaging(layout, staging_tokens, self.mla.index_head_dim if self.mla else 0)
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
         self._q_rows = algo.prefill_query_rows  # None: every prompt query; 0: none
@@ -275,6 +304,8 @@ class ModelRunner:
         return logits
 
     def _attend_fn(self, batch: Batch | None, num_decode: int, prefill: list[PrefillChunk]) -> AttendFn:
+        if self.mla is not None:
+            return self._mla_attend_fn(batch, num_decode, prefill)
         coord, staging, ring_of, store_of = self.coord, self.staging, self.layers.ring, self.layers.store
         factor = self._q_factor
 
@@ -341,6 +372,44 @@ class ModelRunner:
             offset += n
         return out
 
+    def _mla_attend_fn(self, batch: Batch | None, num_decode: int, prefill: list[PrefillChunk]) -> Any:
+        """The MLAAttend of a step (module docstring): decode rows absorbed through the
+        coordinator, prefill chunks expanded over their staged prefix."""
+        coord, staging, lay = self.coord, self.staging, self.layout
+        algo = coord.algorithm
+        # the coordinator scales q·k by 1/sqrt(latent dim); absorbed queries carry the model's scale
+        unscale = math.sqrt(lay.head_dim)
+
+        def attend(layer: int, x: MLAInputs) -> torch.Tensor:
+            t, h = x.q_nope.shape[:2]
+            out = x.q_nope.new_empty((t, h, x.kv_b.shape[1] - x.nope_dim))
+            if batch is not None:
+                b = slice(0, num_decode)
+                q = (x.absorbed_queries(b) * unscale).to(lay.dtype)
+                k = x.latent[b].unsqueeze(1).to(lay.dtype).contiguous()  # [B, 1, Dl]
+                inputs = None
+                if algo.decode_inputs:
+                    inputs = {"index_q": x.index_q[b], "index_weights": x.index_weights[b], "index_k": x.index_k[b]}
+                meta = coord.attention_begin(layer, q, k, None, batch, inputs)
+                attended = coord.attend(layer, q, meta)  # [B, H, kv_lora_rank]
+                coord.attention_end(layer, attended, batch)
+                out[b] = x.expand_values(attended).to(out.dtype)
+            offset = num_decode
+            for chunk in prefill:
+                n = len(chunk.tokens)
+                rows = slice(offset, offset + n)
+                staging.write(layer, chunk.rid, chunk.start, x.latent[rows].unsqueeze(1), None, x.index_k[rows])
+                latent, _ = staging.prefix(layer, chunk.rid, chunk.start + n)
+                index_k = staging.index_prefix(layer, chunk.rid, chunk.start + n)
+                q_pos = torch.arange(chunk.start, chunk.start + n, device=out.device)
+                out[rows] = mla_prefill_attention(x, rows, q_pos, latent[:, 0], index_k).to(out.dtype)
+                if chunk.rid in self._q_tails:
+                    self._keep_queries(layer, chunk, (x.absorbed_queries(rows) * unscale).to(lay.dtype))
+                offset += n
+            return out
+
+        return attend
+
     def _keep_queries(self, layer: int, chunk: PrefillChunk, q: torch.Tensor) -> None:
         """The chunk's queries among the prompt's last ones that `build` reads."""
         tail = self._q_tails.get(chunk.rid)
@@ -359,9 +428,12 @@ class ModelRunner:
         batch = Batch([request], is_prefill=True)
         self.coord.forward_begin(batch)
         try:
+            index_k = "index_k" in self.coord.algorithm.prefill_inputs
             for layer in range(self.layout.num_layers):
                 k, v = self.staging.prefix(layer, rid, prompt_len)
-                self.coord.attention_begin(layer, self._prompt_queries(layer, rid, prompt_len), k, v, batch)
+                inputs = {"index_k": self.staging.index_prefix(layer, rid, prompt_len)} if index_k else None
+                self.coord.attention_begin(layer, self._prompt_queries(layer, rid, prompt_len), k,
+                                           None if self.layout.is_mla else v, batch, inputs)
                 self.coord.attention_end(layer, None, batch)
         except BaseException:
             self.coord.abort_step(batch)

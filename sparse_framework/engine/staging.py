@@ -10,6 +10,11 @@ and builds the algorithm's representations) and the staging is released.
 The staging holds one contiguous span of token rows per prompt (all layers at once), reserved
 when the request is admitted for its whole prompt, so a chunk never waits for room and
 attention reads the prefix as one slice. Spans are placed first fit over a free list.
+
+MLA (`layout.is_mla`): one latent row per token and layer (K; V is a view of its first
+v_head_dim values, never stored twice) and, with `index_dim`, the lightning indexer's key of
+each token (the model's prefill attends to each query's indexer top-k of the staged prefix,
+and DSA's build reads the keys at the hand-over).
 """
 
 from __future__ import annotations
@@ -24,24 +29,31 @@ from ..common.layout import KVLayout
 
 class PrefillStaging:
     """K and V rows [layers, capacity_tokens, kv_heads, head_dim] on the layout's device, with
-    one span per prompt being prefilled (`reserve` / `release` by request id)."""
+    one span per prompt being prefilled (`reserve` / `release` by request id). MLA: latent rows
+    only (`v` None) and indexer keys [layers, capacity_tokens, index_dim] when index_dim > 0."""
 
-    def __init__(self, layout: KVLayout, capacity_tokens: int) -> None:
-        if layout.is_mla:
-            raise NotImplementedError("prefill staging of MLA latents comes with the DeepSeek models (issue 22)")
+    def __init__(self, layout: KVLayout, capacity_tokens: int, index_dim: int = 0) -> None:
         if capacity_tokens < 1:
             raise CapacityError(f"prefill staging needs at least one token, got capacity_tokens={capacity_tokens}")
+        if index_dim and not layout.is_mla:
+            raise ValueError("PrefillStaging: index_dim (indexer keys) is for MLA models only")
         self.layout = layout
         self.capacity = capacity_tokens
+        self.index_dim = index_dim
         shape = (layout.num_layers, capacity_tokens, layout.num_kv_heads, layout.head_dim)
         self.k = torch.empty(shape, dtype=layout.dtype, device=layout.device)
-        self.v = torch.empty(shape, dtype=layout.dtype, device=layout.device)
+        self.v = None if layout.is_mla else torch.empty(shape, dtype=layout.dtype, device=layout.device)
+        self.index_k = (torch.empty((layout.num_layers, capacity_tokens, index_dim), dtype=layout.dtype,
+                                    device=layout.device) if index_dim else None)
         self._free: list[tuple[int, int]] = [(0, capacity_tokens)]  # (start, length), by start
         self.spans: dict[str, tuple[int, int]] = {}
 
     @staticmethod
-    def bytes_per_token(layout: KVLayout) -> int:
-        """Device bytes one staged prompt token takes (K and V, every layer)."""
+    def bytes_per_token(layout: KVLayout, index_dim: int = 0) -> int:
+        """Device bytes one staged prompt token takes (K and V, every layer; MLA: the latent
+        row and the indexer key)."""
+        if layout.is_mla:
+            return layout.num_layers * (layout.head_dim + index_dim) * layout.dtype.itemsize
         return 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * layout.dtype.itemsize
 
     @property
@@ -86,16 +98,31 @@ class PrefillStaging:
             raise ValueError(f"request {rid!r}: rows {start}..{stop} outside its staged prompt of {n} tokens")
         return slice(base + start, base + stop)
 
-    def write(self, layer: int, rid: str, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """This chunk's K/V rows [n, kv_heads, head_dim] at prompt positions start..start+n-1."""
+    def write(self, layer: int, rid: str, start: int, k: torch.Tensor, v: torch.Tensor | None,
+              index_k: torch.Tensor | None = None) -> None:
+        """This chunk's K/V rows [n, kv_heads, head_dim] at prompt positions start..start+n-1
+        (MLA: k the latent rows [n, 1, Dl], v None; index_k [n, index_dim] if staged)."""
         rows = self._rows(rid, start, start + k.shape[0])
         self.k[layer, rows] = k
-        self.v[layer, rows] = v
+        if self.v is not None:
+            self.v[layer, rows] = v
+        if self.index_k is not None:
+            if index_k is None:
+                raise ValueError("PrefillStaging.write: this staging keeps indexer keys; index_k is required")
+            self.index_k[layer, rows] = index_k
 
     def prefix(self, layer: int, rid: str, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of prompt positions 0..stop-1 (views, no copy)."""
+        """K and V of prompt positions 0..stop-1 (views, no copy; MLA: V is K's first
+        v_head_dim values)."""
         rows = self._rows(rid, 0, stop)
-        return self.k[layer, rows], self.v[layer, rows]
+        k = self.k[layer, rows]
+        return k, (k[..., : self.layout.v_head_dim] if self.v is None else self.v[layer, rows])
+
+    def index_prefix(self, layer: int, rid: str, stop: int) -> torch.Tensor:
+        """Indexer keys [stop, index_dim] of prompt positions 0..stop-1 (a view)."""
+        if self.index_k is None:
+            raise ValueError("PrefillStaging.index_prefix: this staging keeps no indexer keys (index_dim 0)")
+        return self.index_k[layer, self._rows(rid, 0, stop)]
 
 
 def chunk_attention(

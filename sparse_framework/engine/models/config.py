@@ -16,9 +16,11 @@ from typing import Any
 
 import torch
 
-from ...common.errors import ConfigError, SparseFrameworkError
+from ...common.errors import ConfigError
 from ...common.layer_map import FULL, SLIDING, LayerMap
 from ...common.layout import KVLayout
+from .errors import CheckpointError, UnsupportedModelError
+from .mla_config import DEFAULT_ROPE_THETA, MLAConfig, read_mla_config
 
 # architecture (config.json "architectures") -> family: the Llama family's pre-norm decoders
 # (engine/models/llama.py) and Gemma 2/3's sandwich-norm decoders (engine/models/gemma.py)
@@ -29,20 +31,11 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    # MLA + DSA's lightning indexer + MoE (engine/models/deepseek_v32.py; fields in mla_config.py)
+    "DeepseekV32ForCausalLM": "deepseek_v32",
 }
 GEMMA_FAMILIES = ("gemma2", "gemma3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
-DEFAULT_ROPE_THETA = 10_000.0  # transformers' default when a config names no theta
-
-
-class UnsupportedModelError(ConfigError):
-    """The checkpoint's architecture or one of its features is not implemented; the message
-    names it and what is supported."""
-
-
-class CheckpointError(SparseFrameworkError, ValueError):
-    """A checkpoint directory cannot be read: missing directory, config or weights, or a tensor
-    missing, unexpected or of the wrong shape. The message names the path or tensor."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +102,10 @@ class ModelConfig:
     final_logit_softcapping: float | None = None
     local_rope_theta: float | None = None  # sliding layers' RoPE base (Gemma 3); None: rope_theta
     local_rope_scaling: RopeScaling | None = None
+    # DeepSeek-V3.2 only (mla_config.MLAConfig): MLA, indexer and MoE shapes. With it,
+    # num_kv_heads is 1 and head_dim the latent row (kv_lora_rank + qk_rope_head_dim): the KV
+    # cache the model writes; rope_scaling may be a YarnRopeScaling.
+    mla: MLAConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -173,6 +170,9 @@ class ModelConfig:
         full-attention layer (`layer_map(max_model_len).full`; sliding layers keep a ring of
         their own, `sliding_ring_bytes`). A model whose layers all slide has 0 store layers."""
         full = len(self.layer_map(max_model_len).full)
+        if self.mla is not None:  # one latent row per token, its first kv_lora_rank values the V
+            return KVLayout.mla(full, latent_dim=self.head_dim, v_head_dim=self.mla.kv_lora_rank, dtype=dtype,
+                                device=device)
         return KVLayout(full, self.num_kv_heads, self.head_dim, dtype=dtype, device=device)
 
     def sliding_ring_bytes(self, dtype: torch.dtype, max_model_len: int | None = None) -> int:
@@ -187,6 +187,8 @@ class ModelConfig:
     def num_parameters(self) -> int:
         """Parameters the model holds (a tied LM head counted once): weights bytes = this x
         the element size, the first term of a decode step's byte floor."""
+        if self.mla is not None:
+            return self.mla.num_parameters(self)
         d, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = d * (q + 2 * kv) + q * d
         attn += (q + 2 * kv) * self.attention_bias + d * self.o_proj_bias + 2 * self.head_dim * self.qk_norm
@@ -342,6 +344,8 @@ def _layer_types(raw: Mapping[str, Any], family: str, num_layers: int) -> tuple[
 def _from_dict(raw: Mapping[str, Any]) -> ModelConfig:
     architecture = _architecture(raw)
     family = SUPPORTED_ARCHITECTURES[architecture]
+    if family == "deepseek_v32":
+        return _from_deepseek_v32(raw, architecture)
     gemma = family in GEMMA_FAMILIES
     act = raw.get("hidden_activation") or raw.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
     act = "silu" if act == "swish" else act
@@ -406,3 +410,32 @@ def _positive(raw: Mapping[str, Any], key: str, family: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise ConfigError(f"config.json {key} must be a number > 0 or null, got {value!r}")
     return float(value)
+
+
+def _from_deepseek_v32(raw: Mapping[str, Any], architecture: str) -> ModelConfig:
+    """A DeepseekV32ForCausalLM config: the MLA part from mla_config, the cache one latent row
+    (num_kv_heads 1, head_dim kv_lora_rank + qk_rope_head_dim)."""
+    mla, theta = read_mla_config(raw)
+    num_heads = int(_required(raw, "num_attention_heads"))
+    eos = raw.get("eos_token_id")
+    attn_bias = bool(raw.get("attention_bias", False))
+    return ModelConfig(
+        architecture=architecture,
+        vocab_size=int(_required(raw, "vocab_size")),
+        hidden_size=int(_required(raw, "hidden_size")),
+        intermediate_size=int(_required(raw, "intermediate_size")),
+        num_layers=len(mla.mlp_layer_types),
+        num_heads=num_heads,
+        num_kv_heads=1,  # one latent row per token
+        head_dim=mla.latent_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=None,  # YaRN, if any, is mla.yarn
+        max_position_embeddings=int(_required(raw, "max_position_embeddings")),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=attn_bias,
+        o_proj_bias=attn_bias,
+        bos_token_id=None if raw.get("bos_token_id") is None else int(raw["bos_token_id"]),
+        eos_token_ids=() if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos])),
+        mla=mla,
+    )

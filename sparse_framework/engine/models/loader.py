@@ -19,10 +19,11 @@ import torch
 from ...common.errors import ConfigError
 from ...common.layout import check_device
 from .config import CheckpointError, ModelConfig, read_config_json
+from .deepseek_v32 import DeepseekV32Model
 from .gemma import GemmaDecoderModel
 from .llama import DecoderModel
 
-EngineModel = DecoderModel | GemmaDecoderModel
+EngineModel = DecoderModel | GemmaDecoderModel | DeepseekV32Model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INDEX_FILE = "model.safetensors.index.json"
@@ -30,12 +31,19 @@ INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
+def model_class(config: ModelConfig) -> type[DecoderModel] | type[GemmaDecoderModel] | type[DeepseekV32Model]:
+    """The engine model of a config: DeepseekV32Model for MLA, GemmaDecoderModel for Gemma 2/3,
+    else the Llama family's DecoderModel."""
+    if config.mla is not None:
+        return DeepseekV32Model
+    return GemmaDecoderModel if config.is_gemma else DecoderModel
+
+
 def build_model(
     config: ModelConfig, dtype: torch.dtype | None = None, device: torch.device | str | None = None
 ) -> EngineModel:
     """The model class of the config's family, built with `dtype` on `device` ("meta": no memory)."""
-    cls = GemmaDecoderModel if config.is_gemma else DecoderModel
-    return cls(config, dtype=dtype, device=device)
+    return model_class(config)(config, dtype=dtype, device=device)
 
 
 def default_dtype(device: str | torch.device) -> torch.dtype:
@@ -89,8 +97,10 @@ def random_model(
     config: ModelConfig, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu", seed: int = 0
 ) -> EngineModel:
     """Random weights for benchmarks: N(0, 0.02) matrices and biases (transformers' default
-    initializer range), unit norms; drawn on `device` from `seed`, so the same seed gives the
-    same model on the same kind of device."""
+    initializer range), unit norms (zero LayerNorm biases and router correction biases); drawn
+    on `device` from `seed`, so the same seed gives the same model on the same kind of device.
+    For a DeepSeek-V3.2 config a benchmark may pass one with a shrunk MoE
+    (`dataclasses.replace(config, mla=config.mla.with_experts(n))`): never done for a checkpoint."""
     dtype, dev = _resolve(dtype, device)
     model = build_model(config, dtype=dtype, device="meta")
     model.to_empty(device=dev)
@@ -100,6 +110,8 @@ def random_model(
         for name, param in model.named_parameters():  # a tied head is listed once
             if name.endswith("norm.weight"):  # unit norms: Gemma's scale by 1 + weight
                 param.fill_(0.0 if config.is_gemma else 1.0)
+            elif name.endswith(("norm.bias", "e_score_correction_bias")):
+                param.zero_()
             else:
                 param.normal_(0.0, 0.02, generator=gen)
     return model.eval()
@@ -169,7 +181,13 @@ def _build(
 
 
 def _ignorable(name: str, config: ModelConfig) -> bool:
-    """Stored tensors the model does not need: RoPE tables, or a tied head saved anyway."""
+    """Stored tensors the model does not need: RoPE tables, a tied head saved anyway, and
+    DeepSeek's multi-token-prediction layers (stored as layers num_layers.., not run; as
+    transformers skips them)."""
+    if config.mla is not None and config.mla.num_nextn_predict_layers and name.startswith("model.layers."):
+        index = name.split(".")[2]
+        if index.isdigit() and int(index) >= config.num_layers:
+            return True
     return name.endswith(_IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == "lm_head.weight")
 
 

@@ -1,0 +1,168 @@
+"""The MLA model's hook into the engine: `attend(layer, MLAInputs) -> out`, and its reference.
+
+An MLA layer (DeepSeek-V3.2) does not hand the runner per-head K/V: it hands what its cache
+holds — one latent row per token, the normalised latent c then the RoPE'd key — plus its
+queries split into the part that meets c through kv_b_proj (nope) and the RoPE part, the
+layer's kv_b_proj weight per head, its softmax scale, and its lightning indexer's outputs. The
+runner chooses the form of attention: absorbed (decode: q_nope folded through W_UK so the
+query meets the latent rows directly, the selected rows' c are the values, W_UV after) or
+expanded (every latent row through kv_b_proj into per-head K/V). Both compute
+
+    out_h = Σ_s softmax_s(scale · (q_nope_h · W_UK_h c_s + q_rot_h · k_rot_s)) · W_UV_h c_s
+
+over the keys s the token may see: its sequence's cached ones and this step's up to itself,
+restricted — as the model does at prefill and decode — to the indexer's top `index_topk` of
+them by the score Σ_j w_j · ReLU(iq_j · ik_s) (`index_scores`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ...common.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class MLAInputs:
+    """One MLA layer's tensors for a packed step of T tokens.
+
+    q_nope [T, H, qk_nope], q_rot [T, H, qk_rope] (post-RoPE), both unscaled;
+    latent [T, kv_lora_rank + qk_rope]: the rows to cache (c after kv_a_layernorm, then the
+    RoPE'd shared key), the store's MLA row (V = its first kv_lora_rank values);
+    kv_b [H, qk_nope + v_head, kv_lora_rank]: kv_b_proj's weight per head (a view);
+    scale: the model's softmax scale (YaRN's mscale^2 included);
+    index_q [T, Hi, Di] and index_k [T, Di] (post-RoPE, the model's dtype), index_weights
+    [T, Hi] float32, already × Hi^-1/2 × Di^-1/2 (DSA's `inputs` as the coordinator takes them);
+    index_topk: how many keys the indexer keeps per query.
+    """
+
+    q_nope: torch.Tensor
+    q_rot: torch.Tensor
+    latent: torch.Tensor
+    kv_b: torch.Tensor
+    scale: float
+    index_q: torch.Tensor
+    index_weights: torch.Tensor
+    index_k: torch.Tensor
+    index_topk: int
+
+    @property
+    def nope_dim(self) -> int:
+        return self.q_nope.shape[-1]
+
+    @property
+    def kv_lora_rank(self) -> int:
+        return self.kv_b.shape[-1]
+
+    def absorbed_queries(self, rows: slice | torch.Tensor = slice(None)) -> torch.Tensor:
+        """[n, H, kv_lora_rank + rope] (kv_b's dtype) whose plain dot with a latent row is the
+        model's logit: scale · [W_UK_h^T q_nope_h, q_rot_h]."""
+        w_uk = self.kv_b[:, : self.nope_dim]  # [H, nope, L]
+        q_lat = torch.einsum("thn,hnl->thl", self.q_nope[rows].to(w_uk.dtype), w_uk)
+        return torch.cat([q_lat, self.q_rot[rows].to(w_uk.dtype)], dim=-1) * self.scale
+
+    def expand(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent rows [m, L + rope] -> per-head keys [m, H, nope + rope] and values [m, H, v]
+        (the model's non-absorbed form)."""
+        kv = torch.einsum("ml,hdl->mhd", latent[:, : self.kv_lora_rank].to(self.kv_b.dtype), self.kv_b)
+        k_nope, v = kv[..., : self.nope_dim], kv[..., self.nope_dim :]
+        k_rot = latent[:, None, self.kv_lora_rank :].to(k_nope.dtype).expand(-1, k_nope.shape[1], -1)
+        return torch.cat([k_nope, k_rot], dim=-1), v
+
+    def expand_values(self, attended: torch.Tensor) -> torch.Tensor:
+        """Attention over the latent values [n, H, kv_lora_rank] -> [n, H, v_head] through W_UV."""
+        w_uv = self.kv_b[:, self.nope_dim :]  # [H, v, L]
+        return torch.einsum("thl,hvl->thv", attended.to(w_uv.dtype), w_uv)
+
+
+class MLAAttend(Protocol):
+    """`attend(layer, inputs) -> [T, H, v_head_dim]` (q_nope's dtype): the attention output of
+    every token of the step before o_proj (module docstring)."""
+
+    def __call__(self, layer: int, inputs: MLAInputs) -> torch.Tensor: ...
+
+
+def index_scores(index_q: torch.Tensor, index_weights: torch.Tensor, index_k: torch.Tensor) -> torch.Tensor:
+    """The lightning indexer's scores [n, m] float32 of n queries over m keys:
+    Σ_j w_j · ReLU(iq_j · ik_s) (the weights carry the model's scales)."""
+    dots = torch.einsum("njd,md->njm", index_q.float(), index_k.float())
+    return torch.einsum("nj,njm->nm", index_weights.float(), dots.relu())
+
+
+def indexer_keep(scores: torch.Tensor, q_pos: torch.Tensor, topk: int) -> torch.Tensor:
+    """bool [n, m]: the keys each query keeps, as the model selects: among the causal ones
+    (key position <= q_pos, keys at positions 0..m-1) the top min(topk, m) by score."""
+    m = scores.shape[1]
+    causal = torch.arange(m, device=scores.device)[None, :] <= q_pos[:, None]
+    masked = scores.masked_fill(~causal, float("-inf"))
+    chosen = masked.topk(min(topk, m), dim=-1).indices
+    keep = torch.zeros_like(causal).scatter_(1, chosen, True)
+    return keep & causal
+
+
+def dense_mla_attend(seq_lens: Sequence[int], compute_dtype: torch.dtype = torch.float32) -> MLAAttend:
+    """A reference MLA `attend` for whole prompts packed back to back (no cache): per sequence,
+    the latents expanded through kv_b_proj (non-absorbed), causal attention restricted to the
+    indexer's top-k, in `compute_dtype`. Tests only: it builds each L x L score matrix."""
+    lens = [int(n) for n in seq_lens]
+    if any(n < 1 for n in lens):
+        raise ConfigError(f"dense_mla_attend: every sequence length must be >= 1, got {lens}")
+
+    def attend(layer: int, x: MLAInputs) -> torch.Tensor:
+        if x.q_nope.shape[0] != sum(lens):
+            raise ConfigError(f"dense_mla_attend: the step has {x.q_nope.shape[0]} tokens but seq_lens {lens} "
+                              f"sum to {sum(lens)}")
+        out = x.q_nope.new_empty((*x.q_nope.shape[:2], x.kv_b.shape[1] - x.nope_dim))
+        start = 0
+        for n in lens:
+            rows = slice(start, start + n)
+            out[rows] = mla_chunk_attention(x, rows, torch.arange(n, device=out.device), x.latent[rows],
+                                            x.index_k[rows], compute_dtype).to(out.dtype)
+            start += n
+        return out
+
+    return attend
+
+
+def mla_chunk_attention(
+    x: MLAInputs, rows: slice, q_pos: torch.Tensor, latent: torch.Tensor, index_k: torch.Tensor,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The queries `rows` of x (one sequence's, at positions q_pos [n]) over its latent rows
+    [m, Dl] and indexer keys [m, Di] at positions 0..m-1 (the prefix, those rows included):
+    expanded (non-absorbed) MLA, causal, each query restricted to its indexer top-k as the
+    model does. Returns [n, H, v_head] in `compute_dtype`. Builds an [H, n, m] score matrix:
+    for a prefill chunk over its staged prefix, not a whole context at once."""
+    k, v = x.expand(latent)
+    q = torch.cat([x.q_nope[rows], x.q_rot[rows]], dim=-1)
+    logits = torch.einsum("thd,shd->hts", q.to(compute_dtype), k.to(compute_dtype)) * x.scale
+    keep = indexer_keep(index_scores(x.index_q[rows], x.index_weights[rows], index_k), q_pos, x.index_topk)
+    probs = logits.masked_fill(~keep[None], float("-inf")).softmax(dim=-1)
+    return torch.einsum("hts,shv->thv", probs, v.to(compute_dtype))
+
+
+def mla_prefill_attention(
+    x: MLAInputs, rows: slice, q_pos: torch.Tensor, latent: torch.Tensor, index_k: torch.Tensor, block: int = 256,
+) -> torch.Tensor:
+    """`mla_chunk_attention` for the engine's prefill: the same keys and arithmetic (expanded
+    K/V, each query's indexer top-k of the causal prefix), in blocks of `block` queries so the
+    index scores ([block, Hi, m] float32) and the mask stay bounded, attention by SDPA (its
+    fused kernels where the mask allows; float32 math on the CPU). Returns [n, H, v_head] in
+    the latent's dtype."""
+    k, v = x.expand(latent)  # [m, H, nope + rope], [m, H, v]
+    kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    q = torch.cat([x.q_nope[rows], x.q_rot[rows]], dim=-1).to(k.dtype)
+    n = q.shape[0]
+    out = q.new_empty((n, q.shape[1], v.shape[-1]))
+    for lo in range(0, n, block):
+        hi = min(lo + block, n)
+        r = slice((rows.start or 0) + lo, (rows.start or 0) + hi)
+        keep = indexer_keep(index_scores(x.index_q[r], x.index_weights[r], index_k), q_pos[lo:hi], x.index_topk)
+        qh = q[lo:hi].transpose(0, 1).unsqueeze(0)
+        o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=keep, scale=x.scale)
+        out[lo:hi] = o[0].transpose(0, 1)
+    return out
