@@ -300,7 +300,7 @@ class RefCache:
 class RadixMachine(RuleBasedStateMachine):
     """insert / match / lock / unlock / evict / evict_swa on a tree and on `RefCache`."""
 
-    @initialize(page_size=st.integers(1, 3), window=st.one_of(st.none(), st.integers(1, 7)))
+    @initialize(page_size=st.integers(1, 3), window=st.sampled_from([None, 1, 2, 3, 5, 7]))
     def setup(self, page_size: int, window: int | None) -> None:
         self.tree = RadixCache(page_size, window)
         self.ref = RefCache(page_size, window)
@@ -308,13 +308,25 @@ class RadixMachine(RuleBasedStateMachine):
         self.out_full: set[int] = set()  # handles handed to the tree and not given back yet
         self.out_swa: set[int] = set()
         self.matches: list[RadixNode] = []
+        self.seqs: list[list[int]] = []  # recent token sequences, to draw shared prefixes from
         self.held: list[tuple[object, list[Key], list[Key]]] = []  # handle, full keys, swa keys
         self.released: list[object] = []
 
-    def tokens(self, data: st.DataObject, max_pages: int = 5) -> list[int]:
-        pages = data.draw(st.lists(st.lists(st.integers(0, 2), min_size=self.tree.page_size,
-                                            max_size=self.tree.page_size), max_size=max_pages))
-        return [t for page in pages for t in page]
+    def tokens(self, data: st.DataObject) -> list[int]:
+        """Whole pages: often a cut of an earlier sequence plus new pages, so prefixes are shared
+        and nodes get split; pages mostly of one repeated token (3 kinds), at times mixed."""
+        p = self.tree.page_size
+        base: list[int] = []
+        if self.seqs and data.draw(st.integers(0, 2)):
+            base = data.draw(st.sampled_from(self.seqs))
+            cut = len(base) // p - data.draw(st.integers(0, len(base) // p))  # drawn small: long cuts
+            base = base[:cut * p]
+        page = st.one_of(st.integers(0, 2).map(lambda t: [t] * p),
+                         st.lists(st.integers(0, 2), min_size=p, max_size=p))
+        extra = data.draw(st.lists(page, min_size=0 if base else 1, max_size=4))
+        tokens = base + [t for pg in extra for t in pg]
+        self.seqs = (self.seqs + [tokens])[-8:]
+        return tokens
 
     def give_back(self, values: list[int], swa: list[int]) -> None:
         """Each handle must come back once, and only one the tree held."""
@@ -330,7 +342,7 @@ class RadixMachine(RuleBasedStateMachine):
         tokens = self.tokens(data)
         n = len(tokens) // self.tree.page_size
         values = [next(self.ids) for _ in range(n)]
-        k = data.draw(st.integers(0, n)) if self.tree.window is not None else 0
+        k = n - data.draw(st.integers(0, n)) if self.tree.window is not None else 0  # SWA pages
         swa = [-next(self.ids) for _ in range(k)]
         self.out_full.update(values)
         self.out_swa.update(swa)
@@ -339,19 +351,23 @@ class RadixMachine(RuleBasedStateMachine):
         assert (r.prefix_pages, r.unused_values, r.unused_swa_values) == (prefix, unused, unused_swa)
         self.give_back(r.unused_values, r.unused_swa_values)
 
-    @rule(data=st.data())
-    def match(self, data: st.DataObject) -> None:
+    @precondition(lambda self: self.tree.num_nodes())  # an empty tree matches nothing
+    @rule(data=st.data(), then_lock=st.booleans())
+    def match(self, data: st.DataObject, then_lock: bool) -> None:
         tokens = self.tokens(data) + data.draw(st.lists(st.integers(0, 2), max_size=self.tree.page_size - 1))
         m = self.tree.match_prefix(tokens)
         assert (m.num_pages, m.values, m.swa_values, m.raw_pages) == self.ref.match(tokens)
         assert len(node_keys(self.tree, m.node)) == m.num_pages
-        self.matches = (self.matches + [m.node])[-8:]
+        if m.node is not self.tree.root:
+            self.matches = (self.matches + [m.node])[-8:]
+            if then_lock:  # the engine's order: match, then lock what matched
+                self.lock(len(self.matches) - 1)
 
     @precondition(lambda self: self.matches)
     @rule(i=st.integers(0, 7))
     def lock(self, i: int) -> None:
         node = self.matches[i % len(self.matches)]
-        if node is not self.tree.root and (not node.alive or node.tombstone):
+        if not node.alive or node.tombstone:
             with pytest.raises(LockError):
                 self.tree.lock(node)
             return
@@ -402,19 +418,21 @@ class RadixMachine(RuleBasedStateMachine):
         self.give_back(values, swa)
         return gone, windows
 
-    @rule(n=st.integers(0, 6))
-    def evict(self, n: int) -> None:
-        before = self.tree.evictable_size()
-        r = self.tree.evict(n)
-        self.forget(r.values, r.swa_values)
-        assert len(r.values) >= min(n, before)  # stops short only when nothing is left
-
-    @rule(n=st.integers(0, 6))
-    def evict_swa(self, n: int) -> None:
-        before = self.tree.evictable_swa_size()
-        r = self.tree.evict_swa(n)
-        _, windows = self.forget(r.values, r.swa_values)
-        assert len(windows) >= min(n, before)
+    @precondition(lambda self: self.tree.num_nodes())
+    @rule(n=st.integers(1, 4), swa_only=st.booleans())
+    def evict(self, n: int, swa_only: bool) -> None:
+        """`evict` (full) or `evict_swa`: one rule, so that eviction is not drawn twice as often
+        as insertion and the tree has something in it most of the time."""
+        if swa_only:
+            before = self.tree.evictable_swa_size()
+            r = self.tree.evict_swa(n)
+            _, windows = self.forget(r.values, r.swa_values)
+            assert len(windows) >= min(n, before)  # stops short only when nothing is left
+        else:
+            before = self.tree.evictable_size()
+            r = self.tree.evict(n)
+            self.forget(r.values, r.swa_values)
+            assert len(r.values) >= min(n, before)
 
     @invariant()
     def tree_matches_reference(self) -> None:
@@ -464,6 +482,6 @@ class RadixMachine(RuleBasedStateMachine):
         assert self.tree.evictable_size() == self.tree.evictable_swa_size() == 0
 
 
-RadixMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=30, deadline=None,
+RadixMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=30, deadline=None, database=None,
                                           suppress_health_check=[HealthCheck.too_slow])
 test_radix_machine = RadixMachine.TestCase
