@@ -276,7 +276,8 @@ class RefCache:
         tail = keys[best - min(self.w, best):best]
         return best, [self.pages[k][0] for k in keys[:best]], [self.pages[k][1] for k in tail], raw
 
-    def insert(self, tokens: list[int], values: list[int], swa: list[int]) -> tuple[int, list[int], list[int]]:
+    def insert(self, tokens: list[int], values: list[int],
+               swa: list[int]) -> tuple[int, list[int], list[int]]:
         keys = self.keys(tokens)
         n = len(keys)
         swa_start = n - len(swa) if self.window is not None else n
@@ -482,6 +483,6 @@ class RadixMachine(RuleBasedStateMachine):
         assert self.tree.evictable_size() == self.tree.evictable_swa_size() == 0
 
 
-RadixMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=30, deadline=None, database=None,
-                                          suppress_health_check=[HealthCheck.too_slow])
+RadixMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=30, deadline=None,
+                                          database=None, suppress_health_check=[HealthCheck.too_slow])
 test_radix_machine = RadixMachine.TestCase
