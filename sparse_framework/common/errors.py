@@ -48,6 +48,11 @@ class HookOrderError(SparseFrameworkError, ValueError):
         self.layer = layer
 
 
+class LockError(SparseFrameworkError, RuntimeError):
+    """A lock reference was misused: released twice, taken on a node that cannot hold it, or
+    driven below zero. The message names the node and its lock counts; nothing was changed."""
+
+
 def closest(name: str, choices: Iterable[str]) -> str:
     """' Did you mean 'x'?' for the closest choice, or '' when nothing is close."""
     match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
