@@ -14,6 +14,8 @@ import argparse
 import json
 import sys
 import time
+import warnings
+from collections import Counter
 
 import torch
 
@@ -37,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="prefill chunks' attention (default auto: flash-attn's varlen kernel where installed)")
     p.add_argument("--timed-steps", type=int, default=20,
                    help="decode steps timed without the profiler first: their median is the step time (default 20)")
+    p.add_argument("--async-scheduling", choices=["on", "off"], default="on",
+                   help="build the next step while the GPU runs this one (default on, the engine's CUDA default)")
+    p.add_argument("--sync-debug", action="store_true",
+                   help="list where the timed steps synchronise with the GPU (torch's sync debug mode, by source line)")
     p.add_argument("--host-profile", action="store_true",
                    help="also cProfile the host side of the profiled steps (functions by own time)")
     args = p.parse_args(argv)
@@ -57,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(model, model_config, json.loads(args.config), EngineConfig(
         max_num_seqs=args.batch, max_num_batched_tokens=16384, max_model_len=args.context + 64,
         decode_graphs=args.decode_graphs, cuda_graphs=args.cuda_graphs, fused_ops=args.fused_ops == "on",
-        prefill_attention=args.prefill_attention))
+        prefill_attention=args.prefill_attention,
+        async_scheduling=args.async_scheduling == "on"))
     g = torch.Generator().manual_seed(0)
     # one short request first: kernel compilation (Triton, flash-attn's JIT) stays out of the figures
     engine.add_request("warm-up", torch.randint(0, model_config.vocab_size, (min(args.context, 4096),),
@@ -80,10 +87,23 @@ def main(argv: list[str] | None = None) -> int:
         engine.step()  # warm-up (first sighting and capture of the graphs)
     torch.cuda.synchronize()
     times = []
-    for _ in range(args.timed_steps):
-        start = time.perf_counter()
-        engine.step()  # ends with the sampled tokens on the host: its wall time is the step's
-        times.append(time.perf_counter() - start)
+    syncs: Counter[str] = Counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if args.sync_debug:
+            torch.cuda.set_sync_debug_mode("warn")
+        for _ in range(args.timed_steps):
+            start = time.perf_counter()
+            engine.step()  # with async scheduling it returns once the step before is read
+            times.append(time.perf_counter() - start)
+        torch.cuda.set_sync_debug_mode(0)
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            syncs[f"{w.filename}:{w.lineno}"] += 1
+    if args.sync_debug:
+        print(f"synchronising calls in {args.timed_steps} steps (source line: count):")
+        for where, n in syncs.most_common(20):
+            print(f"  {where}: {n}")
     if times:
         times.sort()
         print(f"decode step (no profiler): median {1e3 * times[len(times) // 2]:.2f} ms, min {1e3 * times[0]:.2f} ms "

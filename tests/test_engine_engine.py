@@ -156,7 +156,8 @@ def test_random_arrivals_lengths_and_aborts_never_lose_or_mix_requests(checkpoin
     they have and end empty."""
     _, path = checkpoint
     sparse = {**SMALL, "min_sparse_prompt_len": data.draw(st.sampled_from([0, 40, 1000, 1000]), label="short")}
-    engine = engine_for(path, sparse, max_num_seqs=3, max_num_batched_tokens=24, device_capacity_tokens=100)
+    engine = engine_for(path, sparse, max_num_seqs=3, max_num_batched_tokens=24, device_capacity_tokens=100,
+                        async_scheduling=data.draw(st.booleans(), label="async"))
     reqs = {}
     aborted = set()
     finished = {}
@@ -189,6 +190,62 @@ def test_random_arrivals_lengths_and_aborts_never_lose_or_mix_requests(checkpoin
         alone.add_request("x", prompt, params)
         assert out.token_ids == alone.run_to_completion()[0].token_ids, rid
     assert engine.runner.coord.store.used_tokens() == 0 and not engine.runner.requests and not engine.runner.staging.spans
+
+
+def _outputs(engine: Engine, batch: list[list[int]], params: list[SamplingParams]) -> dict[str, tuple]:
+    for i, (p, sp) in enumerate(zip(batch, params)):
+        engine.add_request(f"r{i}", p, sp)
+    return {o.rid: (o.token_ids, o.finish_reason) for o in engine.run_to_completion()}
+
+
+@pytest.mark.parametrize("case", ["greedy-stops", "seeded", "preemption"])
+def test_async_scheduling_gives_the_same_outputs(checkpoint, case) -> None:
+    """The next step built before the last one's tokens are read (tokens fed on the device,
+    stop tokens seen a step late): the same tokens and finish reasons as the synchronous
+    engine — with stop tokens that end requests mid-run, seeded sampling, and preemption."""
+    _, path = checkpoint
+    batch = prompts([37, 5, 60, 21, 44], seed=7)
+    sparse, config = FULL, {"max_num_batched_tokens": 16}
+    params = [SamplingParams(max_tokens=m, temperature=0.0) for m in (12, 3, 9, 12, 1)]
+    if case == "greedy-stops":  # stop tokens that each end one request early, taken from a plain run
+        plain = _outputs(engine_for(path, sparse, **config, async_scheduling=False), batch, params)
+        stops = [plain["r0"][0][4], plain["r2"][0][1], plain["r3"][0][0]]
+        params = [SamplingParams(max_tokens=p.max_tokens, temperature=0.0, stop_token_ids=stops) for p in params]
+    elif case == "seeded":
+        params = [SamplingParams(max_tokens=10, temperature=0.9, top_k=20, top_p=0.9, seed=11 * i) for i in range(5)]
+    else:  # a device pool too small for every dense-mode request to grow: preemption
+        sparse = {**SMALL, "min_sparse_prompt_len": 1000}
+        config = {"device_capacity_tokens": 160, "max_num_batched_tokens": 32}
+        batch, params = prompts([40, 44, 48], seed=2), [SamplingParams(max_tokens=30, temperature=0.0)] * 3
+    want = _outputs(engine_for(path, sparse, **config, async_scheduling=False), batch, params)
+    engine = engine_for(path, sparse, **config, async_scheduling=True)
+    got = _outputs(engine, batch, params)
+    assert got == want
+    if case == "greedy-stops":
+        assert sum(reason == "stop" for _, reason in got.values()) >= 3
+    if case == "preemption":
+        assert engine.scheduler.num_preemptions > 0
+    assert engine.runner.coord.store.used_tokens() == 0 and not engine.runner.requests
+
+
+def test_async_abort_reads_the_step_in_flight_first(checkpoint) -> None:
+    """An abort while a step's tokens are still on the device: the request's output holds
+    real token values (no placeholder), and the others finish as they would."""
+    _, path = checkpoint
+    engine = engine_for(path, SMALL, async_scheduling=True)
+    for i, p in enumerate(prompts([30, 40, 50], seed=5)):
+        engine.add_request(f"r{i}", p, GREEDY)
+    for _ in range(12):
+        engine.step()
+    aborted = engine.abort("r1")
+    assert aborted is not None and aborted.finish_reason == "abort" and aborted.token_ids
+    assert all(t >= 0 for t in aborted.token_ids)
+    plain = engine_for(path, SMALL, async_scheduling=False)
+    plain.add_request("x", prompts([30, 40, 50], seed=5)[1], GREEDY)
+    assert aborted.token_ids == plain.run_to_completion()[0].token_ids[: len(aborted.token_ids)]
+    outs = engine.run_to_completion()
+    assert sorted(o.rid for o in outs) == ["r0", "r2"]
+    assert engine.runner.coord.store.used_tokens() == 0
 
 
 @pytest.mark.gpu

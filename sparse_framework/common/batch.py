@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .transfer import to_device
+
 
 @dataclass(eq=False)
 class Request:
@@ -59,15 +61,15 @@ class Batch:
     def prepare(self, device: str | torch.device) -> None:
         """Fill the step's tensors from the requests (once per step, in forward_begin): lengths,
         state rows, and the split into sparse and dense rows, with their sub-batches."""
-        self.seq_lens = torch.tensor([r.seq_len for r in self.requests], dtype=torch.int32, device=device)
-        self.slot_ids = torch.tensor([r.slot for r in self.requests], dtype=torch.long, device=device)
+        self.seq_lens = to_device([r.seq_len for r in self.requests], torch.int32, device)
+        self.slot_ids = to_device([r.slot for r in self.requests], torch.long, device)
         self.max_seq_len = max(r.seq_len for r in self.requests)
         sparse = [i for i, r in enumerate(self.requests) if not r.dense]
         dense = [i for i, r in enumerate(self.requests) if r.dense]
         self.num_sparse = len(sparse)
-        self.sparse_mask = torch.tensor([not r.dense for r in self.requests], device=device)
-        self.sparse_rows = torch.tensor(sparse, dtype=torch.long, device=device)
-        self.dense_rows = torch.tensor(dense, dtype=torch.long, device=device)
+        self.sparse_mask = to_device([not r.dense for r in self.requests], torch.bool, device)
+        self.sparse_rows = to_device(sparse, torch.long, device)
+        self.dense_rows = to_device(dense, torch.long, device)
         self.sparse_batch = self if not dense else self._sub(sparse, device)
         self.dense_batch = self if not sparse else self._sub(dense, device)
 

@@ -325,6 +325,7 @@ def run_benchmark(llm: LLM, spec: BenchSpec, plan: EngineMemoryPlan | None = Non
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "prefill_attention": engine.runner.prefill_attention_label,
         "fused_ops": bool(getattr(engine.runner.model, "fused_ops", False)),
+        "async_scheduling": engine.async_scheduling,
     }
 
 

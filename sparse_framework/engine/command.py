@@ -119,6 +119,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "default), flash_attn (required), sdpa")
     p.add_argument("--fused-ops", choices=["auto", "on", "off"], default="auto",
                    help="the model's fused projections and Triton layer kernels: auto (on for CUDA; the default)")
+    p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
+                   help="build the next step while the GPU runs this one: auto (on for CUDA; the default)")
     p.add_argument("--gpu-memory-utilization", type=float,
                    help="size the pools from this fraction (0 < u <= 1) of the GPU's memory less weights, activations "
                    "and staging; --max-num-seqs becomes an upper bound (docs/engine.md, Memory)")
@@ -133,9 +135,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _kernel_options(args: argparse.Namespace) -> dict[str, Any]:
-    """EngineConfig's kernel choices from --prefill-attention and --fused-ops."""
-    return {"prefill_attention": args.prefill_attention,
-            "fused_ops": {"auto": None, "on": True, "off": False}[args.fused_ops]}
+    """EngineConfig's kernel and loop choices from --prefill-attention, --fused-ops, --async-scheduling."""
+    switch = {"auto": None, "on": True, "off": False}
+    return {"prefill_attention": args.prefill_attention, "fused_ops": switch[args.fused_ops],
+            "async_scheduling": switch[args.async_scheduling]}
 
 
 def _memory_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -12,6 +12,19 @@ runs it as one packed forward (`ModelRunner.execute`), samples a token for every
 and every prompt the step completed, and reports them back. A request that can never run
 (too long, bad sampling values, larger than the pools) finishes at once with
 `finish_reason == "error"` and a message; the others are not affected.
+
+Async scheduling (`EngineConfig.async_scheduling`, on by default on CUDA): a step's sampled
+tokens stay on the device and the host goes on with the next step — schedules it, builds its
+inputs (every host→device copy on the step's path is non-blocking: common/transfer.py) and
+launches it — before reading them, so the GPU is not idle while the host works. The scheduler
+records each sampled token as `PENDING` at once (lengths and `max_tokens` need no value); the
+next step's decode rows take their token from the device (`TokenFeed`); the values are read
+(and stop tokens seen) one step later. A request that hit a stop token has then already been
+given one more decode row: that row's token is dropped and the request finishes with reason
+"stop" exactly where it would have without async scheduling (its memory is freed then; the
+device work already queued for it is ordered before any later use of that memory). Greedy
+and seeded requests produce the same tokens either way (tests/test_engine_engine.py); rows
+that draw from the engine's shared generator may not (an extra row changes the draw).
 """
 
 from __future__ import annotations
@@ -29,10 +42,10 @@ from .budget import RunnerBudget
 from .memory import EngineMemoryPlan, plan_for
 from .models import ModelConfig
 from .prefill_attention import CHOICES as PREFILL_CHOICES
-from .runner import DecodeRow, Model, ModelRunner
+from .runner import DecodeRow, Model, ModelRunner, TokenFeed
 from .runner import PrefillChunk as RunnerChunk
 from .sampling import Sampler, SamplingParams, finished
-from .scheduler import FinishReason, Scheduler, Sequence
+from .scheduler import FinishReason, Scheduler, Sequence, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +66,8 @@ class EngineConfig:
     (DecoderModel.use_fused_ops; None: on for a CUDA device when the model has them — Gemma's
     have none, `supports_fused_ops`); prefill_attention: "auto"
     (flash-attn's varlen kernel where installed, else SDPA), "flash_attn" (required) or "sdpa"
-    (engine/prefill_attention.py); seed: the sampler's generator
+    (engine/prefill_attention.py); async_scheduling: the next step is built while the GPU runs
+    this one (module docstring; None: on for a CUDA device); seed: the sampler's generator
     for requests without a seed of their own.
 
     Memory (engine/memory.py, docs/engine.md "Memory"): gpu_memory_utilization (0 < u <= 1)
@@ -75,6 +89,7 @@ class EngineConfig:
     cuda_graphs: bool = False
     fused_ops: bool | None = None
     prefill_attention: str = "auto"
+    async_scheduling: bool | None = None
     seed: int | None = 0
     gpu_memory_utilization: float | None = None
     host_memory_bytes: int | None = None
@@ -139,6 +154,23 @@ class RequestOutput:
         return {"rid": self.rid, "prompt_tokens": len(self.prompt_token_ids), "token_ids": self.token_ids,
                 "text": self.text, "finish_reason": self.finish_reason, "error": self.error, "ttft_s": self.ttft,
                 "tpot_s": self.tpot, "num_preemptions": self.num_preemptions}
+
+
+PENDING = -1  # an output token sampled on the device that the host has not read yet
+
+
+@dataclass
+class _InFlight:
+    """A step whose sampled tokens the host has not read yet (async scheduling)."""
+
+    lives: list[_Live]  # the step's sampled requests, in row order
+    at: list[int]  # where each one's token sits in its output_ids (PENDING until read)
+    tokens: torch.Tensor  # [R] int64 on the device: the next step's decode rows read these
+    host: torch.Tensor  # [R] int64 on the host, filled by a non-blocking copy
+    ready: torch.cuda.Event | None  # recorded after that copy (None off CUDA)
+    started: float
+    stats: tuple[int, int, int]  # decode rows, prefill tokens, context (step_log)
+    finished: list[Sequence]  # finished at max_tokens in this step: output once the token is read
 
 
 @dataclass
@@ -211,7 +243,11 @@ class Engine:
         self.eos = model_config.eos_token_ids
         self.max_model_len = max_model_len
         self._live: dict[str, _Live] = {}
-        self._rejected: list[RequestOutput] = []
+        self._rejected: list[RequestOutput] = []  # outputs the next step() returns
+        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
+            else self.device.type == "cuda"
+        self._inflight: _InFlight | None = None
+        self._last_read = 0.0
         # per step run: (decode rows, prefill tokens, context tokens of the decode rows, seconds);
         # a step ends with its sampled tokens on the host, so the wall time is the step's
         self.step_log: list[tuple[int, int, int, float]] = []
@@ -252,6 +288,7 @@ class Engine:
 
     def abort(self, rid: str) -> RequestOutput | None:
         """Stop a request and free everything it holds; its output so far (None if unknown)."""
+        self._rejected.extend(self._read_inflight())  # its tokens so far, values read
         live = self._live.pop(rid, None)
         seq = self.scheduler.abort(rid)
         if live is None or seq is None:
@@ -259,7 +296,7 @@ class Engine:
         return self._output(live, FinishReason.ABORT.value)
 
     def has_unfinished(self) -> bool:
-        return bool(self._rejected) or self.scheduler.has_unfinished()
+        return bool(self._rejected) or self.scheduler.has_unfinished() or self._inflight is not None
 
     # -- a step --------------------------------------------------------------------------------
     @property
@@ -276,19 +313,27 @@ class Engine:
             live = self._live.pop(seq.rid)
             outputs.append(self._output(live, FinishReason.ERROR.value, seq.error))
         if plan.is_empty:
+            outputs.extend(self._read_inflight())
             return outputs
         started = time.perf_counter()
         context = sum(s.num_computed_tokens + 1 for s in plan.decode)
         decode = [DecodeRow(s.rid, s.last_token_id) for s in plan.decode]
         chunks = [RunnerChunk(c.seq.rid, tuple(c.seq.prompt_ids[c.start : c.end]), c.start, c.is_last) for c in plan.prefill]
-        logits = self.runner.execute(decode, chunks)
+        logits = self.runner.execute(decode, chunks, self._feed(plan))
         sampled = plan.sampled
         lives = [self._live[s.rid] for s in sampled]
-        tokens = self.sampler.sample(logits, [x.params for x in lives], [x.generator for x in lives]).tolist() if sampled else []
+        tokens = self.sampler.sample(logits, [x.params for x in lives], [x.generator for x in lives]) if sampled else None
+        if self.async_scheduling:
+            record = self._record(plan, lives, tokens, started, context)
+            previous, self._inflight = self._inflight, record
+            if previous is not None:
+                outputs.extend(self._read(previous))
+            return outputs
+        values = tokens.tolist() if tokens is not None else []
         now = time.perf_counter()
         self.step_log.append((len(plan.decode), plan.num_tokens - len(plan.decode), context, now - started))
         new_tokens, stops = {}, {}
-        for live, token in zip(lives, tokens):
+        for live, token in zip(lives, values):
             seq = live.seq
             new_tokens[seq.rid] = token
             if live.first_token is None:
@@ -299,6 +344,72 @@ class Engine:
         for seq in self.scheduler.on_step_done(plan, new_tokens, stops):
             live = self._live.pop(seq.rid)
             outputs.append(self._output(live, str(seq.finish_reason.value), seq.error))
+        return outputs
+
+    # -- async scheduling ------------------------------------------------------------------------
+    def _feed(self, plan: StepPlan) -> TokenFeed | None:
+        """The decode rows whose last token is still on the device: the step in flight's."""
+        rows = [i for i, s in enumerate(plan.decode) if s.output_ids[-1] == PENDING]
+        if not rows:
+            return None
+        inflight = self._inflight
+        assert inflight is not None, "a PENDING token with no step in flight"
+        source = {live.seq.rid: i for i, live in enumerate(inflight.lives)}
+        return TokenFeed(inflight.tokens, rows, [source[plan.decode[i].rid] for i in rows])
+
+    def _record(self, plan: StepPlan, lives: list[_Live], tokens: torch.Tensor | None, started: float,
+                context: int) -> _InFlight:
+        """Start copying the step's tokens to the host and advance the scheduler with PENDING
+        tokens (max_tokens finishes happen now; stop tokens when the values are read)."""
+        if tokens is None:
+            tokens = torch.empty(0, dtype=torch.int64, device=self.device)
+        cuda = tokens.is_cuda
+        host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=cuda)
+        host.copy_(tokens, non_blocking=cuda)
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        at = [len(live.seq.output_ids) for live in lives]
+        done = self.scheduler.on_step_done(plan, {live.seq.rid: PENDING for live in lives})
+        stats = (len(plan.decode), plan.num_tokens - len(plan.decode), context)
+        return _InFlight(lives, at, tokens, host, ready, started, stats, done)
+
+    def _read_inflight(self) -> list[RequestOutput]:
+        """Read the step in flight now (nothing else to overlap it with)."""
+        inflight, self._inflight = self._inflight, None
+        return self._read(inflight) if inflight is not None else []
+
+    def _read(self, step: _InFlight) -> list[RequestOutput]:
+        """A step's token values: into the output ids, stop tokens applied (a request that
+        stopped drops the tokens of the steps after; it finishes now if it still runs), and
+        the outputs of the requests that finished in it."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        values = step.host.tolist()
+        now = time.perf_counter()
+        self.step_log.append((*step.stats, now - max(step.started, self._last_read)))
+        self._last_read = now
+        outputs = []
+        for live, at, token in zip(step.lives, step.at, values):
+            seq = live.seq
+            if seq.rid not in self._live or at >= len(seq.output_ids):
+                continue  # its output is out (aborted, or stopped at an earlier step)
+            seq.output_ids[at] = token
+            if live.first_token is None:
+                live.first_token = now
+            if finished(live.params, token, at + 1, self.eos or None) == "stop":
+                del seq.output_ids[at + 1 :]  # sampled after the stop, in steps already run
+                if seq.is_finished:  # at max_tokens in a later step: the stop token came first
+                    seq.finish_reason = FinishReason.STOP
+                else:
+                    self.scheduler.finish(seq.rid, FinishReason.STOP)
+                self._live.pop(seq.rid)
+                outputs.append(self._output(live, FinishReason.STOP.value))
+        for seq in step.finished:
+            live = self._live.pop(seq.rid, None)
+            if live is not None:
+                outputs.append(self._output(live, str(seq.finish_reason.value), seq.error))
         return outputs
 
     def _output(self, live: _Live, reason: str, error: str | None = None) -> RequestOutput:

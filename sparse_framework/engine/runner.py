@@ -57,6 +57,7 @@ import torch
 
 from ..common.batch import Batch, Request
 from ..common.errors import CapacityError, ConfigError
+from ..common.transfer import to_device
 from ..common.layer_map import LayerMap
 from ..common.layout import KVLayout
 from ..config import SparseConfig, load_config
@@ -85,10 +86,21 @@ class Model(Protocol):
 
 @dataclass(frozen=True)
 class DecodeRow:
-    """One decoding request's token this step: the last one sampled, fed back."""
+    """One decoding request's token this step: the last one sampled, fed back (a negative
+    token: still on the device, taken from the step's `TokenFeed`)."""
 
     rid: str
     token: int
+
+
+@dataclass(frozen=True)
+class TokenFeed:
+    """Decode rows whose token the host has not read yet (async scheduling): row `rows[i]`
+    of the step takes `tokens[sources[i]]`, a previous step's sampled tokens on the device."""
+
+    tokens: torch.Tensor
+    rows: list[int]
+    sources: list[int]
 
 
 @dataclass(frozen=True)
@@ -261,8 +273,11 @@ class ModelRunner:
 
     # -- a step ----------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, decode: list[DecodeRow], prefill: list[PrefillChunk]) -> torch.Tensor:
-        """Run one step; logits (float32) of the decode rows, then of each prompt completed."""
+    def execute(self, decode: list[DecodeRow], prefill: list[PrefillChunk], feed: TokenFeed | None = None) -> torch.Tensor:
+        """Run one step; logits (float32) of the decode rows, then of each prompt completed.
+        Nothing here waits for the device (its inputs go through pinned memory), so the host
+        can build this step while the GPU still runs the one before; `feed` gives the rows whose
+        token is still on the device."""
         if not decode and not prefill:
             raise ValueError("an empty step")
         device = self.layout.device
@@ -279,9 +294,11 @@ class ModelRunner:
             if chunk.last:
                 logits_rows.append(offset + n - 1)
             offset += n
-        token_ids = torch.tensor(ids, dtype=torch.long, device=device)
-        pos = torch.tensor(positions, dtype=torch.long, device=device)
-        rows = torch.tensor(logits_rows, dtype=torch.long, device=device)
+        token_ids = to_device(ids, torch.long, device)
+        if feed is not None and feed.rows:
+            token_ids[to_device(feed.rows, torch.long, device)] = feed.tokens[to_device(feed.sources, torch.long, device)]
+        pos = to_device(positions, torch.long, device)
+        rows = to_device(logits_rows, torch.long, device)
 
         batch = Batch([self.requests[r.rid] for r in decode]) if decode else None
         if batch is not None:

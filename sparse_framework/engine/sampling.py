@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..common.errors import ConfigError, closest
+from ..common.transfer import to_device
 
 # Below this temperature a row is greedy: dividing by it would only overflow (vLLM does the same).
 GREEDY_TEMPERATURE = 1e-5
@@ -191,22 +192,23 @@ class Sampler:
         `make_generator`), else from the sampler's generator. Returns token ids [R] int64 on
         the logits' device. Greedy rows draw nothing; every other row draws V exponentials."""
         rows, vocab = self._check(logits, params, generators)
-        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
         greedy = [i for i, p in enumerate(params) if p.greedy]
+        if len(greedy) == rows:  # the common case: one argmax, nothing copied to the device
+            return logits.argmax(dim=-1)
+        device = logits.device
+        out = torch.empty(rows, dtype=torch.int64, device=device)
         if greedy:
-            idx = torch.tensor(greedy, device=logits.device)
+            idx = to_device(greedy, torch.long, device)
             out[idx] = logits[idx].argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if not sampled:
-            return out
         gumbel = self._gumbel(sampled, vocab, logits.device, generators)
         plain = [j for j, i in enumerate(sampled) if params[i].top_k == 0 and params[i].top_p >= 1.0]
         filtered = sorted(set(range(len(sampled))) - set(plain))
         for group, fn in ((plain, self._sample_plain), (filtered, self._sample_filtered)):
             if group:
-                at = torch.tensor([sampled[j] for j in group], device=logits.device)
+                at = to_device([sampled[j] for j in group], torch.long, device)
                 group_params = [params[sampled[j]] for j in group]
-                out[at] = fn(logits[at], group_params, gumbel[torch.tensor(group, device=logits.device)])
+                out[at] = fn(logits[at], group_params, gumbel[to_device(group, torch.long, device)])
         return out
 
     @staticmethod
@@ -241,13 +243,13 @@ class Sampler:
             noise.exponential_(generator=self._shared(torch.device(device)))
         elif shared:
             draw = torch.empty(len(shared), vocab, dtype=torch.float32, device=device)
-            noise[torch.tensor(shared, device=device)] = draw.exponential_(generator=self._shared(torch.device(device)))
+            noise[to_device(shared, torch.long, device)] = draw.exponential_(generator=self._shared(torch.device(device)))
         # E == 0 would give +inf; clamping keeps every score finite (a kept token's x is finite).
         return noise.clamp_(min=torch.finfo(torch.float32).tiny).log_().neg_()
 
     @staticmethod
     def _temperatures(params: list[SamplingParams], device: torch.device) -> torch.Tensor:
-        return torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)[:, None]
+        return to_device([p.temperature for p in params], torch.float32, device)[:, None]
 
     def _sample_plain(self, logits: torch.Tensor, params: list[SamplingParams], gumbel: torch.Tensor) -> torch.Tensor:
         """No top-k / top-p: argmax(x / T + Gumbel) over the whole vocabulary."""
@@ -274,10 +276,10 @@ class Sampler:
         weights = torch.exp(xs - xs[:, :1])  # unnormalised probabilities, the first is 1
         cum = weights.cumsum(dim=-1)
         before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)  # exclusive cumsum
-        k = torch.tensor(ks, device=device)[:, None]
+        k = to_device(ks, torch.long, device)[:, None]
         keep = torch.arange(c, device=device)[None, :] < k
         total = cum.gather(1, k - 1)  # mass of the row's top-k set
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)[:, None]
+        top_p = to_device([p.top_p for p in params], torch.float32, device)[:, None]
         keep &= (before < top_p * total) | (top_p >= 1.0)
         score = torch.where(keep, xs + gumbel.gather(1, cand), float("-inf"))
         return cand.gather(1, score.argmax(dim=-1, keepdim=True)).squeeze(1)

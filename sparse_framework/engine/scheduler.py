@@ -288,6 +288,11 @@ class Scheduler:
         """Finish `rid` with `FinishReason.ABORT`, freeing all it holds; None when it is not
         queued or running. Allowed between `schedule` and `on_step_done` (its result is then
         ignored)."""
+        return self.finish(rid, FinishReason.ABORT)
+
+    def finish(self, rid: str, reason: FinishReason) -> Sequence | None:
+        """Finish `rid` now with `reason`, freeing all it holds (abort; or a stop token the
+        engine read a step late, async scheduling); None when it is not queued or running."""
         seq = self._live.get(rid)
         if seq is None:
             return None
@@ -296,7 +301,7 @@ class Scheduler:
         else:
             (self._running if seq.status is SequenceStatus.RUNNING else self._preempted).remove(seq)
             self.budget.free(seq)
-        self._finish(seq, FinishReason.ABORT)
+        self._finish(seq, reason)
         return seq
 
     def has_unfinished(self) -> bool:

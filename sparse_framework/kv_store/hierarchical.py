@@ -30,6 +30,7 @@ import torch
 
 from ..common.batch import Batch, Request, Selection
 from ..common.errors import CapacityError
+from ..common.transfer import tensor_to_device
 from .base import KVStore
 from .copy import copy_rows, put_rows, write_token_rows
 from ..common.flashmla_format import pack_flashmla_fp8
@@ -234,8 +235,8 @@ class HierarchicalKVStore(KVStore):
             cols.append(torch.arange(have.numel(), have.numel() + n))
             values.append(ids)
             self._dev_pages[(layer, request.slot)] = torch.cat([have, ids])
-        index = torch.stack([torch.cat(layer_ids), torch.cat(cols)]).to(self.device)
-        self.dev_table[index[0], request.slot, index[1]] = torch.cat(values).to(torch.int32).to(self.device)
+        index = tensor_to_device(torch.stack([torch.cat(layer_ids), torch.cat(cols)]), self.device)
+        self.dev_table[index[0], request.slot, index[1]] = tensor_to_device(torch.cat(values).to(torch.int32), self.device)
 
     def _no_room(self, layer: int, pages: int, who: str, dense_request: bool) -> CapacityError:
         """The CapacityError for a layer's pool without `pages` free pages: what is full, why the

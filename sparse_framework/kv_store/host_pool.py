@@ -7,6 +7,7 @@ import torch
 
 from ..common.batch import Request
 from ..common.layout import KVLayout
+from ..common.transfer import tensor_to_device
 from ..common.arith import cdiv
 from .pages import PageAllocator, allocate_pool, paged_slots_rows
 
@@ -57,7 +58,7 @@ class HostPool:
             return
         ids = self.host_alloc.alloc(n, self.page_size, f"request {request.rid!r}")
         have = ids[:0] if have is None else have
-        self.host_table[request.slot, have.numel() : have.numel() + n] = ids.to(torch.int32).to(self.device)
+        self.host_table[request.slot, have.numel() : have.numel() + n] = tensor_to_device(ids.to(torch.int32), self.device)
         self._host_pages[request.slot] = torch.cat([have, ids])
 
     def free(self, request: Request) -> None:
