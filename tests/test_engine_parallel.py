@@ -84,7 +84,7 @@ def _rank_work(ctx: parallel.TPContext) -> dict[str, Any]:
     gib = 2**30
     # device room differs by rank (rank 1 has less): both must take the smaller plan
     planned = Engine(model, CONFIG, SPARSE, EngineConfig(
-        max_num_seqs=64, max_model_len=128, gpu_memory_utilization=0.5, device_memory_bytes=gib // 1024 * (4 - ctx.rank),
+        max_num_seqs=64, max_model_len=128, gpu_memory_utilization=0.5, device_memory_bytes=int((5.5 - 0.1 * ctx.rank) * 2**20),
         host_memory_bytes=gib // 256, tensor_parallel_size=ctx.world_size))
     assert planned.memory_plan is not None
     results["plan"] = (planned.num_seqs, planned.memory_plan.num_seqs, planned.memory_plan.host_budget_bytes,

@@ -346,6 +346,8 @@ class Engine:
         if plan.is_empty:
             return outputs
         started = time.perf_counter()
+        if self.tp is not None:  # before the forward: ranks with other steps would mismatch its all-reduces
+            self.tp.check_same_step(self._digest(plan))
         context = sum(s.num_computed_tokens + 1 for s in plan.decode)
         decode = [DecodeRow(s.rid, s.last_token_id) for s in plan.decode]
         chunks = [RunnerChunk(c.seq.rid, tuple(c.seq.prompt_ids[c.start : c.end]), c.start, c.is_last) for c in plan.prefill]
@@ -355,8 +357,8 @@ class Engine:
         tokens: list[int] = []
         if sampled and (self.tp is None or self.tp.rank == 0):  # with TP rank 0 samples for all
             tokens = self.sampler.sample(logits, [x.params for x in lives], [x.generator for x in lives]).tolist()
-        if self.tp is not None:
-            tokens = self.tp.share_tokens(tokens if self.tp.rank == 0 else None, len(sampled), self._digest(plan))
+        if self.tp is not None and sampled:
+            tokens = self.tp.share_tokens(tokens if self.tp.rank == 0 else None, len(sampled))
         now = time.perf_counter()
         self.step_log.append((len(plan.decode), plan.num_tokens - len(plan.decode), context, now - started))
         new_tokens, stops = {}, {}

@@ -19,9 +19,9 @@ How the ranks agree (docs/engine.md, "Tensor parallelism"): every rank runs its 
 identically, from the same inputs. The ranks' stores are equal in tokens (each holds the same
 pages of its own KV heads), so their budgets give the same answers once the pools are the same
 size: the memory plan's request rows and pool sizes are reduced with MIN across ranks at
-start-up. Rank 0 alone samples; each step it sends its tokens with every rank's digest of its
-plan in one all-gather, and a rank whose plan differs raises on every rank (never a silent
-divergence or a hang at the next collective).
+start-up. Before each forward the ranks compare a digest of their plans (one all-gather of an
+int64), so a rank whose plan differs raises on every rank rather than calling the model's
+all-reduces with other shapes; after it rank 0 alone samples and broadcasts its tokens.
 """
 
 from __future__ import annotations
@@ -74,24 +74,29 @@ class TPContext:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return [int(v) for v in t.tolist()]
 
-    def share_tokens(self, tokens: list[int] | None, count: int, digest: int) -> list[int]:
-        """Rank 0's `count` sampled tokens on every rank, and a check that every rank ran the
-        same plan (`digest`): one all-gather of [digest, tokens...] per step."""
-        row = torch.zeros(count + 1, dtype=torch.int64, device=self.device)
-        row[0] = digest
-        if self.rank == 0:
-            if tokens is None or len(tokens) != count:
-                raise RuntimeError(f"rank 0 must give the {count} sampled tokens of the step")
-            row[1:] = torch.tensor(tokens, dtype=torch.int64)
-        rows = [torch.empty_like(row) for _ in range(self.world_size)]
-        dist.all_gather(rows, row, group=self.group)
-        digests = [int(r[0]) for r in rows]
+    def check_same_step(self, digest: int) -> None:
+        """Raise on every rank unless every rank scheduled the same step (`digest` of its plan):
+        run before the forward, since ranks with different steps would call the model's
+        all-reduces with different shapes (a crash or a hang, not an error message)."""
+        mine = torch.tensor([digest], dtype=torch.int64, device=self.device)
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(rows, mine, group=self.group)
+        digests = [int(r) for r in torch.cat(rows).tolist()]
         if len(set(digests)) != 1:
             raise RuntimeError(
                 f"tensor parallelism: the ranks scheduled different steps (plan digests {digests}); every rank must get "
                 "the same requests in the same order and the same EngineConfig"
             )
-        return [int(v) for v in rows[0][1:].tolist()]
+
+    def share_tokens(self, tokens: list[int] | None, count: int) -> list[int]:
+        """Rank 0's `count` sampled tokens, on every rank (a broadcast)."""
+        row = torch.zeros(count, dtype=torch.int64, device=self.device)
+        if self.rank == 0:
+            if tokens is None or len(tokens) != count:
+                raise RuntimeError(f"rank 0 must give the {count} sampled tokens of the step")
+            row.copy_(torch.tensor(tokens, dtype=torch.int64))
+        dist.broadcast(row, src=0, group=self.group)
+        return [int(v) for v in row.tolist()]
 
 
 def current() -> TPContext | None:
