@@ -60,8 +60,22 @@ SCENARIOS: dict[str, tuple[ModelConfig, dict, dict, list[int], list[dict]]] = {
 }
 
 
-def _run(model: Any, name: str, tp: int) -> tuple[dict[str, list[int]], int]:
-    config, sparse, options, lens, params = SCENARIOS[name]
+def _model(config: ModelConfig, shard: TPShard | None = None) -> Any:
+    """random_model's weights x 10 (std 0.2): at its std 0.02 a tiny model's logits hardly
+    depend on its layers (the embedding dominates the residual), so a broken all-reduce could
+    pass; scaled, every layer moves the greedy tokens. Scaling the shards scales the whole."""
+    model = random_model(config, torch.float32, "cpu", seed=3, tp=shard)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                param.mul_(10.0)
+    return model
+
+
+def _run(model: Any, name: str, tp: int, sparse: dict | None = None) -> tuple[dict[str, list[int]], int]:
+    """Scenario `name` (its sparse config replaced by `sparse` if given): tokens and preemptions."""
+    config, own, options, lens, params = SCENARIOS[name]
+    sparse = sparse or own
     engine = Engine(model, config, sparse, EngineConfig(**{"max_num_seqs": 4, "max_model_len": 128,
                                                            "tensor_parallel_size": tp, **options}))
     for i, (prompt, p) in enumerate(zip(_prompts(lens, seed=len(name)), params)):
@@ -78,8 +92,7 @@ def _rank_work(ctx: parallel.TPContext) -> dict[str, Any]:
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
     for name, (config, *_rest) in SCENARIOS.items():
-        model = random_model(config, torch.float32, "cpu", seed=3, tp=ctx.shard)
-        results[name] = _run(model, name, ctx.world_size)
+        results[name] = _run(_model(config, ctx.shard), name, ctx.world_size)
     model = random_model(CONFIG, torch.float32, "cpu", seed=3, tp=ctx.shard)
     gib = 2**30
     # device room differs by rank (rank 1 has less): both must take the smaller plan
@@ -111,13 +124,15 @@ def test_tp2_output_equals_tp1_token_for_token(ranks, name) -> None:
     DSA over the keys, biases, preemption and seeded sampling: both ranks give the tokens of
     one unsplit engine over the same weights."""
     config = SCENARIOS[name][0]
-    want, preemptions = _run(random_model(config, torch.float32, "cpu", seed=3), name, 1)
+    want, preemptions = _run(_model(config), name, 1)
     for rank in ranks:
         got, rank_preemptions = rank[name]
         assert got == want
         assert rank_preemptions == preemptions
     if name == "preempt":
         assert preemptions > 0  # the scenario preempts (TP=1 and both ranks alike)
+    if name in ("sparse", "dsa_keys"):  # the budget binds: dense attention gives other tokens
+        assert _run(_model(config), name, 1, sparse=DENSE)[0] != want
 
 
 def test_each_rank_holds_its_kv_heads_and_takes_the_smallest_memory_plan(ranks) -> None:
