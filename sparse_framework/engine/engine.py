@@ -31,16 +31,19 @@ from __future__ import annotations
 
 import logging
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..common.errors import ConfigError, SparseFrameworkError
+from ..common.errors import CapacityError, ConfigError, SparseFrameworkError
 from ..config import SparseConfig, load_config
 from .budget import RunnerBudget
-from .memory import EngineMemoryPlan, plan_for
+from . import parallel
+from .memory import EngineMemoryPlan, host_budget, plan_for
 from .models import ModelConfig
+from .models.tensor_parallel import check_tensor_parallel
 from .prefill_attention import CHOICES as PREFILL_CHOICES
 from .runner import DecodeRow, Model, ModelRunner, TokenFeed
 from .runner import PrefillChunk as RunnerChunk
@@ -76,7 +79,13 @@ class EngineConfig:
     the engine takes as many request rows of max_model_len as fit on the device and in the host
     budget, host_memory_bytes (None: a fraction of MemAvailable). device_memory_bytes: the
     device memory the plan takes the fraction of (None: the CUDA device's; required on a CPU
-    device, which has none of its own). None (the default): max_num_seqs x max_model_len."""
+    device, which has none of its own). None (the default): max_num_seqs x max_model_len.
+
+    tensor_parallel_size: ranks the model is split over (engine/parallel.py; docs/engine.md,
+    "Tensor parallelism"): the Llama family only, N dividing num_heads, num_kv_heads and
+    intermediate_size; every rank builds its Engine with the same settings inside a process
+    group (`parallel.init_tp`) over a model sharded for it (`random_model`/`load_model` with
+    `tp=ctx.shard`). host_memory_bytes is then the whole host's budget, each rank taking 1/N."""
 
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 2048
@@ -94,8 +103,12 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     host_memory_bytes: int | None = None
     device_memory_bytes: int | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ConfigError(f"EngineConfig.tensor_parallel_size must be an int >= 1, got {tp!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -197,26 +210,37 @@ class Engine:
     ) -> None:
         self.config = config = config or EngineConfig()
         self.model_config = model_config
+        # with tensor parallelism this rank's heads, KV heads and MLP columns: its layout, store and plan
+        self.tp, local = self._tensor_parallel(model, model_config, config.tensor_parallel_size)
         first = next(iter(model.parameters())) if hasattr(model, "parameters") else None  # type: ignore[attr-defined]
         self.device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
         dtype = dtype or (first.dtype if first is not None else torch.float32)
         max_model_len = config.max_model_len or model_config.max_position_embeddings
-        layout = model_config.kv_layout(dtype, self.device, max_model_len)  # the store's: full-attention layers
+        layout = local.kv_layout(dtype, self.device, max_model_len)  # the store's: full-attention layers
         sparse_config = load_config(sparse_config)
         rows, device_tokens, host_tokens = config.max_num_seqs, config.device_capacity_tokens, config.host_capacity_tokens
         self.memory_plan: EngineMemoryPlan | None = None
         if config.gpu_memory_utilization is not None:
             params = model.parameters() if hasattr(model, "parameters") else ()  # type: ignore[attr-defined]
+            host_bytes = config.host_memory_bytes
+            if self.tp is not None:  # the ranks share the host: each plans with its 1/N of the budget
+                host_bytes = host_budget(host_bytes)[0] // self.tp.world_size
             self.memory_plan = plan = plan_for(
-                params, model_config, layout, sparse_config, device=self.device, max_model_len=max_model_len,
+                params, local, layout, sparse_config, device=self.device, max_model_len=max_model_len,
                 max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
                 gpu_memory_utilization=config.gpu_memory_utilization, device_memory_bytes=config.device_memory_bytes,
-                host_memory_bytes=config.host_memory_bytes, max_prefill_chunk=config.max_prefill_chunk,
+                host_memory_bytes=host_bytes, max_prefill_chunk=config.max_prefill_chunk,
                 staging_tokens=config.staging_tokens,
             )
             log.info("%s", plan.describe())
-            plan.check()
             rows, device_tokens, host_tokens = plan.num_seqs, plan.device_capacity_tokens, plan.host_capacity_tokens
+            if self.tp is not None:  # every rank takes the smallest plan: the same pools, the same admissions
+                rows, device_tokens, host_tokens = (None if v < 0 else v for v in self.tp.min_ints(
+                    [rows, -1 if device_tokens is None else device_tokens, -1 if host_tokens is None else host_tokens]))
+                if rows < 1 and plan.num_seqs > 0:
+                    raise CapacityError(f"tensor parallelism: another rank's memory plan has no room for one request "
+                                        f"of max_model_len={max_model_len} (its own error says why)")
+            plan.check()
         self.num_seqs = rows
         supported = getattr(model, "supports_fused_ops", hasattr(model, "use_fused_ops"))
         fused = config.fused_ops if config.fused_ops is not None else self.device.type == "cuda" and supported
@@ -228,12 +252,14 @@ class Engine:
             model.use_fused_ops()  # type: ignore[attr-defined]
         self.runner = ModelRunner(
             model, layout, sparse_config,
-            num_q_heads=model_config.num_heads, max_num_seqs=rows, max_model_len=max_model_len,
+            num_q_heads=local.num_heads, max_num_seqs=rows, max_model_len=max_model_len,
             staging_tokens=config.staging_tokens or max_model_len,
             device_capacity_tokens=device_tokens, host_capacity_tokens=host_tokens,
             decode_graphs=config.decode_graphs, cuda_graphs=config.cuda_graphs,
-            prefill_attention=config.prefill_attention, model_config=model_config, mla=model_config.mla,
+            prefill_attention=config.prefill_attention, model_config=local, mla=model_config.mla,
         )
+        if self.tp is not None:
+            self._check_selection_is_per_head(sparse_config)
         self.budget = RunnerBudget(self.runner)
         self.scheduler = Scheduler(
             self.budget, max_num_batched_tokens=max(config.max_num_batched_tokens, rows),
@@ -244,13 +270,60 @@ class Engine:
         self.max_model_len = max_model_len
         self._live: dict[str, _Live] = {}
         self._rejected: list[RequestOutput] = []  # outputs the next step() returns
-        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
-            else self.device.type == "cuda"
+        # with tensor parallelism the ranks' step check and rank 0's token broadcast wait for the
+        # device every step, so there is nothing to overlap: async scheduling stays off
+        if self.tp is not None and config.async_scheduling:
+            raise ConfigError("EngineConfig.async_scheduling=True with tensor_parallel_size > 1: not supported (the "
+                              "ranks' per-step agreement waits for the device); leave it None or False")
+        self.async_scheduling = self.tp is None and (
+            config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda")
         self._inflight: _InFlight | None = None
         self._last_read = 0.0
         # per step run: (decode rows, prefill tokens, context tokens of the decode rows, seconds);
         # a step ends with its sampled tokens on the host, so the wall time is the step's
         self.step_log: list[tuple[int, int, int, float]] = []
+
+    # -- tensor parallelism --------------------------------------------------------------------
+    @staticmethod
+    def _tensor_parallel(model: Model, model_config: ModelConfig, size: int) -> tuple[parallel.TPContext | None, ModelConfig]:
+        """This process's group and this rank's ModelConfig (the model's own for size 1);
+        every refusal names tensor_parallel_size."""
+        if size == 1:
+            return None, model_config
+        check_tensor_parallel(model_config, size)  # the family and the divisibility, by name
+        ctx = parallel.current()
+        if ctx is None or ctx.world_size != size:
+            have = "no process group" if ctx is None else f"a group of {ctx.world_size}"
+            raise ConfigError(f"EngineConfig.tensor_parallel_size={size} needs a process group of {size} ranks, found "
+                              f"{have}: call parallel.init_tp / init_tp_from_env (torchrun) or run under parallel.spawn")
+        shard = getattr(model, "tp", None)
+        if shard is None or (shard.rank, shard.world_size) != (ctx.rank, size):
+            raise ConfigError(f"EngineConfig.tensor_parallel_size={size}: the model is not rank {ctx.rank}'s shard of "
+                              f"{size}; build it with random_model / load_model(..., tp=ctx.shard)")
+        return ctx, model.local_config  # type: ignore[attr-defined]
+
+    def _check_selection_is_per_head(self, sparse_config: SparseConfig) -> None:
+        """A selection shared by all heads (DSA's indexer) would be computed from each rank's
+        own heads and differ between ranks: refused. DSA over the keys selects per KV head
+        whenever the model has several, and every split model has, so it stays (a rank with one
+        KV head computes that head's own selection, which is TP=1's)."""
+        algo = self.runner.coord.algorithm
+        if type(algo).per_kv_head or getattr(getattr(algo, "options", None), "source", None) == "keys":
+            return
+        raise ConfigError(
+            f"EngineConfig.tensor_parallel_size={self.tp.world_size if self.tp else 1}: algorithm "
+            f"{sparse_config.algorithm!r} makes one selection per request from every head, which a rank (holding "
+            "some heads) cannot compute alone; use a per-KV-head algorithm (quest, pqcache, snapkv, dsa with "
+            "extra.source 'keys') or tensor_parallel_size=1"
+        )
+
+    @staticmethod
+    def _digest(plan: Any) -> int:
+        """A checksum of what a step does (rows, chunks, admissions, preemptions), equal on
+        every rank that scheduled the same step."""
+        parts = ([s.rid for s in plan.decode], [(c.seq.rid, c.start, c.end) for c in plan.prefill],
+                 [s.rid for s in plan.preempted], [s.rid for s in plan.resumed], [s.rid for s in plan.admitted])
+        return zlib.crc32(repr(parts).encode())
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
@@ -316,20 +389,26 @@ class Engine:
             outputs.extend(self._read_inflight())
             return outputs
         started = time.perf_counter()
+        if self.tp is not None:  # before the forward: ranks with other steps would mismatch its all-reduces
+            self.tp.check_same_step(self._digest(plan))
         context = sum(s.num_computed_tokens + 1 for s in plan.decode)
         decode = [DecodeRow(s.rid, s.last_token_id) for s in plan.decode]
         chunks = [RunnerChunk(c.seq.rid, tuple(c.seq.prompt_ids[c.start : c.end]), c.start, c.is_last) for c in plan.prefill]
         logits = self.runner.execute(decode, chunks, self._feed(plan))
         sampled = plan.sampled
         lives = [self._live[s.rid] for s in sampled]
-        tokens = self.sampler.sample(logits, [x.params for x in lives], [x.generator for x in lives]) if sampled else None
-        if self.async_scheduling:
+        tokens = None
+        if sampled and (self.tp is None or self.tp.rank == 0):  # with TP rank 0 samples for all
+            tokens = self.sampler.sample(logits, [x.params for x in lives], [x.generator for x in lives])
+        if self.async_scheduling:  # never with TP (see __init__)
             record = self._record(plan, lives, tokens, started, context)
             previous, self._inflight = self._inflight, record
             if previous is not None:
                 outputs.extend(self._read(previous))
             return outputs
         values = tokens.tolist() if tokens is not None else []
+        if self.tp is not None and sampled:
+            values = self.tp.share_tokens(values if self.tp.rank == 0 else None, len(sampled))
         now = time.perf_counter()
         self.step_log.append((len(plan.decode), plan.num_tokens - len(plan.decode), context, now - started))
         new_tokens, stops = {}, {}

@@ -19,6 +19,7 @@ Two ways to run a layer, the same arithmetic:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +29,9 @@ from ...kernels.layer_ops import add_rms_norm, rope_qkv, silu_mul
 from .attention import Attend
 from .config import ModelConfig
 from .rope import RotaryEmbedding, apply_rotary
+from .tensor_parallel import TPShard, local_config
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _pack(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -63,9 +67,14 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """q/k/v projections (+ q/k norm), RoPE, the `attend` callback, the output projection."""
 
-    def __init__(self, c: ModelConfig, norm: type[nn.Module] = RMSNorm, **factory: Any) -> None:
-        """`norm`: the q/k norm's class where the config has one (Gemma's differs)."""
+    def __init__(
+        self, c: ModelConfig, norm: type[nn.Module] = RMSNorm, reduce: Reduce | None = None, **factory: Any
+    ) -> None:
+        """`norm`: the q/k norm's class where the config has one (Gemma's differs). `reduce`:
+        tensor parallelism's all-reduce of o_proj's partial output (`c` is then the rank's
+        local config: its heads only; tensor_parallel.py)."""
         super().__init__()
+        self.reduce = reduce
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.q_proj = nn.Linear(c.hidden_size, q_dim, bias=c.attention_bias, **factory)
@@ -88,7 +97,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attend(layer, q, k, v)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self._reduced(self.o_proj(out.reshape(t, self.num_heads * self.head_dim)))
+
+    def _reduced(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.reduce is None else self.reduce(x)
 
     def pack(self) -> None:
         """q/k/v weights (and biases) as one tensor for `forward_fused`."""
@@ -106,38 +118,43 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, kv_dim)
         q, k, v = rope_qkv(q, k, v, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         out = attend(layer, q, k, v)
-        return self.o_proj(out.reshape(t, q_dim))
+        return self._reduced(self.o_proj(out.reshape(t, q_dim)))
 
 
 class MLP(nn.Module):
     """down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, c: ModelConfig, **factory: Any) -> None:
+    def __init__(self, c: ModelConfig, reduce: Reduce | None = None, **factory: Any) -> None:
+        """`reduce`: tensor parallelism's all-reduce of down_proj's partial output."""
         super().__init__()
+        self.reduce = reduce
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, **factory)
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, **factory)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self._reduced(self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+    def _reduced(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.reduce is None else self.reduce(x)
 
     def pack(self) -> None:
         """gate/up weights (and biases) as one tensor for `forward_fused`."""
         self.gate_up_weight, self.gate_up_bias = _pack([self.gate_proj, self.up_proj])
 
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(nn.functional.linear(x, self.gate_up_weight, self.gate_up_bias)))
+        return self._reduced(self.down_proj(silu_mul(nn.functional.linear(x, self.gate_up_weight, self.gate_up_bias))))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: h + attn(norm(h)), then + mlp(norm(.))."""
 
-    def __init__(self, c: ModelConfig, **factory: Any) -> None:
+    def __init__(self, c: ModelConfig, reduce: Reduce | None = None, **factory: Any) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
-        self.self_attn = Attention(c, **factory)
+        self.self_attn = Attention(c, reduce=reduce, **factory)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
-        self.mlp = MLP(c, **factory)
+        self.mlp = MLP(c, reduce=reduce, **factory)
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend, layer: int
@@ -162,10 +179,10 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     """What Hugging Face calls `model`: embeddings, layers, final norm."""
 
-    def __init__(self, c: ModelConfig, **factory: Any) -> None:
+    def __init__(self, c: ModelConfig, reduce: Reduce | None = None, **factory: Any) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, **factory)
-        self.layers = nn.ModuleList(DecoderLayer(c, **factory) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, reduce=reduce, **factory) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, **factory)
 
 
@@ -174,19 +191,27 @@ class DecoderModel(nn.Module):
 
     Built with `dtype`/`device` (default float32 on the CPU); `device="meta"` builds it without
     memory, for `load_model` to materialise (`to_empty` then `tie_weights`).
+
+    `tp`: this rank's place in a tensor-parallel group (tensor_parallel.py): the layers are
+    built from `local_config` (the rank's heads, KV heads and MLP columns) and all-reduce after
+    o_proj and down_proj; `config` stays the whole model's. Fill it with `load_model` /
+    `random_model` given the same `tp` (they slice the full tensors).
     """
 
     supports_fused_ops = True  # the engine may call use_fused_ops (engine.py)
 
     def __init__(
-        self, config: ModelConfig, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+        self, config: ModelConfig, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+        tp: TPShard | None = None,
     ) -> None:
         super().__init__()
         if config.is_gemma:
             raise ValueError(f"DecoderModel builds the Llama family, got {config.architecture} (use GemmaDecoderModel)")
         self.config = config
+        self.tp = tp if tp is not None and tp.world_size > 1 else None
+        self.local_config = local_config(config, tp.world_size) if self.tp is not None else config
         factory = {"dtype": dtype, "device": device}
-        self.model = Backbone(config, **factory)
+        self.model = Backbone(self.local_config, reduce=tp.reduce if self.tp is not None else None, **factory)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.fused_ops = False

@@ -22,6 +22,7 @@ from .config import CheckpointError, ModelConfig, read_config_json
 from .deepseek_v32 import DeepseekV32Model
 from .gemma import GemmaDecoderModel
 from .llama import DecoderModel
+from .tensor_parallel import TPShard, check_tensor_parallel, shard_index
 
 EngineModel = DecoderModel | GemmaDecoderModel | DeepseekV32Model
 
@@ -40,9 +41,14 @@ def model_class(config: ModelConfig) -> type[DecoderModel] | type[GemmaDecoderMo
 
 
 def build_model(
-    config: ModelConfig, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    config: ModelConfig, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+    tp: TPShard | None = None,
 ) -> EngineModel:
-    """The model class of the config's family, built with `dtype` on `device` ("meta": no memory)."""
+    """The model class of the config's family, built with `dtype` on `device` ("meta": no
+    memory); `tp`: one rank's shard of a tensor-parallel Llama-family model (tensor_parallel.py)."""
+    if tp is not None and tp.world_size > 1:
+        check_tensor_parallel(config, tp.world_size)
+        return DecoderModel(config, dtype=dtype, device=device, tp=tp)
     return model_class(config)(config, dtype=dtype, device=device)
 
 
@@ -65,16 +71,19 @@ def _resolve(dtype: torch.dtype | str | None, device: str | torch.device) -> tup
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"
+    path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
+    tp: TPShard | None = None,
 ) -> EngineModel:
     """The checkpoint in directory `path` (config.json + *.safetensors, single file or sharded
     with model.safetensors.index.json) on `device` in `dtype` (None: bfloat16 on a GPU,
-    float32 on the CPU), in eval mode. Raises CheckpointError / UnsupportedModelError."""
+    float32 on the CPU), in eval mode. Raises CheckpointError / UnsupportedModelError. `tp`:
+    load only this rank's slices of the full tensors (tensor_parallel.py; each tensor is
+    checked against its full shape, then sliced as it is read)."""
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"model directory not found: {root}" + (" (it is a file)" if root.exists() else ""))
     config = ModelConfig.from_hf(read_config_json(root))
-    return _build(config, _weight_files(root), dtype, device)
+    return _build(config, _weight_files(root), dtype, device, tp)
 
 
 def load_reference(dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu") -> EngineModel:
@@ -94,26 +103,40 @@ def reference_config() -> ModelConfig:
 
 
 def random_model(
-    config: ModelConfig, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu", seed: int = 0
+    config: ModelConfig, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu", seed: int = 0,
+    tp: TPShard | None = None,
 ) -> EngineModel:
     """Random weights for benchmarks: N(0, 0.02) matrices and biases (transformers' default
     initializer range), unit norms (zero LayerNorm biases and router correction biases); drawn
     on `device` from `seed`, so the same seed gives the same model on the same kind of device.
     For a DeepSeek-V3.2 config a benchmark may pass one with a shrunk MoE
-    (`dataclasses.replace(config, mla=config.mla.with_experts(n))`): never done for a checkpoint."""
+    a checkpoint always loads with the experts its config names.
+
+    `tp`: this rank's slices of the very weights a lone rank draws from `seed` (each full
+    tensor drawn in turn, one at a time, then sliced), so TP=N computes TP=1's model."""
     dtype, dev = _resolve(dtype, device)
-    model = build_model(config, dtype=dtype, device="meta")
+    model = build_model(config, dtype=dtype, device="meta", tp=tp)
     model.to_empty(device=dev)
     model.tie_weights()
+    sharded = tp is not None and tp.world_size > 1
+    full_shapes = {n: tuple(p.shape) for n, p in build_model(config, device="meta").named_parameters()} if sharded else {}
     gen = torch.Generator(device=dev).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():  # a tied head is listed once
+            target = torch.empty(full_shapes[name], dtype=dtype, device=dev) if sharded else param
             if name.endswith("norm.weight"):  # unit norms: Gemma's scale by 1 + weight
-                param.fill_(0.0 if config.is_gemma else 1.0)
+                target.fill_(0.0 if config.is_gemma else 1.0)
             elif name.endswith(("norm.bias", "e_score_correction_bias")):
-                param.zero_()
+                target.zero_()
             else:
-                param.normal_(0.0, 0.02, generator=gen)
+                target.normal_(0.0, 0.02, generator=gen)
+            if sharded:
+                assert tp is not None
+                index = shard_index(name, full_shapes[name], tp)
+                if index is None:
+                    param.zero_()
+                else:
+                    param.copy_(target[index])
     return model.eval()
 
 
@@ -141,15 +164,18 @@ def _weight_files(root: Path) -> dict[Path, set[str] | None]:
 
 
 def _build(
-    config: ModelConfig, files: dict[Path, set[str] | None], dtype: torch.dtype | str | None, device: str | torch.device
+    config: ModelConfig, files: dict[Path, set[str] | None], dtype: torch.dtype | str | None, device: str | torch.device,
+    tp: TPShard | None = None,
 ) -> EngineModel:
     from safetensors import safe_open
 
     dtype, dev = _resolve(dtype, device)
-    model = build_model(config, dtype=dtype, device="meta")
+    model = build_model(config, dtype=dtype, device="meta", tp=tp)
     model.to_empty(device=dev)
     model.tie_weights()
     params = dict(model.named_parameters())  # a tied LM head appears once, as the embedding
+    sharded = tp is not None and tp.world_size > 1
+    full = {n: tuple(p.shape) for n, p in build_model(config, device="meta").named_parameters()} if sharded else {}
     loaded: set[str] = set()
     unexpected: list[str] = []
     with torch.no_grad():
@@ -160,14 +186,21 @@ def _build(
                         if not _ignorable(name, config):
                             unexpected.append(name)
                         continue
-                    shape = tuple(f.get_slice(name).get_shape())
-                    expected = tuple(params[name].shape)
+                    stored = f.get_slice(name)
+                    shape = tuple(stored.get_shape())
+                    expected = full[name] if sharded else tuple(params[name].shape)
                     if shape != expected:
                         raise CheckpointError(
                             f"tensor {name!r} in {file.name} has shape {list(shape)}, but the config "
                             f"({config.architecture}) needs {list(expected)}"
                         )
-                    params[name].copy_(f.get_tensor(name))
+                    index = shard_index(name, shape, tp) if sharded and tp is not None else None
+                    if not sharded:
+                        params[name].copy_(f.get_tensor(name))
+                    elif index is None:  # a row-parallel bias outside rank 0
+                        params[name].zero_()
+                    else:  # read only this rank's slice of the stored tensor
+                        params[name].copy_(stored[index])
                     loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
