@@ -84,12 +84,42 @@ def test_index_shape_mismatch_is_named(checkpoint) -> None:
         run(path, {**DSA, "extra": {**DSA["extra"], "index_heads": 8}}, [[1, 2, 3]])
 
 
-def test_whole_step_graphs_are_refused_by_name(checkpoint) -> None:
-    """The MoE dispatch syncs with the host, so whole-step graphs cannot capture it (yet)."""
-    from sparse_framework.engine.runner import ModelRunner
+def test_moe_dense_dispatch_equals_the_gathered_one(checkpoint) -> None:
+    """The capturable MoE dispatch (every expert over every token, weighted by the routing
+    weights, 0 where not chosen) gives the gathered dispatch's output: on a batch where some
+    expert is chosen by no token and where others are (not vacuous)."""
+    from sparse_framework.engine.models.deepseek_v32 import MoE
 
     _, path = checkpoint
-    model = load_model(path)
-    with pytest.raises(NotImplementedError, match="cuda_graphs"):
-        ModelRunner(model, model.config.kv_layout(torch.float32), DSA, num_q_heads=4, max_num_seqs=1,
-                    max_model_len=32, staging_tokens=32, cuda_graphs=True, mla=model.config.mla)
+    model = load_model(path, dtype=torch.float32)
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    g = torch.Generator().manual_seed(1)
+    for rows in (1, 3, 16):
+        x = torch.randn(rows, model.config.hidden_size, generator=g)
+        moe.dense_dispatch = False
+        gathered = moe(x)
+        hit = moe.experts_hit
+        moe.dense_dispatch = True
+        dense = moe(x)
+        assert moe.experts_hit is None and hit is not None and 1 <= hit <= len(moe.experts)
+        torch.testing.assert_close(dense, gathered, rtol=1e-6, atol=1e-6)
+    assert 1 < TINY["num_experts_per_tok"] < TINY["n_routed_experts"]
+
+
+def test_engine_with_the_dense_moe_dispatch_equals_transformers(checkpoint) -> None:
+    """Decoding with the capturable MoE dispatch (what a whole-step CUDA graph records) keeps
+    the model's greedy tokens."""
+    from sparse_framework.engine.models.deepseek_v32 import MoE
+
+    model, path = checkpoint
+    ours = load_model(path, dtype=torch.float32)
+    for m in ours.modules():
+        if isinstance(m, MoE):
+            m.dense_dispatch = True
+    engine = Engine(ours, ours.config, DSA, EngineConfig(max_num_seqs=2, max_model_len=96))
+    batch = prompts([23, 12], seed=3)
+    for i, p in enumerate(batch):
+        engine.add_request(f"r{i}", p, GREEDY)
+    got = {o.rid: o.token_ids for o in engine.run_to_completion()}
+    for i, p in enumerate(batch):
+        assert got[f"r{i}"] == hf_greedy(model, p, GREEDY.max_tokens), f"r{i}"
