@@ -203,6 +203,18 @@ def decode_weight_bytes(model: torch.nn.Module, rows: int, experts_hit: Sequence
     return total
 
 
+def selected_tokens_bound(algorithm: Any, config: SparseConfig) -> int:
+    """The most tokens one selection holds. Page-granular: the selection's static width
+    (`max_selected_tokens`: sink, budget and recent pages, a misaligned window one more).
+    Token-granular: sink + top_k + recent tokens, plus the newest token where the algorithm
+    forces it in on top of its budget with no recent window to hold it (DSA as DeepSeek-V3.2
+    selects, newest_in_top_k or score_newest with no sink or recent tokens: exactly top_k)."""
+    if algorithm.granularity != "token":
+        return algorithm.max_selected_tokens(config)
+    newest_on_top = bool(getattr(algorithm, "newest_forced", True)) and config.recent_tokens == 0
+    return config.sink_tokens + algorithm.budget_units(config) + config.recent_tokens + int(newest_on_top)
+
+
 def decode_floor_bytes(llm: LLM, rows: Sequence[tuple[int, int]],
                        experts_hit: Sequence[int | None] | None = None) -> float:
     """Bytes a decode step of these rows, (context tokens, prompt tokens) each, must read at
@@ -220,7 +232,7 @@ def decode_floor_bytes(llm: LLM, rows: Sequence[tuple[int, int]],
     layout, config, algorithm = coord.layout, coord.config, coord.algorithm
     per_token = layout.bytes_per_token_per_layer
     representation = algorithm.representation_bytes_per_token(layout, config)
-    selected = algorithm.max_selected_tokens(config)
+    selected = selected_tokens_bound(algorithm, config)
     dense_ctx = sum(ctx for ctx, prompt in rows if prompt < config.min_sparse_prompt_len)
     sparse = [ctx for ctx, prompt in rows if prompt >= config.min_sparse_prompt_len]
     sparse_layer = sum(min(ctx, selected) * per_token + ctx * representation for ctx in sparse)
