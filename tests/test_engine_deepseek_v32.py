@@ -123,3 +123,67 @@ def test_engine_with_the_dense_moe_dispatch_equals_transformers(checkpoint) -> N
     got = {o.rid: o.token_ids for o in engine.run_to_completion()}
     for i, p in enumerate(batch):
         assert got[f"r{i}"] == hf_greedy(model, p, GREEDY.max_tokens), f"r{i}"
+
+
+def _fp8_model():
+    """A tiny random DeepSeek-V3.2 whose latent is FlashMLA's (512 + 64), the shape an fp8
+    store needs, without transformers."""
+    from sparse_framework.engine.command import RANDOM_MODELS
+    from sparse_framework.engine.models import ModelConfig, random_model
+
+    raw = {**RANDOM_MODELS["deepseek-v3.2-tiny"], "kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 64,
+           "index_topk": 16}
+    config = ModelConfig.from_hf(raw)
+    return random_model(config, "float32"), config
+
+
+FP8_DSA = {**DSA, "top_k": 16, "device_buffer_tokens": 32,
+           "extra": {"index_heads": 4, "index_dim": 64, "key_dtype": "float32", "score_newest": True}}
+
+
+@pytest.mark.parametrize("on_grid", [False, True])
+def test_fp8_kv_cache_stores_flashmla_rows_of_the_models_latents(monkeypatch, on_grid) -> None:
+    """kv_cache_dtype 'fp8': the store holds FlashMLA's 656-byte rows of exactly the latents
+    the float-cache engine stores (pack_flashmla_fp8 of them), the staging stays in the model's
+    dtype, and a decode step reads them back: with latents already on FP8's grid (the model's
+    latents replaced by their FP8 round trip, which packing then keeps exactly) its logits are
+    the float cache's to float tolerance; with the model's own latents they differ (quantised)."""
+    from sparse_framework.common.flashmla_format import pack_flashmla_fp8, unpack_flashmla_fp8
+    from sparse_framework.engine.models import deepseek_v32
+    from sparse_framework.engine.models.mla import MLAInputs
+    from sparse_framework.engine.runner import DecodeRow
+
+    if on_grid:
+        def rounded(**kw):  # noqa: ANN202
+            kw["latent"] = unpack_flashmla_fp8(pack_flashmla_fp8(kw["latent"])).to(kw["latent"].dtype)
+            return MLAInputs(**kw)
+
+        monkeypatch.setattr(deepseek_v32, "MLAInputs", rounded)
+    model, config = _fp8_model()
+    prompt = prompts([50], seed=5)[0]
+    engines, logits = {}, {}
+    for kv in ("auto", "fp8"):
+        e = Engine(model, config, FP8_DSA, EngineConfig(max_num_seqs=1, max_model_len=64, kv_cache_dtype=kv))
+        e.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=0.0))
+        e.step()  # the whole prompt: prefilled, handed to the store, first token sampled
+        engines[kv] = e
+        logits[kv] = e.runner.execute([DecodeRow("r", 7)], [])
+    fp8, auto = engines["fp8"].runner, engines["auto"].runner
+    assert fp8.layout.row_bytes == 656 and fp8.staging.k.dtype == torch.float32
+    for layer in range(config.num_layers):
+        stored = fp8.coord.store.read(layer, fp8.requests["r"])[0]  # [51, 1, 656] uint8
+        latents = auto.coord.store.read(layer, auto.requests["r"])[0]  # [51, 1, 576] float32
+        assert stored.dtype == torch.uint8 and torch.equal(stored[:50], pack_flashmla_fp8(latents[:50]))
+    if on_grid:
+        torch.testing.assert_close(logits["fp8"], logits["auto"], rtol=1e-5, atol=1e-5)
+    else:
+        assert not torch.equal(logits["fp8"], logits["auto"])
+
+
+def test_fp8_kv_cache_needs_flashmlas_latent_shape(checkpoint) -> None:
+    _, path = checkpoint
+    model = load_model(path, dtype=torch.float32)  # latent 32 + 8
+    with pytest.raises(ConfigError, match="kv_cache_dtype 'fp8'.*kv_lora_rank 512"):
+        Engine(model, model.config, DSA, EngineConfig(max_model_len=64, kv_cache_dtype="fp8"))
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, fp8"):
+        EngineConfig(kv_cache_dtype="int8")
