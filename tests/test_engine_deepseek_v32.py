@@ -187,3 +187,23 @@ def test_fp8_kv_cache_needs_flashmlas_latent_shape(checkpoint) -> None:
         Engine(model, model.config, DSA, EngineConfig(max_model_len=64, kv_cache_dtype="fp8"))
     with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, fp8"):
         EngineConfig(kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize("score_bytes", [2**30, 4 * 16 * 40 * 3])  # the second: 3-query blocks
+def test_mla_prefill_blocks_equal_the_whole_chunk_reference(monkeypatch, score_bytes) -> None:
+    """mla_prefill_attention (blocks of queries, shrunk on a long prefix to bound the index
+    scores) equals mla_chunk_attention's one [H, n, m] computation."""
+    from sparse_framework.engine.models import mla
+
+    monkeypatch.setattr(mla, "INDEX_SCORE_BYTES", score_bytes)
+    g = torch.Generator().manual_seed(2)
+    n, m, h, hi = 10, 40, 4, 16
+    x = mla.MLAInputs(q_nope=torch.randn(n, h, 16, generator=g), q_rot=torch.randn(n, h, 8, generator=g),
+                      latent=torch.randn(n, 40, generator=g), kv_b=torch.randn(h, 32, 32, generator=g), scale=0.2,
+                      index_q=torch.randn(n, hi, 32, generator=g), index_weights=torch.rand(n, hi, generator=g),
+                      index_k=torch.randn(n, 32, generator=g), index_topk=8)
+    latent, index_k = torch.randn(m, 40, generator=g), torch.randn(m, 32, generator=g)
+    q_pos = torch.arange(m - n, m)
+    want = mla.mla_chunk_attention(x, slice(0, n), q_pos, latent, index_k)
+    got = mla.mla_prefill_attention(x, slice(0, n), q_pos, latent, index_k)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
