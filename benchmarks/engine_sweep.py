@@ -11,6 +11,9 @@ One process, the model built once; per cell a fresh engine (`LLM.from_model`) ru
                     dsa-resident    DSA scoring the attention keys (extra.source "keys"), resident
                     quest-hier      Quest over the hierarchical store (full KV on the host, a buffer)
                     pqcache-hier    PQCache over the hierarchical store
+                    dsa-indexer-hier  DSA fed by the model's lightning indexer over the hierarchical
+                                    store, as the model selects (DeepSeek-V3.2 presets only:
+                                    command.random_model_config; HiSparse's case)
   --concurrency   requests running at once: numbers and "max". A 'max' cell's engine is built with
                   --gpu-memory-utilization (and --device-memory-gib / --host-memory-gib) and
                   --max-num-seqs as the upper bound, so it takes the rows of its own memory plan
@@ -47,12 +50,12 @@ import torch
 from sparse_framework.common.errors import ConfigError
 from sparse_framework.config import load_config
 from sparse_framework.engine import bench
-from sparse_framework.engine.command import RANDOM_MODELS
+from sparse_framework.engine.command import RANDOM_MODELS, random_model_config
 from sparse_framework.engine.llm import LLM
 from sparse_framework.engine.memory import DEFAULT_GPU_MEMORY_UTILIZATION, HOST_MEMORY_FRACTION
 from sparse_framework.engine.models import ModelConfig, random_model
 
-CONFIG_NAMES = ("dense", "quest-resident", "dsa-resident", "quest-hier", "pqcache-hier")
+CONFIG_NAMES = ("dense", "quest-resident", "dsa-resident", "quest-hier", "pqcache-hier", "dsa-indexer-hier")
 
 
 def sweep_configs(backend: str, top_k: int, device_buffer_tokens: int, min_sparse_prompt_len: int,
@@ -105,6 +108,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=256, help="upper bound on a 'max' cell's rows (default 256, "
                    "as `plan --engine`)")
     p.add_argument("--cuda-graphs", action="store_true", help="whole decode steps replayed from CUDA graphs")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="the KV store's rows: auto (the model's dtype) or fp8 (MLA: FlashMLA's 656-byte rows)")
     p.add_argument("--prefill-attention", choices=["auto", "flash_attn", "sdpa"], default="auto",
                    help="prefill chunks' attention (default auto: flash-attn's varlen kernel where installed)")
     p.add_argument("--no-warmup", action="store_true",
@@ -162,16 +167,18 @@ def run_cell(model: torch.nn.Module, args: argparse.Namespace, length: int, name
         if label == "max":  # the engine's own memory plan sizes it (CapacityError: not one request fits)
             llm = LLM.from_model(model, config, max_num_seqs=args.max_num_seqs,
                                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
-                                 cuda_graphs=args.cuda_graphs, prefill_attention=args.prefill_attention, **args.memory)
+                                 cuda_graphs=args.cuda_graphs, prefill_attention=args.prefill_attention,
+                                 kv_cache_dtype=args.kv_cache_dtype, **args.memory)
             concurrency = llm.engine.num_seqs
         else:
             concurrency = int(label)
             tokens = max(args.max_num_batched_tokens, concurrency)
             plan = bench.memory_plan(model, load_config(config), args.device, max_model_len=max_model_len,
-                                     max_num_batched_tokens=tokens, max_num_seqs=concurrency, **args.memory)
+                                     max_num_batched_tokens=tokens, max_num_seqs=concurrency,
+                                     kv_cache_dtype=args.kv_cache_dtype, **args.memory)
             llm = LLM.from_model(model, config, max_num_seqs=concurrency, max_num_batched_tokens=tokens,
                                  max_model_len=max_model_len, cuda_graphs=args.cuda_graphs,
-                                 prefill_attention=args.prefill_attention)
+                                 prefill_attention=args.prefill_attention, kv_cache_dtype=args.kv_cache_dtype)
         row["concurrency"] = concurrency
         spec = bench.BenchSpec(num_prompts=num_prompts or args.num_prompts or concurrency, input_len=length,
                                output_len=output_len, concurrency=concurrency)
@@ -198,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     backend = "triton" if torch.device(args.device).type == "cuda" else "torch_ref"
     configs = sweep_configs(backend, args.top_k, args.device_buffer_tokens, args.min_sparse_prompt_len,
                             args.quest_dense_first_layers)
+    indexer = random_model_config(args.random, args.device, args.kv_cache_dtype)
+    if indexer is not None:  # the model's own DSA, with the sweep's buffer
+        configs["dsa-indexer-hier"] = {**indexer, "device_buffer_tokens": args.device_buffer_tokens}
+    elif "dsa-indexer-hier" in args.config_list:
+        raise ConfigError(f"--configs dsa-indexer-hier needs a model with a lightning indexer (deepseek-v3.2-*), "
+                          f"not {args.random}")
     dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
     model = random_model(ModelConfig.from_hf(RANDOM_MODELS[args.random]), dtype, args.device)
     start = time.monotonic()

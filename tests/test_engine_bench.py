@@ -119,7 +119,8 @@ def test_decode_floor_of_each_kind_equals_a_hand_computation(tiny, kind) -> None
     config = quest("resident", min_sparse=10**9) if kind == "dense resident" else quest(kind.split()[-1], 100)
     llm = LLM.from_model(tiny, config, max_num_seqs=2, max_model_len=256)
     # float32: per layer q, o (64 x 64), k, v (64 x 32), gate, up, down (64 x 128), two norms; final norm, embedding, head
-    weights = 4 * (TINY.num_layers * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64 + 2 * 512 * 64)
+    # the embedding: only the step's 2 rows are read (a lookup); the head is read whole
+    weights = 4 * (TINY.num_layers * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64 + 512 * 64 + 2 * 64)
     per_token = 2 * 2 * 16 * 4  # K and V, 2 KV heads of 16, float32
     rows = [(200, 199), (150, 149)]  # (context, prompt)
     if kind == "dense resident":
@@ -192,3 +193,83 @@ def test_bench_bound_equals_plan_engine(monkeypatch, tmp_path) -> None:
     assert r["max_model_len"] == 132 and r["memory_bound_max"] == p["max_requests"] >= 1
     assert r["memory_bound"] == p["limited_by"]
     assert r["memory_plan"] == {k: v for k, v in p.items() if k not in ("model", "config")}
+
+
+# -- DeepSeek-V3.2 (MLA + indexer + MoE) -------------------------------------------------------
+DSV32 = ModelConfig.from_hf(RANDOM_MODELS["deepseek-v3.2-tiny"])
+
+
+@pytest.fixture(scope="module")
+def dsv32() -> torch.nn.Module:
+    return random_model(DSV32, "float32", "cpu")
+
+
+# deepseek-v3.2-tiny by hand: hidden 64, vocab 256, 4 heads, q LoRA 48, latent 32 + RoPE 8, nope 16,
+# v 16, indexer 4 heads x 32, top-16, layer 0 a dense MLP of 96, layer 1 an MoE of 4 experts of 32
+# (top-2) and one shared expert of 32
+ATTN = 64 * 48 + 48 + 48 * 4 * (16 + 8) + 64 * 40 + 32 + 32 * 4 * (16 + 16) + 4 * 16 * 64  # + the q/kv norms
+INDEXER = 48 * 4 * 32 + 64 * 32 + 2 * 32 + 64 * 4  # wq_b, wk, k_norm (weight, bias), weights_proj
+EXPERT = 3 * 64 * 32
+ROUTER = 4 * 64 + 4  # weight and correction bias
+
+
+def test_the_mini_preset_has_deepseek_v32s_attention_shape_and_fits_an_h100() -> None:
+    c = ModelConfig.from_hf(RANDOM_MODELS["deepseek-v3.2-mini"])
+    m = c.mla
+    assert (c.num_heads, c.hidden_size, c.vocab_size) == (128, 7168, 129280)
+    assert (m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim) == (1536, 512, 64, 128, 128)
+    assert (m.index_n_heads, m.index_head_dim, m.index_topk, m.latent_dim) == (64, 128, 2048, 576)
+    assert m.mlp_layer_types[0] == "dense" and set(m.mlp_layer_types[1:]) == {"sparse"}
+    assert m.n_routed_experts < 256 and m.yarn is not None  # the MoE is shrunk (random weights only)
+    assert c.num_parameters() * 2 < 16 * 2**30  # bf16 weights leave an 80 GB H100 most of its memory
+    assert c.kv_layout(torch.float8_e4m3fn).row_bytes == 656 and c.kv_layout(torch.bfloat16).row_bytes == 1152
+
+
+def test_mla_prefill_flops_equal_a_hand_computation() -> None:
+    """Per token: every parameter but the embedding, the head and the 2 experts of 4 a token
+    is not routed to; attention: each query over min(16, p + 1) keys, QK^T over 16 + 8 and PV
+    over 16 dims for 4 heads, and the indexer's 4 x (32 + 1) per causal pair."""
+    per_token = 2 * (ATTN + INDEXER + 2 * 64) + 3 * 64 * 96 + (2 * EXPERT + EXPERT + ROUTER) + 64
+    assert per_token == 91_492
+    kept = {10: 55, 40: 16 * 17 // 2 + 24 * 16}  # (query, key) pairs the top-16 keeps
+    causal = {10: 55, 40: 820}
+    expected = sum(2 * per_token * n + 2 * 256 * 64 + 2 * 2 * (4 * 40 * kept[n] + 4 * 33 * causal[n]) for n in (10, 40))
+    assert bench.prefill_flops(DSV32, [10, 40]) == expected == 10_044_736
+
+
+def test_mla_decode_floor_equals_a_hand_computation(dsv32) -> None:
+    """Weights: all but the embedding table (2 rows of it) and the routed experts not hit;
+    per layer and row: the top-16 latent rows (40 float32 values) and every context token's
+    indexer key (32 bfloat16 values)."""
+    from sparse_framework.engine.command import random_model_config
+
+    config = random_model_config("deepseek-v3.2-tiny", "cpu")
+    llm = LLM.from_model(dsv32, config, max_num_seqs=2, max_model_len=128)
+    assert dsv32.config.num_parameters() == 2 * 256 * 64 + 2 * (ATTN + INDEXER + 2 * 64) + 3 * 64 * 96 + 5 * EXPERT + ROUTER + 64
+    everything = 4 * dsv32.config.num_parameters()  # float32
+    weights = everything - 4 * 256 * 64 + 4 * 2 * 64
+    rows = [(100, 99), (10, 9)]
+    kv = 2 * ((16 * 40 * 4 + 100 * 32 * 2) + (10 * 40 * 4 + 10 * 32 * 2))  # 2 layers; the short row: all 10
+    assert bench.decode_floor_bytes(llm, rows) == weights + kv  # 2 rows x top-2: all 4 experts may be hit
+    assert bench.decode_floor_bytes(llm, rows, [3]) == weights - 4 * EXPERT + kv  # measured: 3 of 4 hit
+    assert bench.decode_floor_bytes(llm, rows[:1]) == weights - 4 * 2 * EXPERT - 4 * 64 + kv - 2 * (10 * 40 * 4 + 10 * 32 * 2)
+
+
+def test_bench_runs_hierarchical_dsa_on_deepseek_v32_end_to_end(monkeypatch, tmp_path) -> None:
+    """`bench --random deepseek-v3.2-tiny` with the preset's own config (DSA over the model's
+    indexer, the hierarchical store): the run's figures are there and sane."""
+    monkeypatch.setattr(cli, "console", Console(file=io.StringIO(), width=100, force_terminal=False))
+    path = tmp_path / "b.json"
+    assert cli.main(["bench", "--random", "deepseek-v3.2-tiny", "--no-progress", "--num-prompts", "3", "--input-len", "90",
+                     "--output-len", "6", "--concurrency", "2", "--device-memory-gib", "0.05", "--host-memory-gib", "0.001",
+                     "--json", str(path)]) == 0
+    r = json.loads(path.read_text())
+    assert r["config"]["algorithm"] == "dsa" and r["config"]["store"] == "hierarchical"
+    assert r["config"]["top_k"] == DSV32.mla.index_topk and r["config"]["extra"]["score_newest"] is True
+    assert r["requests"] == 3 and r["output_tokens"] == 18
+    assert 1 <= r["admitted_concurrency"] <= r["concurrency"] == 2 and r["memory_bound_max"] >= 1
+    assert r["memory_bound"] == "host" and r["memory_plan"]["host_bytes_per_request"] == 96 * 2 * 40 * 4
+    assert r["decode_step_rows"] == 2 and 0 < r["decode_step_floor_ms"] < r["decode_step_ms"]
+    assert r["decode_step_weight_bytes"] < r["decode_step_floor_bytes"] and r["kv_row_bytes"] == 40 * 4
+    assert 0 <= r["hit_rate"] <= 1 and r["buffer_misses"] > 0 and r["h2d_bytes"] > 0  # prompts > the 64-row buffer
+    assert r["prefill_flops"] == bench.prefill_flops(DSV32, [90] * 3) and r["prefill_tflops"] > 0

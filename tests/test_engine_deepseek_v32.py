@@ -84,12 +84,126 @@ def test_index_shape_mismatch_is_named(checkpoint) -> None:
         run(path, {**DSA, "extra": {**DSA["extra"], "index_heads": 8}}, [[1, 2, 3]])
 
 
-def test_whole_step_graphs_are_refused_by_name(checkpoint) -> None:
-    """The MoE dispatch syncs with the host, so whole-step graphs cannot capture it (yet)."""
-    from sparse_framework.engine.runner import ModelRunner
+def test_moe_dense_dispatch_equals_the_gathered_one(checkpoint) -> None:
+    """The capturable MoE dispatch (every expert over every token, weighted by the routing
+    weights, 0 where not chosen) gives the gathered dispatch's output: on a batch where some
+    expert is chosen by no token and where others are (not vacuous)."""
+    from sparse_framework.engine.models.deepseek_v32 import MoE
 
     _, path = checkpoint
-    model = load_model(path)
-    with pytest.raises(NotImplementedError, match="cuda_graphs"):
-        ModelRunner(model, model.config.kv_layout(torch.float32), DSA, num_q_heads=4, max_num_seqs=1,
-                    max_model_len=32, staging_tokens=32, cuda_graphs=True, mla=model.config.mla)
+    model = load_model(path, dtype=torch.float32)
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    g = torch.Generator().manual_seed(1)
+    for rows in (1, 3, 16):
+        x = torch.randn(rows, model.config.hidden_size, generator=g)
+        moe.dense_dispatch = False
+        gathered = moe(x)
+        hit = moe.experts_hit
+        moe.dense_dispatch = True
+        dense = moe(x)
+        assert moe.experts_hit is None and hit is not None and 1 <= hit <= len(moe.experts)
+        torch.testing.assert_close(dense, gathered, rtol=1e-6, atol=1e-6)
+    assert 1 < TINY["num_experts_per_tok"] < TINY["n_routed_experts"]
+
+
+def test_engine_with_the_dense_moe_dispatch_equals_transformers(checkpoint) -> None:
+    """Decoding with the capturable MoE dispatch (what a whole-step CUDA graph records) keeps
+    the model's greedy tokens."""
+    from sparse_framework.engine.models.deepseek_v32 import MoE
+
+    model, path = checkpoint
+    ours = load_model(path, dtype=torch.float32)
+    for m in ours.modules():
+        if isinstance(m, MoE):
+            m.dense_dispatch = True
+    engine = Engine(ours, ours.config, DSA, EngineConfig(max_num_seqs=2, max_model_len=96))
+    batch = prompts([23, 12], seed=3)
+    for i, p in enumerate(batch):
+        engine.add_request(f"r{i}", p, GREEDY)
+    got = {o.rid: o.token_ids for o in engine.run_to_completion()}
+    for i, p in enumerate(batch):
+        assert got[f"r{i}"] == hf_greedy(model, p, GREEDY.max_tokens), f"r{i}"
+
+
+def _fp8_model():
+    """A tiny random DeepSeek-V3.2 whose latent is FlashMLA's (512 + 64), the shape an fp8
+    store needs, without transformers."""
+    from sparse_framework.engine.command import RANDOM_MODELS
+    from sparse_framework.engine.models import ModelConfig, random_model
+
+    raw = {**RANDOM_MODELS["deepseek-v3.2-tiny"], "kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 64,
+           "index_topk": 16}
+    config = ModelConfig.from_hf(raw)
+    return random_model(config, "float32"), config
+
+
+FP8_DSA = {**DSA, "top_k": 16, "device_buffer_tokens": 32,
+           "extra": {"index_heads": 4, "index_dim": 64, "key_dtype": "float32", "score_newest": True}}
+
+
+@pytest.mark.parametrize("on_grid", [False, True])
+def test_fp8_kv_cache_stores_flashmla_rows_of_the_models_latents(monkeypatch, on_grid) -> None:
+    """kv_cache_dtype 'fp8': the store holds FlashMLA's 656-byte rows of exactly the latents
+    the float-cache engine stores (pack_flashmla_fp8 of them), the staging stays in the model's
+    dtype, and a decode step reads them back: with latents already on FP8's grid (the model's
+    latents replaced by their FP8 round trip, which packing then keeps exactly) its logits are
+    the float cache's to float tolerance; with the model's own latents they differ (quantised)."""
+    from sparse_framework.common.flashmla_format import pack_flashmla_fp8, unpack_flashmla_fp8
+    from sparse_framework.engine.models import deepseek_v32
+    from sparse_framework.engine.models.mla import MLAInputs
+    from sparse_framework.engine.runner import DecodeRow
+
+    if on_grid:
+        def rounded(**kw):  # noqa: ANN202
+            kw["latent"] = unpack_flashmla_fp8(pack_flashmla_fp8(kw["latent"])).to(kw["latent"].dtype)
+            return MLAInputs(**kw)
+
+        monkeypatch.setattr(deepseek_v32, "MLAInputs", rounded)
+    model, config = _fp8_model()
+    prompt = prompts([50], seed=5)[0]
+    engines, logits = {}, {}
+    for kv in ("auto", "fp8"):
+        e = Engine(model, config, FP8_DSA, EngineConfig(max_num_seqs=1, max_model_len=64, kv_cache_dtype=kv))
+        e.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=0.0))
+        e.step()  # the whole prompt: prefilled, handed to the store, first token sampled
+        engines[kv] = e
+        logits[kv] = e.runner.execute([DecodeRow("r", 7)], [])
+    fp8, auto = engines["fp8"].runner, engines["auto"].runner
+    assert fp8.layout.row_bytes == 656 and fp8.staging.k.dtype == torch.float32
+    for layer in range(config.num_layers):
+        stored = fp8.coord.store.read(layer, fp8.requests["r"])[0]  # [51, 1, 656] uint8
+        latents = auto.coord.store.read(layer, auto.requests["r"])[0]  # [51, 1, 576] float32
+        assert stored.dtype == torch.uint8 and torch.equal(stored[:50], pack_flashmla_fp8(latents[:50]))
+    if on_grid:
+        torch.testing.assert_close(logits["fp8"], logits["auto"], rtol=1e-5, atol=1e-5)
+    else:
+        assert not torch.equal(logits["fp8"], logits["auto"])
+
+
+def test_fp8_kv_cache_needs_flashmlas_latent_shape(checkpoint) -> None:
+    _, path = checkpoint
+    model = load_model(path, dtype=torch.float32)  # latent 32 + 8
+    with pytest.raises(ConfigError, match="kv_cache_dtype 'fp8'.*kv_lora_rank 512"):
+        Engine(model, model.config, DSA, EngineConfig(max_model_len=64, kv_cache_dtype="fp8"))
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of auto, fp8"):
+        EngineConfig(kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize("score_bytes", [2**30, 4 * 16 * 40 * 3])  # the second: 3-query blocks
+def test_mla_prefill_blocks_equal_the_whole_chunk_reference(monkeypatch, score_bytes) -> None:
+    """mla_prefill_attention (blocks of queries, shrunk on a long prefix to bound the index
+    scores) equals mla_chunk_attention's one [H, n, m] computation."""
+    from sparse_framework.engine.models import mla
+
+    monkeypatch.setattr(mla, "INDEX_SCORE_BYTES", score_bytes)
+    g = torch.Generator().manual_seed(2)
+    n, m, h, hi = 10, 40, 4, 16
+    x = mla.MLAInputs(q_nope=torch.randn(n, h, 16, generator=g), q_rot=torch.randn(n, h, 8, generator=g),
+                      latent=torch.randn(n, 40, generator=g), kv_b=torch.randn(h, 32, 32, generator=g), scale=0.2,
+                      index_q=torch.randn(n, hi, 32, generator=g), index_weights=torch.rand(n, hi, generator=g),
+                      index_k=torch.randn(n, 32, generator=g), index_topk=8)
+    latent, index_k = torch.randn(m, 40, generator=g), torch.randn(m, 32, generator=g)
+    q_pos = torch.arange(m - n, m)
+    want = mla.mla_chunk_attention(x, slice(0, n), q_pos, latent, index_k)
+    got = mla.mla_prefill_attention(x, slice(0, n), q_pos, latent, index_k)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

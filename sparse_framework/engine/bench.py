@@ -34,6 +34,7 @@ from rich.table import Table
 from ..cli_tables import new_table
 from ..common.errors import ConfigError
 from ..config import SparseConfig
+from .engine import kv_store_dtype
 from .llm import LLM
 from .memory import DEFAULT_GPU_MEMORY_UTILIZATION, EngineMemoryPlan, plan_for, weight_bytes_of
 from .models import ModelConfig
@@ -133,28 +134,105 @@ def draw_workload(spec: BenchSpec, vocab_size: int) -> Workload:
 def prefill_flops(config: ModelConfig, prompt_lens: Sequence[int]) -> float:
     """FLOPs of prefilling these prompts: 2 x the parameters every token multiplies through
     (all but the embedding table, a lookup; the LM head runs on each prompt's last token
-    only) per token, the head once per prompt, and causal attention's QK^T and PV,
-    2·2·layers·heads·head_dim·L²/2 per prompt of L tokens."""
+    only; an MoE layer's routed experts: the num_experts_per_tok a token is routed to, not
+    all of them) per token, the head once per prompt, and attention: causal QK^T and PV,
+    2·2·layers·heads·head_dim·L²/2 per prompt of L tokens; for an MLA model (DeepSeek-V3.2)
+    the model's own sparse attention instead, `mla_attention_flops`."""
     embed = config.vocab_size * config.hidden_size
     head = 0 if config.tie_word_embeddings else embed
-    per_token = config.num_parameters() - embed - head
+    per_token = config.num_parameters() - embed - head - unrouted_expert_parameters(config)
+    if config.mla is not None:
+        return float(sum(2 * per_token * n + 2 * embed + mla_attention_flops(config, n) for n in prompt_lens))
     attention = 2 * config.num_layers * config.num_heads * config.head_dim
     return float(sum(2 * per_token * n + 2 * embed + attention * n * n for n in prompt_lens))
 
 
-def decode_floor_bytes(llm: LLM, rows: Sequence[tuple[int, int]]) -> float:
+def unrouted_expert_parameters(config: ModelConfig) -> int:
+    """Parameters of the routed experts one token does not go through (every MoE layer's
+    n_routed_experts - num_experts_per_tok experts); 0 for a model without an MoE."""
+    m = config.mla
+    if m is None:
+        return 0
+    moe_layers = sum(t == "sparse" for t in m.mlp_layer_types)
+    return moe_layers * (m.n_routed_experts - m.num_experts_per_tok) * 3 * config.hidden_size * m.moe_intermediate_size
+
+
+def mla_attention_flops(config: ModelConfig, n: int) -> float:
+    """Attention FLOPs of one MLA prompt of n tokens as the model defines it (the expanded
+    form, per layer): the query at position p attends to min(index_topk, p + 1) keys, QK^T over
+    qk_nope + qk_rope dims and PV over v_head_dim for each of the heads, and the lightning
+    indexer scores every causal key, index_n_heads x index_head_dim multiply-adds per pair
+    (the per-head weighting, index_n_heads more, counted too). Latent up- and down-projections
+    are parameters (counted per token)."""
+    m = config.mla
+    assert m is not None
+    topk = m.index_topk
+    causal = n * (n + 1) // 2  # (query, key) pairs with key <= query
+    kept = causal if n <= topk else topk * (topk + 1) // 2 + (n - topk) * topk
+    attention = config.num_heads * (m.qk_head_dim + m.v_head_dim) * kept
+    indexer = m.index_n_heads * (m.index_head_dim + 1) * causal
+    return 2.0 * config.num_layers * (attention + indexer)
+
+
+def moe_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's MoE blocks (modules with routed `experts`), in layer order."""
+    return [m for m in model.modules() if isinstance(getattr(m, "experts", None), torch.nn.ModuleList)]
+
+
+def decode_weight_bytes(model: torch.nn.Module, rows: int, experts_hit: Sequence[int | None] | None = None) -> float:
+    """Weight bytes a decode step of `rows` tokens reads at least: every parameter once, except
+    the embedding table, of which only the rows' own `rows` rows are read (all of it when the
+    LM head shares it), and an MoE layer's routed experts, of which only those the step's
+    tokens were routed to: `experts_hit[i]` of MoE block i where measured (the gathered
+    dispatch counts them), else min(n_routed_experts, rows x num_experts_per_tok), the most the
+    rows can hit (all of them for a batch of enough rows)."""
+    total = float(weight_bytes_of(model.parameters()))
+    config = getattr(model, "config", None)
+    embed = dict(model.named_parameters()).get("model.embed_tokens.weight")
+    if embed is not None and not getattr(config, "tie_word_embeddings", False):
+        total -= embed.numel() * embed.element_size() - rows * embed.shape[1] * embed.element_size()
+    mla = getattr(config, "mla", None)
+    for i, moe in enumerate(moe_modules(model)):
+        experts = list(moe.experts)  # type: ignore[arg-type]
+        per_expert = weight_bytes_of(experts[0].parameters())
+        hit = experts_hit[i] if experts_hit is not None and i < len(experts_hit) else None
+        if hit is None:
+            k = mla.num_experts_per_tok if mla is not None else len(experts)
+            hit = min(len(experts), rows * k)
+        total -= (len(experts) - hit) * per_expert
+    return total
+
+
+def selected_tokens_bound(algorithm: Any, config: SparseConfig) -> int:
+    """The most tokens one selection holds. Page-granular: the selection's static width
+    (`max_selected_tokens`: sink, budget and recent pages, a misaligned window one more).
+    Token-granular: sink + top_k + recent tokens, plus the newest token where the algorithm
+    forces it in on top of its budget with no recent window to hold it (DSA as DeepSeek-V3.2
+    selects, newest_in_top_k or score_newest with no sink or recent tokens: exactly top_k)."""
+    if algorithm.granularity != "token":
+        return algorithm.max_selected_tokens(config)
+    newest_on_top = bool(getattr(algorithm, "newest_forced", True)) and config.recent_tokens == 0
+    return config.sink_tokens + algorithm.budget_units(config) + config.recent_tokens + int(newest_on_top)
+
+
+def decode_floor_bytes(llm: LLM, rows: Sequence[tuple[int, int]],
+                       experts_hit: Sequence[int | None] | None = None) -> float:
     """Bytes a decode step of these rows, (context tokens, prompt tokens) each, must read at
-    least: the weights once, then per layer and row every context token's K/V in a dense
-    layer or for a request in the algorithm's dense mode (prompt < min_sparse_prompt_len),
-    else at most the algorithm's largest selection of K/V plus its representation of the
-    whole context (what its scoring reads). The store does not matter: a resident store with a
-    sparse algorithm reads only the selection, like the hierarchical one."""
+    least: the weights (`decode_weight_bytes`: the embedding's rows only, an MoE's routed
+    experts only; `experts_hit` per MoE block where measured), then per layer and row every
+    context token's K/V in a dense layer or for a request in the algorithm's dense mode
+    (prompt < min_sparse_prompt_len), else at most the algorithm's largest selection of K/V
+    plus its representation of the whole context (what its scoring reads). K/V rows are
+    counted as stored (an MLA latent: 576 x 2 bytes in bf16, 656 in FlashMLA's FP8 rows; DSA's
+    representation: one indexer key, index_dim x 2 bytes or x (1 + 4/128) in FP8). The store
+    does not matter: a resident store with a sparse algorithm reads only the selection, like
+    the hierarchical one."""
     model, coord = llm.model, llm.engine.runner.coord
-    weights = weight_bytes_of(model.parameters())
+    weights = decode_weight_bytes(model, len(rows), experts_hit)
     layout, config, algorithm = coord.layout, coord.config, coord.algorithm
     per_token = layout.bytes_per_token_per_layer
     representation = algorithm.representation_bytes_per_token(layout, config)
-    selected = algorithm.max_selected_tokens(config)
+    selected = selected_tokens_bound(algorithm, config)
     dense_ctx = sum(ctx for ctx, prompt in rows if prompt < config.min_sparse_prompt_len)
     sparse = [ctx for ctx, prompt in rows if prompt >= config.min_sparse_prompt_len]
     sparse_layer = sum(min(ctx, selected) * per_token + ctx * representation for ctx in sparse)
@@ -166,20 +244,23 @@ def decode_floor_bytes(llm: LLM, rows: Sequence[tuple[int, int]]) -> float:
 def memory_plan(model: torch.nn.Module, sparse_config: SparseConfig, device: str | torch.device, *,
                 max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
                 gpu_memory_utilization: float | None = None, device_memory_bytes: int | None = None,
-                host_memory_bytes: int | None = None) -> EngineMemoryPlan | None:
+                host_memory_bytes: int | None = None, kv_cache_dtype: str = "auto") -> EngineMemoryPlan | None:
     """The engine's memory plan (`memory.plan_for`) for an engine of these settings built with
     `gpu_memory_utilization` (None: DEFAULT_GPU_MEMORY_UTILIZATION): the memory-bound maximum of
     a run whose own engine was sized without one. Call it before building that engine (on CUDA
     the plan measures the free memory, which the engine's pools would take). None on a device
-    with no memory of its own to measure and no `device_memory_bytes` (the CPU): no bound."""
+    with no memory of its own to measure and no `device_memory_bytes` (the CPU): no bound.
+    kv_cache_dtype: the engine's (EngineConfig.kv_cache_dtype: "fp8" plans FlashMLA's rows)."""
     device = torch.device(device)
     if device.type != "cuda" and device_memory_bytes is None:
         return None
     params = list(model.parameters())
-    layout = model.config.kv_layout(params[0].dtype, device, max_model_len)  # type: ignore[union-attr]
+    dtype = params[0].dtype
+    store_dtype = kv_store_dtype(kv_cache_dtype, model.config, dtype)  # type: ignore[arg-type]
+    layout = model.config.kv_layout(store_dtype, device, max_model_len)  # type: ignore[union-attr]
     return plan_for(params, model.config, layout, sparse_config, device=device,  # type: ignore[arg-type]
                     max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-                    max_num_seqs=max_num_seqs,
+                    max_num_seqs=max_num_seqs, dtype=dtype,
                     gpu_memory_utilization=gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
                     device_memory_bytes=device_memory_bytes, host_memory_bytes=host_memory_bytes)
 
@@ -189,6 +270,28 @@ def memory_plan(model: torch.nn.Module, sparse_config: SparseConfig, device: str
 class _StepRecord:
     running: int  # requests running after the plan was made (admissions and preemptions applied)
     decode: list[tuple[int, int]]  # per decode row: (context tokens, prompt tokens)
+    experts_hit: list[int | None] | None = None  # per MoE block: distinct experts the step ran (None: not seen)
+
+
+def _observe_experts(llm: LLM, records: list[_StepRecord]) -> None:
+    """After each step the runner executes, note how many routed experts each MoE block ran
+    (the gathered dispatch's count; None for a step replayed from a CUDA graph or run densely)
+    on the step's record (the runner executes once per non-empty plan, in order)."""
+    moes = moe_modules(llm.model)
+    if not moes:
+        return
+    runner = llm.engine.runner
+    inner = runner.execute
+
+    def execute(*args, **kwargs):  # type: ignore[no-untyped-def]
+        for m in moes:
+            m.experts_hit = None
+        out = inner(*args, **kwargs)
+        if records:
+            records[-1].experts_hit = [m.experts_hit for m in moes]
+        return out
+
+    runner.execute = execute  # type: ignore[method-assign]
 
 
 def _observe_plans(llm: LLM) -> list[_StepRecord]:
@@ -247,6 +350,7 @@ def run_benchmark(llm: LLM, spec: BenchSpec, plan: EngineMemoryPlan | None = Non
         raise ConfigError(f"the drawn requests need {work.max_model_len} tokens (prompt + output) but the engine's "
                           f"max_model_len is {engine.max_model_len}; raise --max-model-len")
     records = _observe_plans(llm)
+    _observe_experts(llm, records)
     params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in work.output_lens]
     arrival_of: dict[str, float] = {}
     outs = []
@@ -280,7 +384,10 @@ def run_benchmark(llm: LLM, spec: BenchSpec, plan: EngineMemoryPlan | None = Non
     most = max((entry[0] for entry, _ in decode_only), default=0)
     full = [(entry[3], rec) for entry, rec in decode_only if entry[0] == most]
     step_s = statistics.median(sec for sec, _ in full) if full else None
-    floor_s = statistics.median(decode_floor_bytes(llm, rec.decode) for _, rec in full) / HBM_BYTES_PER_S if full else None
+    floors = [decode_floor_bytes(llm, rec.decode, rec.experts_hit) for _, rec in full]
+    floor_s = statistics.median(floors) / HBM_BYTES_PER_S if full else None
+    weights_floor = statistics.median(decode_weight_bytes(llm.model, len(rec.decode), rec.experts_hit)
+                                      for _, rec in full) if full else None
 
     prefill_s = sum(entry[3] for entry in log if entry[1])
     flops = prefill_flops(llm.model.config, work.input_lens)
@@ -308,6 +415,9 @@ def run_benchmark(llm: LLM, spec: BenchSpec, plan: EngineMemoryPlan | None = Non
         "tpot_p50_ms": _ms(_percentile(tpot, 50)), "tpot_p99_ms": _ms(_percentile(tpot, 99)),
         "steps": engine.steps, "preemptions": engine.scheduler.num_preemptions,
         "decode_step_ms": _ms(step_s), "decode_step_floor_ms": _ms(floor_s), "decode_step_rows": most,
+        "decode_step_floor_bytes": statistics.median(floors) if full else None,
+        "decode_step_weight_bytes": weights_floor, "kv_cache_dtype": engine.config.kv_cache_dtype,
+        "kv_row_bytes": coord.layout.row_bytes,
         "full_decode_steps": len(full),
         "prefill_tokens": sum(work.input_lens), "prefill_tokens_computed": sum(entry[1] for entry in log),
         "prefill_flops": flops, "prefill_seconds": prefill_s,

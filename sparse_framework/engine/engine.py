@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ..common.errors import CapacityError, ConfigError, SparseFrameworkError
+from ..common.flashmla_format import LATENT_DIM, NOPE_DIM
 from ..config import SparseConfig, load_config
 from .budget import RunnerBudget
 from . import parallel
@@ -71,7 +72,10 @@ class EngineConfig:
     (flash-attn's varlen kernel where installed, else SDPA), "flash_attn" (required) or "sdpa"
     (engine/prefill_attention.py); async_scheduling: the next step is built while the GPU runs
     this one (module docstring; None: on for a CUDA device); seed: the sampler's generator
-    for requests without a seed of their own.
+    for requests without a seed of their own. kv_cache_dtype: "auto" (the KV store in the
+    model's dtype) or "fp8" (MLA models with a 512 + 64 latent only: the store keeps FlashMLA's
+    656-byte FP8 rows, quantising the model's latents as it writes them, on the device and the
+    host; `kv_store_dtype` maps it).
 
     Memory (engine/memory.py, docs/engine.md "Memory"): gpu_memory_utilization (0 < u <= 1)
     sizes the pools from that fraction of the device's memory less the weights, one step's
@@ -104,6 +108,7 @@ class EngineConfig:
     host_memory_bytes: int | None = None
     device_memory_bytes: int | None = None
     tensor_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
@@ -117,6 +122,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"EngineConfig.{name} must be None or >= 1, got {value}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"EngineConfig.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
         if self.prefill_attention not in PREFILL_CHOICES:
             raise ConfigError(f"EngineConfig.prefill_attention must be one of {', '.join(PREFILL_CHOICES)}, "
                               f"got {self.prefill_attention!r}")
@@ -134,6 +142,26 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 raise ConfigError(f"EngineConfig.{name} and gpu_memory_utilization both size the pools: give one "
                                   "(with gpu_memory_utilization the pools follow from the memory plan)")
+
+
+KV_CACHE_DTYPES = ("auto", "fp8")
+
+
+def kv_store_dtype(kv_cache_dtype: str, model_config: ModelConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV store's dtype for EngineConfig.kv_cache_dtype: the model's `dtype` ("auto"), or
+    float8_e4m3fn ("fp8"), which the store keeps in FlashMLA's 656-byte latent rows: an MLA
+    model with kv_lora_rank 512 and qk_rope_head_dim 64 only (ConfigError otherwise)."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    if kv_cache_dtype != "fp8":
+        raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    mla = model_config.mla
+    if mla is None or (mla.kv_lora_rank, mla.qk_rope_head_dim) != (NOPE_DIM, LATENT_DIM - NOPE_DIM):
+        shape = "not an MLA model" if mla is None else f"latent {mla.kv_lora_rank} + {mla.qk_rope_head_dim}"
+        raise ConfigError(f"kv_cache_dtype 'fp8' stores FlashMLA's 656-byte FP8 rows: it needs an MLA model with "
+                          f"kv_lora_rank {NOPE_DIM} and qk_rope_head_dim {LATENT_DIM - NOPE_DIM} ({model_config.architecture}: "
+                          f"{shape}); use kv_cache_dtype 'auto'")
+    return torch.float8_e4m3fn
 
 
 @dataclass
@@ -216,7 +244,8 @@ class Engine:
         self.device = torch.device(device) if device is not None else (first.device if first is not None else torch.device("cpu"))
         dtype = dtype or (first.dtype if first is not None else torch.float32)
         max_model_len = config.max_model_len or model_config.max_position_embeddings
-        layout = local.kv_layout(dtype, self.device, max_model_len)  # the store's: full-attention layers
+        layout = local.kv_layout(kv_store_dtype(config.kv_cache_dtype, model_config, dtype), self.device,
+                                  max_model_len)  # the store's: full-attention layers
         sparse_config = load_config(sparse_config)
         rows, device_tokens, host_tokens = config.max_num_seqs, config.device_capacity_tokens, config.host_capacity_tokens
         self.memory_plan: EngineMemoryPlan | None = None
@@ -230,7 +259,7 @@ class Engine:
                 max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
                 gpu_memory_utilization=config.gpu_memory_utilization, device_memory_bytes=config.device_memory_bytes,
                 host_memory_bytes=host_bytes, max_prefill_chunk=config.max_prefill_chunk,
-                staging_tokens=config.staging_tokens,
+                staging_tokens=config.staging_tokens, dtype=dtype,
             )
             log.info("%s", plan.describe())
             rows, device_tokens, host_tokens = plan.num_seqs, plan.device_capacity_tokens, plan.host_capacity_tokens
@@ -257,6 +286,7 @@ class Engine:
             device_capacity_tokens=device_tokens, host_capacity_tokens=host_tokens,
             decode_graphs=config.decode_graphs, cuda_graphs=config.cuda_graphs,
             prefill_attention=config.prefill_attention, model_config=local, mla=model_config.mla,
+            compute_dtype=dtype,
         )
         if self.tp is not None:
             self._check_selection_is_per_head(sparse_config)

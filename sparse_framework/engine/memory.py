@@ -42,6 +42,7 @@ runs the tiny test models).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
@@ -209,6 +210,7 @@ def plan_engine_memory(
     host_memory_bytes: int | None = None,
     max_prefill_chunk: int | None = None,
     staging_tokens: int | None = None,
+    dtype: torch.dtype | None = None,
 ) -> EngineMemoryPlan:
     """The engine's pools for a model, its KV layout and a sparse config (module docstring).
 
@@ -216,26 +218,30 @@ def plan_engine_memory(
     `torch.cuda.mem_get_info`'s total; tests and `plan` give one); device_free_bytes: free now,
     with the weights loaded (None: nothing but the weights is on the device); host_memory_bytes:
     the host budget (None: HOST_MEMORY_FRACTION of MemAvailable). The other arguments are the
-    EngineConfig's. Not one request fitting is not an error here: `EngineMemoryPlan.check`."""
+    EngineConfig's. dtype: the model's (activations, prefill staging and the sliding ring; None:
+    the layout's, bfloat16 for an fp8 one, whose rows only the store keeps). Not one request
+    fitting is not an error here: `EngineMemoryPlan.check`."""
     tokens = max(max_num_batched_tokens, max_num_seqs)  # the scheduler's step never exceeds this
     rows_sampled = min(max_num_seqs, tokens)
     chunk = min(max_prefill_chunk or tokens, tokens, max_model_len)
     algo = config.algorithm_class
     unit = config.page_size if algo.granularity == "page" else 1
     streams = layout.num_kv_heads if algo.per_kv_head else 1
-    itemsize = layout.dtype.itemsize
+    compute_dtype = dtype or (torch.bfloat16 if layout.is_fp8 else layout.dtype)
+    compute = layout if compute_dtype == layout.dtype else dataclasses.replace(layout, dtype=compute_dtype)
+    itemsize = compute_dtype.itemsize
     layer, logits, handover = activation_bytes(
         model, itemsize, tokens=tokens, logits_rows=rows_sampled, chunk_tokens=chunk, max_model_len=max_model_len,
         selection_units=streams * cdiv(max_model_len, unit),
     )
     staged = staging_tokens or max_model_len
     index_dim = model.mla.index_head_dim if model.mla is not None else 0
-    staging = staged * PrefillStaging.bytes_per_token(layout, index_dim) + _query_tail_bytes(config, model, layout, staged)
+    staging = staged * PrefillStaging.bytes_per_token(compute, index_dim) + _query_tail_bytes(config, model, compute, staged)
     other = 0 if device_free_bytes is None else max(0, device_total_bytes - device_free_bytes - weight_bytes)
     activations = max(layer, logits, handover)
     budget = int(gpu_memory_utilization * device_total_bytes) - weight_bytes - activations - staging - other
     per_device, per_host = request_bytes(config, layout, max_model_len)
-    per_device += model.sliding_ring_bytes(layout.dtype, max_model_len)  # sliding layers' ring row
+    per_device += model.sliding_ring_bytes(compute_dtype, max_model_len)  # sliding layers' ring row
     host_bytes, source = host_budget(host_memory_bytes)
     by_device = max(0, budget) // per_device
     by_host = host_bytes // per_host if per_host else None

@@ -49,6 +49,7 @@ host pages, and the staging span of the whole prompt) and grows one token per de
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -127,7 +128,9 @@ class ModelRunner:
     full attention at 1/sqrt(D)); `layout` is the store's, its num_layers the full-attention
     layers at max_model_len (`ModelConfig.kv_layout(dtype, device, max_model_len)`); mla: the model's
     MLAConfig when the layout is MLA (its indexer's shape: DSA's `inputs` and the staged indexer
-    keys)."""
+    keys). compute_dtype: the model's dtype (None: the layout's, or bfloat16 for an fp8 one):
+    the staging, queries and rows handed to the coordinator; an fp8 MLA layout (FlashMLA's
+    656-byte rows) is the store's only, which quantises the latents as it writes them."""
 
     INDEX_INPUTS = ("index_q", "index_weights", "index_k")
 
@@ -148,18 +151,21 @@ class ModelRunner:
         prefill_attention: str = "auto",
         model_config: ModelConfig | None = None,
         mla: MLAConfig | None = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         if layout.is_mla and mla is None:
             raise ConfigError("ModelRunner: an MLA layout needs the model's MLAConfig (mla=model_config.mla)")
         self.mla = mla if layout.is_mla else None
-        if cuda_graphs and self.mla is not None:
-            raise NotImplementedError(
-                "cuda_graphs (whole-step CUDA graphs) with an MLA model: DeepseekV32Model's MoE dispatch reads the "
-                "chosen experts on the host (not capturable); run without cuda_graphs (decode_graphs is untested too)"
-            )
         self.model = model
+        if layout.is_fp8 and not layout.is_flashmla_fp8:
+            raise ConfigError(f"an fp8 KV cache ({layout.dtype}) is supported for MLA models only (FlashMLA's 656-byte "
+                              "latent rows); an MHA model's K/V stay in the model's dtype")
+        # the model's activations, the prefill staging and the queries: the model's dtype even
+        # where the store keeps fp8 latents (it quantises them as it writes, flashmla_format.py)
+        self.dtype = compute_dtype or (torch.bfloat16 if layout.is_fp8 else layout.dtype)
+        self.compute_layout = layout if self.dtype == layout.dtype else dataclasses.replace(layout, dtype=self.dtype)
         self.prefill_attention_label, self._chunk_attention = choose_prefill_attention(
-            prefill_attention, torch.device(layout.device), layout.dtype)
+            prefill_attention, torch.device(layout.device), self.dtype)
         self.layout = layout
         self.num_q_heads = num_q_heads
         config = load_config(sparse_config)
@@ -190,7 +196,7 @@ class ModelRunner:
                     f"has {self.mla.index_n_heads} heads of {self.mla.index_head_dim}: set extra.index_heads = "
                     f"{self.mla.index_n_heads} and extra.index_dim = {self.mla.index_head_dim}"
                 )
-        self.staging = PrefillStaging(layout, staging_tokens, self.mla.index_head_dim if self.mla else 0)
+        self.staging = PrefillStaging(self.compute_layout, staging_tokens, self.mla.index_head_dim if self.mla else 0)
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
         self._q_rows = algo.prefill_query_rows  # None: every prompt query; 0: none
@@ -219,7 +225,7 @@ class ModelRunner:
         if self.layers.sliding:
             assert self.layers.window is not None
             self.ring = SlidingWindowKV(len(self.layers.sliding), self.layers.window, rows, layout.num_kv_heads,
-                                        layout.head_dim, dtype=layout.dtype, device=layout.device)
+                                        layout.head_dim, dtype=self.dtype, device=layout.device)
 
     # -- memory (what the scheduler's budget asks) -----------------------------------------------
     def admit(self, rid: str, prompt_len: int) -> bool:
@@ -238,7 +244,7 @@ class ModelRunner:
         if rows:
             self._q_tails[rid] = torch.empty(
                 (self.layout.num_layers, rows, self.num_q_heads, self.layout.head_dim),
-                dtype=self.layout.dtype, device=self.layout.device,
+                dtype=self.dtype, device=self.layout.device,
             )
         return True
 
@@ -392,7 +398,7 @@ class ModelRunner:
     def _mla_attend_fn(self, batch: Batch | None, num_decode: int, prefill: list[PrefillChunk]) -> Any:
         """The MLAAttend of a step (module docstring): decode rows absorbed through the
         coordinator, prefill chunks expanded over their staged prefix."""
-        coord, staging, lay = self.coord, self.staging, self.layout
+        coord, staging, lay, dtype = self.coord, self.staging, self.layout, self.dtype
         algo = coord.algorithm
         # the coordinator scales q·k by 1/sqrt(latent dim); absorbed queries carry the model's scale
         unscale = math.sqrt(lay.head_dim)
@@ -402,8 +408,8 @@ class ModelRunner:
             out = x.q_nope.new_empty((t, h, x.kv_b.shape[1] - x.nope_dim))
             if batch is not None:
                 b = slice(0, num_decode)
-                q = (x.absorbed_queries(b) * unscale).to(lay.dtype)
-                k = x.latent[b].unsqueeze(1).to(lay.dtype).contiguous()  # [B, 1, Dl]
+                q = (x.absorbed_queries(b) * unscale).to(dtype)
+                k = x.latent[b].unsqueeze(1).to(dtype).contiguous()  # [B, 1, Dl]; an fp8 store packs it
                 inputs = None
                 if algo.decode_inputs:
                     inputs = {"index_q": x.index_q[b], "index_weights": x.index_weights[b], "index_k": x.index_k[b]}
@@ -421,7 +427,7 @@ class ModelRunner:
                 q_pos = torch.arange(chunk.start, chunk.start + n, device=out.device)
                 out[rows] = mla_prefill_attention(x, rows, q_pos, latent[:, 0], index_k).to(out.dtype)
                 if chunk.rid in self._q_tails:
-                    self._keep_queries(layer, chunk, (x.absorbed_queries(rows) * unscale).to(lay.dtype))
+                    self._keep_queries(layer, chunk, (x.absorbed_queries(rows) * unscale).to(dtype))
                 offset += n
             return out
 
@@ -466,5 +472,5 @@ class ModelRunner:
         tail = self._q_tails.get(rid)
         if tail is None:
             shape = (n, self.num_q_heads, self.layout.head_dim)
-            return torch.zeros((1, *shape[1:]), dtype=self.layout.dtype, device=self.layout.device).expand(shape)
+            return torch.zeros((1, *shape[1:]), dtype=self.dtype, device=self.layout.device).expand(shape)
         return tail[layer]

@@ -195,7 +195,16 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts + shared experts over packed tokens."""
+    """Routed experts + shared experts over packed tokens.
+
+    Two dispatches of the same sum. Gathered (eager): each expert some token chose runs on
+    those tokens only; which experts were chosen is read on the host (a synchronisation), and
+    `experts_hit` keeps how many (bench.py's decode floor reads it). Dense (while a CUDA graph
+    is being captured, or `dense_dispatch`): every expert runs on every token and its output is
+    weighted by the token's routing weight, 0 where the token did not choose it, so nothing
+    leaves the device and the step can be captured; a non-chosen expert adds an exact 0. It
+    computes E / num_experts_per_tok times the routed FLOPs: meant for decode steps (a few
+    rows, memory-bound, every expert's weights read anyway once the batch hits them all)."""
 
     def __init__(self, c: ModelConfig, m: MLAConfig, **factory: Any) -> None:
         super().__init__()
@@ -203,15 +212,33 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(MLP(c.hidden_size, m.moe_intermediate_size, **factory)
                                      for _ in range(m.n_routed_experts))
         self.shared_experts = MLP(c.hidden_size, m.moe_intermediate_size * m.n_shared_experts, **factory)
+        self.dense_dispatch = False
+        self.experts_hit: int | None = None  # distinct experts of the last gathered dispatch
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.gate(x)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if self.dense_dispatch or capturing:
+            self.experts_hit = None
+            return self._dense(x, weights, chosen) + self.shared_experts(x)
         out = torch.zeros_like(x)
-        for e in chosen.unique().tolist():  # only the experts some token chose
+        hit = chosen.unique().tolist()  # only the experts some token chose
+        for e in hit:
             token, slot = torch.where(chosen == e)
             y = self.experts[e](x[token]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
+        self.experts_hit = len(hit)
         return out + self.shared_experts(x)
+
+    def _dense(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Every expert over every token, weighted by [T, E] routing weights (0: not chosen),
+        summed in ascending expert order as the gathered dispatch does."""
+        dense = torch.zeros((x.shape[0], len(self.experts)), dtype=weights.dtype, device=x.device)
+        dense.scatter_(1, chosen, weights)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out += (expert(x) * dense[:, e, None]).to(out.dtype)
+        return out
 
 
 class DecoderLayer(nn.Module):

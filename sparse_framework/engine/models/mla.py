@@ -25,6 +25,8 @@ import torch
 
 from ...common.errors import ConfigError
 
+INDEX_SCORE_BYTES = 2**30  # a prefill block's float32 index scores at most (mla_prefill_attention)
+
 
 @dataclass(frozen=True)
 class MLAInputs:
@@ -152,7 +154,10 @@ def mla_prefill_attention(
     K/V, each query's indexer top-k of the causal prefix), in blocks of `block` queries so the
     index scores ([block, Hi, m] float32) and the mask stay bounded, attention by SDPA (its
     fused kernels where the mask allows; float32 math on the CPU). Returns [n, H, v_head] in
-    the latent's dtype."""
+    the latent's dtype. The block shrinks on a long prefix so that the float32 index scores
+    of one block ([block, Hi, m], and their ReLU) stay within INDEX_SCORE_BYTES (DeepSeek-V3.2
+    at 128K: 32 queries, not 256 x 8 GiB)."""
+    block = max(1, min(block, INDEX_SCORE_BYTES // (4 * x.index_q.shape[1] * max(1, index_k.shape[0]))))
     k, v = x.expand(latent)  # [m, H, nope + rope], [m, H, v]
     kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     q = torch.cat([x.q_nope[rows], x.q_rot[rows]], dim=-1).to(k.dtype)
