@@ -85,4 +85,4 @@ def test_bench_writes_its_figures_and_fits_100_columns(console, tmp_path) -> Non
     assert result["requests"] == 3 and result["concurrency"] == 2 and result["output_tokens_per_s"] > 0
     assert result["ttft_p50_ms"] <= result["ttft_p99_ms"] and result["steps"] >= 4
     assert result["full_decode_steps"] > 0 and result["decode_step_ms"] > 0 and result["decode_step_floor_ms"] > 0
-    assert set(command.RANDOM_MODELS) == {"llama-3-8b", "tiny", "deepseek-v3.2-mini", "deepseek-v3.2-tiny"}
+    assert set(command.RANDOM_MODELS) == {"llama-3-8b", "llama-3-70b", "tiny", "deepseek-v3.2-mini", "deepseek-v3.2-tiny"}
