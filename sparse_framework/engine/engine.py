@@ -42,6 +42,7 @@ from .budget import RunnerBudget
 from .memory import EngineMemoryPlan, plan_for
 from .models import ModelConfig
 from .prefill_attention import CHOICES as PREFILL_CHOICES
+from .prefix_cache import PrefixCache, check_supported
 from .runner import DecodeRow, Model, ModelRunner, TokenFeed
 from .runner import PrefillChunk as RunnerChunk
 from .sampling import Sampler, SamplingParams, finished
@@ -68,7 +69,9 @@ class EngineConfig:
     (flash-attn's varlen kernel where installed, else SDPA), "flash_attn" (required) or "sdpa"
     (engine/prefill_attention.py); async_scheduling: the next step is built while the GPU runs
     this one (module docstring; None: on for a CUDA device); seed: the sampler's generator
-    for requests without a seed of their own.
+    for requests without a seed of their own; enable_prefix_caching: reuse the K/V of
+    cached prompt prefixes from the store's host pool (engine/prefix_cache.py; outputs are
+    those of the cache off, `Engine.prefix_cache.stats` counts the prefill tokens saved).
 
     Memory (engine/memory.py, docs/engine.md "Memory"): gpu_memory_utilization (0 < u <= 1)
     sizes the pools from that fraction of the device's memory less the weights, one step's
@@ -91,6 +94,7 @@ class EngineConfig:
     prefill_attention: str = "auto"
     async_scheduling: bool | None = None
     seed: int | None = 0
+    enable_prefix_caching: bool = False
     gpu_memory_utilization: float | None = None
     host_memory_bytes: int | None = None
     device_memory_bytes: int | None = None
@@ -235,6 +239,10 @@ class Engine:
             prefill_attention=config.prefill_attention, model_config=model_config, mla=model_config.mla,
         )
         self.budget = RunnerBudget(self.runner)
+        self.prefix_cache: PrefixCache | None = None
+        if config.enable_prefix_caching:
+            self.prefix_cache = self._make_prefix_cache(sparse_config)
+            self.budget.cache = self.prefix_cache
         self.scheduler = Scheduler(
             self.budget, max_num_batched_tokens=max(config.max_num_batched_tokens, rows),
             max_num_seqs=rows, max_prefill_chunk=config.max_prefill_chunk, max_model_len=max_model_len,
@@ -251,6 +259,18 @@ class Engine:
         # per step run: (decode rows, prefill tokens, context tokens of the decode rows, seconds);
         # a step ends with its sampled tokens on the host, so the wall time is the step's
         self.step_log: list[tuple[int, int, int, float]] = []
+
+    def _make_prefix_cache(self, sparse_config: SparseConfig) -> PrefixCache:
+        runner, algo = self.runner, self.runner.coord.algorithm
+        store = runner.coord.store
+        check_supported(store, hybrid=runner.ring is not None, mla=runner.mla is not None,
+                        prefill_inputs=list(algo.prefill_inputs), query_rows=algo.prefill_query_rows,
+                        algorithm=sparse_config.algorithm)
+        return PrefixCache(store, query_rows=algo.prefill_query_rows or 0, headroom=self.budget.headroom)
+
+    def clear_prefix_cache(self) -> int:
+        """Evict every cached page no running request holds; the host pages freed."""
+        return 0 if self.prefix_cache is None else self.prefix_cache.clear()
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
