@@ -64,11 +64,22 @@ def engine_for(path, sparse: dict, cache: bool, **config) -> Engine:
 def one_after_another(engine: Engine, batch: list[list[int]], params: SamplingParams = GREEDY) -> dict[str, list[int]]:
     out = {}
     for i, p in enumerate(batch):
+        poison_staging(engine)
         engine.add_request(f"r{i}", p, params)
         for o in engine.run_to_completion():
             assert o.finish_reason == "length", (o.rid, o.error)
             out[o.rid] = o.token_ids
     return out
+
+
+def poison_staging(engine: Engine) -> None:
+    """NaN over the idle prefill staging: what an earlier prompt left there (the same prefix
+    at the same rows, here) must not stand in for the cached prefix's copy."""
+    staging = engine.runner.staging
+    assert not staging.spans
+    staging.k.fill_(float("nan"))
+    if staging.v is not None:
+        staging.v.fill_(float("nan"))
 
 
 def together(engine: Engine, batch: list[list[int]], params: SamplingParams = GREEDY) -> dict[str, list[int]]:
@@ -109,6 +120,8 @@ def test_cache_on_equals_cache_off_one_after_another(path, name) -> None:
     # each later prompt finds at least the prefix's whole pages (44 tokens), within its usable part
     assert stats.hits == len(batch) - 1
     assert stats.hit_tokens >= sum(min(44, usable(len(p))) for p in batch[1:])
+    # the saved tokens were not prefilled: the steps ran exactly the rest of the prompts
+    assert sum(step[1] for step in engine.step_log) == stats.prompt_tokens - stats.hit_tokens
     assert_empty_after_clear(engine)
 
 
@@ -161,6 +174,7 @@ def test_multi_turn_chat_reuses_prompt_and_generated_tokens(path, name) -> None:
 
 
 def one_after_another_one(engine: Engine, rid: str, prompt: list[int]) -> list[int]:
+    poison_staging(engine)
     engine.add_request(rid, prompt, GREEDY)
     (out,) = engine.run_to_completion()
     assert out.finish_reason == "length", out.error
