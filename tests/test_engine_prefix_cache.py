@@ -31,6 +31,8 @@ CONFIGS = {
     "sparse-small-budget": (SMALL, {}),
     "dense-mode": ({**FULL, "min_sparse_prompt_len": 1000}, {}),
     "resident": ({**FULL, "store": "resident"}, {"host_capacity_tokens": 1024}),
+    "pqcache": ({**SMALL, "algorithm": "pqcache", "top_k": 12, "extra": {}}, {}),
+    "dsa-keys": ({**SMALL, "algorithm": "dsa", "top_k": 12, "extra": {"source": "keys"}}, {}),
     "snapkv": ({**FULL, "algorithm": "snapkv", "top_k": 12, "device_buffer_tokens": 48, "extra": {"window": 6}}, {}),
 }
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
