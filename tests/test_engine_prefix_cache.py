@@ -325,8 +325,9 @@ def test_borrowed_pages_are_read_not_written_nor_freed() -> None:
 
 def test_quest_build_recomputed_at_hand_over_is_cheap() -> None:
     """The design recomputes the algorithm's representations from the staged prefix instead
-    of storing them in the tree: Quest's build (page min/max) of a 4096-token prompt costs far
-    less than copying that prompt's K/V once more (its lower bound on CPU prefill work)."""
+    of storing them in the tree. Quest's build (page min/max) of a 4096-token prompt's layer
+    (8 KV heads x 128) costs less than the K projection alone of those tokens (a [4096, 1024]
+    x [1024, 1024] matmul): a small part of the prefill work a hit saves in that layer."""
     from sparse_framework.config import load_config
     from sparse_framework.coordinator import SparseCoordinator
     from sparse_framework.common.layout import KVLayout
@@ -337,10 +338,11 @@ def test_quest_build_recomputed_at_hand_over_is_cheap() -> None:
     coord.on_request_begin(r)
     r.seq_len = 4096
     k = torch.randn(4096, 8, 128)
+    x, w = torch.randn(4096, 1024), torch.randn(1024, 1024)
     build = min(_timed(lambda: algo.build(0, r, k, None, inputs={})) for _ in range(3))
-    copy = min(_timed(lambda: k.clone().mul_(1.0)) for _ in range(3))
-    print(f"quest build of 4096 tokens: {build * 1e3:.2f} ms; one pass over its K: {copy * 1e3:.2f} ms")
-    assert build < 20 * copy + 0.01
+    project = min(_timed(lambda: x @ w) for _ in range(3))
+    print(f"quest build of 4096 tokens: {build * 1e3:.2f} ms; their K projection: {project * 1e3:.2f} ms")
+    assert build < project
 
 
 def _timed(fn) -> float:
