@@ -12,6 +12,8 @@ import time
 import pytest
 import torch
 import transformers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from sparse_framework import ConfigError
 from sparse_framework.common.batch import Request
@@ -349,3 +351,38 @@ def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                HealthCheck.too_slow], database=None)
+@given(data=st.data())
+def test_random_arrivals_with_shared_prefixes_equal_the_cache_off(path, data) -> None:
+    """Random prompts drawn as a shared prefix (of 3) plus a tail, arriving at random steps,
+    with random output lengths and a host pool from tight to roomy: cache on == cache off, and
+    nothing is held once the cache is cleared."""
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    heads = [tokens(n, g) for n in (24, 33, 41)]
+    n = data.draw(st.integers(2, 6), label="requests")
+    reqs = [(heads[data.draw(st.integers(0, 2))] + tokens(data.draw(st.integers(1, 12)), g),
+             data.draw(st.integers(1, 8)), data.draw(st.integers(0, 4))) for _ in range(n)]
+    host = data.draw(st.sampled_from([None, 128, 256]), label="host_capacity_tokens")
+    sparse = data.draw(st.sampled_from(["sparse-small-budget", "dense-mode"]), label="config")
+
+    def drive(cache: bool) -> tuple[dict[str, list[int]], Engine]:
+        engine = engine_for(path, CONFIGS[sparse][0], cache, max_num_seqs=2, host_capacity_tokens=host)
+        pending = sorted(enumerate(reqs), key=lambda x: x[1][2])
+        out, step = {}, 0
+        while pending or engine.has_unfinished():
+            while pending and pending[0][1][2] <= step:
+                i, (prompt, max_tokens, _) = pending.pop(0)
+                engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+            for o in engine.step():
+                assert o.finish_reason == "length", o.error
+                out[o.rid] = o.token_ids
+            step += 1
+        return out, engine
+
+    off, _ = drive(False)
+    on, engine = drive(True)
+    assert on == off and len(on) == n
+    assert_empty_after_clear(engine)
