@@ -197,9 +197,16 @@ class SparseCoordinator:
         return self.store.pool_stats()
 
     # -- request lifecycle ------------------------------------------------------------------
-    def on_request_begin(self, request: Request) -> None:
+    def on_request_begin(self, request: Request, cached_pages: torch.Tensor | None = None) -> None:
         """Admit a request: decide dense or sparse, reserve its KV and a state row. Allowed
-        during a step (the new request is in no batch)."""
+        during a step (the new request is in no batch).
+
+        `cached_pages`: host page ids (the store's pages, owned by a prefix cache) that hold
+        the K/V of the prompt's first len(cached_pages) x page_size tokens. The store maps
+        them read-only instead of reserving and writing those tokens' host pages
+        (`HierarchicalKVStore.admit`); the prefill step still passes the whole prompt's K/V
+        (the engine stages the prefix from these pages), from which the device buffer and the
+        algorithm's representations are built as for any prompt."""
         if request.rid in self.requests:
             raise ValueError(f"request {request.rid!r} is already active")
         if request.prompt_len >= self.max_seq_len:
@@ -215,8 +222,15 @@ class SparseCoordinator:
         request.slot = self._free_slots.pop()
         request.seq_len = 0
         request.dense = request.prompt_len < self.config.min_sparse_prompt_len
+        cached = 0 if cached_pages is None else cached_pages.numel() * self.store.page_size
+        if cached >= request.prompt_len:
+            self._free_slots.append(request.slot)
+            request.slot = -1
+            raise ValueError(f"request {request.rid!r}: a cached prefix of {cached} tokens leaves nothing of its "
+                             f"{request.prompt_len}-token prompt to prefill; cache at most prompt_len - 1 tokens")
+        request.cached_len = cached
         try:
-            self.store.admit(request)
+            self.store.admit(request, cached_pages) if cached else self.store.admit(request)
         except Exception:
             self._free_slots.append(request.slot)
             request.slot = -1

@@ -86,3 +86,31 @@ def test_bench_writes_its_figures_and_fits_100_columns(console, tmp_path) -> Non
     assert result["ttft_p50_ms"] <= result["ttft_p99_ms"] and result["steps"] >= 4
     assert result["full_decode_steps"] > 0 and result["decode_step_ms"] > 0 and result["decode_step_floor_ms"] > 0
     assert set(command.RANDOM_MODELS) == {"llama-3-8b", "llama-3-70b", "tiny", "deepseek-v3.2-mini", "deepseek-v3.2-tiny"}
+
+
+def test_generate_with_the_prefix_cache_gives_the_same_outputs(console, tmp_path) -> None:
+    """--enable-prefix-caching: prompts sharing a 40-token prefix, one running at a time, give
+    the outputs of the cache off and the summary reports the tokens taken from the cache."""
+    prefix = " ".join(str(3 + i % 50) for i in range(40))
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("".join(f"{prefix} {tail}\n" for tail in ("7 8 9", "11 12", "13 14 15 16 17")))
+    outs = []
+    for flags in ([], ["--enable-prefix-caching"]):
+        path = tmp_path / f"out{len(flags)}.json"
+        assert cli.main(["generate", "--no-progress", "--prompts", str(prompts), "--max-tokens", "4",
+                         "--max-num-seqs", "1", "--json", str(path), *flags]) == 0
+        outs.append([o["token_ids"] for o in json.loads(path.read_text())])
+    assert outs[0] == outs[1]
+    text = console.getvalue()
+    fits(text)
+    assert "prefix cache:" in text and "2 of 3 admissions hit" in text, text
+
+
+def test_bench_reports_the_prefix_cache(console, tmp_path) -> None:
+    path = tmp_path / "bench.json"
+    assert cli.main(["bench", "--random", "tiny", "--no-progress", "--num-prompts", "3", "--input-len", "50",
+                     "--output-len", "4", "--concurrency", "1", "--enable-prefix-caching", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    cache = result["prefix_cache"]
+    assert cache["lookups"] == 3 and cache["prompt_tokens"] == result["prefill_tokens"]
+    assert result["prefill_tokens_computed"] == result["prefill_tokens"] - cache["hit_tokens"]

@@ -22,6 +22,7 @@ class Request:
     seq_len: int = 0
     dense: bool = False
     slot: int = -1  # row in pooled per-request state; assigned by the coordinator
+    cached_len: int = 0  # prompt tokens whose K/V came from a prefix cache (set at on_request_begin)
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1:

@@ -436,6 +436,8 @@ def run_benchmark(llm: LLM, spec: BenchSpec, plan: EngineMemoryPlan | None = Non
         "prefill_attention": engine.runner.prefill_attention_label,
         "fused_ops": bool(getattr(engine.runner.model, "fused_ops", False)),
         "async_scheduling": engine.async_scheduling,
+        # prompt tokens taken from the prefix cache (None: the cache is off); prefill_tokens_computed excludes them
+        "prefix_cache": None if engine.prefix_cache is None else engine.prefix_cache.stats.as_dict(),
     }
 
 

@@ -18,12 +18,22 @@ length crosses a page boundary, in `forward_begin`). This module bridges the two
 - a sequence preempted while still prefilling has no K/V in the store yet: its coordinator
   request and staging are dropped (its host promise stays) and it is admitted again, from
   token 0, when it resumes.
+
+With a prefix cache (engine/prefix_cache.py) an admission (and the re-admission of a
+sequence preempted while prefilling) first looks its prompt up and locks the cached prefix;
+the sequence then needs host pages for the rest of its life only, starts its prefill at
+`num_computed_tokens = cached tokens`, and the cache's unlocked pages count as free: when
+the free pages less the promises do not cover an admission, a resumption or a decode row's
+growth, the least recently used cached pages are evicted first (before the scheduler
+preempts anyone). A finished prompt's pages are inserted at `end_prefill`, and a finishing
+sequence's prompt and outputs at `free`, before its memory is released.
 """
 
 from __future__ import annotations
 
 from ..common.arith import cdiv
 from ..kv_store.device_pools import DENSE_LAYERS, RESIDENT
+from .prefix_cache import PrefixCache
 from .runner import ModelRunner
 from .scheduler import Sequence
 
@@ -31,8 +41,9 @@ from .scheduler import Sequence
 class RunnerBudget:
     """`MemoryBudget` of a `ModelRunner` (see the module docstring)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, prefix_cache: PrefixCache | None = None) -> None:
         self.runner = runner
+        self.cache = prefix_cache
         self.store = runner.coord.store
         self.page = self.store.page_size
         self._promised: dict[str, int] = {}  # rid -> host pages promised for its whole life
@@ -58,6 +69,11 @@ class RunnerBudget:
             owed += max(0, pages - held)
         return owed
 
+    def headroom(self) -> int:
+        """Free host pages beyond what admitted sequences were promised (a prefix cache may
+        take these)."""
+        return self.store.host_alloc.free - self._owed_pages()
+
     def never_fits(self, seq: Sequence) -> str | None:
         prompt, life = seq.num_prompt_tokens, seq.max_total_tokens - 1
         staging = self.runner.staging.capacity
@@ -79,40 +95,70 @@ class RunnerBudget:
         return None
 
     # -- reservations ------------------------------------------------------------------------
+    def _host_room(self, pages: int) -> bool:
+        """Whether `pages` free host pages beyond the promises exist, evicting cached pages
+        (least recently used first) to make them."""
+        short = pages - (self.store.host_alloc.free - self._owed_pages())
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+            short = pages - (self.store.host_alloc.free - self._owed_pages())
+        return short <= 0
+
     def can_admit(self, seq: Sequence) -> bool:
-        host_free = self.store.host_alloc.free - self._owed_pages()
-        if self.store.host_alloc.num_pages and self._life_pages(seq) > host_free:
+        cached, pages = self.cache.match(seq.rid, seq.prompt_ids) if self.cache is not None else (0, None)
+        need = self._life_pages(seq) - cached // self.page  # the cached pages are held already
+        if self.store.host_alloc.num_pages and not self._host_room(need):
+            self._drop_match(seq)
             return False
-        if not self._admit_keeping_grants(seq):
+        if not self._admit_keeping_grants(seq, cached, pages):
             return False
         self._promised[seq.rid] = self._life_pages(seq)
         self._trial = seq.rid
         return True
 
-    def _admit_keeping_grants(self, seq: Sequence) -> bool:
-        """Admit `seq` in the runner unless that takes room the plan's decode rows were
-        granted (their growth is checked before admissions are made)."""
-        if not self.runner.admit(seq.rid, seq.num_prompt_tokens):
+    def _drop_match(self, seq: Sequence) -> None:
+        if self.cache is not None:
+            self.cache.release(seq.rid)
+
+    def _admit_keeping_grants(self, seq: Sequence, cached: int = 0, pages=None) -> bool:
+        """Admit `seq` in the runner (with its cached prefix) unless that takes room the
+        plan's decode rows were granted (their growth is checked before admissions are made);
+        the prefix lock is dropped when it fails."""
+        if not self.runner.admit(seq.rid, seq.num_prompt_tokens, pages):
+            self._drop_match(seq)
             return False
         if not self.runner.can_grow(self._granted):
             self.runner.free(seq.rid)
+            self._drop_match(seq)
             return False
+        if self.cache is not None:
+            self.cache.count(seq.num_prompt_tokens, cached)
+        seq.num_computed_tokens = cached  # the prefill starts after the cached prefix
         return True
 
     def admit(self, seq: Sequence) -> None:
         self._take_trial(seq)
 
     def end_prefill(self, seq: Sequence) -> None:
-        """Nothing left to do: the runner releases the staging when it hands the prompt over."""
+        """The runner released the staging when it handed the prompt over; the prompt's whole
+        pages go into the prefix cache."""
         if seq.rid in self.runner.staging.spans:
             raise RuntimeError(f"request {seq.rid!r} still holds prefill staging after its last chunk")
+        if self.cache is not None:
+            self.cache.on_prefilled(seq.rid, self.runner.requests[seq.rid], seq.prompt_ids)
 
     def can_grow(self, seq: Sequence) -> bool:
         # only rows starting a page take room: checking them alone keeps a plan's checks linear
         # in its rows (all granted rows at every check cost milliseconds at 64 requests)
         if not self.store.needs_page(self.runner.requests[seq.rid]):
             return True
-        return self.runner.can_grow([*self._granted, seq.rid])
+        rows = [*self._granted, seq.rid]
+        if self.runner.can_grow(rows):
+            return True
+        if self.cache is not None and self.cache.evictable_pages():  # cached pages before preemption
+            self.cache.evict(len(rows))
+            return self.runner.can_grow(rows)
+        return False
 
     def grow(self, seq: Sequence) -> None:
         if self.store.needs_page(self.runner.requests[seq.rid]):
@@ -122,13 +168,15 @@ class RunnerBudget:
         request = self.runner.requests[seq.rid]
         if request.seq_len == 0:  # still prefilling: nothing in the store to keep
             self.runner.free(seq.rid)
+            self._drop_match(seq)  # looked up again when it resumes
             self._dropped.add(seq.rid)
         else:
             self.runner.retract(seq.rid)
 
     def can_resume(self, seq: Sequence) -> bool:
         if seq.rid in self._dropped:  # its host room is promised: only device room and staging
-            ok = self._admit_keeping_grants(seq)
+            cached, pages = self.cache.match(seq.rid, seq.prompt_ids) if self.cache is not None else (0, None)
+            ok = self._admit_keeping_grants(seq, cached, pages)
         else:
             ok = self.runner.resume(seq.rid)
             if ok and not self.runner.can_grow([*self._granted, seq.rid]):
@@ -146,6 +194,10 @@ class RunnerBudget:
             self._granted.append(seq.rid)  # it decodes in this step
 
     def free(self, seq: Sequence) -> None:
+        if self.cache is not None:
+            request = self.runner.requests.get(seq.rid)
+            retracted = seq.rid in self.runner.coord.retracted
+            self.cache.on_finished(seq.rid, request, [*seq.prompt_ids, *seq.output_ids], retracted)
         self.runner.free(seq.rid)
         self._promised.pop(seq.rid, None)
         self._dropped.discard(seq.rid)

@@ -193,6 +193,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="the model's fused projections and Triton layer kernels: auto (on for CUDA; the default)")
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                    help="build the next step while the GPU runs this one: auto (on for CUDA; the default)")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse the K/V of cached prompt prefixes from the host pool (engine/prefix_cache.py); "
+                   "outputs are unchanged, the prefill tokens saved are reported")
     p.add_argument("--gpu-memory-utilization", type=float,
                    help="size the pools from this fraction (0 < u <= 1) of the GPU's memory less weights, activations "
                    "and staging; --max-num-seqs becomes an upper bound (docs/engine.md, Memory)")
@@ -212,10 +215,11 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _kernel_options(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig's kernel and loop choices from --prefill-attention, --kv-cache-dtype, --fused-ops,
-    --async-scheduling."""
+    --async-scheduling, --enable-prefix-caching."""
     switch = {"auto": None, "on": True, "off": False}
     return {"prefill_attention": args.prefill_attention, "kv_cache_dtype": args.kv_cache_dtype,
-            "fused_ops": switch[args.fused_ops], "async_scheduling": switch[args.async_scheduling]}
+            "fused_ops": switch[args.fused_ops], "async_scheduling": switch[args.async_scheduling],
+            "enable_prefix_caching": bool(getattr(args, "enable_prefix_caching", False))}
 
 
 def _memory_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -343,6 +347,11 @@ def _summary(console: Console, llm: LLM) -> None:
     console.print(f"steps {llm.engine.steps}, preemptions {llm.engine.scheduler.num_preemptions}; pools: {sizes}")
     if llm.engine.memory_plan is not None:
         console.print(llm.engine.memory_plan.describe(), highlight=False)
+    cache = llm.engine.prefix_cache
+    if cache is not None:
+        st = cache.stats
+        console.print(f"prefix cache: {st.hit_tokens:,} of {st.prompt_tokens:,} prompt tokens from the cache "
+                      f"({st.hit_rate:.1%}), {st.hits} of {st.lookups} admissions hit", highlight=False)
     dense = report["dense_requests"]
     if dense:
         console.print(f"decoded densely: {', '.join(f'{k}: {v}' for k, v in dense.items())} "

@@ -46,6 +46,7 @@ from .memory import EngineMemoryPlan, host_budget, plan_for
 from .models import ModelConfig
 from .models.tensor_parallel import check_tensor_parallel
 from .prefill_attention import CHOICES as PREFILL_CHOICES
+from .prefix_cache import PrefixCache, check_supported
 from .runner import DecodeRow, Model, ModelRunner, TokenFeed
 from .runner import PrefillChunk as RunnerChunk
 from .sampling import Sampler, SamplingParams, finished
@@ -75,7 +76,9 @@ class EngineConfig:
     for requests without a seed of their own. kv_cache_dtype: "auto" (the KV store in the
     model's dtype) or "fp8" (MLA models with a 512 + 64 latent only: the store keeps FlashMLA's
     656-byte FP8 rows, quantising the model's latents as it writes them, on the device and the
-    host; `kv_store_dtype` maps it).
+    host; `kv_store_dtype` maps it). enable_prefix_caching: reuse the K/V of cached prompt
+    prefixes from the store's host pool (engine/prefix_cache.py; outputs are those of the cache
+    off, `Engine.prefix_cache.stats` counts the prefill tokens saved).
 
     Memory (engine/memory.py, docs/engine.md "Memory"): gpu_memory_utilization (0 < u <= 1)
     sizes the pools from that fraction of the device's memory less the weights, one step's
@@ -104,6 +107,7 @@ class EngineConfig:
     prefill_attention: str = "auto"
     async_scheduling: bool | None = None
     seed: int | None = 0
+    enable_prefix_caching: bool = False
     gpu_memory_utilization: float | None = None
     host_memory_bytes: int | None = None
     device_memory_bytes: int | None = None
@@ -291,6 +295,10 @@ class Engine:
         if self.tp is not None:
             self._check_selection_is_per_head(sparse_config)
         self.budget = RunnerBudget(self.runner)
+        self.prefix_cache: PrefixCache | None = None
+        if config.enable_prefix_caching:
+            self.prefix_cache = self._make_prefix_cache(sparse_config)
+            self.budget.cache = self.prefix_cache
         self.scheduler = Scheduler(
             self.budget, max_num_batched_tokens=max(config.max_num_batched_tokens, rows),
             max_num_seqs=rows, max_prefill_chunk=config.max_prefill_chunk, max_model_len=max_model_len,
@@ -354,6 +362,18 @@ class Engine:
         parts = ([s.rid for s in plan.decode], [(c.seq.rid, c.start, c.end) for c in plan.prefill],
                  [s.rid for s in plan.preempted], [s.rid for s in plan.resumed], [s.rid for s in plan.admitted])
         return zlib.crc32(repr(parts).encode())
+
+    def _make_prefix_cache(self, sparse_config: SparseConfig) -> PrefixCache:
+        runner, algo = self.runner, self.runner.coord.algorithm
+        store = runner.coord.store
+        check_supported(store, hybrid=runner.ring is not None, mla=runner.mla is not None,
+                        prefill_inputs=list(algo.prefill_inputs), query_rows=algo.prefill_query_rows,
+                        algorithm=sparse_config.algorithm)
+        return PrefixCache(store, query_rows=algo.prefill_query_rows or 0, headroom=self.budget.headroom)
+
+    def clear_prefix_cache(self) -> int:
+        """Evict every cached page no running request holds; the host pages freed."""
+        return 0 if self.prefix_cache is None else self.prefix_cache.clear()
 
     # -- requests ----------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:

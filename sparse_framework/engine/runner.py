@@ -228,17 +228,24 @@ class ModelRunner:
                                         layout.head_dim, dtype=self.dtype, device=layout.device)
 
     # -- memory (what the scheduler's budget asks) -----------------------------------------------
-    def admit(self, rid: str, prompt_len: int) -> bool:
+    def admit(self, rid: str, prompt_len: int, cached_pages: torch.Tensor | None = None) -> bool:
         """Reserve a request's device buffers, host pages and prompt staging; False (nothing
-        reserved) when there is no room now."""
+        reserved) when there is no room now. `cached_pages`: host pages of a prefix cache
+        holding the K/V of the prompt's first len x page_size tokens: they are copied into the
+        request's staging span (the prefill chunks attend to them, and the hand-over builds
+        the device buffer and the algorithm's representations from the whole staged prompt)
+        and mapped read-only into its host table; its prefill starts after them."""
         if not self.staging.reserve(rid, prompt_len):
             return False
         request = Request(rid, prompt_len)
         try:
-            self.coord.on_request_begin(request)
+            self.coord.on_request_begin(request, cached_pages)
         except CapacityError:
             self.staging.release(rid)
             return False
+        if request.cached_len:
+            staged = [self.staging.k] if self.staging.v is None else [self.staging.k, self.staging.v]
+            self.coord.store.load_pages(cached_pages, staged, self.staging.spans[rid][0])
         self.requests[rid] = request
         rows = prompt_len if self._q_rows is None else min(self._q_rows, prompt_len)
         if rows:

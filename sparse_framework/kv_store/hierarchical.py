@@ -275,17 +275,85 @@ class HierarchicalKVStore(KVStore):
     def _device_tokens_for(self, request: Request, tokens: int) -> dict[str, int]:
         return {_RESIDENT: tokens, _BUFFERED: self.buffer_tokens}
 
-    def admit(self, request: Request) -> None:
-        """Reserve host pages (sparse requests) and device pages for the prompt; all or nothing."""
+    def admit(self, request: Request, cached_pages: torch.Tensor | None = None) -> None:
+        """Reserve host pages (sparse requests) and device pages for the prompt; all or nothing.
+
+        `cached_pages`: host pages that already hold the K/V of the prompt's first
+        `request.cached_len` tokens (a prefix cache's, engine/prefix_cache.py). A request that
+        keeps its K/V on the host maps them read-only as its first pages (borrowed: never
+        written, never freed by it) and reserves pages for the rest only; `write_prefill`
+        then offloads only the tokens after them. Others keep nothing on the host."""
         layers = list(range(self.layout.num_layers))
-        if self._keeps_host(request):
-            self.host_pool.reserve(request, request.prompt_len)
         try:
+            if self._keeps_host(request):
+                if cached_pages is not None and cached_pages.numel():
+                    self.host_pool.adopt(request, cached_pages)
+                self.host_pool.reserve(request, request.prompt_len)
             self._alloc_device(request, layers, self._device_tokens_for(request, request.prompt_len))
         except CapacityError:
             self.host_pool.free(request)
             raise
         self.maps.reset(request.slot)
+
+    # -- pages for a prefix cache (engine/prefix_cache.py) ------------------------------------
+    def keeps_host(self, request: Request) -> bool:
+        """Whether the request's K/V live on the host (its host pages can be cached as they are)."""
+        return self._keeps_host(request)
+
+    def host_page_ids(self, request: Request) -> torch.Tensor:
+        """The request's host pages in logical order (borrowed ones included)."""
+        return self.host_pool.page_ids(request)
+
+    def lend_host_pages(self, request: Request, ids: torch.Tensor) -> None:
+        """Pages of the request that a prefix cache now owns: the request still reads them,
+        `release` no longer frees them."""
+        self.host_pool.lend(request, ids)
+
+    def release_host_pages(self, ids: torch.Tensor) -> None:
+        """Give pages owned by a prefix cache back to the host pool."""
+        if ids.numel():
+            self.host_alloc.release(ids)
+
+    def load_pages(self, ids: torch.Tensor, dst: list[torch.Tensor], start: int) -> None:
+        """Copy the K/V of whole host pages `ids`, every layer, into rows start.. of `dst`
+        (one [layers, rows, kv_heads, dim] tensor per stored tensor on the layout's device:
+        the prefill staging). One copy per tensor, read straight from pinned memory on CUDA
+        (ordered after the side stream's host writes: no host synchronisation)."""
+        if ids.numel() == 0:
+            return
+        self._sync_writes()
+        rows = self.host_pool.rows_of_pages(ids).to(self.device)
+        m, elems = rows.numel(), self.layout.stored_row_elems
+        layers = torch.arange(self.layout.num_layers, device=self.device).view(-1, 1)
+        src = self.host_pool.offsets(layers, rows.view(1, -1)).flatten()
+        for d, h in zip(dst, self.host):
+            if d.dtype != h.dtype or d.shape[0] != self.layout.num_layers or start + m > d.shape[1]:
+                raise ValueError(f"load_pages: {m} rows from {start} do not fit {tuple(d.shape)} {d.dtype}")
+            dst_off = ((layers * d.shape[1] + start + torch.arange(m, device=self.device)) * elems).flatten()
+            copy_rows(h, d, src, dst_off, elems)
+
+    def export_pages(self, request: Request, first_page: int, num_pages: int) -> torch.Tensor:
+        """Copy the request's device K/V of pages first_page..first_page+num_pages-1 (every
+        layer resident: a request that keeps nothing on the host) into newly allocated host
+        pages, returned (owned by the caller; CapacityError, nothing taken, without room)."""
+        if self._keeps_host(request):
+            raise ValueError(f"request {request.rid!r} keeps its K/V on the host: use host_page_ids")
+        ids = self.host_alloc.alloc(num_pages, self.page_size, f"prefix cache of {request.rid!r}")
+        if num_pages == 0:
+            return ids
+        self._sync_writes()
+        p = self.page_size
+        sid = torch.tensor([request.slot], device=self.device)
+        tokens = torch.arange(first_page * p, (first_page + num_pages) * p, device=self.device).unsqueeze(0)
+        host_rows = self.host_pool.rows_of_pages(ids).to(self.device)
+        for layer in range(self.layout.num_layers):
+            slots = self._phys(layer, sid, tokens)[0]
+            for h in range(self.streams):
+                src = self._dev_off(layer, slots, h).flatten()
+                dst = self.host_pool.offsets(layer, host_rows, h).flatten()
+                for dev_buf, host_buf in zip(self._pool[layer].tensors, self.host):
+                    copy_rows(dev_buf, host_buf, src, dst, self.row_elems)
+        return ids
 
     def _growth_error(self, starting: list[Request]) -> CapacityError | None:
         """Why the requests `starting` a new page cannot each get one (None: they can)."""
@@ -359,11 +427,12 @@ class HierarchicalKVStore(KVStore):
         n = k.shape[0]
         sid = torch.tensor([request.slot], device=self.device)
         positions = torch.arange(n, device=self.device).unsqueeze(0)
-        if self._keeps_host(request):  # offload the whole prompt to the host
-            host_off = self.host_pool.offsets(layer, self.host_pool.rows(sid, positions)[0], 0)
+        if self._keeps_host(request):  # offload the prompt to the host (but a cached prefix)
+            c = request.cached_len  # tokens on borrowed host pages: never written
+            host_off = self.host_pool.offsets(layer, self.host_pool.rows(sid, positions[:, c:])[0], 0)
             for buf, x in zip(self.host, rows):
                 src = x.contiguous()
-                src_off = torch.arange(n, device=src.device) * self.layout.stored_row_elems
+                src_off = torch.arange(c, n, device=src.device) * self.layout.stored_row_elems
                 copy_rows(src, buf, src_off, host_off, self.layout.stored_row_elems)
         if self.mode(request, layer) == _RESIDENT:
             self._write_dev(layer, self._phys(layer, sid, positions)[0], rows)

@@ -1,4 +1,10 @@
-"""The host tier of the hierarchical store: every token of every sparse request, all layers."""
+"""The host tier of the hierarchical store: every token of every sparse request, all layers.
+
+Pages a request *borrows* (`adopt`, `lend`) belong to someone else — the engine's prefix
+cache (engine/prefix_cache.py) — and are mapped into the request's page table read-only:
+`free` gives back only the request's own pages, and nothing writes a borrowed page (a
+borrowed page is always a whole page of the prefix before the request's first own token).
+"""
 
 from __future__ import annotations
 
@@ -45,6 +51,7 @@ class HostPool:
         self.host_alloc = PageAllocator(pages, "host KV pool")
         self.host_table = torch.full((max_requests, max_pages), -1, dtype=torch.int32, device=device)
         self._host_pages: dict[int, torch.Tensor] = {}
+        self._borrowed: dict[int, torch.Tensor] = {}  # slot -> page ids it maps but does not own
         self.head_major = head_major  # per-KV-head streams address one head's part of a row
 
     def tokens(self, request: Request) -> int:
@@ -62,10 +69,51 @@ class HostPool:
         self._host_pages[request.slot] = torch.cat([have, ids])
 
     def free(self, request: Request) -> None:
+        """Release the request's own pages (borrowed ones stay with their owner)."""
         ids = self._host_pages.pop(request.slot, None)
+        borrowed = self._borrowed.pop(request.slot, None)
         if ids is not None:
+            if borrowed is not None:
+                ids = ids[~torch.isin(ids, borrowed)]
             self.host_alloc.release(ids)
         self.host_table[request.slot] = -1
+
+    def page_ids(self, request: Request) -> torch.Tensor:
+        """The request's host page ids in logical order (int64, CPU; borrowed ones included)."""
+        ids = self._host_pages.get(request.slot)
+        return torch.empty(0, dtype=torch.int64) if ids is None else ids
+
+    def owned_ids(self, request: Request) -> torch.Tensor:
+        """The request's pages that `free` will release."""
+        ids = self.page_ids(request)
+        borrowed = self._borrowed.get(request.slot)
+        return ids if borrowed is None else ids[~torch.isin(ids, borrowed)]
+
+    def adopt(self, request: Request, ids: torch.Tensor) -> None:
+        """Map borrowed pages `ids` as the request's first pages (before it holds any)."""
+        if request.slot in self._host_pages:
+            raise ValueError(f"request {request.rid!r} already holds host pages; adopt a prefix before reserving")
+        ids = ids.to(torch.int64).cpu()
+        if ids.numel() == 0:
+            return
+        self.host_table[request.slot, : ids.numel()] = tensor_to_device(ids.to(torch.int32), self.device)
+        self._host_pages[request.slot] = ids.clone()
+        self._borrowed[request.slot] = ids.clone()
+
+    def lend(self, request: Request, ids: torch.Tensor) -> None:
+        """Pages of the request that now belong to someone else (it keeps reading them)."""
+        ids = ids.to(torch.int64).cpu()
+        if ids.numel() == 0:
+            return
+        if not bool(torch.isin(ids, self.page_ids(request)).all()):
+            raise ValueError(f"request {request.rid!r}: lend only pages the request maps")
+        have = self._borrowed.get(request.slot)
+        self._borrowed[request.slot] = ids.clone() if have is None else torch.cat([have, ids]).unique()
+
+    def rows_of_pages(self, ids: torch.Tensor) -> torch.Tensor:
+        """Host slots of whole pages `ids` in order (int64, CPU)."""
+        ids = ids.to(torch.int64).cpu()
+        return (ids.unsqueeze(1) * self.page_size + torch.arange(self.page_size)).flatten()
 
     def rows(self, slot_ids: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Host slots of logical tokens. slot_ids: [B]; tokens: [B, ...]; -1 kept."""

@@ -1,0 +1,253 @@
+"""`PrefixCache`: the engine's radix prefix cache over the hierarchical store's host pages.
+
+A new request reuses the K/V of the longest cached prefix of its prompt instead of
+recomputing it; `EngineConfig.enable_prefix_caching` turns it on.
+
+What is cached. The tree (radix_cache.py, page-aligned on the store's page size) maps token
+prefixes to host page ids of the store's host pool: every layer's K/V of those tokens, as
+stored. The tree owns those pages; nobody writes them. Pages enter the tree two ways:
+
+- a request that keeps its K/V on the host (a sparse request of the hierarchical store)
+  *lends* its own pages: once its prompt is prefilled (`on_prefilled`: its whole pages are
+  inserted, so requests arriving while it decodes already hit), and when it finishes
+  (`on_finished`: prompt and generated tokens, up to the last whole page whose K/V it
+  wrote). The request goes on reading the lent pages; its host pool `free` skips them.
+- a request that keeps nothing on the host (dense mode: prompts below
+  `min_sparse_prompt_len`; every request of the resident store) has its device K/V of the
+  pages not yet cached *exported* to newly allocated host pages at the same two points, as
+  far as the host pool has room beyond what running requests were promised.
+
+A page the tree already held comes back from `insert` and stays the request's (freed with
+it). The cache never holds device memory.
+
+Reuse. At admission (`match`, called by the budget) the prompt's longest cached prefix is
+looked up — at most `prompt_len - 1` tokens (the last prompt token must run to give the
+first output's logits), and fewer when the algorithm's build reads the prompt's last queries
+(SnapKV's window: those tokens must be computed) — and its path is locked. The runner copies
+the prefix's host pages into the request's staging span (one copy per tensor; the chunks
+attend to the prefix there) and the store maps them read-only as the request's first host
+pages; the scheduler starts the prompt at `num_computed_tokens = cached`. When the last
+chunk runs, the hand-over passes the whole staged prompt to the coordinator as before: the
+device buffer (sink, recent window, dense layers) and the algorithm's representations
+(Quest page bounds, PQ codes, DSA-on-keys) are *recomputed* from the staged prefix K/V rather
+than stored in the tree, which keeps one kind of value in the tree and needs nothing of
+the algorithm. Measured on the CPU (tests/test_engine_prefix_cache.py, 4096 tokens, 8 KV
+heads x 128): Quest's build of one layer took 4-7 ms, its K projection alone ([4096, 1024] x
+[1024, 1024]) 25 ms — a small part of the prefill work a hit saves. PQCache's k-means and
+SnapKV's votes are heavier and were not measured. Only the host offload of the prefix is
+skipped.
+
+Locks and eviction. A request holds one lock from admission to its end (moved down to the
+node of its inserted prompt at `on_prefilled`), so no page it reads is evicted; a request
+preempted while prefilling drops its lock and looks its prefix up again when it resumes.
+The budget evicts least recently used unlocked leaves (`evict`) when an admission, a
+resumption or a decode row's growth needs host pages: cache before preemption. Its host
+check counts the cache's evictable pages as free.
+
+Not supported (refused by name in `check_supported`): hybrid sliding-window models (their
+window lives in a device ring per request row; the tree's SWA values and tombstones are
+not wired to it yet), MLA models and algorithms with prefill inputs (indexer keys: the
+staging of a cached prefix has none), fp8 KV (the staged prefix would be the stored, rounded
+values: outputs would differ from the cache off), algorithms reading every prompt query,
+and the resident store without a host pool (nothing to hold the cache).
+
+Differences from SGLang's radix cache: SGLang's values are device KV indices (its HiCache
+adds a host tier behind them); here they are host pages, since the hierarchical store keeps
+every request's full K/V on the host anyway and the device holds only a per-request buffer —
+so a hit costs one host->device copy into staging, never device memory while cached.
+SGLang inserts after every prefill chunk; here at the end of the prompt and of the request
+(a request preempted mid-prefill loses its staged chunks anyway). SGLang skips prefix
+matching for a request whose prompt is all cached by leaving one token; same rule here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..common.batch import Request
+from ..common.errors import ConfigError
+from ..kv_store.hierarchical import HierarchicalKVStore
+from .radix_cache import LockHandle, RadixCache, RadixNode
+
+
+@dataclass
+class PrefixStats:
+    """Counters since the engine started: admissions looked up, prompt tokens admitted, of
+    which taken from the cache (prefill tokens saved), pages inserted and evicted."""
+
+    lookups: int = 0
+    hits: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    inserted_pages: int = 0
+    evicted_pages: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Prompt tokens served from the cache / prompt tokens admitted."""
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"lookups": self.lookups, "hits": self.hits, "prompt_tokens": self.prompt_tokens,
+                "hit_tokens": self.hit_tokens, "hit_rate": self.hit_rate,
+                "inserted_pages": self.inserted_pages, "evicted_pages": self.evicted_pages}
+
+
+def check_supported(store: HierarchicalKVStore, *, hybrid: bool, mla: bool, prefill_inputs: Sequence[str],
+                    query_rows: int | None, algorithm: str) -> None:
+    """Refuse, by name, configurations the prefix cache does not handle (module docstring)."""
+    what = "EngineConfig.enable_prefix_caching=True"
+    if hybrid:
+        raise ConfigError(f"{what}: hybrid sliding-window models are not supported yet (their window KV lives in "
+                          "a device ring per request and is not cached); turn prefix caching off for this model")
+    if mla:
+        raise ConfigError(f"{what}: MLA models are not supported yet (the staged indexer keys of a cached prefix "
+                          "are not kept); turn prefix caching off")
+    if prefill_inputs:
+        raise ConfigError(f"{what}: algorithm {algorithm!r} needs prefill inputs {sorted(prefill_inputs)} that a "
+                          "cached prefix does not have; use another algorithm or turn prefix caching off")
+    if query_rows is None:
+        raise ConfigError(f"{what}: algorithm {algorithm!r} reads every prompt query at build; a cached prefix "
+                          "has none; turn prefix caching off")
+    if store.layout.is_fp8:
+        raise ConfigError(f"{what}: fp8 KV is not supported (a cached prefix would be attended in its rounded "
+                          "stored form, unlike the same prompt computed afresh); use a 16/32-bit kv dtype")
+    if store.host_alloc.num_pages == 0:
+        raise ConfigError(f"{what}: the store has no host pool to hold cached pages (store 'resident' sizes none "
+                          "by default); set host_capacity_tokens")
+
+
+class PrefixCache:
+    """The engine's prefix cache (module docstring). `store`: the coordinator's store;
+    `query_rows`: prompt tokens at the end that must be computed (the algorithm's
+    `prefill_query_rows`); `headroom()`: free host pages not promised to admitted requests
+    (the budget's), what an export may take."""
+
+    def __init__(self, store: HierarchicalKVStore, *, query_rows: int = 0,
+                 headroom: Callable[[], int] | None = None) -> None:
+        self.store = store
+        self.page = store.page_size
+        self.tree = RadixCache(self.page)
+        self.query_rows = query_rows
+        self.headroom = headroom or (lambda: store.host_alloc.free)
+        self._locks: dict[str, LockHandle] = {}
+        self.stats = PrefixStats()
+
+    # -- admission --------------------------------------------------------------------------
+    def usable_tokens(self, prompt_len: int) -> int:
+        """The longest prefix of a prompt that may come from the cache (whole pages)."""
+        return max(0, prompt_len - max(1, self.query_rows)) // self.page * self.page
+
+    def match(self, rid: str, prompt_ids: Sequence[int]) -> tuple[int, torch.Tensor | None]:
+        """Look a prompt's cached prefix up and lock it for request `rid`: (tokens, host page
+        ids), (0, None) on a miss. `release(rid)` undoes it when the admission fails."""
+        if rid in self._locks:
+            raise RuntimeError(f"request {rid!r} already holds a prefix lock")
+        limit = self.usable_tokens(len(prompt_ids))
+        if limit == 0:
+            return 0, None
+        m = self.tree.match_prefix(prompt_ids[:limit])
+        if m.num_pages == 0:
+            return 0, None
+        self._locks[rid] = self.tree.lock(m.node)
+        return m.num_pages * self.page, torch.tensor(m.values, dtype=torch.int64)
+
+    def count(self, prompt_len: int, cached: int) -> None:
+        """An admission went through with `cached` of its `prompt_len` tokens from the cache."""
+        self.stats.lookups += 1
+        self.stats.hits += cached > 0
+        self.stats.prompt_tokens += prompt_len
+        self.stats.hit_tokens += cached
+
+    def release(self, rid: str) -> None:
+        """Drop the request's lock (its pages become evictable when no one else holds them)."""
+        handle = self._locks.pop(rid, None)
+        if handle is not None:
+            self.tree.unlock(handle)
+
+    # -- insertion ----------------------------------------------------------------------------
+    def on_prefilled(self, rid: str, request: Request, prompt_ids: Sequence[int]) -> None:
+        """The prompt was handed to the store: cache its whole pages."""
+        self._cache(rid, request, prompt_ids, keep_lock=self.store.keeps_host(request))
+
+    def on_finished(self, rid: str, request: Request | None, token_ids: Sequence[int], retracted: bool) -> None:
+        """Before the request's memory is freed: cache its prompt and generated tokens whose
+        K/V it wrote (none when it never finished its prefill or is retracted), then unlock."""
+        if request is not None and request.seq_len > 0 and not retracted:
+            known = len(token_ids)
+            for i, t in enumerate(token_ids):
+                if t < 0:  # an output token still on the device (async scheduling): unknown
+                    known = i
+                    break
+            self._cache(rid, request, token_ids[:known], keep_lock=False)
+        self.release(rid)
+
+    def _cache(self, rid: str, request: Request, token_ids: Sequence[int], keep_lock: bool) -> None:
+        full = min(len(token_ids), request.seq_len) // self.page
+        node: RadixNode | None = None
+        if full:
+            tokens = list(token_ids[: full * self.page])
+            node = self._insert_host(request, tokens) if self.store.keeps_host(request) \
+                else self._insert_export(request, tokens)
+        old = self._locks.pop(rid, None)
+        if keep_lock and node is not None:
+            self._locks[rid] = self.tree.lock(node)
+        elif keep_lock and old is not None:
+            self._locks[rid], old = old, None
+        if old is not None:
+            self.tree.unlock(old)
+
+    def _insert_host(self, request: Request, tokens: list[int]) -> RadixNode:
+        """The request's own host pages join the tree (those it did not already hold)."""
+        ids = self.store.host_page_ids(request)[: len(tokens) // self.page].tolist()
+        result = self.tree.insert(tokens, ids)
+        unused = set(result.unused_values)
+        kept = [v for v in ids if v not in unused]
+        self.store.lend_host_pages(request, torch.tensor(kept, dtype=torch.int64))
+        self.stats.inserted_pages += len(kept)
+        return result.node
+
+    def _insert_export(self, request: Request, tokens: list[int]) -> RadixNode | None:
+        """Copy the device K/V of the pages the tree lacks to new host pages, as many as the
+        host pool can spare, and insert them."""
+        m = self.tree.match_prefix(tokens)
+        take = min(len(tokens) // self.page - m.num_pages, self.headroom(), self.store.host_alloc.free)
+        if take <= 0:
+            return None
+        ids = self.store.export_pages(request, m.num_pages, take).tolist()
+        end = (m.num_pages + take) * self.page
+        result = self.tree.insert(tokens[:end], list(m.values) + ids)
+        mine = set(ids)
+        back = [v for v in result.unused_values if v in mine]
+        self.store.release_host_pages(torch.tensor(back, dtype=torch.int64))
+        self.stats.inserted_pages += take - len(back)
+        return None  # nothing of the request's own is borrowed: no lock to keep
+
+    # -- eviction -----------------------------------------------------------------------------
+    def evictable_pages(self) -> int:
+        return self.tree.evictable_size()
+
+    def cached_pages(self) -> int:
+        return self.tree.evictable_size() + self.tree.protected_size()
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least `num_pages` host pages from least recently used unlocked leaves (or
+        all that can be); returns the pages freed."""
+        if num_pages <= 0:
+            return 0
+        freed = self.tree.evict(num_pages).values
+        self.store.release_host_pages(torch.tensor(freed, dtype=torch.int64))
+        self.stats.evicted_pages += len(freed)
+        return len(freed)
+
+    def clear(self) -> int:
+        """Evict everything not locked; returns the pages freed."""
+        return self.evict(self.tree.evictable_size())
+
+    def locked(self) -> list[str]:
+        """Requests holding a lock."""
+        return list(self._locks)

@@ -1,0 +1,388 @@
+"""The engine's prefix cache (engine/prefix_cache.py, issue 21 items 2 and 3): outputs with the
+cache on equal those with it off, token for token (greedy), for requests sharing a long prefix
+arriving one after another and together, a multi-turn chat, preemption, eviction under a small
+host pool, async scheduling, sparse / dense-mode / resident configurations and SnapKV; the
+prefill tokens saved are counted; every pool is empty once the requests are done and the cache
+cleared; unsupported settings are refused by name. Plus the store's borrowed host pages."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import transformers
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sparse_framework import ConfigError
+from sparse_framework.common.batch import Request
+from sparse_framework.engine.engine import Engine, EngineConfig
+from sparse_framework.engine.models import load_model
+from sparse_framework.engine.sampling import SamplingParams
+
+VOCAB = 96
+TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rope_theta=10_000.0, eos_token_id=None,
+            bos_token_id=None, pad_token_id=None)
+FULL = {"algorithm": "quest", "top_k": 256, "page_size": 4, "sink_tokens": 4, "recent_tokens": 8,
+        "device_buffer_tokens": 512, "min_sparse_prompt_len": 0, "extra": {"dense_first_layers": 0}}
+SMALL = {**FULL, "top_k": 8, "device_buffer_tokens": 48}  # a budget that binds: real selections
+CONFIGS = {
+    "sparse-full-budget": (FULL, {}),
+    "sparse-small-budget": (SMALL, {}),
+    "dense-mode": ({**FULL, "min_sparse_prompt_len": 1000}, {}),
+    "resident": ({**FULL, "store": "resident"}, {"host_capacity_tokens": 1024}),
+    "pqcache": ({**SMALL, "algorithm": "pqcache", "top_k": 12, "extra": {}}, {}),
+    "dsa-keys": ({**SMALL, "algorithm": "dsa", "top_k": 12, "extra": {"source": "keys"}}, {}),
+    "snapkv": ({**FULL, "algorithm": "snapkv", "top_k": 12, "device_buffer_tokens": 48, "extra": {"window": 6}}, {}),
+}
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
+    out = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def tokens(n: int, g: torch.Generator) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=g).tolist()
+
+
+def shared_prefix_prompts(seed: int = 0, prefix: int = 45, tails=(3, 9, 14, 6)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    system = tokens(prefix, g)
+    return [system + tokens(n, g) for n in tails]
+
+
+def engine_for(path, sparse: dict, cache: bool, **config) -> Engine:
+    model = load_model(path, dtype=torch.float32)
+    settings = {"max_num_seqs": 4, "max_model_len": 128, "max_num_batched_tokens": 16, **config}
+    return Engine(model, model.config, sparse, EngineConfig(enable_prefix_caching=cache, **settings))
+
+
+def one_after_another(engine: Engine, batch: list[list[int]], params: SamplingParams = GREEDY) -> dict[str, list[int]]:
+    out = {}
+    for i, p in enumerate(batch):
+        poison_staging(engine)
+        engine.add_request(f"r{i}", p, params)
+        for o in engine.run_to_completion():
+            assert o.finish_reason == "length", (o.rid, o.error)
+            out[o.rid] = o.token_ids
+    return out
+
+
+def poison_staging(engine: Engine) -> None:
+    """NaN over the idle prefill staging: what an earlier prompt left there (the same prefix
+    at the same rows, here) must not stand in for the cached prefix's copy."""
+    staging = engine.runner.staging
+    assert not staging.spans
+    staging.k.fill_(float("nan"))
+    if staging.v is not None:
+        staging.v.fill_(float("nan"))
+
+
+def together(engine: Engine, batch: list[list[int]], params: SamplingParams = GREEDY) -> dict[str, list[int]]:
+    for i, p in enumerate(batch):
+        engine.add_request(f"r{i}", p, params)
+    outs = engine.run_to_completion()
+    assert all(o.finish_reason == "length" for o in outs), [(o.rid, o.error) for o in outs]
+    return {o.rid: o.token_ids for o in outs}
+
+
+def assert_empty_after_clear(engine: Engine) -> None:
+    """No request left, no lock, and once the cache is cleared not a page held anywhere."""
+    cache = engine.prefix_cache
+    assert cache is not None and not cache.locked() and not engine.runner.requests
+    assert cache.tree.protected_size() == 0
+    cached = cache.cached_pages()
+    store = engine.runner.coord.store
+    assert store.host_alloc.used == cached  # every host page still taken is the cache's
+    assert engine.clear_prefix_cache() == cached
+    assert store.host_alloc.used == 0 and store.used_tokens() == 0
+    assert cache.tree.num_nodes() == 0 and not engine.runner.staging.spans
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cache_on_equals_cache_off_one_after_another(path, name) -> None:
+    """Requests sharing a 45-token prefix, each arriving after the one before finished: every
+    one after the first takes the prefix (and its predecessors' shared whole pages) from the
+    cache, and generates exactly what it does without the cache."""
+    sparse, extra = CONFIGS[name]
+    batch = shared_prefix_prompts()
+    off = one_after_another(engine_for(path, sparse, False, **extra), batch)
+    engine = engine_for(path, sparse, True, **extra)
+    on = one_after_another(engine, batch)
+    assert on == off
+    stats = engine.prefix_cache.stats
+    usable = engine.prefix_cache.usable_tokens
+    assert stats.lookups == len(batch) and stats.prompt_tokens == sum(map(len, batch))
+    # each later prompt finds at least the prefix's whole pages (44 tokens), within its usable part
+    assert stats.hits == len(batch) - 1
+    assert stats.hit_tokens >= sum(min(44, usable(len(p))) for p in batch[1:])
+    # the saved tokens were not prefilled: the steps ran exactly the rest of the prompts
+    assert sum(step[1] for step in engine.step_log) == stats.prompt_tokens - stats.hit_tokens
+    assert_empty_after_clear(engine)
+
+
+@pytest.mark.parametrize("name", ["sparse-small-budget", "dense-mode"])
+def test_cache_on_equals_cache_off_arriving_together(path, name) -> None:
+    """All requests queued at once, two running at a time: the later ones are admitted after
+    the first prompts were handed over, so they hit pages inserted while those still decode."""
+    sparse, extra = CONFIGS[name]
+    batch = shared_prefix_prompts(seed=1)
+    off = together(engine_for(path, sparse, False, max_num_seqs=2, **extra), batch)
+    engine = engine_for(path, sparse, True, max_num_seqs=2, **extra)
+    assert together(engine, batch) == off
+    assert engine.prefix_cache.stats.hits >= 2
+    assert_empty_after_clear(engine)
+
+
+@pytest.mark.parametrize("name", ["sparse-full-budget", "dense-mode"])
+def test_multi_turn_chat_reuses_prompt_and_generated_tokens(path, name) -> None:
+    """Turn n+1's prompt is turn n's prompt + its output + a new user message: the cache
+    holds the generated tokens too, so each turn recomputes only the last partial page of the
+    previous turn and the new message."""
+    sparse, extra = CONFIGS[name]
+    g = torch.Generator().manual_seed(2)
+    messages = [tokens(n, g) for n in (21, 7, 10, 5)]
+
+    def chat(engine: Engine) -> list[list[int]]:
+        history, outputs = [], []
+        for turn, message in enumerate(messages):
+            history = history + message
+            out = one_after_another_one(engine, f"t{turn}", history)
+            outputs.append(out)
+            history = history + out
+        return outputs
+
+    off = chat(engine_for(path, sparse, False, **extra))
+    engine = engine_for(path, sparse, True, **extra)
+    assert chat(engine) == off
+    stats = engine.prefix_cache.stats
+    # turn n (n >= 1) finds every whole page of turn n-1's prompt + output but the last token's
+    lens, hit_floor, history = [], 0, 0
+    for turn, message in enumerate(messages):
+        prompt = history + len(message)
+        if turn:
+            hit_floor += min(history - 1, prompt - 1) // 4 * 4  # turn n-1's K/V: all but its last output
+        history = prompt + GREEDY.max_tokens
+        lens.append(prompt)
+    assert stats.hit_tokens == hit_floor > 0
+    assert stats.prompt_tokens == sum(lens)
+    assert_empty_after_clear(engine)
+
+
+def one_after_another_one(engine: Engine, rid: str, prompt: list[int]) -> list[int]:
+    poison_staging(engine)
+    engine.add_request(rid, prompt, GREEDY)
+    (out,) = engine.run_to_completion()
+    assert out.finish_reason == "length", out.error
+    return out.token_ids
+
+
+@pytest.mark.parametrize("chunk", [8, 64])
+def test_preemption_with_the_cache_on(path, chunk) -> None:
+    """A device pool too small for every request to grow (dense-mode requests grow on the
+    device): preempted-and-resumed requests with cached prefixes give the outputs of a roomy
+    run without the cache."""
+    sparse = {**SMALL, "min_sparse_prompt_len": 1000}
+    batch = shared_prefix_prompts(seed=3, prefix=32, tails=(8, 12, 16, 10))
+    params = SamplingParams(max_tokens=30, temperature=0.0)
+    roomy = together(engine_for(path, sparse, False, max_num_batched_tokens=32), batch, params)
+    tight = engine_for(path, sparse, True, device_capacity_tokens=160, max_num_batched_tokens=32,
+                       max_prefill_chunk=chunk)
+    # the first request alone fills the cache, the others then arrive together
+    outs = together_all(tight, batch[:1], params)
+    for i, p in enumerate(batch[1:], start=1):
+        tight.add_request(f"r{i}", p, params)
+    outs += tight.run_to_completion()
+    assert all(o.finish_reason == "length" for o in outs)
+    got = {o.rid: o.token_ids for o in outs}
+    assert tight.scheduler.num_preemptions > 0
+    assert tight.prefix_cache.stats.hits >= 1
+    assert got == roomy
+    assert_empty_after_clear(tight)
+
+
+def test_eviction_under_a_small_host_pool(path) -> None:
+    """A host pool of 96 tokens (24 pages) for sparse requests of up to 69 tokens: the cache
+    must give pages back (least recently used first) to admit the next request, and outputs
+    stay those of the cache off."""
+    g = torch.Generator().manual_seed(4)
+    groups = [tokens(36, g) for _ in range(3)]
+    batch = [groups[i % 3] + tokens(5 + i, g) for i in range(6)]
+    extra = {"host_capacity_tokens": 96, "max_num_seqs": 1}
+    off = one_after_another(engine_for(path, SMALL, False, **extra), batch)
+    engine = engine_for(path, SMALL, True, **extra)
+    assert one_after_another(engine, batch) == off
+    stats = engine.prefix_cache.stats
+    assert stats.evicted_pages > 0
+    assert engine.runner.coord.store.host_alloc.used <= engine.runner.coord.store.host_alloc.num_pages
+    assert_empty_after_clear(engine)
+
+
+def test_async_scheduling_with_the_cache(path) -> None:
+    """Async scheduling (outputs still on the device when a request ends: only the tokens
+    read are cached) gives the outputs of the synchronous loop without the cache."""
+    batch = shared_prefix_prompts(seed=5)
+    params = SamplingParams(max_tokens=9, temperature=0.0, stop_token_ids=[7])
+    off = {o.rid: o.token_ids for o in together_all(engine_for(path, FULL, False, async_scheduling=False), batch, params)}
+    engine = engine_for(path, FULL, True, async_scheduling=True, max_num_seqs=2)
+    on = {o.rid: o.token_ids for o in together_all(engine, batch, params)}
+    assert on == off
+    assert engine.prefix_cache.stats.hits > 0
+    assert_empty_after_clear(engine)
+
+
+def together_all(engine: Engine, batch, params):
+    for i, p in enumerate(batch):
+        engine.add_request(f"r{i}", p, params)
+    return engine.run_to_completion()
+
+
+def test_abort_releases_the_lock_and_the_pages(path) -> None:
+    batch = shared_prefix_prompts(seed=6)
+    engine = engine_for(path, FULL, True)
+    one_after_another(engine, batch[:1])
+    engine.add_request("a", batch[1], GREEDY)
+    engine.add_request("b", batch[2], GREEDY)
+    engine.step()
+    engine.step()
+    assert engine.prefix_cache.locked()
+    engine.abort("a")
+    engine.run_to_completion()
+    assert_empty_after_clear(engine)
+
+
+def test_refused_settings_are_named(path, tmp_path) -> None:
+    with pytest.raises(ConfigError, match="resident.*host_capacity_tokens"):
+        engine_for(path, {**FULL, "store": "resident"}, True)
+    with pytest.raises(ConfigError, match="enable_prefix_caching.*hybrid sliding-window"):
+        torch.manual_seed(0)
+        hf = transformers.MistralForCausalLM(transformers.MistralConfig(
+            **{**TINY, "head_dim": 8}, sliding_window=8)).eval()
+        hf.save_pretrained(tmp_path, safe_serialization=True)
+        engine_for(tmp_path, FULL, True)
+
+
+def test_prefix_longer_than_the_prompt_is_never_used(path) -> None:
+    """A prompt that is all cached still computes its last token (the first output's
+    logits): the hit stops a page short of it."""
+    g = torch.Generator().manual_seed(7)
+    prompt = tokens(40, g)
+    engine = engine_for(path, FULL, True)
+    first = one_after_another_one(engine, "a", prompt)
+    again = one_after_another_one(engine, "b", prompt)
+    assert again == first
+    assert engine.prefix_cache.stats.hit_tokens == 36  # 39 usable tokens -> 9 whole pages
+    assert_empty_after_clear(engine)
+
+
+# -- the store's borrowed host pages --------------------------------------------------------
+
+def _store():
+    from sparse_framework.common.layout import KVLayout
+    from sparse_framework.kv_store.hierarchical import HierarchicalKVStore
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu")
+    return HierarchicalKVStore(layout, page_size=4, device_buffer_tokens=16, sink_tokens=4, recent_tokens=4,
+                               max_requests=2, max_seq_len=32, host_capacity_tokens=64, min_sparse_prompt_len=0)
+
+
+def test_borrowed_pages_are_read_not_written_nor_freed() -> None:
+    store = _store()
+    a = Request("a", 10, slot=0)
+    store.admit(a)
+    a.seq_len = 10
+    k = torch.randn(10, 2, 4)
+    v = torch.randn(10, 2, 4)
+    for layer in range(2):
+        store.write_prefill(layer, a, k * (layer + 1), v * (layer + 1))
+    shared = store.host_page_ids(a)[:2]
+    store.lend_host_pages(a, shared)
+    store.release(a)
+    assert store.host_alloc.used == 2  # the two lent pages stay
+    b = Request("b", 12, slot=1, cached_len=8)
+    store.admit(b, shared)
+    assert torch.equal(store.host_page_ids(b)[:2], shared) and store.host_alloc.used == 3
+    b.seq_len = 12
+    for layer in range(2):  # different values for the cached part: must not land on the shared pages
+        store.write_prefill(layer, b, torch.zeros(12, 2, 4), torch.zeros(12, 2, 4))
+    staged = [torch.zeros(2, 10, 2, 4), torch.zeros(2, 10, 2, 4)]
+    store.load_pages(shared, staged, start=1)
+    for layer in range(2):
+        assert torch.equal(staged[0][layer, 1:9], k[:8] * (layer + 1))
+        assert torch.equal(staged[1][layer, 1:9], v[:8] * (layer + 1))
+        assert torch.equal(store.read(layer, b)[0][:8], k[:8] * (layer + 1))
+        assert torch.equal(store.read(layer, b)[0][8:], torch.zeros(4, 2, 4))
+    store.release(b)
+    assert store.host_alloc.used == 2
+    store.release_host_pages(shared)
+    assert store.host_alloc.used == 0
+
+
+def test_quest_build_recomputed_at_hand_over_is_cheap() -> None:
+    """The design recomputes the algorithm's representations from the staged prefix instead
+    of storing them in the tree. Quest's build (page min/max) of a 4096-token prompt's layer
+    (8 KV heads x 128) costs less than the K projection alone of those tokens (a [4096, 1024]
+    x [1024, 1024] matmul): a small part of the prefill work a hit saves in that layer."""
+    from sparse_framework.config import load_config
+    from sparse_framework.coordinator import SparseCoordinator
+    from sparse_framework.common.layout import KVLayout
+    layout = KVLayout(num_layers=1, num_kv_heads=8, head_dim=128, dtype=torch.float32, device="cpu")
+    coord = SparseCoordinator(load_config({**FULL, "page_size": 16}), layout, max_requests=1, max_seq_len=4200)
+    algo = coord.algorithm
+    r = Request("r", 4096)
+    coord.on_request_begin(r)
+    r.seq_len = 4096
+    k = torch.randn(4096, 8, 128)
+    x, w = torch.randn(4096, 1024), torch.randn(1024, 1024)
+    build = min(_timed(lambda: algo.build(0, r, k, None, inputs={})) for _ in range(3))
+    project = min(_timed(lambda: x @ w) for _ in range(3))
+    print(f"quest build of 4096 tokens: {build * 1e3:.2f} ms; their K projection: {project * 1e3:.2f} ms")
+    assert build < project
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                HealthCheck.too_slow], database=None)
+@given(data=st.data())
+def test_random_arrivals_with_shared_prefixes_equal_the_cache_off(path, data) -> None:
+    """Random prompts drawn as a shared prefix (of 3) plus a tail, arriving at random steps,
+    with random output lengths and a host pool from tight to roomy: cache on == cache off, and
+    nothing is held once the cache is cleared."""
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    heads = [tokens(n, g) for n in (24, 33, 41)]
+    n = data.draw(st.integers(2, 6), label="requests")
+    reqs = [(heads[data.draw(st.integers(0, 2))] + tokens(data.draw(st.integers(1, 12)), g),
+             data.draw(st.integers(1, 8)), data.draw(st.integers(0, 4))) for _ in range(n)]
+    host = data.draw(st.sampled_from([None, 128, 256]), label="host_capacity_tokens")
+    sparse = data.draw(st.sampled_from(["sparse-small-budget", "dense-mode"]), label="config")
+
+    def drive(cache: bool) -> tuple[dict[str, list[int]], Engine]:
+        engine = engine_for(path, CONFIGS[sparse][0], cache, max_num_seqs=2, host_capacity_tokens=host)
+        pending = sorted(enumerate(reqs), key=lambda x: x[1][2])
+        out, step = {}, 0
+        while pending or engine.has_unfinished():
+            while pending and pending[0][1][2] <= step:
+                i, (prompt, max_tokens, _) = pending.pop(0)
+                engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+            for o in engine.step():
+                assert o.finish_reason == "length", o.error
+                out[o.rid] = o.token_ids
+            step += 1
+        return out, engine
+
+    off, _ = drive(False)
+    on, engine = drive(True)
+    assert on == off and len(on) == n
+    assert_empty_after_clear(engine)
