@@ -36,7 +36,9 @@ from sparse_framework.engine.command import RANDOM_MODELS
 from sparse_framework.engine.llm import LLM
 from sparse_framework.engine.models import ModelConfig, random_model
 
-DEFAULT_CONFIG = {"algorithm": "quest", "top_k": 2048}
+# the Triton kernels on a GPU (the framework's default backend, torch_ref, is the plain reference:
+# the first H200 runs took it by mistake, benchmarks/results/tp_bench_h200x2.json says which)
+DEFAULT_CONFIG = {"algorithm": "quest", "top_k": 2048, "backend": "triton" if torch.cuda.is_available() else "torch_ref"}
 
 
 def allreduce_step_ms(ctx: parallel.TPContext | None, rows: int, hidden: int, layers: int, dtype: torch.dtype,
