@@ -5,7 +5,7 @@ the store), a sliding-window layer through a `SlidingWindowKV` ring (its last `w
 the device, nothing on the host). The store and the ring number their own layers from 0, so a
 model layer needs a map to either: `store[layer]` / `ring[layer]`.
 
-Shared by the serving engine (engine/runner.py) and usable by the transformers integration,
+Shared by the serving engine (engine/runner.py) and the transformers integration,
 whose `LayerMap.of` reads the same facts from a transformers config.
 """
 

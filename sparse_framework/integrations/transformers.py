@@ -104,7 +104,6 @@ import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
 from os import PathLike
 from typing import Any
 
@@ -114,6 +113,8 @@ from ..common.batch import Batch, Request, Selection
 from ..config import SparseConfig
 from ..coordinator import SparseCoordinator
 from ..common.errors import SparseFrameworkError
+from ..common.layer_map import FULL, SLIDING
+from ..common.layer_map import LayerMap as CommonLayerMap
 from ..common.layout import KVLayout
 from ..dense_fallback import NO_CACHE, DenseTally
 from ..kv_store.sliding_window import SlidingWindowKV
@@ -831,29 +832,9 @@ def is_mla(cfg: Any) -> bool:
     return getattr(cfg, "kv_lora_rank", None) is not None
 
 
-@dataclass(frozen=True)
-class LayerMap:
-    """Which model layers go where: `full` (model layer indices in store order: store layer
-    i is model layer full[i]) through the coordinator, `sliding` (in ring order) through the
-    `SlidingWindowKV`, with `store` / `ring` the inverse maps and `window` the sliding
-    layers' window (None without sliding layers)."""
-
-    num_layers: int
-    full: tuple[int, ...]
-    sliding: tuple[int, ...] = ()
-    window: int | None = None
-
-    @cached_property
-    def store(self) -> dict[int, int]:
-        return {layer: i for i, layer in enumerate(self.full)}
-
-    @cached_property
-    def ring(self) -> dict[int, int]:
-        return {layer: i for i, layer in enumerate(self.sliding)}
-
-    @classmethod
-    def all_full(cls, num_layers: int) -> LayerMap:
-        return cls(num_layers, tuple(range(num_layers)))
+class LayerMap(CommonLayerMap):
+    """common/layer_map.py's map (which layers go through the coordinator, which through the
+    `SlidingWindowKV`), read from a transformers config."""
 
     @classmethod
     def of(cls, cfg: Any, max_seq_len: int) -> LayerMap:
@@ -866,18 +847,15 @@ class LayerMap:
         types = getattr(cfg, "layer_types", None)
         window = getattr(cfg, "sliding_window", None)
         if types is None:
-            types = ["sliding_attention" if window is not None else "full_attention"] * n
-        other = sorted(set(types) - {"full_attention", "sliding_attention"})
+            types = [SLIDING if window is not None else FULL] * n
+        other = sorted(set(types) - {FULL, SLIDING})
         if other:
             raise UnsupportedModelError(f"layer types {other} are not supported (full and sliding attention are)")
         if len(types) != n:
             raise UnsupportedModelError(f"the config has {len(types)} layer_types for {n} layers")
-        if "sliding_attention" in types and (not isinstance(window, int) or window < 1):
+        if SLIDING in types and (not isinstance(window, int) or window < 1):
             raise UnsupportedModelError(f"the config has sliding-window layers but sliding_window = {window!r}")
-        binds = window is not None and window < max_seq_len
-        sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention" and binds)
-        full = tuple(i for i in range(n) if i not in sliding)
-        return cls(n, full, sliding, window if sliding else None)
+        return cls.from_types(types, window, max_seq_len)  # type: ignore[return-value]
 
 
 def _uncompiled(model: Any) -> Any:
