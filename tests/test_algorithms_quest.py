@@ -246,7 +246,8 @@ def test_select_keeps_the_best_pages_plus_sink_recent_and_last(
 )
 def test_budget_covering_the_context_selects_everything(page, hk, lens, sink, recent, seed) -> None:
     g = torch.Generator().manual_seed(seed)
-    quest = make(page, top_k=max(lens) + page * int(torch.randint(0, 3, (1,), generator=g)), sink=sink,
+    # the budget is top_k // page_size pages: cover the longest context in whole pages
+    quest = make(page, top_k=-(-max(lens) // page) * page + page * int(torch.randint(0, 3, (1,), generator=g)), sink=sink,
                  recent=recent, hk=hk)
     reqs = requests(lens, g)
     for r in reqs:

@@ -163,7 +163,7 @@ def test_plan_engine_llama_3_8b_on_an_h100(capsys) -> None:
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--model", "llama-3-70b"], "--engine plans a model shape of `bench --random`"),
+        (["--model", "llama-3-405b"], "--engine plans a model shape of `bench --random`"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
         (["--gpu-memory-gib", "0"], "--gpu-memory-gib and --host-memory-gib must be > 0"),
         (["--gpu-memory-gib", "16"], "no request of max_model_len=16384 fits"),

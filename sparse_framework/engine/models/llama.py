@@ -25,13 +25,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...kernels.layer_ops import add_rms_norm, rope_qkv, silu_mul
 from .attention import Attend
 from .config import ModelConfig
 from .rope import RotaryEmbedding, apply_rotary
 from .tensor_parallel import TPShard, local_config
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _layer_ops():  # noqa: ANN202 - the module
+    """kernels/layer_ops (Triton), imported on the fused path only: the package runs without Triton."""
+    from ...kernels import layer_ops
+
+    return layer_ops
 
 
 def _pack(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -116,7 +122,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim)).view(t, q_dim)
             k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim)).view(t, kv_dim)
-        q, k, v = rope_qkv(q, k, v, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        q, k, v = _layer_ops().rope_qkv(q, k, v, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
         out = attend(layer, q, k, v)
         return self._reduced(self.o_proj(out.reshape(t, q_dim)))
 
@@ -143,7 +149,7 @@ class MLP(nn.Module):
         self.gate_up_weight, self.gate_up_bias = _pack([self.gate_proj, self.up_proj])
 
     def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduced(self.down_proj(silu_mul(nn.functional.linear(x, self.gate_up_weight, self.gate_up_bias))))
+        return self._reduced(self.down_proj(_layer_ops().silu_mul(nn.functional.linear(x, self.gate_up_weight, self.gate_up_bias))))
 
 
 class DecoderLayer(nn.Module):
@@ -169,10 +175,10 @@ class DecoderLayer(nn.Module):
         """(h, residual) -> (this layer's MLP output, the residual stream before adding it):
         each residual add happens inside the next RMSNorm's kernel."""
         norm = self.input_layernorm
-        x, residual = add_rms_norm(h, residual, norm.weight, norm.eps)
+        x, residual = _layer_ops().add_rms_norm(h, residual, norm.weight, norm.eps)
         h = self.self_attn.forward_fused(x, cos, sin, attend, layer)
         norm = self.post_attention_layernorm
-        x, residual = add_rms_norm(h, residual, norm.weight, norm.eps)
+        x, residual = _layer_ops().add_rms_norm(h, residual, norm.weight, norm.eps)
         return self.mlp.forward_fused(x), residual
 
 
@@ -258,7 +264,7 @@ class DecoderModel(nn.Module):
             if logits_rows is not None:
                 h, residual = h[logits_rows], residual[logits_rows]
             norm = self.model.norm
-            return self.lm_head(add_rms_norm(h, residual, norm.weight, norm.eps)[0]).float()
+            return self.lm_head(_layer_ops().add_rms_norm(h, residual, norm.weight, norm.eps)[0]).float()
         for i, layer in enumerate(self.model.layers):
             h = layer(h, cos, sin, attend, i)
         if logits_rows is not None:
