@@ -1,0 +1,111 @@
+"""benchmarks/prefix_cache_bench.py on the CPU (the tiny random model, tiny sizes): every
+workload x config x cache cell lands in the JSON with its figures; the cache saves prefill
+tokens where the prompts share pages and the steps compute exactly the prompt tokens it did
+not serve; outputs with the cache on equal those with it off; --resume skips finished cells;
+bad flags are clear errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name: str):  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location(name, ROOT / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load("prefix_cache_bench")
+PAGE = 16  # the configs' default page size
+SIZES = ["--random", "tiny", "--device", "cpu", "--system-len", "192", "--question-len", "40", "--num-requests", "4",
+         "--turns", "3", "--turn-len", "70", "--output-len", "4", "--top-k", "32", "--device-buffer-tokens", "160",
+         "--min-sparse-prompt-len", "64", "--quest-dense-first-layers", "0", "--no-warmup"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("prefix") / "r.json"
+    assert bench.main([*SIZES, "--out", str(out)]) == 0
+    return out
+
+
+def test_every_cell_is_a_row_with_its_figures(results) -> None:
+    data = json.loads(results.read_text())
+    rows = {r["cell"]: r for r in data["results"]}
+    assert sorted(rows) == sorted(f"{w}/{c}/cache-{s}" for w in ("shared-prefix", "chat")
+                                  for c in ("dense", "quest-hier") for s in ("on", "off"))
+    assert data["meta"]["sizes"]["system_len"] == 192 and "prefix_cache_bench.py" in data["meta"]["command"]
+    for r in rows.values():
+        assert "error" not in r, r
+        expected = 4 if r["workload"] == "shared-prefix" else 3
+        assert r["requests"] == expected and len(r["ttft_ms"]) == expected
+        assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"] and r["output_tokens"] == 4 * expected
+        assert r["output_tokens_per_s"] > 0 and r["elapsed_s"] > 0
+        # every prompt token is either computed by a prefill step or served from the cache
+        assert r["prefill_tokens_computed"] + r["prefill_tokens_saved"] == r["prompt_tokens"]
+    assert {r["config"]["store"] for r in rows.values() if r["config_name"] == "dense"} == {"resident"}
+    assert {r["config"]["store"] for r in rows.values() if r["config_name"] == "quest-hier"} == {"hierarchical"}
+
+
+def test_the_cache_saves_prefill_and_changes_no_output(results) -> None:
+    rows = {r["cell"]: r for r in json.loads(results.read_text())["results"]}
+    for workload in ("shared-prefix", "chat"):
+        for config in ("dense", "quest-hier"):
+            off, on = rows[f"{workload}/{config}/cache-off"], rows[f"{workload}/{config}/cache-on"]
+            assert off["prefill_tokens_saved"] == 0 and off["hit_rate"] is None and off["cache_stats"] is None
+            assert on["prefill_tokens_saved"] > 0 and on["prompt_tokens"] == off["prompt_tokens"]
+            assert on["prefill_tokens_computed"] < off["prefill_tokens_computed"]
+            assert on["hit_rate"] == pytest.approx(on["prefill_tokens_saved"] / on["prompt_tokens"])
+            assert on["outputs_equal_cache_off"] is True and on["outputs_differing"] == 0
+    # after-first: the three later requests each find the whole system prompt (192 = 12 pages)
+    assert rows["shared-prefix/quest-hier/cache-on"]["prefill_tokens_saved"] == 3 * 192
+    assert rows["shared-prefix/dense/cache-on"]["prefill_tokens_saved"] == 3 * 192
+
+
+def test_chat_prompts_extend_the_last_turn(results) -> None:
+    rows = {r["cell"]: r for r in json.loads(results.read_text())["results"]}
+    # turn t's prompt: 70 + t * (4 + 70) tokens
+    assert rows["chat/dense/cache-off"]["prompt_tokens"] == sum(70 + t * 74 for t in range(3))
+    # what turn t can reuse: the K/V written by turn t-1 (its prompt and all outputs but the
+    # last), in whole pages
+    cached = sum((70 + (t - 1) * 74 + 3) // PAGE * PAGE for t in (1, 2))
+    assert rows["chat/quest-hier/cache-on"]["prefill_tokens_saved"] == cached
+
+
+def test_resume_skips_finished_cells(results, capsys) -> None:
+    before = results.read_text()
+    assert bench.main([*SIZES, "--resume", "--out", str(results)]) == 0
+    assert json.loads(results.read_text())["results"] == json.loads(before)["results"]
+    out = capsys.readouterr().out
+    assert "cache-on:" not in out and "prefix cache: on vs off" in out
+
+
+@pytest.mark.parametrize("arrival", ["burst", "sequential"])
+def test_other_arrivals(tmp_path, arrival) -> None:
+    out = tmp_path / "r.json"
+    assert bench.main([*SIZES, "--workloads", "shared-prefix", "--configs", "quest-hier", "--arrival", arrival,
+                       "--out", str(out)]) == 0
+    on = {r["cell"]: r for r in json.loads(out.read_text())["results"]}["shared-prefix/quest-hier/cache-on"]
+    assert on["outputs_equal_cache_off"] is True
+    if arrival == "sequential":  # every later request finds the system prompt and nothing more
+        assert on["prefill_tokens_saved"] == 3 * 192
+    else:  # all at once: whatever the engine found (the first prompt may not be in yet), never more
+        assert 0 <= on["prefill_tokens_saved"] <= 3 * 192
+
+
+def test_bad_arguments_are_clear_errors() -> None:
+    with pytest.raises(bench.ConfigError, match="--configs: unknown 'quest'"):
+        bench.parse_args(["--configs", "quest"])
+    with pytest.raises(bench.ConfigError, match="--workloads: unknown 'rag'"):
+        bench.parse_args(["--workloads", "rag"])
+    with pytest.raises(bench.ConfigError, match="--turn-len must be >= 1"):
+        bench.parse_args(["--turn-len", "0"])
