@@ -226,6 +226,16 @@ def run_cell(model: torch.nn.Module, config: dict[str, Any], args: argparse.Name
     return row, token_ids
 
 
+def compare_outputs(off: list[list[int]], on: list[list[int]]) -> dict[str, Any]:
+    """Whether every output with the cache on equals its output with it off, how many differ,
+    and for each that does (request index, first differing position): where to look."""
+    differing = [(i, next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+                 for i, (a, b) in enumerate(zip(off, on)) if a != b]
+    equal = len(off) == len(on) and not differing
+    return {"outputs_equal_cache_off": equal, "outputs_differing": len(differing) + abs(len(off) - len(on)),
+            "first_differences": differing}
+
+
 def cell_key(workload: str, config_name: str, cache: bool) -> str:
     return f"{workload}/{config_name}/cache-{'on' if cache else 'off'}"
 
@@ -291,7 +301,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quest-dense-first-layers", type=int, default=2, help="quest-hier's dense first layers (default 2)")
     p.add_argument("--cuda-graphs", action="store_true", help="whole decode steps replayed from CUDA graphs")
     p.add_argument("--no-warmup", action="store_true", help="skip each config's untimed warm-up run")
-    p.add_argument("--resume", action="store_true", help="skip the cells already in --out")
+    p.add_argument("--resume", action="store_true", help="skip the cells already in --out (those without an error)")
+    p.add_argument("--time-limit-s", type=float, help="start no new on/off pair after this many seconds (the first "
+                   "always starts; rerun with --resume for the rest)")
     p.add_argument("--out", default="prefix_cache_bench.json", help="{meta, results} JSON, written after every cell")
     args = p.parse_args(argv)
     args.workload_list = _list(args.workloads, "--workloads", WORKLOADS)
@@ -327,34 +339,36 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.device(args.device).type == "cuda"
     configs = bench_configs("triton" if cuda else "torch_ref", args.top_k, args.device_buffer_tokens,
                             args.min_sparse_prompt_len, args.quest_dense_first_layers)
+    pairs = [(w, n) for w in args.workload_list for n in args.config_list
+             if not all(cell_key(w, n, cache) in done for cache in (False, True))]
+    print(f"{len(pairs)} on/off pair(s) to run, {len(rows)} cell(s) already in {out}", flush=True)
     dtype = "bfloat16" if cuda else "float32"
-    model = random_model(ModelConfig.from_hf(RANDOM_MODELS[args.random]), dtype, args.device)
+    model = None if not pairs else random_model(ModelConfig.from_hf(RANDOM_MODELS[args.random]), dtype, args.device)
     meta = {"model": args.random, "dtype": dtype, "device": args.device, "sizes": vars(args.sizes),
             "gpu": torch.cuda.get_device_name(args.device) if cuda else None}
     start = time.monotonic()
-    for workload in args.workload_list:
-        for name in args.config_list:
-            pair = [cell_key(workload, name, cache) for cache in (False, True)]
-            if all(k in done for k in pair):
-                continue
-            if not args.no_warmup:
-                warm, _ = run_cell(model, configs[name], args, workload, name, True, _warm_sizes(args.sizes))
-                print(f"[{time.monotonic() - start:7.1f} s] warm-up {workload}/{name}: "
-                      f"{warm.get('error') or 'done'}", flush=True)
-            rows = [r for r in rows if r["cell"] not in pair]
-            pair_rows, outputs = [], []
-            for cache in (False, True):
-                row, ids = run_cell(model, configs[name], args, workload, name, cache, args.sizes)
-                pair_rows.append(row)
-                outputs.append(ids)
-                what = row.get("error") or (f"TTFT p50 {row['ttft_p50_ms']:,.0f} ms, saved "
-                                            f"{row['prefill_tokens_saved']:,} tokens, {row['elapsed_s']:,.1f} s")
-                print(f"[{time.monotonic() - start:7.1f} s] {row['cell']}: {what}", flush=True)
-            if all("error" not in r for r in pair_rows):
-                pair_rows[1]["outputs_equal_cache_off"] = outputs[0] == outputs[1]
-                pair_rows[1]["outputs_differing"] = sum(a != b for a, b in zip(*outputs))
-            rows.extend(pair_rows)
-            write_results(str(out), meta, rows, "prefix_cache_bench.py", argv)
+    for i, (workload, name) in enumerate(pairs):
+        if i and args.time_limit_s is not None and time.monotonic() - start > args.time_limit_s:
+            print(f"time limit {args.time_limit_s:g} s: {len(pairs) - i} pair(s) left; rerun with --resume", flush=True)
+            break
+        if not args.no_warmup:
+            warm, _ = run_cell(model, configs[name], args, workload, name, True, _warm_sizes(args.sizes))
+            print(f"[{time.monotonic() - start:7.1f} s] warm-up {workload}/{name}: {warm.get('error') or 'done'}",
+                  flush=True)
+        pair = [cell_key(workload, name, cache) for cache in (False, True)]
+        rows = [r for r in rows if r["cell"] not in pair]
+        pair_rows, outputs = [], []
+        for cache in (False, True):
+            row, ids = run_cell(model, configs[name], args, workload, name, cache, args.sizes)
+            pair_rows.append(row)
+            outputs.append(ids)
+            what = row.get("error") or (f"TTFT p50 {row['ttft_p50_ms']:,.0f} ms, saved "
+                                        f"{row['prefill_tokens_saved']:,} tokens, {row['elapsed_s']:,.1f} s")
+            print(f"[{time.monotonic() - start:7.1f} s] {row['cell']}: {what}", flush=True)
+        if all("error" not in r for r in pair_rows):
+            pair_rows[1].update(compare_outputs(outputs[0], outputs[1]))
+        rows.extend(pair_rows)
+        write_results(str(out), meta, rows, "prefix_cache_bench.py", argv)
     Console(width=100).print(table(rows))
     return 0
 

@@ -109,3 +109,17 @@ def test_bad_arguments_are_clear_errors() -> None:
         bench.parse_args(["--workloads", "rag"])
     with pytest.raises(bench.ConfigError, match="--turn-len must be >= 1"):
         bench.parse_args(["--turn-len", "0"])
+
+
+def test_time_limit_stops_starting_pairs(tmp_path) -> None:
+    out = tmp_path / "r.json"
+    assert bench.main([*SIZES, "--workloads", "chat", "--time-limit-s", "0", "--out", str(out)]) == 0
+    assert [r["cell"] for r in json.loads(out.read_text())["results"]] == ["chat/dense/cache-off", "chat/dense/cache-on"]
+
+
+def test_compare_outputs_names_the_first_difference() -> None:
+    assert bench.compare_outputs([[1, 2], [3, 4]], [[1, 2], [3, 4]]) == {
+        "outputs_equal_cache_off": True, "outputs_differing": 0, "first_differences": []}
+    assert bench.compare_outputs([[1, 2], [3, 4, 5]], [[1, 2], [3, 9, 5]]) == {
+        "outputs_equal_cache_off": False, "outputs_differing": 1, "first_differences": [(1, 1)]}
+    assert bench.compare_outputs([[1, 2]], [[1]])["first_differences"] == [(0, 1)]
