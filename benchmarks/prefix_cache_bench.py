@@ -29,7 +29,7 @@ tokens, prefill tokens computed (the engine's step log) and served from the cach
 (`prefix_cache.stats`: hit tokens, hit rate = hit tokens / prompt tokens admitted), output
 tokens/s over the whole run, the run's time; and per pair whether every output with the cache
 on equals its output with the cache off, token for token. A table (100 columns) is printed and
-{"meta", "results"} JSON written to --out after every cell (--resume skips cells already there).
+{"meta", "results"} JSON written to --out after every on/off pair (--resume skips pairs already there).
 
     python benchmarks/prefix_cache_bench.py --random llama-3-8b --device cuda --cuda-graphs \\
         --out benchmarks/results/prefix_cache_h100.json
@@ -304,7 +304,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="skip the cells already in --out (those without an error)")
     p.add_argument("--time-limit-s", type=float, help="start no new on/off pair after this many seconds (the first "
                    "always starts; rerun with --resume for the rest)")
-    p.add_argument("--out", default="prefix_cache_bench.json", help="{meta, results} JSON, written after every cell")
+    p.add_argument("--out", default="prefix_cache_bench.json", help="{meta, results} JSON, written after every on/off pair")
     args = p.parse_args(argv)
     args.workload_list = _list(args.workloads, "--workloads", WORKLOADS)
     args.config_list = _list(args.configs, "--configs", CONFIG_NAMES)
