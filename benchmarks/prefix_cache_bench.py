@@ -29,7 +29,8 @@ tokens, prefill tokens computed (the engine's step log) and served from the cach
 (`prefix_cache.stats`: hit tokens, hit rate = hit tokens / prompt tokens admitted), output
 tokens/s over the whole run, the run's time; and per pair whether every output with the cache
 on equals its output with the cache off, token for token. A table (100 columns) is printed and
-{"meta", "results"} JSON written to --out after every on/off pair (--resume skips pairs already there).
+{"meta", "results"} JSON written to --out after every on/off pair (--resume skips the pairs
+already there; --time-limit-s stops starting new ones).
 
     python benchmarks/prefix_cache_bench.py --random llama-3-8b --device cuda --cuda-graphs \\
         --out benchmarks/results/prefix_cache_h100.json
