@@ -132,6 +132,7 @@ class RunnerBudget:
             self._drop_match(seq)
             return False
         if self.cache is not None:
+            self.cache.on_admitted(seq.rid, self.runner.requests[seq.rid])  # a hybrid's window into its ring row
             self.cache.count(seq.num_prompt_tokens, cached)
         seq.num_computed_tokens = cached  # the prefill starts after the cached prefix
         return True

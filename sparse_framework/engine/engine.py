@@ -290,7 +290,7 @@ class Engine:
             device_capacity_tokens=device_tokens, host_capacity_tokens=host_tokens,
             decode_graphs=config.decode_graphs, cuda_graphs=config.cuda_graphs,
             prefill_attention=config.prefill_attention, model_config=local, mla=model_config.mla,
-            compute_dtype=dtype,
+            compute_dtype=dtype, ring_page_slack=config.enable_prefix_caching,
         )
         if self.tp is not None:
             self._check_selection_is_per_head(sparse_config)
@@ -366,10 +366,11 @@ class Engine:
     def _make_prefix_cache(self, sparse_config: SparseConfig) -> PrefixCache:
         runner, algo = self.runner, self.runner.coord.algorithm
         store = runner.coord.store
-        check_supported(store, hybrid=runner.ring is not None, mla=runner.mla is not None,
+        check_supported(store, ring=runner.ring, mla=runner.mla is not None,
                         prefill_inputs=list(algo.prefill_inputs), query_rows=algo.prefill_query_rows,
                         algorithm=sparse_config.algorithm)
-        return PrefixCache(store, query_rows=algo.prefill_query_rows or 0, headroom=self.budget.headroom)
+        return PrefixCache(store, query_rows=algo.prefill_query_rows or 0, headroom=self.budget.headroom,
+                           ring=runner.ring)
 
     def clear_prefix_cache(self) -> int:
         """Evict every cached page no running request holds; the host pages freed."""

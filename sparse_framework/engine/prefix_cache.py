@@ -71,7 +71,8 @@ import torch
 from ..common.batch import Request
 from ..common.errors import ConfigError
 from ..kv_store.hierarchical import HierarchicalKVStore
-from .radix_cache import LockHandle, RadixCache, RadixNode
+from ..kv_store.sliding_window import SlidingWindowKV
+from .radix_cache import EvictResult, LockHandle, RadixCache, RadixNode
 
 
 @dataclass
@@ -85,6 +86,8 @@ class PrefixStats:
     hit_tokens: int = 0
     inserted_pages: int = 0
     evicted_pages: int = 0
+    swa_evicted_pages: int = 0
+    swa_lost_pages: int = 0  # pages of token matches not usable: their window was freed (or partial)
 
     @property
     def hit_rate(self) -> float:
@@ -94,16 +97,19 @@ class PrefixStats:
     def as_dict(self) -> dict[str, Any]:
         return {"lookups": self.lookups, "hits": self.hits, "prompt_tokens": self.prompt_tokens,
                 "hit_tokens": self.hit_tokens, "hit_rate": self.hit_rate,
-                "inserted_pages": self.inserted_pages, "evicted_pages": self.evicted_pages}
+                "inserted_pages": self.inserted_pages, "evicted_pages": self.evicted_pages,
+                "swa_evicted_pages": self.swa_evicted_pages, "swa_lost_pages": self.swa_lost_pages}
 
 
-def check_supported(store: HierarchicalKVStore, *, hybrid: bool, mla: bool, prefill_inputs: Sequence[str],
-                    query_rows: int | None, algorithm: str) -> None:
-    """Refuse, by name, configurations the prefix cache does not handle (module docstring)."""
+def check_supported(store: HierarchicalKVStore, *, mla: bool, prefill_inputs: Sequence[str],
+                    query_rows: int | None, algorithm: str, ring: SlidingWindowKV | None = None) -> None:
+    """Refuse, by name, configurations the prefix cache does not handle (module docstring).
+    `ring`: a hybrid model's sliding-window ring, which must keep a page beyond the window
+    (`ModelRunner(ring_page_slack=True)`) for its windows to be snapshot at page boundaries."""
     what = "EngineConfig.enable_prefix_caching=True"
-    if hybrid:
-        raise ConfigError(f"{what}: hybrid sliding-window models are not supported yet (their window KV lives in "
-                          "a device ring per request and is not cached); turn prefix caching off for this model")
+    if ring is not None and ring.slots < ring.window + store.page_size:
+        raise ConfigError(f"{what}: the sliding-window ring keeps {ring.slots} slots per row, fewer than window + "
+                          f"page_size ({ring.window} + {store.page_size}); build the runner with ring_page_slack=True")
     if mla:
         raise ConfigError(f"{what}: MLA models are not supported yet (the staged indexer keys of a cached prefix "
                           "are not kept); turn prefix caching off")
@@ -121,20 +127,57 @@ def check_supported(store: HierarchicalKVStore, *, hybrid: bool, mla: bool, pref
                           "by default); set host_capacity_tokens")
 
 
+class SwaPages:
+    """Host copies of sliding-window K/V, one handle per page (the tree's SWA values).
+
+    A page holds `page_size` tokens of every sliding layer, k and v [layers, page, kv_heads,
+    head_dim] on the host; `valid_from` is its first token the ring still had when it was
+    snapshot (0 but for the oldest page of a window that is not a whole number of pages: its
+    first tokens lay before the window). Handles are freed by the prefix cache when the tree
+    hands them back; `len()` counts the pages held."""
+
+    def __init__(self) -> None:
+        self._pages: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def put(self, k: torch.Tensor, v: torch.Tensor, valid_from: int) -> int:
+        self._next += 1
+        self._pages[self._next] = (k, v, valid_from)
+        return self._next
+
+    def get(self, handle: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self._pages[handle]
+
+    def free(self, handles: Sequence[int]) -> None:
+        for h in handles:
+            del self._pages[h]
+
+
 class PrefixCache:
     """The engine's prefix cache (module docstring). `store`: the coordinator's store;
     `query_rows`: prompt tokens at the end that must be computed (the algorithm's
     `prefill_query_rows`); `headroom()`: free host pages not promised to admitted requests
-    (the budget's), what an export may take."""
+    (the budget's), what an export may take. `ring`: a hybrid model's sliding-window ring
+    (None for a model without sliding layers); `swa_limit_pages`: sliding-window pages the
+    cache may hold before `evict_swa` frees the least recently used (None: as many as the
+    host pool has pages)."""
 
     def __init__(self, store: HierarchicalKVStore, *, query_rows: int = 0,
-                 headroom: Callable[[], int] | None = None) -> None:
+                 headroom: Callable[[], int] | None = None, ring: SlidingWindowKV | None = None,
+                 swa_limit_pages: int | None = None) -> None:
         self.store = store
         self.page = store.page_size
-        self.tree = RadixCache(self.page)
+        self.ring = ring
+        self.tree = RadixCache(self.page, None if ring is None else ring.window)
+        self.swa = SwaPages()
+        self.swa_limit_pages = store.host_alloc.num_pages if swa_limit_pages is None else swa_limit_pages
         self.query_rows = query_rows
         self.headroom = headroom or (lambda: store.host_alloc.free)
         self._locks: dict[str, LockHandle] = {}
+        self._windows: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}  # rid -> (end, k, v) to restore
         self.stats = PrefixStats()
 
     # -- admission --------------------------------------------------------------------------
@@ -144,17 +187,36 @@ class PrefixCache:
 
     def match(self, rid: str, prompt_ids: Sequence[int]) -> tuple[int, torch.Tensor | None]:
         """Look a prompt's cached prefix up and lock it for request `rid`: (tokens, host page
-        ids), (0, None) on a miss. `release(rid)` undoes it when the admission fails."""
+        ids), (0, None) on a miss. `release(rid)` undoes it when the admission fails; for a
+        hybrid model `on_admitted` then restores the prefix's window into the request's ring row."""
         if rid in self._locks:
             raise RuntimeError(f"request {rid!r} already holds a prefix lock")
         limit = self.usable_tokens(len(prompt_ids))
         if limit == 0:
             return 0, None
         m = self.tree.match_prefix(prompt_ids[:limit])
+        self.stats.swa_lost_pages += m.raw_pages - m.num_pages
         if m.num_pages == 0:
             return 0, None
+        if self.ring is not None:
+            window = self._gather_window(m.num_pages * self.page, m.swa_values)
+            if window is None:  # a page of the window was snapshot partially: compute it afresh
+                self.stats.swa_lost_pages += m.num_pages
+                return 0, None
+            self._windows[rid] = window
         self._locks[rid] = self.tree.lock(m.node)
         return m.num_pages * self.page, torch.tensor(m.values, dtype=torch.int64)
+
+    def on_admitted(self, rid: str, request: Request) -> None:
+        """The request has its ring row (`request.slot`): write its cached prefix's window
+        there, as the prefill chunks of the prefix would have left it."""
+        window = self._windows.pop(rid, None)
+        if window is None:
+            return
+        assert self.ring is not None
+        end, k, v = window
+        for layer in range(self.ring.num_layers):
+            self.ring.write_prefill(layer, request.slot, k[layer], v[layer], start=end - k.shape[1])
 
     def count(self, prompt_len: int, cached: int) -> None:
         """An admission went through with `cached` of its `prompt_len` tokens from the cache."""
@@ -165,9 +227,70 @@ class PrefixCache:
 
     def release(self, rid: str) -> None:
         """Drop the request's lock (its pages become evictable when no one else holds them)."""
+        self._windows.pop(rid, None)
         handle = self._locks.pop(rid, None)
         if handle is not None:
             self.tree.unlock(handle)
+
+    # -- sliding windows ------------------------------------------------------------------------
+    def _snapshot(self, request: Request, pages: int) -> list[int] | None:
+        """SWA handles of the last min(window pages, pages) pages of the prefix ending at page
+        `pages`, copied from the request's ring row to the host; None when the ring no longer
+        has that window (the prefix ends more than a page before the request's length)."""
+        ring = self.ring
+        assert ring is not None
+        end, length = pages * self.page, request.seq_len
+        lo = max(0, length - ring.slots)  # the oldest position the row still has
+        if end > length or lo > max(0, end - ring.window):
+            return None
+        first = pages - min(self.tree.window_pages, pages)
+        start = max(first * self.page, lo)
+        ks, vs = zip(*(ring.read(layer, request.slot, start, end) for layer in range(ring.num_layers)))
+        k = torch.stack(ks).to("cpu")  # [layers, end - start, kv_heads, head_dim]
+        v = torch.stack(vs).to("cpu")
+        handles = []
+        for p in range(first, pages):
+            a, b = p * self.page, (p + 1) * self.page
+            pk = k.new_zeros((k.shape[0], self.page, *k.shape[2:]))
+            pv = torch.zeros_like(pk)
+            valid = max(a, start)
+            pk[:, valid - a:] = k[:, valid - start:b - start]
+            pv[:, valid - a:] = v[:, valid - start:b - start]
+            handles.append(self.swa.put(pk, pv, valid - a))
+        return handles
+
+    def _gather_window(self, end: int, handles: Sequence[int]) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+        """The window before position `end` from its pages' SWA handles: (end, k, v [layers,
+        min(end, window), kv_heads, head_dim]); None when a token the next one attends to was
+        not snapshot."""
+        assert self.ring is not None
+        n = min(end, self.ring.window)
+        need_from = max(0, end - self.ring.window + 1)  # position end - window is masked out
+        first = end // self.page - len(handles)
+        ks, vs = [], []
+        for i, h in enumerate(handles):
+            k, v, valid_from = self.swa.get(h)
+            if valid_from and (first + i) * self.page + valid_from > need_from:
+                return None
+            ks.append(k)
+            vs.append(v)
+        k, v = torch.cat(ks, 1), torch.cat(vs, 1)
+        return end, k[:, k.shape[1] - n:], v[:, v.shape[1] - n:]
+
+    def _free_evicted(self, out: EvictResult) -> None:
+        self.store.release_host_pages(torch.tensor(out.values, dtype=torch.int64))
+        self.swa.free(out.swa_values)
+        self.stats.evicted_pages += len(out.values)
+        self.stats.swa_evicted_pages += len(out.swa_values)
+
+    def evict_swa(self, num_pages: int) -> int:
+        """Free the sliding-window pages of at least `num_pages` least recently used unlocked
+        nodes (they become tombstones, or leave the tree when leaves); returns the SWA pages freed."""
+        if num_pages <= 0:
+            return 0
+        out = self.tree.evict_swa(num_pages)
+        self._free_evicted(out)
+        return len(out.swa_values)
 
     # -- insertion ----------------------------------------------------------------------------
     def on_prefilled(self, rid: str, request: Request, prompt_ids: Sequence[int]) -> None:
@@ -193,6 +316,8 @@ class PrefixCache:
             tokens = list(token_ids[: full * self.page])
             node = self._insert_host(request, tokens) if self.store.keeps_host(request) \
                 else self._insert_export(request, tokens)
+        if node is not None and node.tombstone:
+            node = None  # nothing new was kept (a tail without its window is not cached)
         old = self._locks.pop(rid, None)
         if keep_lock and node is not None:
             self._locks[rid] = self.tree.lock(node)
@@ -200,11 +325,24 @@ class PrefixCache:
             self._locks[rid], old = old, None
         if old is not None:
             self.tree.unlock(old)
+        excess = len(self.swa) - self.swa_limit_pages
+        if excess > 0:
+            self.evict_swa(excess)
+
+    def _insert(self, request: Request, tokens: list[int], values: list[int]):
+        """tree.insert with, for a hybrid model, the window of the prefix's end; the SWA
+        handles the tree did not keep are freed here."""
+        swa = None
+        if self.ring is not None:
+            swa = self._snapshot(request, len(tokens) // self.page)
+        result = self.tree.insert(tokens, values, swa)
+        self.swa.free(result.unused_swa_values)
+        return result
 
     def _insert_host(self, request: Request, tokens: list[int]) -> RadixNode:
         """The request's own host pages join the tree (those it did not already hold)."""
         ids = self.store.host_page_ids(request)[: len(tokens) // self.page].tolist()
-        result = self.tree.insert(tokens, ids)
+        result = self._insert(request, tokens, ids)
         unused = set(result.unused_values)
         kept = [v for v in ids if v not in unused]
         self.store.lend_host_pages(request, torch.tensor(kept, dtype=torch.int64))
@@ -215,17 +353,30 @@ class PrefixCache:
         """Copy the device K/V of the pages the tree lacks to new host pages, as many as the
         host pool can spare, and insert them."""
         m = self.tree.match_prefix(tokens)
-        take = min(len(tokens) // self.page - m.num_pages, self.headroom(), self.store.host_alloc.free)
-        if take <= 0:
-            return None
-        ids = self.store.export_pages(request, m.num_pages, take).tolist()
-        end = (m.num_pages + take) * self.page
-        result = self.tree.insert(tokens[:end], list(m.values) + ids)
+        have = m.raw_pages  # pages cached, usable or not (a tombstone's full values stand)
+        total = len(tokens) // self.page
+        take = max(0, min(total - have, self.headroom(), self.store.host_alloc.free))
+        if take == 0 and (self.ring is None or have < total):
+            return None  # nothing new (with every page cached, a hybrid still gives its window)
+        known = self._path_values(tokens, have)
+        ids = self.store.export_pages(request, have, take).tolist() if take else []
+        end = (have + take) * self.page
+        result = self._insert(request, tokens[:end], known + ids)
         mine = set(ids)
         back = [v for v in result.unused_values if v in mine]
         self.store.release_host_pages(torch.tensor(back, dtype=torch.int64))
         self.stats.inserted_pages += take - len(back)
         return None  # nothing of the request's own is borrowed: no lock to keep
+
+    def _path_values(self, tokens: list[int], pages: int) -> list[int]:
+        """Full-attention handles of the first `pages` pages of `tokens` (all cached)."""
+        out: list[int] = []
+        node, pos = self.tree.root, 0
+        while pos < pages:
+            node = node.children[tuple(tokens[pos * self.page:(pos + 1) * self.page])]
+            out.extend(node.values)
+            pos += node.pages
+        return out[:pages]
 
     # -- eviction -----------------------------------------------------------------------------
     def evictable_pages(self) -> int:
@@ -236,13 +387,12 @@ class PrefixCache:
 
     def evict(self, num_pages: int) -> int:
         """Free at least `num_pages` host pages from least recently used unlocked leaves (or
-        all that can be); returns the pages freed."""
+        all that can be), with their sliding-window pages; returns the host pages freed."""
         if num_pages <= 0:
             return 0
-        freed = self.tree.evict(num_pages).values
-        self.store.release_host_pages(torch.tensor(freed, dtype=torch.int64))
-        self.stats.evicted_pages += len(freed)
-        return len(freed)
+        out = self.tree.evict(num_pages)
+        self._free_evicted(out)
+        return len(out.values)
 
     def clear(self) -> int:
         """Evict everything not locked; returns the pages freed."""

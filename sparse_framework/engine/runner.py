@@ -130,7 +130,9 @@ class ModelRunner:
     MLAConfig when the layout is MLA (its indexer's shape: DSA's `inputs` and the staged indexer
     keys). compute_dtype: the model's dtype (None: the layout's, or bfloat16 for an fp8 one):
     the staging, queries and rows handed to the coordinator; an fp8 MLA layout (FlashMLA's
-    656-byte rows) is the store's only, which quantises the latents as it writes them."""
+    656-byte rows) is the store's only, which quantises the latents as it writes them.
+    ring_page_slack: the sliding ring keeps a page more than the window per row, so a prefix
+    cache can snapshot the window at the row's last page boundary (engine/prefix_cache.py)."""
 
     INDEX_INPUTS = ("index_q", "index_weights", "index_k")
 
@@ -152,6 +154,7 @@ class ModelRunner:
         model_config: ModelConfig | None = None,
         mla: MLAConfig | None = None,
         compute_dtype: torch.dtype | None = None,
+        ring_page_slack: bool = False,
     ) -> None:
         if layout.is_mla and mla is None:
             raise ConfigError("ModelRunner: an MLA layout needs the model's MLAConfig (mla=model_config.mla)")
@@ -186,6 +189,7 @@ class ModelRunner:
                 "(an MLA + indexer model gives index_q, index_weights, index_k; otherwise for DSA set "
                 "extra.source to 'keys')"
             )
+        self._ring_page_slack = ring_page_slack
         self._layers(model_config if model_config is not None else getattr(model, "config", None),
                      layout, max_num_seqs, max_model_len)
         if needs and self.mla is not None:
@@ -224,8 +228,9 @@ class ModelRunner:
         self.ring = None
         if self.layers.sliding:
             assert self.layers.window is not None
+            slots = self.layers.window + (self.coord.store.page_size if self._ring_page_slack else 0)
             self.ring = SlidingWindowKV(len(self.layers.sliding), self.layers.window, rows, layout.num_kv_heads,
-                                        layout.head_dim, dtype=self.dtype, device=layout.device)
+                                        layout.head_dim, dtype=self.dtype, device=layout.device, slots=slots)
 
     # -- memory (what the scheduler's budget asks) -----------------------------------------------
     def admit(self, rid: str, prompt_len: int, cached_pages: torch.Tensor | None = None) -> bool:
