@@ -299,6 +299,8 @@ class Engine:
         if config.enable_prefix_caching:
             self.prefix_cache = self._make_prefix_cache(sparse_config)
             self.budget.cache = self.prefix_cache
+            if self.runner.ring is not None:  # a hybrid's windows are snapshot at chunk ends too
+                self.runner.chunk_hook = self.prefix_cache.on_chunk
         self.scheduler = Scheduler(
             self.budget, max_num_batched_tokens=max(config.max_num_batched_tokens, rows),
             max_num_seqs=rows, max_prefill_chunk=config.max_prefill_chunk, max_model_len=max_model_len,

@@ -178,6 +178,7 @@ class PrefixCache:
         self.headroom = headroom or (lambda: store.host_alloc.free)
         self._locks: dict[str, LockHandle] = {}
         self._windows: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}  # rid -> (end, k, v) to restore
+        self._chunk_windows: dict[str, dict[int, list[int]]] = {}  # rid -> {pages: SWA handles} of chunk ends
         self.stats = PrefixStats()
 
     # -- admission --------------------------------------------------------------------------
@@ -226,20 +227,38 @@ class PrefixCache:
         self.stats.hit_tokens += cached
 
     def release(self, rid: str) -> None:
-        """Drop the request's lock (its pages become evictable when no one else holds them)."""
+        """Drop the request's lock (its pages become evictable when no one else holds them)
+        and the windows it snapshot and did not insert."""
         self._windows.pop(rid, None)
+        for handles in self._chunk_windows.pop(rid, {}).values():
+            self.swa.free(handles)
         handle = self._locks.pop(rid, None)
         if handle is not None:
             self.tree.unlock(handle)
 
     # -- sliding windows ------------------------------------------------------------------------
-    def _snapshot(self, request: Request, pages: int) -> list[int] | None:
+    def on_chunk(self, rid: str, request: Request, done: int) -> None:
+        """A prompt chunk that is not the last ran (`done` prompt tokens in the ring row):
+        snapshot the window at its last page boundary, inserted with the prompt at
+        `on_prefilled` — so a later prompt sharing only a part of this one (a system prompt)
+        finds a window inside that part."""
+        pages = done // self.page
+        mine = self._chunk_windows.setdefault(rid, {})
+        if self.ring is None or pages == 0 or pages in mine:
+            return
+        handles = self._snapshot(request, pages, done)
+        if handles is not None:
+            mine[pages] = handles
+
+    def _snapshot(self, request: Request, pages: int, length: int | None = None) -> list[int] | None:
         """SWA handles of the last min(window pages, pages) pages of the prefix ending at page
         `pages`, copied from the request's ring row to the host; None when the ring no longer
-        has that window (the prefix ends more than a page before the request's length)."""
+        has that window (the prefix ends more than a page before the row's `length`, by
+        default the request's)."""
         ring = self.ring
         assert ring is not None
-        end, length = pages * self.page, request.seq_len
+        end = pages * self.page
+        length = request.seq_len if length is None else length
         lo = max(0, length - ring.slots)  # the oldest position the row still has
         if end > length or lo > max(0, end - ring.window):
             return None
@@ -312,12 +331,19 @@ class PrefixCache:
     def _cache(self, rid: str, request: Request, token_ids: Sequence[int], keep_lock: bool) -> None:
         full = min(len(token_ids), request.seq_len) // self.page
         node: RadixNode | None = None
+        for pages, handles in sorted(self._chunk_windows.pop(rid, {}).items()):
+            if pages < full:  # windows inside the prompt, shortest first (each may export pages)
+                tokens = list(token_ids[: pages * self.page])
+                inserted = self._insert_host(request, tokens, handles) if self.store.keeps_host(request) \
+                    else self._insert_export(request, tokens, handles)
+                node = node if inserted is None or inserted.tombstone else inserted
+            else:
+                self.swa.free(handles)
         if full:
             tokens = list(token_ids[: full * self.page])
-            node = self._insert_host(request, tokens) if self.store.keeps_host(request) \
+            last = self._insert_host(request, tokens) if self.store.keeps_host(request) \
                 else self._insert_export(request, tokens)
-        if node is not None and node.tombstone:
-            node = None  # nothing new was kept (a tail without its window is not cached)
+            node = last if last is not None and not last.tombstone else node
         old = self._locks.pop(rid, None)
         if keep_lock and node is not None:
             self._locks[rid] = self.tree.lock(node)
@@ -329,27 +355,26 @@ class PrefixCache:
         if excess > 0:
             self.evict_swa(excess)
 
-    def _insert(self, request: Request, tokens: list[int], values: list[int]):
-        """tree.insert with, for a hybrid model, the window of the prefix's end; the SWA
-        handles the tree did not keep are freed here."""
-        swa = None
-        if self.ring is not None:
+    def _insert(self, request: Request, tokens: list[int], values: list[int], swa: list[int] | None = None):
+        """tree.insert with, for a hybrid model, the window of the prefix's end (`swa`, or
+        snapshot from the ring now); the SWA handles the tree did not keep are freed here."""
+        if self.ring is not None and swa is None:
             swa = self._snapshot(request, len(tokens) // self.page)
         result = self.tree.insert(tokens, values, swa)
         self.swa.free(result.unused_swa_values)
         return result
 
-    def _insert_host(self, request: Request, tokens: list[int]) -> RadixNode:
+    def _insert_host(self, request: Request, tokens: list[int], swa: list[int] | None = None) -> RadixNode:
         """The request's own host pages join the tree (those it did not already hold)."""
         ids = self.store.host_page_ids(request)[: len(tokens) // self.page].tolist()
-        result = self._insert(request, tokens, ids)
+        result = self._insert(request, tokens, ids, swa)
         unused = set(result.unused_values)
         kept = [v for v in ids if v not in unused]
         self.store.lend_host_pages(request, torch.tensor(kept, dtype=torch.int64))
         self.stats.inserted_pages += len(kept)
         return result.node
 
-    def _insert_export(self, request: Request, tokens: list[int]) -> RadixNode | None:
+    def _insert_export(self, request: Request, tokens: list[int], swa: list[int] | None = None) -> RadixNode | None:
         """Copy the device K/V of the pages the tree lacks to new host pages, as many as the
         host pool can spare, and insert them."""
         m = self.tree.match_prefix(tokens)
@@ -357,11 +382,15 @@ class PrefixCache:
         total = len(tokens) // self.page
         take = max(0, min(total - have, self.headroom(), self.store.host_alloc.free))
         if take == 0 and (self.ring is None or have < total):
+            self.swa.free(swa or [])
             return None  # nothing new (with every page cached, a hybrid still gives its window)
+        if have + take < total and swa is not None:  # the window given ends beyond what is inserted
+            self.swa.free(swa)
+            swa = None
         known = self._path_values(tokens, have)
         ids = self.store.export_pages(request, have, take).tolist() if take else []
         end = (have + take) * self.page
-        result = self._insert(request, tokens[:end], known + ids)
+        result = self._insert(request, tokens[:end], known + ids, swa)
         mine = set(ids)
         back = [v for v in result.unused_values if v in mine]
         self.store.release_host_pages(torch.tensor(back, dtype=torch.int64))

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -190,6 +191,9 @@ class ModelRunner:
                 "extra.source to 'keys')"
             )
         self._ring_page_slack = ring_page_slack
+        # called after each prompt chunk that is not the last, with (rid, request, tokens done):
+        # a prefix cache snapshots the sliding window there (engine/prefix_cache.py)
+        self.chunk_hook: Callable[[str, Request, int], None] | None = None
         self._layers(model_config if model_config is not None else getattr(model, "config", None),
                      layout, max_num_seqs, max_model_len)
         if needs and self.mla is not None:
@@ -336,6 +340,8 @@ class ModelRunner:
         for chunk in prefill:
             if chunk.last:
                 self._commit(chunk.rid, chunk.start + len(chunk.tokens))
+            elif self.chunk_hook is not None:
+                self.chunk_hook(chunk.rid, self.requests[chunk.rid], chunk.start + len(chunk.tokens))
         return logits
 
     def _attend_fn(self, batch: Batch | None, num_decode: int, prefill: list[PrefillChunk]) -> AttendFn:
