@@ -87,6 +87,13 @@ class SlidingWindowKV:
         self.k[layer, row, slots] = k[n - keep:].to(self.k.dtype)
         self.v[layer, row, slots] = v[n - keep:].to(self.v.dtype)
 
+    def reset_row(self, row: int) -> None:
+        """Zero a row's slots in every layer. Masked slots still enter the decode's weighted sum
+        (with weight 0), so a row filled from a snapshot rather than from position 0 clears
+        what an earlier request left there first."""
+        self.k[:, row].zero_()
+        self.v[:, row].zero_()
+
     def write_decode(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """One new token per row: rows, positions [B] (int, device), k, v [B, kv_heads, head_dim]."""
         self._check(layer, k, v)
