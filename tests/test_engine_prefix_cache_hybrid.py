@@ -1,6 +1,6 @@
 """The prefix cache with hybrid sliding-window models (engine/prefix_cache.py, issue 21): a
-Mistral with a window (every layer slides), Gemma 2 (sliding and full layers, soft-caps) and a
-Mistral whose window is not a whole number of pages. Outputs with the cache on equal those with
+Mistral with a window (every layer slides), Gemma 2 (sliding and full layers, soft-caps), Qwen2
+with `use_sliding_window`, Gemma 3 and a Mistral whose window is not a whole number of pages. Outputs with the cache on equal those with
 it off, token for token (greedy), for prompts sharing a prefix several windows long (a shared
 system prompt with distinct questions, prompts extending each other) arriving one after
 another, a multi-turn chat and requests arriving together; with the windows' SWA pages freed
@@ -28,6 +28,11 @@ MODELS = {  # name -> (config class, model class, extra); page size 4 below
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(sliding_window=8, query_pre_attn_scalar=16,
                                                          attn_logit_softcapping=2.0, final_logit_softcapping=3.0)),
     "mistral-w6": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=6)),  # 1.5 pages
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",  # full, full, S, S
+              dict(sliding_window=8, use_sliding_window=True, max_window_layers=2)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",  # S, S, F, S; two RoPE bases
+               dict(sliding_window=8, query_pre_attn_scalar=16,
+                    layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"])),
 }
 FULL = {"algorithm": "quest", "top_k": 256, "page_size": 4, "sink_tokens": 4, "recent_tokens": 8,
         "device_buffer_tokens": 512, "min_sparse_prompt_len": 0, "extra": {"dense_first_layers": 0}}
@@ -203,6 +208,40 @@ def test_freed_windows_fall_back_to_a_shorter_prefix_or_none(checkpoints, name: 
     assert run_one(engine, "b3", b) == off[0]
     assert cache.stats.hits == 1  # no window left: b3 computed everything
     assert_empty_after_clear(engine)
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_async_scheduling_and_preemption(checkpoints, name: str) -> None:
+    """Async scheduling (a finishing request's last outputs may be unknown: only its known
+    tokens are cached), and a device pool too small for every dense-mode request to grow
+    (requests preempted while prefilling drop their chunk windows and match again on
+    resumption; a model with full-attention layers): outputs of a roomy synchronous run
+    without the cache."""
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    batch = shared_system_prompt(seed=4)
+    dense = CONFIGS["dense-mode"][0]
+
+    def together(engine: Engine, first: int = 0) -> dict[str, list[int]]:
+        outs = []
+        for i, p in enumerate(batch):
+            engine.add_request(f"r{i}", p, params)
+            if i < first:
+                outs += engine.run_to_completion()
+        outs += engine.run_to_completion()
+        assert all(o.finish_reason == "length" for o in outs)
+        return {o.rid: o.token_ids for o in outs}
+
+    roomy = together(engine_for(checkpoints[name], dense, False, async_scheduling=False))
+    engine = engine_for(checkpoints[name], dense, True, async_scheduling=True, max_num_seqs=2)
+    assert together(engine, first=1) == roomy
+    assert engine.prefix_cache.stats.hits > 0
+    assert_empty_after_clear(engine)
+    if not engine.runner.layers.full:
+        return  # every layer slides (Mistral): no device pool to run short of
+    tight = engine_for(checkpoints[name], dense, True, device_capacity_tokens=160, max_prefill_chunk=8)
+    assert together(tight, first=1) == roomy
+    assert tight.scheduler.num_preemptions > 0 and tight.prefix_cache.stats.hits > 0
+    assert_empty_after_clear(tight)
 
 
 def test_swa_limit_evicts_least_recently_used_windows(checkpoints) -> None:
