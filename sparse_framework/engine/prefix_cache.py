@@ -44,19 +44,50 @@ The budget evicts least recently used unlocked leaves (`evict`) when an admissio
 resumption or a decode row's growth needs host pages: cache before preemption. Its host
 check counts the cache's evictable pages as free.
 
-Not supported (refused by name in `check_supported`): hybrid sliding-window models (their
-window lives in a device ring per request row; the tree's SWA values and tombstones are
-not wired to it yet), MLA models and algorithms with prefill inputs (indexer keys: the
-staging of a cached prefix has none), fp8 KV (the staged prefix would be the stored, rounded
-values: outputs would differ from the cache off), algorithms reading every prompt query,
-and the resident store without a host pool (nothing to hold the cache).
+Hybrid sliding-window models. A sliding layer keeps only its last `window` keys, in the
+runner's device ring (kv_store/sliding_window.py; a request's row is its coordinator slot),
+and nothing on the host; yet a prefix is reusable only with the window that ends it (the
+next token attends to it). So the tree is built with the window and, beside the full
+layers' host pages, gets *SWA values*: `SwaPages` handles, one per page, each a host copy of
+that page's tokens in every sliding layer, for the last ceil(window / page) pages before an
+insertion point. The tree's match rule then accepts a prefix only if those pages of its own
+end are held. Because a prefix can only end where a window was snapshot (the tree's
+finding: insert windows at the points worth reusing), windows are taken
+- at the end of every prompt chunk but the last (`on_chunk`, the runner's `chunk_hook`, at
+  the chunk's last page boundary; held per request and inserted with the prompt at
+  `on_prefilled`, shortest first): a later prompt sharing only a system prompt finds the
+  window of the last chunk end inside it;
+- at the prompt's last whole page (`on_prefilled`) and at the end of the request's K/V
+  (`on_finished`): prompt extensions and multi-turn chat.
+The window at a page boundary up to a page behind the row's length must still be in the
+ring: with the cache on the ring keeps `window + page_size` slots per row
+(`ModelRunner(ring_page_slack=True)`; attention masks the extra ones). A snapshot the ring no
+longer covers (an export cut short by the host room) is skipped: that tail is not cached.
+On a hit the window's pages are gathered at `match` (a window whose oldest page was copied
+only in part, as the first page of a window that is not a whole number of pages, and is now
+needed whole, makes the lookup a miss: `stats.swa_lost_pages`) and written into the new
+request's ring row, zeroed first, at `on_admitted`, right after the runner admitted it and
+before its first chunk reads the ring. `evict_swa` frees least recently used windows (their
+nodes become tombstones that keep the full layers' pages for longer prefixes; the match
+falls back to an earlier window or none), called when the SWA pages held exceed
+`swa_limit_pages`; `evict` frees a removed leaf's SWA pages with its host pages. SWA pages
+are plain host tensors, outside the store's host pool and the memory plan.
+
+Not supported (refused by name in `check_supported`): MLA models and algorithms with
+prefill inputs (indexer keys: the staging of a cached prefix has none), fp8 KV (the staged
+prefix would be the stored, rounded values: outputs would differ from the cache off),
+algorithms reading every prompt query, and the resident store without a host pool (nothing
+to hold the cache).
 
 Differences from SGLang's radix cache: SGLang's values are device KV indices (its HiCache
 adds a host tier behind them); here they are host pages, since the hierarchical store keeps
 every request's full K/V on the host anyway and the device holds only a per-request buffer —
 so a hit costs one host->device copy into staging, never device memory while cached.
 SGLang inserts after every prefill chunk; here at the end of the prompt and of the request
-(a request preempted mid-prefill loses its staged chunks anyway). SGLang skips prefix
+(a request preempted mid-prefill loses its staged chunks anyway), with, for a hybrid, the
+windows of the chunk ends snapshot as they pass and inserted with the prompt. SGLang's
+sliding-window KV stays in its device pool while cached; here it is copied to the host (the
+ring is per request row and is overwritten by the row's next request). SGLang skips prefix
 matching for a request whose prompt is all cached by leaving one token; same rule here.
 """
 
@@ -72,7 +103,7 @@ from ..common.batch import Request
 from ..common.errors import ConfigError
 from ..kv_store.hierarchical import HierarchicalKVStore
 from ..kv_store.sliding_window import SlidingWindowKV
-from .radix_cache import EvictResult, LockHandle, RadixCache, RadixNode
+from .radix_cache import EvictResult, InsertResult, LockHandle, RadixCache, RadixNode
 
 
 @dataclass
@@ -356,7 +387,8 @@ class PrefixCache:
         if excess > 0:
             self.evict_swa(excess)
 
-    def _insert(self, request: Request, tokens: list[int], values: list[int], swa: list[int] | None = None):
+    def _insert(self, request: Request, tokens: list[int], values: list[int],
+                swa: list[int] | None = None) -> InsertResult:
         """tree.insert with, for a hybrid model, the window of the prefix's end (`swa`, or
         snapshot from the ring now); the SWA handles the tree did not keep are freed here."""
         if self.ring is not None and swa is None:

@@ -17,12 +17,15 @@ the coordinator's `Request.slot`). A decode row writes its token there and atten
 ring's valid slots; a prefill chunk attends to the ring's window before it (the last window
 positions of its prompt so far, written by the chunks before) and its own keys, under the
 sliding mask ([chunk, window + chunk]: never the whole prefix), then writes its last `window`
-keys to the ring. So nothing of a sliding layer is staged, handed over or kept on the host,
+keys to the ring (a prefix cache copies windows to the host at page boundaries and writes a
+cached prefix's window into a new row; the ring then keeps a page more than the window per
+row: `ring_page_slack`). So nothing of a sliding layer is staged, handed over or offloaded,
 and the coordinator's `KVLayout` counts the full-attention layers only (`layers.store` maps a
 model layer to its store layer, `layers.ring` to its ring layer). A retracted request keeps
 its coordinator slot, hence its ring row and window, until it ends: resuming needs nothing
 for the sliding layers (their bytes are reserved per row, like the slot). A request
-preempted while still prefilling is admitted again from token 0 and rewrites its window.
+preempted while still prefilling is admitted again from token 0 (or from its cached prefix,
+whose window the prefix cache writes back) and rewrites its window.
 
 Attention terms per layer come from the model's config: q·k is scaled by
 `attention_scale` (the coordinator always scales by 1/sqrt(D), so its q is multiplied by
