@@ -291,3 +291,18 @@ def test_ring_with_extra_slots_attends_like_the_plain_ring(slots: int) -> None:
         torch.testing.assert_close(rk, k[lo:t + 1])
         oldest = max(0, t + 1 - slots)
         torch.testing.assert_close(wide.read(0, 1, oldest, t + 1)[1], v[oldest:t + 1])
+
+
+def test_memory_plan_counts_the_ring_page_of_slack(checkpoints) -> None:
+    """With the cache on a ring row holds window + page_size slots of every sliding layer; the
+    plan's device bytes per request count that page, and the engine's ring is that size."""
+    model = load_model(checkpoints["gemma3"], dtype=torch.float32)
+    c = model.config
+    settings = dict(max_num_seqs=2, max_model_len=128, gpu_memory_utilization=0.5, device_memory_bytes=2**30,
+                    host_memory_bytes=2**30)
+    off = Engine(model, c, FULL, EngineConfig(**settings))
+    on = Engine(model, c, FULL, EngineConfig(enable_prefix_caching=True, **settings))
+    page_bytes = 2 * 3 * FULL["page_size"] * c.num_kv_heads * c.head_dim * 4  # 3 sliding layers, K and V
+    assert on.memory_plan.device_bytes_per_request == off.memory_plan.device_bytes_per_request + page_bytes
+    assert on.runner.ring.slots == 8 + FULL["page_size"]
+    assert on.runner.ring.nbytes == on.num_seqs * c.sliding_ring_bytes(torch.float32, 128, FULL["page_size"])

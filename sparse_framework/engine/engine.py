@@ -263,7 +263,7 @@ class Engine:
                 max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
                 gpu_memory_utilization=config.gpu_memory_utilization, device_memory_bytes=config.device_memory_bytes,
                 host_memory_bytes=host_bytes, max_prefill_chunk=config.max_prefill_chunk,
-                staging_tokens=config.staging_tokens, dtype=dtype,
+                staging_tokens=config.staging_tokens, dtype=dtype, ring_page_slack=config.enable_prefix_caching,
             )
             log.info("%s", plan.describe())
             rows, device_tokens, host_tokens = plan.num_seqs, plan.device_capacity_tokens, plan.host_capacity_tokens

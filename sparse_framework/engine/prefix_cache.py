@@ -71,7 +71,8 @@ before its first chunk reads the ring. `evict_swa` frees least recently used win
 nodes become tombstones that keep the full layers' pages for longer prefixes; the match
 falls back to an earlier window or none), called when the SWA pages held exceed
 `swa_limit_pages`; `evict` frees a removed leaf's SWA pages with its host pages. SWA pages
-are plain host tensors, outside the store's host pool and the memory plan.
+are plain host tensors, outside the store's host pool and the memory plan (which counts the
+ring's page of slack per row).
 
 Not supported (refused by name in `check_supported`): MLA models and algorithms with
 prefill inputs (indexer keys: the staging of a cached prefix has none), fp8 KV (the staged
