@@ -248,6 +248,7 @@ class PrefixCache:
             return
         assert self.ring is not None
         end, k, v = window
+        k, v = k.to(self.ring.k.device), v.to(self.ring.v.device)  # one host -> device copy each
         self.ring.reset_row(request.slot)
         for layer in range(self.ring.num_layers):
             self.ring.write_prefill(layer, request.slot, k[layer], v[layer], start=end - k.shape[1])
