@@ -21,8 +21,9 @@ length crosses a page boundary, in `forward_begin`). This module bridges the two
 
 With a prefix cache (engine/prefix_cache.py) an admission (and the re-admission of a
 sequence preempted while prefilling) first looks its prompt up and locks the cached prefix;
-the sequence then needs host pages for the rest of its life only, starts its prefill at
-`num_computed_tokens = cached tokens`, and the cache's unlocked pages count as free: when
+the sequence then needs host pages for the rest of its life only (a hybrid model's cached
+window is written into its ring row once the runner admitted it: `on_admitted`), starts its
+prefill at `num_computed_tokens = cached tokens`, and the cache's unlocked pages count as free: when
 the free pages less the promises do not cover an admission, a resumption or a decode row's
 growth, the least recently used cached pages are evicted first (before the scheduler
 preempts anyone). A finished prompt's pages are inserted at `end_prefill`, and a finishing
@@ -132,6 +133,7 @@ class RunnerBudget:
             self._drop_match(seq)
             return False
         if self.cache is not None:
+            self.cache.on_admitted(seq.rid, self.runner.requests[seq.rid])  # a hybrid's window into its ring row
             self.cache.count(seq.num_prompt_tokens, cached)
         seq.num_computed_tokens = cached  # the prefill starts after the cached prefix
         return True

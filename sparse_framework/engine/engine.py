@@ -263,7 +263,7 @@ class Engine:
                 max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
                 gpu_memory_utilization=config.gpu_memory_utilization, device_memory_bytes=config.device_memory_bytes,
                 host_memory_bytes=host_bytes, max_prefill_chunk=config.max_prefill_chunk,
-                staging_tokens=config.staging_tokens, dtype=dtype,
+                staging_tokens=config.staging_tokens, dtype=dtype, ring_page_slack=config.enable_prefix_caching,
             )
             log.info("%s", plan.describe())
             rows, device_tokens, host_tokens = plan.num_seqs, plan.device_capacity_tokens, plan.host_capacity_tokens
@@ -290,7 +290,7 @@ class Engine:
             device_capacity_tokens=device_tokens, host_capacity_tokens=host_tokens,
             decode_graphs=config.decode_graphs, cuda_graphs=config.cuda_graphs,
             prefill_attention=config.prefill_attention, model_config=local, mla=model_config.mla,
-            compute_dtype=dtype,
+            compute_dtype=dtype, ring_page_slack=config.enable_prefix_caching,
         )
         if self.tp is not None:
             self._check_selection_is_per_head(sparse_config)
@@ -299,6 +299,8 @@ class Engine:
         if config.enable_prefix_caching:
             self.prefix_cache = self._make_prefix_cache(sparse_config)
             self.budget.cache = self.prefix_cache
+            if self.runner.ring is not None:  # a hybrid's windows are snapshot at chunk ends too
+                self.runner.chunk_hook = self.prefix_cache.on_chunk
         self.scheduler = Scheduler(
             self.budget, max_num_batched_tokens=max(config.max_num_batched_tokens, rows),
             max_num_seqs=rows, max_prefill_chunk=config.max_prefill_chunk, max_model_len=max_model_len,
@@ -366,10 +368,11 @@ class Engine:
     def _make_prefix_cache(self, sparse_config: SparseConfig) -> PrefixCache:
         runner, algo = self.runner, self.runner.coord.algorithm
         store = runner.coord.store
-        check_supported(store, hybrid=runner.ring is not None, mla=runner.mla is not None,
+        check_supported(store, ring=runner.ring, mla=runner.mla is not None,
                         prefill_inputs=list(algo.prefill_inputs), query_rows=algo.prefill_query_rows,
                         algorithm=sparse_config.algorithm)
-        return PrefixCache(store, query_rows=algo.prefill_query_rows or 0, headroom=self.budget.headroom)
+        return PrefixCache(store, query_rows=algo.prefill_query_rows or 0, headroom=self.budget.headroom,
+                           ring=runner.ring)
 
     def clear_prefix_cache(self) -> int:
         """Evict every cached page no running request holds; the host pages freed."""

@@ -211,6 +211,7 @@ def plan_engine_memory(
     max_prefill_chunk: int | None = None,
     staging_tokens: int | None = None,
     dtype: torch.dtype | None = None,
+    ring_page_slack: bool = False,
 ) -> EngineMemoryPlan:
     """The engine's pools for a model, its KV layout and a sparse config (module docstring).
 
@@ -219,8 +220,9 @@ def plan_engine_memory(
     with the weights loaded (None: nothing but the weights is on the device); host_memory_bytes:
     the host budget (None: HOST_MEMORY_FRACTION of MemAvailable). The other arguments are the
     EngineConfig's. dtype: the model's (activations, prefill staging and the sliding ring; None:
-    the layout's, bfloat16 for an fp8 one, whose rows only the store keeps). Not one request
-    fitting is not an error here: `EngineMemoryPlan.check`."""
+    the layout's, bfloat16 for an fp8 one, whose rows only the store keeps). ring_page_slack:
+    the ring keeps a page beyond the window (prefix caching on). Not one request fitting is not
+    an error here: `EngineMemoryPlan.check`."""
     tokens = max(max_num_batched_tokens, max_num_seqs)  # the scheduler's step never exceeds this
     rows_sampled = min(max_num_seqs, tokens)
     chunk = min(max_prefill_chunk or tokens, tokens, max_model_len)
@@ -241,7 +243,8 @@ def plan_engine_memory(
     activations = max(layer, logits, handover)
     budget = int(gpu_memory_utilization * device_total_bytes) - weight_bytes - activations - staging - other
     per_device, per_host = request_bytes(config, layout, max_model_len)
-    per_device += model.sliding_ring_bytes(compute_dtype, max_model_len)  # sliding layers' ring row
+    per_device += model.sliding_ring_bytes(  # sliding layers' ring row
+        compute_dtype, max_model_len, config.page_size if ring_page_slack else 0)
     host_bytes, source = host_budget(host_memory_bytes)
     by_device = max(0, budget) // per_device
     by_host = host_bytes // per_host if per_host else None
@@ -300,7 +303,7 @@ def plan_for(
     and before the pools are allocated, so that free memory counts neither twice). `settings`
     are plan_engine_memory's EngineConfig arguments (max_model_len, max_num_batched_tokens,
     max_num_seqs, gpu_memory_utilization, host_memory_bytes, max_prefill_chunk,
-    staging_tokens); the Engine calls this with its own."""
+    staging_tokens, dtype, ring_page_slack); the Engine calls this with its own."""
     total, free = device_memory(torch.device(device), device_memory_bytes)
     return plan_engine_memory(model, layout, config, weight_bytes=weight_bytes_of(parameters),
                               device_total_bytes=total, device_free_bytes=free, **settings)  # type: ignore[arg-type]

@@ -44,19 +44,51 @@ The budget evicts least recently used unlocked leaves (`evict`) when an admissio
 resumption or a decode row's growth needs host pages: cache before preemption. Its host
 check counts the cache's evictable pages as free.
 
-Not supported (refused by name in `check_supported`): hybrid sliding-window models (their
-window lives in a device ring per request row; the tree's SWA values and tombstones are
-not wired to it yet), MLA models and algorithms with prefill inputs (indexer keys: the
-staging of a cached prefix has none), fp8 KV (the staged prefix would be the stored, rounded
-values: outputs would differ from the cache off), algorithms reading every prompt query,
-and the resident store without a host pool (nothing to hold the cache).
+Hybrid sliding-window models. A sliding layer keeps only its last `window` keys, in the
+runner's device ring (kv_store/sliding_window.py; a request's row is its coordinator slot),
+and nothing on the host; yet a prefix is reusable only with the window that ends it (the
+next token attends to it). So the tree is built with the window and, beside the full
+layers' host pages, gets *SWA values*: `SwaPages` handles, one per page, each a host copy of
+that page's tokens in every sliding layer, for the last ceil(window / page) pages before an
+insertion point. The tree's match rule then accepts a prefix only if those pages of its own
+end are held. Because a prefix can only end where a window was snapshot (the tree's
+finding: insert windows at the points worth reusing), windows are taken
+- at the end of every prompt chunk but the last (`on_chunk`, the runner's `chunk_hook`, at
+  the chunk's last page boundary; held per request and inserted with the prompt at
+  `on_prefilled`, shortest first): a later prompt sharing only a system prompt finds the
+  window of the last chunk end inside it;
+- at the prompt's last whole page (`on_prefilled`) and at the end of the request's K/V
+  (`on_finished`): prompt extensions and multi-turn chat.
+The window at a page boundary up to a page behind the row's length must still be in the
+ring: with the cache on the ring keeps `window + page_size` slots per row
+(`ModelRunner(ring_page_slack=True)`; attention masks the extra ones). A snapshot the ring no
+longer covers (an export cut short by the host room) is skipped: that tail is not cached.
+On a hit the window's pages are gathered at `match` (a window whose oldest page was copied
+only in part, as the first page of a window that is not a whole number of pages, and is now
+needed whole, makes the lookup a miss: `stats.swa_lost_pages`) and written into the new
+request's ring row, zeroed first, at `on_admitted`, right after the runner admitted it and
+before its first chunk reads the ring. `evict_swa` frees least recently used windows (their
+nodes become tombstones that keep the full layers' pages for longer prefixes; the match
+falls back to an earlier window or none), called when the SWA pages held exceed
+`swa_limit_pages`; `evict` frees a removed leaf's SWA pages with its host pages. SWA pages
+are plain host tensors, outside the store's host pool and the memory plan (which counts the
+ring's page of slack per row).
+
+Not supported (refused by name in `check_supported`): MLA models and algorithms with
+prefill inputs (indexer keys: the staging of a cached prefix has none), fp8 KV (the staged
+prefix would be the stored, rounded values: outputs would differ from the cache off),
+algorithms reading every prompt query, and the resident store without a host pool (nothing
+to hold the cache).
 
 Differences from SGLang's radix cache: SGLang's values are device KV indices (its HiCache
 adds a host tier behind them); here they are host pages, since the hierarchical store keeps
 every request's full K/V on the host anyway and the device holds only a per-request buffer —
 so a hit costs one host->device copy into staging, never device memory while cached.
 SGLang inserts after every prefill chunk; here at the end of the prompt and of the request
-(a request preempted mid-prefill loses its staged chunks anyway). SGLang skips prefix
+(a request preempted mid-prefill loses its staged chunks anyway), with, for a hybrid, the
+windows of the chunk ends snapshot as they pass and inserted with the prompt. SGLang's
+sliding-window KV stays in its device pool while cached; here it is copied to the host (the
+ring is per request row and is overwritten by the row's next request). SGLang skips prefix
 matching for a request whose prompt is all cached by leaving one token; same rule here.
 """
 
@@ -71,7 +103,8 @@ import torch
 from ..common.batch import Request
 from ..common.errors import ConfigError
 from ..kv_store.hierarchical import HierarchicalKVStore
-from .radix_cache import LockHandle, RadixCache, RadixNode
+from ..kv_store.sliding_window import SlidingWindowKV
+from .radix_cache import EvictResult, InsertResult, LockHandle, RadixCache, RadixNode
 
 
 @dataclass
@@ -85,6 +118,8 @@ class PrefixStats:
     hit_tokens: int = 0
     inserted_pages: int = 0
     evicted_pages: int = 0
+    swa_evicted_pages: int = 0
+    swa_lost_pages: int = 0  # pages of token matches not usable: their window was freed (or partial)
 
     @property
     def hit_rate(self) -> float:
@@ -94,16 +129,19 @@ class PrefixStats:
     def as_dict(self) -> dict[str, Any]:
         return {"lookups": self.lookups, "hits": self.hits, "prompt_tokens": self.prompt_tokens,
                 "hit_tokens": self.hit_tokens, "hit_rate": self.hit_rate,
-                "inserted_pages": self.inserted_pages, "evicted_pages": self.evicted_pages}
+                "inserted_pages": self.inserted_pages, "evicted_pages": self.evicted_pages,
+                "swa_evicted_pages": self.swa_evicted_pages, "swa_lost_pages": self.swa_lost_pages}
 
 
-def check_supported(store: HierarchicalKVStore, *, hybrid: bool, mla: bool, prefill_inputs: Sequence[str],
-                    query_rows: int | None, algorithm: str) -> None:
-    """Refuse, by name, configurations the prefix cache does not handle (module docstring)."""
+def check_supported(store: HierarchicalKVStore, *, mla: bool, prefill_inputs: Sequence[str],
+                    query_rows: int | None, algorithm: str, ring: SlidingWindowKV | None = None) -> None:
+    """Refuse, by name, configurations the prefix cache does not handle (module docstring).
+    `ring`: a hybrid model's sliding-window ring, which must keep a page beyond the window
+    (`ModelRunner(ring_page_slack=True)`) for its windows to be snapshot at page boundaries."""
     what = "EngineConfig.enable_prefix_caching=True"
-    if hybrid:
-        raise ConfigError(f"{what}: hybrid sliding-window models are not supported yet (their window KV lives in "
-                          "a device ring per request and is not cached); turn prefix caching off for this model")
+    if ring is not None and ring.slots < ring.window + store.page_size:
+        raise ConfigError(f"{what}: the sliding-window ring keeps {ring.slots} slots per row, fewer than window + "
+                          f"page_size ({ring.window} + {store.page_size}); build the runner with ring_page_slack=True")
     if mla:
         raise ConfigError(f"{what}: MLA models are not supported yet (the staged indexer keys of a cached prefix "
                           "are not kept); turn prefix caching off")
@@ -121,20 +159,58 @@ def check_supported(store: HierarchicalKVStore, *, hybrid: bool, mla: bool, pref
                           "by default); set host_capacity_tokens")
 
 
+class SwaPages:
+    """Host copies of sliding-window K/V, one handle per page (the tree's SWA values).
+
+    A page holds `page_size` tokens of every sliding layer, k and v [layers, page, kv_heads,
+    head_dim] on the host; `valid_from` is its first token the ring still had when it was
+    snapshot (0 but for the oldest page of a window that is not a whole number of pages: its
+    first tokens lay before the window). Handles are freed by the prefix cache when the tree
+    hands them back; `len()` counts the pages held."""
+
+    def __init__(self) -> None:
+        self._pages: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def put(self, k: torch.Tensor, v: torch.Tensor, valid_from: int) -> int:
+        self._next += 1
+        self._pages[self._next] = (k, v, valid_from)
+        return self._next
+
+    def get(self, handle: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self._pages[handle]
+
+    def free(self, handles: Sequence[int]) -> None:
+        for h in handles:
+            del self._pages[h]
+
+
 class PrefixCache:
     """The engine's prefix cache (module docstring). `store`: the coordinator's store;
     `query_rows`: prompt tokens at the end that must be computed (the algorithm's
     `prefill_query_rows`); `headroom()`: free host pages not promised to admitted requests
-    (the budget's), what an export may take."""
+    (the budget's), what an export may take. `ring`: a hybrid model's sliding-window ring
+    (None for a model without sliding layers); `swa_limit_pages`: sliding-window pages the
+    cache may hold before `evict_swa` frees the least recently used (None: as many as the
+    host pool has pages)."""
 
     def __init__(self, store: HierarchicalKVStore, *, query_rows: int = 0,
-                 headroom: Callable[[], int] | None = None) -> None:
+                 headroom: Callable[[], int] | None = None, ring: SlidingWindowKV | None = None,
+                 swa_limit_pages: int | None = None) -> None:
         self.store = store
         self.page = store.page_size
-        self.tree = RadixCache(self.page)
+        self.ring = ring
+        self.tree = RadixCache(self.page, None if ring is None else ring.window)
+        self.swa = SwaPages()
+        self.swa_limit_pages = store.host_alloc.num_pages if swa_limit_pages is None else swa_limit_pages
         self.query_rows = query_rows
         self.headroom = headroom or (lambda: store.host_alloc.free)
         self._locks: dict[str, LockHandle] = {}
+        self._windows: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}  # rid -> (end, k, v) to restore
+        self._chunk_windows: dict[str, dict[int, list[int]]] = {}  # rid -> {pages: SWA handles} of chunk ends
         self.stats = PrefixStats()
 
     # -- admission --------------------------------------------------------------------------
@@ -144,17 +220,38 @@ class PrefixCache:
 
     def match(self, rid: str, prompt_ids: Sequence[int]) -> tuple[int, torch.Tensor | None]:
         """Look a prompt's cached prefix up and lock it for request `rid`: (tokens, host page
-        ids), (0, None) on a miss. `release(rid)` undoes it when the admission fails."""
+        ids), (0, None) on a miss. `release(rid)` undoes it when the admission fails; for a
+        hybrid model `on_admitted` then restores the prefix's window into the request's ring row."""
         if rid in self._locks:
             raise RuntimeError(f"request {rid!r} already holds a prefix lock")
         limit = self.usable_tokens(len(prompt_ids))
         if limit == 0:
             return 0, None
         m = self.tree.match_prefix(prompt_ids[:limit])
+        self.stats.swa_lost_pages += m.raw_pages - m.num_pages
         if m.num_pages == 0:
             return 0, None
+        if self.ring is not None:
+            window = self._gather_window(m.num_pages * self.page, m.swa_values)
+            if window is None:  # a page of the window was snapshot partially: compute it afresh
+                self.stats.swa_lost_pages += m.num_pages
+                return 0, None
+            self._windows[rid] = window
         self._locks[rid] = self.tree.lock(m.node)
         return m.num_pages * self.page, torch.tensor(m.values, dtype=torch.int64)
+
+    def on_admitted(self, rid: str, request: Request) -> None:
+        """The request has its ring row (`request.slot`): write its cached prefix's window
+        there, as the prefill chunks of the prefix would have left it."""
+        window = self._windows.pop(rid, None)
+        if window is None:
+            return
+        assert self.ring is not None
+        end, k, v = window
+        k, v = k.to(self.ring.k.device), v.to(self.ring.v.device)  # one host -> device copy each
+        self.ring.reset_row(request.slot)
+        for layer in range(self.ring.num_layers):
+            self.ring.write_prefill(layer, request.slot, k[layer], v[layer], start=end - k.shape[1])
 
     def count(self, prompt_len: int, cached: int) -> None:
         """An admission went through with `cached` of its `prompt_len` tokens from the cache."""
@@ -164,10 +261,89 @@ class PrefixCache:
         self.stats.hit_tokens += cached
 
     def release(self, rid: str) -> None:
-        """Drop the request's lock (its pages become evictable when no one else holds them)."""
+        """Drop the request's lock (its pages become evictable when no one else holds them)
+        and the windows it snapshot and did not insert."""
+        self._windows.pop(rid, None)
+        for handles in self._chunk_windows.pop(rid, {}).values():
+            self.swa.free(handles)
         handle = self._locks.pop(rid, None)
         if handle is not None:
             self.tree.unlock(handle)
+
+    # -- sliding windows ------------------------------------------------------------------------
+    def on_chunk(self, rid: str, request: Request, done: int) -> None:
+        """A prompt chunk that is not the last ran (`done` prompt tokens in the ring row):
+        snapshot the window at its last page boundary, inserted with the prompt at
+        `on_prefilled` — so a later prompt sharing only a part of this one (a system prompt)
+        finds a window inside that part."""
+        pages = done // self.page
+        mine = self._chunk_windows.setdefault(rid, {})
+        if self.ring is None or pages == 0 or pages in mine:
+            return
+        handles = self._snapshot(request, pages, done)
+        if handles is not None:
+            mine[pages] = handles
+
+    def _snapshot(self, request: Request, pages: int, length: int | None = None) -> list[int] | None:
+        """SWA handles of the last min(window pages, pages) pages of the prefix ending at page
+        `pages`, copied from the request's ring row to the host; None when the ring no longer
+        has that window (the prefix ends more than a page before the row's `length`, by
+        default the request's)."""
+        ring = self.ring
+        assert ring is not None
+        end = pages * self.page
+        length = request.seq_len if length is None else length
+        lo = max(0, length - ring.slots)  # the oldest position the row still has
+        if end > length or lo > max(0, end - ring.window):
+            return None
+        first = pages - min(self.tree.window_pages, pages)
+        start = max(first * self.page, lo)
+        ks, vs = zip(*(ring.read(layer, request.slot, start, end) for layer in range(ring.num_layers)))
+        k = torch.stack(ks).to("cpu")  # [layers, end - start, kv_heads, head_dim]
+        v = torch.stack(vs).to("cpu")
+        handles = []
+        for p in range(first, pages):
+            a, b = p * self.page, (p + 1) * self.page
+            pk = k.new_zeros((k.shape[0], self.page, *k.shape[2:]))
+            pv = torch.zeros_like(pk)
+            valid = max(a, start)
+            pk[:, valid - a:] = k[:, valid - start:b - start]
+            pv[:, valid - a:] = v[:, valid - start:b - start]
+            handles.append(self.swa.put(pk, pv, valid - a))
+        return handles
+
+    def _gather_window(self, end: int, handles: Sequence[int]) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+        """The window before position `end` from its pages' SWA handles: (end, k, v [layers,
+        min(end, window), kv_heads, head_dim]); None when a token the next one attends to was
+        not snapshot."""
+        assert self.ring is not None
+        n = min(end, self.ring.window)
+        need_from = max(0, end - self.ring.window + 1)  # position end - window is masked out
+        first = end // self.page - len(handles)
+        ks, vs = [], []
+        for i, h in enumerate(handles):
+            k, v, valid_from = self.swa.get(h)
+            if valid_from and (first + i) * self.page + valid_from > need_from:
+                return None
+            ks.append(k)
+            vs.append(v)
+        k, v = torch.cat(ks, 1), torch.cat(vs, 1)
+        return end, k[:, k.shape[1] - n:], v[:, v.shape[1] - n:]
+
+    def _free_evicted(self, out: EvictResult) -> None:
+        self.store.release_host_pages(torch.tensor(out.values, dtype=torch.int64))
+        self.swa.free(out.swa_values)
+        self.stats.evicted_pages += len(out.values)
+        self.stats.swa_evicted_pages += len(out.swa_values)
+
+    def evict_swa(self, num_pages: int) -> int:
+        """Free the sliding-window pages of at least `num_pages` least recently used unlocked
+        nodes (they become tombstones, or leave the tree when leaves); returns the SWA pages freed."""
+        if num_pages <= 0:
+            return 0
+        out = self.tree.evict_swa(num_pages)
+        self._free_evicted(out)
+        return len(out.swa_values)
 
     # -- insertion ----------------------------------------------------------------------------
     def on_prefilled(self, rid: str, request: Request, prompt_ids: Sequence[int]) -> None:
@@ -189,10 +365,19 @@ class PrefixCache:
     def _cache(self, rid: str, request: Request, token_ids: Sequence[int], keep_lock: bool) -> None:
         full = min(len(token_ids), request.seq_len) // self.page
         node: RadixNode | None = None
+        for pages, handles in sorted(self._chunk_windows.pop(rid, {}).items()):
+            if pages < full:  # windows inside the prompt, shortest first (each may export pages)
+                tokens = list(token_ids[: pages * self.page])
+                inserted = self._insert_host(request, tokens, handles) if self.store.keeps_host(request) \
+                    else self._insert_export(request, tokens, handles)
+                node = node if inserted is None or inserted.tombstone else inserted
+            else:
+                self.swa.free(handles)
         if full:
             tokens = list(token_ids[: full * self.page])
-            node = self._insert_host(request, tokens) if self.store.keeps_host(request) \
+            last = self._insert_host(request, tokens) if self.store.keeps_host(request) \
                 else self._insert_export(request, tokens)
+            node = last if last is not None and not last.tombstone else node
         old = self._locks.pop(rid, None)
         if keep_lock and node is not None:
             self._locks[rid] = self.tree.lock(node)
@@ -200,32 +385,62 @@ class PrefixCache:
             self._locks[rid], old = old, None
         if old is not None:
             self.tree.unlock(old)
+        excess = len(self.swa) - self.swa_limit_pages
+        if excess > 0:
+            self.evict_swa(excess)
 
-    def _insert_host(self, request: Request, tokens: list[int]) -> RadixNode:
+    def _insert(self, request: Request, tokens: list[int], values: list[int],
+                swa: list[int] | None = None) -> InsertResult:
+        """tree.insert with, for a hybrid model, the window of the prefix's end (`swa`, or
+        snapshot from the ring now); the SWA handles the tree did not keep are freed here."""
+        if self.ring is not None and swa is None:
+            swa = self._snapshot(request, len(tokens) // self.page)
+        result = self.tree.insert(tokens, values, swa)
+        self.swa.free(result.unused_swa_values)
+        return result
+
+    def _insert_host(self, request: Request, tokens: list[int], swa: list[int] | None = None) -> RadixNode:
         """The request's own host pages join the tree (those it did not already hold)."""
         ids = self.store.host_page_ids(request)[: len(tokens) // self.page].tolist()
-        result = self.tree.insert(tokens, ids)
+        result = self._insert(request, tokens, ids, swa)
         unused = set(result.unused_values)
         kept = [v for v in ids if v not in unused]
         self.store.lend_host_pages(request, torch.tensor(kept, dtype=torch.int64))
         self.stats.inserted_pages += len(kept)
         return result.node
 
-    def _insert_export(self, request: Request, tokens: list[int]) -> RadixNode | None:
+    def _insert_export(self, request: Request, tokens: list[int], swa: list[int] | None = None) -> RadixNode | None:
         """Copy the device K/V of the pages the tree lacks to new host pages, as many as the
         host pool can spare, and insert them."""
         m = self.tree.match_prefix(tokens)
-        take = min(len(tokens) // self.page - m.num_pages, self.headroom(), self.store.host_alloc.free)
-        if take <= 0:
-            return None
-        ids = self.store.export_pages(request, m.num_pages, take).tolist()
-        end = (m.num_pages + take) * self.page
-        result = self.tree.insert(tokens[:end], list(m.values) + ids)
+        have = m.raw_pages  # pages cached, usable or not (a tombstone's full values stand)
+        total = len(tokens) // self.page
+        take = max(0, min(total - have, self.headroom(), self.store.host_alloc.free))
+        if take == 0 and (self.ring is None or have < total):
+            self.swa.free(swa or [])
+            return None  # nothing new (with every page cached, a hybrid still gives its window)
+        if have + take < total and swa is not None:  # the window given ends beyond what is inserted
+            self.swa.free(swa)
+            swa = None
+        known = self._path_values(tokens, have)
+        ids = self.store.export_pages(request, have, take).tolist() if take else []
+        end = (have + take) * self.page
+        result = self._insert(request, tokens[:end], known + ids, swa)
         mine = set(ids)
         back = [v for v in result.unused_values if v in mine]
         self.store.release_host_pages(torch.tensor(back, dtype=torch.int64))
         self.stats.inserted_pages += take - len(back)
         return None  # nothing of the request's own is borrowed: no lock to keep
+
+    def _path_values(self, tokens: list[int], pages: int) -> list[int]:
+        """Full-attention handles of the first `pages` pages of `tokens` (all cached)."""
+        out: list[int] = []
+        node, pos = self.tree.root, 0
+        while pos < pages:
+            node = node.children[tuple(tokens[pos * self.page:(pos + 1) * self.page])]
+            out.extend(node.values)
+            pos += node.pages
+        return out[:pages]
 
     # -- eviction -----------------------------------------------------------------------------
     def evictable_pages(self) -> int:
@@ -236,13 +451,12 @@ class PrefixCache:
 
     def evict(self, num_pages: int) -> int:
         """Free at least `num_pages` host pages from least recently used unlocked leaves (or
-        all that can be); returns the pages freed."""
+        all that can be), with their sliding-window pages; returns the host pages freed."""
         if num_pages <= 0:
             return 0
-        freed = self.tree.evict(num_pages).values
-        self.store.release_host_pages(torch.tensor(freed, dtype=torch.int64))
-        self.stats.evicted_pages += len(freed)
-        return len(freed)
+        out = self.tree.evict(num_pages)
+        self._free_evicted(out)
+        return len(out.values)
 
     def clear(self) -> int:
         """Evict everything not locked; returns the pages freed."""

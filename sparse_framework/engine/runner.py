@@ -17,12 +17,15 @@ the coordinator's `Request.slot`). A decode row writes its token there and atten
 ring's valid slots; a prefill chunk attends to the ring's window before it (the last window
 positions of its prompt so far, written by the chunks before) and its own keys, under the
 sliding mask ([chunk, window + chunk]: never the whole prefix), then writes its last `window`
-keys to the ring. So nothing of a sliding layer is staged, handed over or kept on the host,
+keys to the ring (a prefix cache copies windows to the host at page boundaries and writes a
+cached prefix's window into a new row; the ring then keeps a page more than the window per
+row: `ring_page_slack`). So nothing of a sliding layer is staged, handed over or offloaded,
 and the coordinator's `KVLayout` counts the full-attention layers only (`layers.store` maps a
 model layer to its store layer, `layers.ring` to its ring layer). A retracted request keeps
 its coordinator slot, hence its ring row and window, until it ends: resuming needs nothing
 for the sliding layers (their bytes are reserved per row, like the slot). A request
-preempted while still prefilling is admitted again from token 0 and rewrites its window.
+preempted while still prefilling is admitted again from token 0 (or from its cached prefix,
+whose window the prefix cache writes back) and rewrites its window.
 
 Attention terms per layer come from the model's config: q·k is scaled by
 `attention_scale` (the coordinator always scales by 1/sqrt(D), so its q is multiplied by
@@ -51,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -130,7 +134,9 @@ class ModelRunner:
     MLAConfig when the layout is MLA (its indexer's shape: DSA's `inputs` and the staged indexer
     keys). compute_dtype: the model's dtype (None: the layout's, or bfloat16 for an fp8 one):
     the staging, queries and rows handed to the coordinator; an fp8 MLA layout (FlashMLA's
-    656-byte rows) is the store's only, which quantises the latents as it writes them."""
+    656-byte rows) is the store's only, which quantises the latents as it writes them.
+    ring_page_slack: the sliding ring keeps a page more than the window per row, so a prefix
+    cache can snapshot the window at the row's last page boundary (engine/prefix_cache.py)."""
 
     INDEX_INPUTS = ("index_q", "index_weights", "index_k")
 
@@ -152,6 +158,7 @@ class ModelRunner:
         model_config: ModelConfig | None = None,
         mla: MLAConfig | None = None,
         compute_dtype: torch.dtype | None = None,
+        ring_page_slack: bool = False,
     ) -> None:
         if layout.is_mla and mla is None:
             raise ConfigError("ModelRunner: an MLA layout needs the model's MLAConfig (mla=model_config.mla)")
@@ -186,6 +193,10 @@ class ModelRunner:
                 "(an MLA + indexer model gives index_q, index_weights, index_k; otherwise for DSA set "
                 "extra.source to 'keys')"
             )
+        self._ring_page_slack = ring_page_slack
+        # called after each prompt chunk that is not the last, with (rid, request, tokens done):
+        # a prefix cache snapshots the sliding window there (engine/prefix_cache.py)
+        self.chunk_hook: Callable[[str, Request, int], None] | None = None
         self._layers(model_config if model_config is not None else getattr(model, "config", None),
                      layout, max_num_seqs, max_model_len)
         if needs and self.mla is not None:
@@ -224,8 +235,9 @@ class ModelRunner:
         self.ring = None
         if self.layers.sliding:
             assert self.layers.window is not None
+            slots = self.layers.window + (self.coord.store.page_size if self._ring_page_slack else 0)
             self.ring = SlidingWindowKV(len(self.layers.sliding), self.layers.window, rows, layout.num_kv_heads,
-                                        layout.head_dim, dtype=self.dtype, device=layout.device)
+                                        layout.head_dim, dtype=self.dtype, device=layout.device, slots=slots)
 
     # -- memory (what the scheduler's budget asks) -----------------------------------------------
     def admit(self, rid: str, prompt_len: int, cached_pages: torch.Tensor | None = None) -> bool:
@@ -331,6 +343,8 @@ class ModelRunner:
         for chunk in prefill:
             if chunk.last:
                 self._commit(chunk.rid, chunk.start + len(chunk.tokens))
+            elif self.chunk_hook is not None:
+                self.chunk_hook(chunk.rid, self.requests[chunk.rid], chunk.start + len(chunk.tokens))
         return logits
 
     def _attend_fn(self, batch: Batch | None, num_decode: int, prefill: list[PrefillChunk]) -> AttendFn:

@@ -37,23 +37,30 @@ from ..common.errors import CapacityError, ConfigError
 
 
 class SlidingWindowKV:
-    """Per sliding-window layer and request row, `window` device slots of K and V.
+    """Per sliding-window layer and request row, `slots` device slots of K and V.
 
-    k, v: [num_layers, max_rows, window, num_kv_heads, head_dim] in `dtype` on `device`;
+    k, v: [num_layers, max_rows, slots, num_kv_heads, head_dim] in `dtype` on `device`;
     layer indices are this store's (0..num_layers-1), not the model's: the caller maps them.
+    `slots` (default `window`) may exceed the window: the ring then also keeps the `slots -
+    window` keys just before the window, which attention masks out. A prefix cache asks for
+    window + page_size slots so that, at any moment, the window ending at the row's last page
+    boundary is still in the ring (engine/prefix_cache.py snapshots it there).
     """
 
     def __init__(
         self, num_layers: int, window: int, max_rows: int, num_kv_heads: int, head_dim: int,
-        *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+        *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", slots: int | None = None,
     ) -> None:
+        slots = window if slots is None else slots
         for name, value in (("num_layers", num_layers), ("window", window), ("max_rows", max_rows),
-                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim), ("slots", slots)):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"SlidingWindowKV.{name} must be a positive int, got {value!r}")
-        self.num_layers, self.window, self.max_rows = num_layers, window, max_rows
+        if slots < window:
+            raise ConfigError(f"SlidingWindowKV.slots must be >= window ({window}), got {slots}")
+        self.num_layers, self.window, self.max_rows, self.slots = num_layers, window, max_rows, slots
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        shape = (num_layers, max_rows, window, num_kv_heads, head_dim)
+        shape = (num_layers, max_rows, slots, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
@@ -69,21 +76,28 @@ class SlidingWindowKV:
     # -- writes -----------------------------------------------------------------------------
     def write_prefill(self, layer: int, row: int, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
         """Tokens at positions start..start+n-1 of `row` (k, v [n, kv_heads, head_dim]): only
-        the last `window` of them are kept, each at slot position % window."""
+        the last `slots` of them are kept, each at slot position % slots."""
         self._check(layer, k, v)
         if not 0 <= row < self.max_rows:
             raise CapacityError(f"row {row} out of range 0..{self.max_rows - 1} (max_rows)")
         n = k.shape[0]
-        keep = min(n, self.window)
+        keep = min(n, self.slots)
         pos = torch.arange(start + n - keep, start + n, device=self.k.device)
-        slots = pos % self.window
+        slots = pos % self.slots
         self.k[layer, row, slots] = k[n - keep:].to(self.k.dtype)
         self.v[layer, row, slots] = v[n - keep:].to(self.v.dtype)
+
+    def reset_row(self, row: int) -> None:
+        """Zero a row's slots in every layer. Masked slots still enter the decode's weighted sum
+        (with weight 0), so a row filled from a snapshot rather than from position 0 clears
+        what an earlier request left there first."""
+        self.k[:, row].zero_()
+        self.v[:, row].zero_()
 
     def write_decode(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """One new token per row: rows, positions [B] (int, device), k, v [B, kv_heads, head_dim]."""
         self._check(layer, k, v)
-        slots = positions.long() % self.window
+        slots = positions.long() % self.slots
         self.k[layer, rows.long(), slots] = k.to(self.k.dtype)
         self.v[layer, rows.long(), slots] = v.to(self.v.dtype)
 
@@ -110,7 +124,11 @@ class SlidingWindowKV:
         logits = torch.einsum("bhgd,bwhd->bhgw", qg, keys) * scale
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
-        valid = torch.arange(self.window, device=q.device)[None, :] < lengths.long().clamp(max=self.window)[:, None]
+        # slot s holds the position p = s mod slots nearest below `lengths`: valid when p is one
+        # of the row's last `window` positions (for slots == window: s < min(len, window))
+        slot = torch.arange(self.slots, device=q.device)[None, :]
+        lens = lengths.long()[:, None]
+        valid = (slot < lens) & ((lens - 1 - slot) % self.slots < self.window)
         logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
         if sinks is not None:
             sink = sinks.float().view(1, hk, hq // hk, 1).expand(b, -1, -1, 1)
@@ -123,8 +141,12 @@ class SlidingWindowKV:
     def window_kv(self, layer: int, row: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The row's window in token order: k, v [min(length, window), kv_heads, head_dim] of
         positions max(0, length - window)..length-1 (for tests and prefix-cache snapshots)."""
-        keep = min(length, self.window)
-        slots = torch.arange(length - keep, length, device=self.k.device) % self.window
+        return self.read(layer, row, max(0, length - self.window), length)
+
+    def read(self, layer: int, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [end - start, kv_heads, head_dim] of positions start..end-1 of the row, which
+        must be among its last `slots` written when its length is `end` or less."""
+        slots = torch.arange(start, end, device=self.k.device) % self.slots
         return self.k[layer, row, slots], self.v[layer, row, slots]
 
     def _check(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -175,14 +175,15 @@ class ModelConfig:
                                 device=device)
         return KVLayout(full, self.num_kv_heads, self.head_dim, dtype=dtype, device=device)
 
-    def sliding_ring_bytes(self, dtype: torch.dtype, max_model_len: int | None = None) -> int:
+    def sliding_ring_bytes(self, dtype: torch.dtype, max_model_len: int | None = None, extra_slots: int = 0) -> int:
         """Device bytes one request row of the sliding-window ring takes (every sliding layer's
-        `window` slots of K and V): the ring's term of a request's device bytes."""
+        `window` slots of K and V, plus `extra_slots`: a prefix cache's page of slack): the
+        ring's term of a request's device bytes."""
         layers = self.layer_map(max_model_len)
         if not layers.sliding:
             return 0
         assert layers.window is not None
-        return 2 * len(layers.sliding) * layers.window * self.num_kv_heads * self.head_dim * dtype.itemsize
+        return 2 * len(layers.sliding) * (layers.window + extra_slots) * self.num_kv_heads * self.head_dim * dtype.itemsize
 
     def num_parameters(self) -> int:
         """Parameters the model holds (a tied LM head counted once): weights bytes = this x
