@@ -133,8 +133,8 @@ CPU) and --host-memory-gib, while the engine takes --concurrency rows.
   sparse-framework bench                                      # the reference model, CPU
   sparse-framework bench --random llama-3-8b --device cuda --input-len 16384 --num-prompts 8 \\
       --config '{"algorithm": "quest", "backend": "triton"}' --json bench.json
-  sparse-framework bench --random deepseek-v3.2-mini --device cuda --input-len 32768 --num-prompts 16 \\
-      --kv-cache-dtype fp8 --json dsv32.json                 # hierarchical DSA, FlashMLA's FP8 rows
+  sparse-framework bench --random deepseek-v3.2-mini --device cuda --input-len 32768 \\
+      --num-prompts 16 --kv-cache-dtype fp8 --json dsv32.json  # hierarchical DSA, FP8 rows
 
 --random deepseek-v3.2-mini / -tiny without --config: DSA over the model's indexer, as the model
 selects (top_k = index_topk 2048, index_heads 64, index_dim 128, sink_tokens = recent_tokens = 0,
@@ -159,7 +159,8 @@ def add_parsers(sub: Any) -> None:
     b = sub.add_parser("bench", help="offline throughput and latency of the engine (tokens/s, TTFT, TPOT)",
                        description=BENCH_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     _common(b)
-    b.add_argument("--random", choices=sorted(RANDOM_MODELS), help="random weights of this shape instead of --model")
+    b.add_argument("--random", choices=sorted(RANDOM_MODELS), metavar="SHAPE",
+                   help="random weights of this shape instead of --model: " + ", ".join(sorted(RANDOM_MODELS)))
     b.add_argument("--num-prompts", type=int, default=8, help="requests (default 8)")
     b.add_argument("--input-len", type=int, default=2048, help="prompt tokens each (default 2048)")
     b.add_argument("--output-len", type=int, default=32, help="generated tokens each (default 32)")
