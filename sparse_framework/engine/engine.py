@@ -320,7 +320,8 @@ class Engine:
         self._inflight: _InFlight | None = None
         self._last_read = 0.0
         # per step run: (decode rows, prefill tokens, context tokens of the decode rows, seconds);
-        # a step ends with its sampled tokens on the host, so the wall time is the step's
+        # a step ends with its sampled tokens on the host (async scheduling: when they are read,
+        # its time counted from its start or the previous read, whichever is later)
         self.step_log: list[tuple[int, int, int, float]] = []
 
     # -- tensor parallelism --------------------------------------------------------------------

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ..common.errors import ConfigError
+from ..common.transfer import to_device
 from .staging import chunk_attention
 
 CHOICES = ("auto", "flash_attn", "sdpa")
@@ -92,7 +93,7 @@ def flash_chunk_attention(
     n, m = q.shape[0], k.shape[0]
     if n > m:
         raise ValueError(f"chunk_attention: {n} queries but only {m} keys")
-    lens = torch.tensor([0, n, 0, m], dtype=torch.int32).to(q.device, non_blocking=True)
+    lens = to_device([0, n, 0, m], torch.int32, q.device)
     out = fn(q, k, v, cu_seqlens_q=lens[:2], cu_seqlens_k=lens[2:], max_seqlen_q=n, max_seqlen_k=m,
              softmax_scale=1 / math.sqrt(q.shape[-1]) if scale is None else scale, causal=True)
     return out[0] if isinstance(out, tuple) else out

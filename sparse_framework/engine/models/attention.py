@@ -33,6 +33,16 @@ class Attend(Protocol):
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
+def check_packed(token_ids: torch.Tensor, positions: torch.Tensor) -> None:
+    """A model's forward takes one step's tokens packed in one [T] tensor with their [T]
+    positions: anything else (a batch dimension, mismatched shapes) is a ValueError."""
+    if token_ids.ndim != 1 or positions.shape != token_ids.shape:
+        raise ValueError(
+            f"token_ids and positions must both be [T] (packed, no batch dim); got "
+            f"{tuple(token_ids.shape)} and {tuple(positions.shape)}"
+        )
+
+
 def dense_causal_attend(
     seq_lens: Sequence[int], compute_dtype: torch.dtype = torch.float32, config: ModelConfig | None = None
 ) -> Attend:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .attention import check_packed
 from .config import ModelConfig
 from .llama import RMSNorm
 from .mla import MLAAttend, MLAInputs
@@ -292,9 +293,7 @@ class DeepseekV32Model(nn.Module):
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: MLAAttend,
                 logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         """token_ids [T], positions [T] -> logits [R, vocab] float32 of `logits_rows` (None: all)."""
-        if token_ids.ndim != 1 or positions.shape != token_ids.shape:
-            raise ValueError(f"token_ids and positions must both be [T] (packed, no batch dim); got "
-                             f"{tuple(token_ids.shape)} and {tuple(positions.shape)}")
+        check_packed(token_ids, positions)
         h = self.model.embed_tokens(token_ids)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
         for i, layer in enumerate(self.model.layers):

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ...common.layer_map import SLIDING
-from .attention import Attend
+from .attention import Attend, check_packed
 from .config import ModelConfig
 from .llama import Attention
 from .rope import RotaryEmbedding
@@ -139,11 +139,7 @@ class GemmaDecoderModel(nn.Module):
     ) -> torch.Tensor:
         """As `DecoderModel.forward`: token_ids, positions [T] -> logits [R, vocab] float32
         of the rows `logits_rows` (None: all), soft-capped when the config says so."""
-        if token_ids.ndim != 1 or positions.shape != token_ids.shape:
-            raise ValueError(
-                f"token_ids and positions must both be [T] (packed, no batch dim); got "
-                f"{tuple(token_ids.shape)} and {tuple(positions.shape)}"
-            )
+        check_packed(token_ids, positions)
         c = self.config
         h = self.model.embed_tokens(token_ids)
         h = h * torch.tensor(c.hidden_size**0.5, dtype=torch.float32).to(h.dtype)

@@ -20,12 +20,13 @@ Two ways to run a layer, the same arithmetic:
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 from typing import Any
 
 import torch
 from torch import nn
 
-from .attention import Attend
+from .attention import Attend, check_packed
 from .config import ModelConfig
 from .rope import RotaryEmbedding, apply_rotary
 from .tensor_parallel import TPShard, local_config
@@ -33,8 +34,10 @@ from .tensor_parallel import TPShard, local_config
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
+@cache
 def _layer_ops():  # noqa: ANN202 - the module
-    """kernels/layer_ops (Triton), imported on the fused path only: the package runs without Triton."""
+    """kernels/layer_ops (Triton), imported on the fused path only: the package runs without Triton.
+    Cached: the fused forward asks for it five times per layer."""
     from ...kernels import layer_ops
 
     return layer_ops
@@ -250,11 +253,7 @@ class DecoderModel(nn.Module):
         -> logits [R, vocab] float32 for the rows `logits_rows` [R] (typically each sequence's
         last token of the step; None = all T rows). Only those rows go through the final norm
         and the LM head."""
-        if token_ids.ndim != 1 or positions.shape != token_ids.shape:
-            raise ValueError(
-                f"token_ids and positions must both be [T] (packed, no batch dim); got "
-                f"{tuple(token_ids.shape)} and {tuple(positions.shape)}"
-            )
+        check_packed(token_ids, positions)
         h = self.model.embed_tokens(token_ids)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
         if self.fused_ops:
