@@ -4,7 +4,7 @@ attention call). The coordinator keeps one `AttentionOptions` per layer that set
 (`SparseCoordinator.set_attention_options`) and hands them to the backend at decode and to its
 own dense attention at prefill.
 
-Semantics (torch_ref.softcap_and_sink_softmax is the reference):
+Semantics (common/softmax.softcap_and_sink_softmax is the reference):
   softcap  logits s = scale * q.k become softcap * tanh(s / softcap) before the softmax.
   sinks    one learned logit per query head joins the softmax's denominator and has no value:
            out = sum_j e^(s_j - m) v_j / (e^(sink - m) + sum_j e^(s_j - m)). Not soft-capped.

@@ -44,7 +44,7 @@ from .dense_fallback import DenseTally
 from .footprint import check_footprint, reraise_allocation_error
 from .step_order import StepOrder
 from .kv_store.hierarchical import HierarchicalKVStore
-from .backends.torch_ref import softcap_and_sink_softmax
+from .common.softmax import softcap_and_sink_softmax
 from .common.layout import KVLayout
 
 
@@ -641,7 +641,7 @@ def _causal_prefill(
 ) -> torch.Tensor:
     """Dense causal attention per request over packed rows, float32 accumulation; queries in
     chunks so that memory stays at [q_heads, chunk, prompt_len]. `options`: the layer's
-    softcap / sinks, as torch_ref's `softcap_and_sink_softmax` applies them."""
+    softcap / sinks, as `common.softmax.softcap_and_sink_softmax` applies them."""
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     group = q.shape[1] // k.shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1])

@@ -106,7 +106,7 @@ class AttentionBackend(ABC):
         A backend that declares `supports_softcap` / `supports_sinks` also takes them as keywords:
         `softcap: float | None` (logits = softcap * tanh(scale * q.k / softcap)) and
         `sinks: float32 [num_q_heads] | None` (a logit per query head in the softmax's
-        denominator, with no value); see `torch_ref.softcap_and_sink_softmax`. They are passed
+        denominator, with no value); see `common.softmax.softcap_and_sink_softmax`. They are passed
         only when set, so backends without them keep this signature."""
 
 

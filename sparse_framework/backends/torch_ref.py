@@ -13,6 +13,7 @@ from ..adaptors.flash_attention import FlashAttentionMetadata
 from ..adaptors.flashmla import FlashMLAMetadata
 from ..common.flashmla_format import NOPE_DIM, PACKED_BYTES, unpack_flashmla_fp8
 from ..common.layout import FP8_DTYPES
+from ..common.softmax import softcap_and_sink_softmax
 from .base import AttentionBackend, fold_sinks
 
 
@@ -84,28 +85,6 @@ def indexed_attention(
         probs = softcap_and_sink_softmax(scores, ~valid[:, :, None, None, :], softcap, row_sinks)
     out = torch.einsum("nshgt,nsthd->nshgd", probs, rows[..., :v_dim])
     return out.reshape(n, s_q, hq, v_dim)
-
-
-def softcap_and_sink_softmax(
-    scores: torch.Tensor, hidden: torch.Tensor, softcap: float | None, sinks: torch.Tensor | None
-) -> torch.Tensor:
-    """Attention probabilities from scaled scores [..., T] (float32), with `hidden` (broadcast
-    to scores) masking tokens out:
-
-      softcap  Gemma 2's logit soft-capping: s -> softcap * tanh(s / softcap), after the scale
-               and before the softmax (bounds every logit to (-softcap, softcap)).
-      sinks    [...] (scores' shape without T): GPT-OSS's learned sink logit, one per query
-               head: it joins the softmax denominator, exp(sink - m), but has no value, so the
-               probabilities sum to less than one. It is not soft-capped (GPT-OSS has none).
-
-    Rows with no visible token give zeros (their sink takes all the weight)."""
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(hidden, float("-inf"))
-    if sinks is None:
-        return torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    with_sink = torch.cat([scores, sinks.float().unsqueeze(-1)], dim=-1)
-    return torch.softmax(with_sink, dim=-1)[..., :-1].nan_to_num(0.0)  # a sink of -inf and no token
 
 
 def _per_row(sinks: torch.Tensor, n: int, hq: int) -> torch.Tensor:

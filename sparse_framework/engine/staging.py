@@ -25,6 +25,7 @@ import torch
 
 from ..common.errors import CapacityError
 from ..common.layout import KVLayout
+from ..common.softmax import softcap_and_sink_softmax
 
 
 class PrefillStaging:
@@ -174,11 +175,9 @@ def _capped_attention(
     kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, m, D]
     vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
     scores = qf @ kf.transpose(1, 2) * scale
-    scores = softcap * torch.tanh(scores / softcap)
     if allowed is None:
         allowed = torch.ones(n, m, dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return (scores.softmax(-1) @ vf).transpose(0, 1).to(q.dtype)
+    return (softcap_and_sink_softmax(scores, ~allowed, softcap, None) @ vf).transpose(0, 1).to(q.dtype)
 
 
 _GQA = "enable_gqa" in (torch.nn.functional.scaled_dot_product_attention.__doc__ or "")

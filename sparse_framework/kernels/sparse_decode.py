@@ -464,7 +464,7 @@ def paged_decode(
     the query tokens are the newest rows of the cache). A row that sees nothing gives zeros.
     `num_splits`: at most this many splits of the token range (None: `choose_num_splits`).
     `softcap` (> 0) and `sinks` ([Hq] or [N, Hq], a logit per query head, any float dtype):
-    Gemma 2's soft-capping and GPT-OSS's sinks, as `torch_ref.softcap_and_sink_softmax`.
+    Gemma 2's soft-capping and GPT-OSS's sinks, as `common.softmax.softcap_and_sink_softmax`.
     Returns [N, Hq, Dv] or [N, s_q, Hq, Dv] in q's dtype (float32 accumulation)."""
     if q.dim() not in (3, 4):
         raise ValueError(f"paged_decode: q must be [N, Hq, D] or [N, s_q, Hq, D], got {tuple(q.shape)}")

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from ..common.errors import CapacityError, ConfigError
+from ..common.softmax import softcap_and_sink_softmax
 
 
 class SlidingWindowKV:
@@ -122,19 +123,13 @@ class SlidingWindowKV:
         values = self.v[layer, rows].float()
         qg = q.float().view(b, hk, hq // hk, d)
         logits = torch.einsum("bhgd,bwhd->bhgw", qg, keys) * scale
-        if softcap is not None:
-            logits = softcap * torch.tanh(logits / softcap)
         # slot s holds the position p = s mod slots nearest below `lengths`: valid when p is one
         # of the row's last `window` positions (for slots == window: s < min(len, window))
         slot = torch.arange(self.slots, device=q.device)[None, :]
         lens = lengths.long()[:, None]
         valid = (slot < lens) & ((lens - 1 - slot) % self.slots < self.window)
-        logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
-        if sinks is not None:
-            sink = sinks.float().view(1, hk, hq // hk, 1).expand(b, -1, -1, 1)
-            probs = torch.softmax(torch.cat([logits, sink], -1), -1)[..., :-1]
-        else:
-            probs = torch.softmax(logits, -1)
+        head_sinks = None if sinks is None else sinks.float().view(1, hk, hq // hk).expand(b, -1, -1)
+        probs = softcap_and_sink_softmax(logits, ~valid[:, None, None, :], softcap, head_sinks)
         out = torch.einsum("bhgw,bwhd->bhgd", probs, values)
         return out.reshape(b, hq, d).to(q.dtype)
 
