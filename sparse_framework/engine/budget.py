@@ -42,9 +42,10 @@ from .scheduler import Sequence
 class RunnerBudget:
     """`MemoryBudget` of a `ModelRunner` (see the module docstring)."""
 
-    def __init__(self, runner: ModelRunner, prefix_cache: PrefixCache | None = None) -> None:
+    def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        self.cache = prefix_cache
+        # the engine attaches its prefix cache after building it (the cache takes `headroom`)
+        self.cache: PrefixCache | None = None
         self.store = runner.coord.store
         self.page = self.store.page_size
         self._promised: dict[str, int] = {}  # rid -> host pages promised for its whole life
@@ -99,10 +100,10 @@ class RunnerBudget:
     def _host_room(self, pages: int) -> bool:
         """Whether `pages` free host pages beyond the promises exist, evicting cached pages
         (least recently used first) to make them."""
-        short = pages - (self.store.host_alloc.free - self._owed_pages())
+        short = pages - self.headroom()
         if short > 0 and self.cache is not None:
             self.cache.evict(short)
-            short = pages - (self.store.host_alloc.free - self._owed_pages())
+            short = pages - self.headroom()
         return short <= 0
 
     def can_admit(self, seq: Sequence) -> bool:
