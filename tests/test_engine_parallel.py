@@ -209,3 +209,14 @@ def test_bad_settings_are_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="tensor_parallel_size must be an int >= 1"):
         EngineConfig(tensor_parallel_size=0)
     assert dataclasses.replace(local_config(CONFIG, 2), num_heads=4, num_kv_heads=2, intermediate_size=48) == CONFIG
+
+
+def _rank_one_fails(ctx: parallel.TPContext) -> int:
+    if ctx.rank == 1:
+        raise ValueError("rank one's own error")
+    return ctx.rank
+
+
+def test_a_failing_rank_reports_its_traceback_and_the_others_their_state() -> None:
+    with pytest.raises(RuntimeError, match=r"(?s)rank 0: .*rank 1: Traceback.*rank one's own error"):
+        parallel.spawn(_rank_one_fails, world_size=2, backend="gloo")

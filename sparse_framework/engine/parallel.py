@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -141,12 +142,26 @@ def init_tp_from_env(backend: str | None = None) -> TPContext:
     return init_tp(rank, world, backend, device=f"cuda:{local}" if backend == "nccl" else "cpu")
 
 
-def destroy_tp() -> None:
-    """Leave the group (the end of a rank's work)."""
+def destroy_tp(barrier: bool = True) -> None:
+    """Leave the group (the end of a rank's work). Every rank meets at a barrier first, so no
+    rank tears its communicator down while a peer still sends on it; a rank leaving on an error
+    skips it (its peers may be stuck in a collective it will never join)."""
     global _CURRENT
     if dist.is_initialized():
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
     _CURRENT = None
+
+
+def exit_rank(code: int = 0) -> NoReturn:
+    """End a rank's process without the interpreter's teardown. The process-group backends keep
+    background threads (gloo's and the TCP store's) whose C++ destructors, run at interpreter
+    exit, can abort ("terminate called without an active exception") or hang after the work
+    and its output are done; `os._exit` skips them. Flush what the rank printed first."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def free_port() -> int:
@@ -158,16 +173,23 @@ def free_port() -> int:
 def _worker(rank: int, world_size: int, backend: str, port: int, out_dir: str, fn: Callable[..., Any],
             args: tuple[Any, ...]) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **NCCL_SAFE_ENV})
+    if backend == "gloo" and "lo" in {name for _, name in socket.if_nameindex()}:
+        # all ranks are on this host: gloo on loopback, not on whatever the hostname resolves to
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     path = Path(out_dir) / f"rank{rank}.pt"
     try:
         ctx = init_tp(rank, world_size, backend)
         try:
-            torch.save({"ok": fn(ctx, *args)}, path)
-        finally:
-            destroy_tp()
+            result = fn(ctx, *args)
+        except BaseException:
+            destroy_tp(barrier=False)
+            raise
+        torch.save({"ok": result}, path)
+        destroy_tp()
     except BaseException:
         torch.save({"error": traceback.format_exc()}, path)
         raise
+    exit_rank(0)
 
 
 def spawn(fn: Callable[..., Any], world_size: int, backend: str = "gloo", args: tuple[Any, ...] = ()) -> list[Any]:
@@ -181,6 +203,9 @@ def spawn(fn: Callable[..., Any], world_size: int, backend: str = "gloo", args: 
         try:
             mp.spawn(_worker, args=(world_size, backend, port, out, fn, args), nprocs=world_size, join=True)
         except Exception as exc:
-            errors = [torch.load(p, weights_only=False).get("error") for p in sorted(Path(out).glob("rank*.pt"))]
-            raise RuntimeError("a tensor-parallel rank failed:\n" + "\n".join(e for e in errors if e)) from exc
+            reports = {r: Path(out) / f"rank{r}.pt" for r in range(world_size)}
+            lines = [f"rank {r}: " + (torch.load(p, weights_only=False).get("error") or "finished its work")
+                     if p.exists() else f"rank {r}: died without a report (its stderr is above)"
+                     for r, p in reports.items()]
+            raise RuntimeError(f"a tensor-parallel rank failed ({type(exc).__name__}):\n" + "\n".join(lines)) from exc
         return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False)["ok"] for r in range(world_size)]
