@@ -288,3 +288,68 @@ def test_device_memory_gib_makes_the_utilization_usable_on_the_cpu(monkeypatch, 
     plan = json.loads(path.read_text())["memory_plan"]
     assert plan["gpu_memory_utilization"] == 0.6 and plan["device_total_bytes"] == 2**28
     assert plan["host_budget_bytes"] == 2**29 and plan["num_seqs"] == 2  # --concurrency (all 2) bounds the rows
+
+
+def test_mla_activations_cover_the_expanded_prefix_of_a_last_chunk() -> None:
+    """An MLA model's attention term (memory.mla_attention_bytes) covers what a last prefill
+    chunk's `mla_prefill_attention` allocates for its max_model_len prefix: the [m, H, nope + v]
+    product of kv_b_proj and the keys' cat, measured on the tensors `MLAInputs.expand` makes
+    (tiny DeepSeek-V3.2 preset); the layer's peak takes that term."""
+    from sparse_framework.engine.models.mla import MLAInputs
+
+    config = ModelConfig.from_hf(RANDOM_MODELS["deepseek-v3.2-tiny"])
+    m, n, mml = config.mla, 16, 512
+    heads, itemsize = config.num_heads, 2
+    x = MLAInputs(q_nope=torch.zeros(n, heads, m.qk_nope_head_dim), q_rot=torch.zeros(n, heads, m.qk_rope_head_dim),
+                  latent=torch.zeros(n, m.kv_lora_rank + m.qk_rope_head_dim),
+                  kv_b=torch.zeros(heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank, dtype=torch.bfloat16),
+                  scale=1.0, index_q=torch.zeros(n, m.index_n_heads, m.index_head_dim),
+                  index_weights=torch.zeros(n, m.index_n_heads), index_k=torch.zeros(n, m.index_head_dim), index_topk=4)
+    k, v = x.expand(torch.zeros(mml, m.kv_lora_rank + m.qk_rope_head_dim, dtype=torch.bfloat16))
+    product = mml * heads * (m.qk_nope_head_dim + m.v_head_dim) * itemsize  # v is a view of it
+    made = product + k.numel() * k.element_size()
+    assert v.untyped_storage().nbytes() == product
+    got = memory.mla_attention_bytes(config, itemsize, tokens=n, chunk_tokens=n, max_model_len=mml, decode_rows=0,
+                                     selection_units=0)
+    assert got >= made
+    layer, _, _ = memory.activation_bytes(config, itemsize, tokens=n, logits_rows=1, chunk_tokens=n,
+                                          max_model_len=mml, selection_units=1)
+    assert layer >= got
+
+
+@pytest.mark.parametrize("kind", ["mla", "hybrid"])
+def test_prefix_caching_plans_the_caches_host_copies_beside_the_pool(kind) -> None:
+    """With prefix caching the host term of a request row grows by what the cache keeps beside
+    the host pool: an indexer key per token (MLA; layers x index_dim x 2 bytes) or the
+    sliding-window copies at the engine's SWA limit (hybrid); the pool itself is unchanged,
+    and an engine built from the plan caps its cache's SWA pages at the planned limit."""
+    from sparse_framework.engine.prefix_cache import SWA_WINDOWS_PER_ROW, swa_limit_pages
+
+    if kind == "mla":
+        config = ModelConfig.from_hf(RANDOM_MODELS["deepseek-v3.2-tiny"])
+        sparse = {"algorithm": "dsa", "top_k": 16, "page_size": 4, "sink_tokens": 0, "recent_tokens": 0,
+                  "min_sparse_prompt_len": 0, "device_buffer_tokens": 32,
+                  "extra": {"index_heads": 4, "index_dim": 32, "key_dtype": "float32", "score_newest": True}}
+        side = config.num_layers * 32 * 2 * MAX_LEN  # bf16 keys of a row's 64 tokens
+    else:
+        config = ModelConfig.from_hf({"architectures": ["Gemma2ForCausalLM"], "vocab_size": 96, "hidden_size": 32,
+                                      "intermediate_size": 48, "num_hidden_layers": 4, "num_attention_heads": 4,
+                                      "num_key_value_heads": 2, "head_dim": 8, "sliding_window": 8,
+                                      "query_pre_attn_scalar": 16, "max_position_embeddings": 256})
+        sparse = {**SPARSE, "extra": {"dense_first_layers": 0}}
+        per_page = 2 * 2 * 4 * 2 * 8 * 2  # k and v, 2 sliding layers, 4 tokens, 2 KV heads x 8, bf16
+        side = SWA_WINDOWS_PER_ROW * (8 // 4 + 1) * per_page
+    layout = config.kv_layout(torch.bfloat16, max_model_len=MAX_LEN)
+    args = dict(weight_bytes=0, max_model_len=MAX_LEN, max_num_batched_tokens=32, max_num_seqs=8,
+                gpu_memory_utilization=U, device_total_bytes=2**40, host_memory_bytes=2**40, dtype=torch.bfloat16)
+    off = plan_engine_memory(config, layout, load_config(sparse), **args)
+    on = plan_engine_memory(config, layout, load_config(sparse), **args, prefix_caching=True)
+    assert memory.prefix_cache_host_bytes(config, 4, torch.bfloat16, MAX_LEN) == side > 0
+    assert on.host_bytes_per_request == off.host_bytes_per_request + side
+    assert on.host_pool_bytes == off.host_pool_bytes and on.prefix_cache_host_bytes == on.num_seqs * side
+    assert "prefix cache beside the host pool" in on.describe()
+    if kind == "hybrid":
+        model = random_model(config, torch.float32)
+        engine = Engine(model, config, sparse, EngineConfig(max_num_seqs=3, max_model_len=MAX_LEN,
+                                                             enable_prefix_caching=True))
+        assert engine.prefix_cache.swa_limit_pages == swa_limit_pages(3, 8, 4) == 3 * SWA_WINDOWS_PER_ROW * 3

@@ -7,8 +7,6 @@ cleared; unsupported settings are refused by name. Plus the store's borrowed hos
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import transformers
@@ -317,34 +315,6 @@ def test_borrowed_pages_are_read_not_written_nor_freed() -> None:
     assert store.host_alloc.used == 2
     store.release_host_pages(shared)
     assert store.host_alloc.used == 0
-
-
-def test_quest_build_recomputed_at_hand_over_is_cheap() -> None:
-    """The design recomputes the algorithm's representations from the staged prefix instead
-    of storing them in the tree. Quest's build (page min/max) of a 4096-token prompt's layer
-    (8 KV heads x 128) costs less than the K projection alone of those tokens (a [4096, 1024]
-    x [1024, 1024] matmul): a small part of the prefill work a hit saves in that layer."""
-    from sparse_framework.config import load_config
-    from sparse_framework.coordinator import SparseCoordinator
-    from sparse_framework.common.layout import KVLayout
-    layout = KVLayout(num_layers=1, num_kv_heads=8, head_dim=128, dtype=torch.float32, device="cpu")
-    coord = SparseCoordinator(load_config({**FULL, "page_size": 16}), layout, max_requests=1, max_seq_len=4200)
-    algo = coord.algorithm
-    r = Request("r", 4096)
-    coord.on_request_begin(r)
-    r.seq_len = 4096
-    k = torch.randn(4096, 8, 128)
-    x, w = torch.randn(4096, 1024), torch.randn(1024, 1024)
-    build = min(_timed(lambda: algo.build(0, r, k, None, inputs={})) for _ in range(3))
-    project = min(_timed(lambda: x @ w) for _ in range(3))
-    print(f"quest build of 4096 tokens: {build * 1e3:.2f} ms; their K projection: {project * 1e3:.2f} ms")
-    assert build < project
-
-
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,

@@ -46,7 +46,7 @@ from .memory import EngineMemoryPlan, host_budget, plan_for
 from .models import ModelConfig
 from .models.tensor_parallel import check_tensor_parallel
 from .prefill_attention import CHOICES as PREFILL_CHOICES
-from .prefix_cache import PrefixCache, check_supported
+from .prefix_cache import PrefixCache, check_supported, swa_limit_pages
 from .runner import DecodeRow, Model, ModelRunner, TokenFeed
 from .runner import PrefillChunk as RunnerChunk
 from .sampling import Sampler, SamplingParams, finished
@@ -263,7 +263,7 @@ class Engine:
                 max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
                 gpu_memory_utilization=config.gpu_memory_utilization, device_memory_bytes=config.device_memory_bytes,
                 host_memory_bytes=host_bytes, max_prefill_chunk=config.max_prefill_chunk,
-                staging_tokens=config.staging_tokens, dtype=dtype, ring_page_slack=config.enable_prefix_caching,
+                staging_tokens=config.staging_tokens, dtype=dtype, prefix_caching=config.enable_prefix_caching,
             )
             log.info("%s", plan.describe())
             rows, device_tokens, host_tokens = plan.num_seqs, plan.device_capacity_tokens, plan.host_capacity_tokens
@@ -301,6 +301,8 @@ class Engine:
             self.budget.cache = self.prefix_cache
             if self.runner.ring is not None:  # a hybrid's windows are snapshot at chunk ends too
                 self.runner.chunk_hook = self.prefix_cache.on_chunk
+            if self.prefix_cache.index_staging is not None:  # an indexer's keys, copied at the hand-over
+                self.runner.commit_hook = self.prefix_cache.on_commit
         self.scheduler = Scheduler(
             self.budget, max_num_batched_tokens=max(config.max_num_batched_tokens, rows),
             max_num_seqs=rows, max_prefill_chunk=config.max_prefill_chunk, max_model_len=max_model_len,
@@ -369,11 +371,14 @@ class Engine:
     def _make_prefix_cache(self, sparse_config: SparseConfig) -> PrefixCache:
         runner, algo = self.runner, self.runner.coord.algorithm
         store = runner.coord.store
-        check_supported(store, ring=runner.ring, mla=runner.mla is not None,
-                        prefill_inputs=list(algo.prefill_inputs), query_rows=algo.prefill_query_rows,
-                        algorithm=sparse_config.algorithm)
+        staged_index = runner.staging.index_k is not None
+        check_supported(store, ring=runner.ring, prefill_inputs=list(algo.prefill_inputs),
+                        query_rows=algo.prefill_query_rows, algorithm=sparse_config.algorithm,
+                        staged_index_keys=staged_index)
+        swa_limit = None if runner.ring is None else swa_limit_pages(self.num_seqs, runner.ring.window, store.page_size)
         return PrefixCache(store, query_rows=algo.prefill_query_rows or 0, headroom=self.budget.headroom,
-                           ring=runner.ring)
+                           ring=runner.ring, index_staging=runner.staging if staged_index else None,
+                           swa_limit_pages=swa_limit)
 
     def clear_prefix_cache(self) -> int:
         """Evict every cached page no running request holds; the host pages freed."""

@@ -34,7 +34,8 @@ packed tokens through one layer (residual stream, q/k/v and their rotated copies
 three intermediate tensors, the float32 norm statistics, the boolean mask of a prefill chunk
 over a max_model_len prefix and its additive form, the selection scores of the decode rows) or
 of the logits rows and the sampler's working set, or of the hand-over of a whole prompt to the
-store, whichever is largest. They do not depend on
+store, whichever is largest (an MLA layer's attention is its own term, `mla_attention_bytes`:
+a prefill chunk expands its whole staged prefix per head). They do not depend on
 the device type, so `sparse-framework plan --engine` and an engine on the GPU agree; on the CPU
 the math SDPA also materialises the chunk's scores, which the estimate leaves out (the CPU
 runs the tiny test models).
@@ -56,6 +57,8 @@ from ..footprint import coordinator_parts
 from ..kv_store.device_pools import RESIDENT, SPARSE_LAYERS, size_device_pools
 from ..kv_store.pinned import meminfo_bytes
 from .models import ModelConfig
+from .models.mla import INDEX_SCORE_BYTES
+from .prefix_cache import swa_limit_pages
 from .staging import PrefillStaging
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # `plan --engine`'s and the benchmarks' fraction when none is given
@@ -95,6 +98,7 @@ class EngineMemoryPlan:
     host_capacity_tokens: int | None
     device_pool_bytes: int
     host_pool_bytes: int
+    prefix_cache_host_bytes: int = 0  # what a prefix cache keeps beside the host pool (its limit)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -142,6 +146,8 @@ class EngineMemoryPlan:
             f"{self.max_num_seqs}: {self.num_seqs} rows ({bound})",
             f"  pools   device {_gib(self.device_pool_bytes)} (device_capacity_tokens {device_tokens}),",
             f"          host {_gib(self.host_pool_bytes)} (host_capacity_tokens {host_tokens})",
+            *([f"          prefix cache beside the host pool {_gib(self.prefix_cache_host_bytes)}"]
+              if self.prefix_cache_host_bytes else []),
         ])
 
 
@@ -169,11 +175,60 @@ def activation_bytes(
         + chunk_tokens * max_model_len * (1 + itemsize)  # the chunk's mask over its prefix, bool and additive
         + min(logits_rows, t) * selection_units * SELECTION_BYTES_PER_UNIT
     )
+    if model.mla is not None:
+        attention = mla_attention_bytes(model, itemsize, tokens=t, chunk_tokens=chunk_tokens,
+                                        max_model_len=max_model_len, decode_rows=min(logits_rows, t),
+                                        selection_units=selection_units)
     mlp = 3 * t * i * itemsize  # silu(gate), up and their product
     layer = residual + norm + max(attention, mlp)
     logits = t * h * itemsize + logits_rows * model.vocab_size * (itemsize + 4 + SAMPLER_BYTES_PER_LOGIT)
     handover = 3 * max_model_len * model.num_kv_heads * model.head_dim * itemsize
     return layer, logits, handover
+
+
+def mla_attention_bytes(
+    model: ModelConfig, itemsize: int, *, tokens: int, chunk_tokens: int, max_model_len: int, decode_rows: int,
+    selection_units: int,
+) -> int:
+    """The attention phase of one MLA layer (engine/models/mla.py) over `tokens` packed tokens.
+    A prefill chunk expands its whole staged prefix (up to max_model_len rows) through
+    kv_b_proj: per head the keys (nope + rope) and the values, from one [m, H, nope + v]
+    product — that expansion, not the chunk, is the peak at long contexts (DeepSeek-V3.2 at
+    128K: about 15 GiB in bf16). Then each block of queries' float32 index scores (at most
+    INDEX_SCORE_BYTES, with their ReLU and the masked copy the top-k reads) and its mask.
+    Besides: the step's projections (q in both forms, the latent row, the indexer's queries)
+    and the decode rows' selection scores."""
+    m = model.mla
+    assert m is not None
+    heads, nope, rope, v = model.num_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim
+    prefix = max_model_len  # a last chunk's prefix, itself included
+    expanded = prefix * heads * ((nope + v) + (nope + rope)) * itemsize  # kv product, then the keys' cat
+    per_query = 4 * m.index_n_heads * prefix  # one query's float32 index scores over the prefix
+    block = max(1, min(256, INDEX_SCORE_BYTES // max(1, per_query), chunk_tokens))
+    scores = 3 * block * per_query + block * prefix * (1 + 4)  # scores, ReLU, masked copy; mask and top-k values
+    latent = m.kv_lora_rank + rope
+    projections = tokens * (
+        2 * heads * (nope + rope) + latent + m.index_n_heads * (m.index_head_dim + 1) + 2 * heads * v
+    ) * itemsize
+    absorbed = 2 * decode_rows * heads * latent * itemsize  # decode: absorbed queries, latent-form outputs
+    return projections + absorbed + expanded + scores + decode_rows * selection_units * SELECTION_BYTES_PER_UNIT
+
+
+def prefix_cache_host_bytes(model: ModelConfig, page_size: int, dtype: torch.dtype, max_model_len: int) -> int:
+    """Host bytes per request row that a prefix cache keeps outside the store's host pool
+    (engine/prefix_cache.py): an MLA + indexer model's indexer key of every token the row's
+    host pages may hold (a cached page keeps its keys), and a hybrid model's sliding-window
+    copies at the engine's limit (`prefix_cache.swa_limit_pages` for one row), in `dtype` (the
+    staging's and the ring's)."""
+    tokens = cdiv(max_model_len, page_size) * page_size
+    index = model.num_layers * model.mla.index_head_dim * dtype.itemsize * tokens if model.mla is not None else 0
+    layers = model.layer_map(max_model_len)
+    swa = 0
+    if layers.sliding:
+        assert layers.window is not None
+        per_token = model.sliding_ring_bytes(dtype, max_model_len) // layers.window
+        swa = swa_limit_pages(1, layers.window, page_size) * page_size * per_token
+    return index + swa
 
 
 def request_bytes(config: SparseConfig, layout: KVLayout, max_model_len: int) -> tuple[int, int]:
@@ -211,7 +266,7 @@ def plan_engine_memory(
     max_prefill_chunk: int | None = None,
     staging_tokens: int | None = None,
     dtype: torch.dtype | None = None,
-    ring_page_slack: bool = False,
+    prefix_caching: bool = False,
 ) -> EngineMemoryPlan:
     """The engine's pools for a model, its KV layout and a sparse config (module docstring).
 
@@ -220,8 +275,9 @@ def plan_engine_memory(
     with the weights loaded (None: nothing but the weights is on the device); host_memory_bytes:
     the host budget (None: HOST_MEMORY_FRACTION of MemAvailable). The other arguments are the
     EngineConfig's. dtype: the model's (activations, prefill staging and the sliding ring; None:
-    the layout's, bfloat16 for an fp8 one, whose rows only the store keeps). ring_page_slack:
-    the ring keeps a page beyond the window (prefix caching on). Not one request fitting is not
+    the layout's, bfloat16 for an fp8 one, whose rows only the store keeps). prefix_caching: the
+    ring keeps a page beyond the window, and each request row's host bytes include what the
+    cache keeps outside the host pool (`prefix_cache_host_bytes`). Not one request fitting is not
     an error here: `EngineMemoryPlan.check`."""
     tokens = max(max_num_batched_tokens, max_num_seqs)  # the scheduler's step never exceeds this
     rows_sampled = min(max_num_seqs, tokens)
@@ -244,7 +300,11 @@ def plan_engine_memory(
     budget = int(gpu_memory_utilization * device_total_bytes) - weight_bytes - activations - staging - other
     per_device, per_host = request_bytes(config, layout, max_model_len)
     per_device += model.sliding_ring_bytes(  # sliding layers' ring row
-        compute_dtype, max_model_len, config.page_size if ring_page_slack else 0)
+        compute_dtype, max_model_len, config.page_size if prefix_caching else 0)
+    pool_per_host = per_host
+    side = prefix_cache_host_bytes(model, config.page_size, compute_dtype, max_model_len) if prefix_caching else 0
+    if per_host:  # (no host pool, no cache: the engine refuses the cache there)
+        per_host += side
     host_bytes, source = host_budget(host_memory_bytes)
     by_device = max(0, budget) // per_device
     by_host = host_bytes // per_host if per_host else None
@@ -261,7 +321,8 @@ def plan_engine_memory(
         host_bytes_per_request=per_host, requests_by_device=by_device, requests_by_host=by_host, max_requests=most,
         limited_by="device" if by_host is None or by_device <= by_host else "host", num_seqs=rows,
         device_capacity_tokens=device_tokens, host_capacity_tokens=host_tokens,
-        device_pool_bytes=rows * per_device, host_pool_bytes=rows * per_host,
+        device_pool_bytes=rows * per_device, host_pool_bytes=rows * pool_per_host,
+        prefix_cache_host_bytes=rows * side if pool_per_host else 0,
     )
 
 
@@ -303,7 +364,7 @@ def plan_for(
     and before the pools are allocated, so that free memory counts neither twice). `settings`
     are plan_engine_memory's EngineConfig arguments (max_model_len, max_num_batched_tokens,
     max_num_seqs, gpu_memory_utilization, host_memory_bytes, max_prefill_chunk,
-    staging_tokens, dtype, ring_page_slack); the Engine calls this with its own."""
+    staging_tokens, dtype, prefix_caching); the Engine calls this with its own."""
     total, free = device_memory(torch.device(device), device_memory_bytes)
     return plan_engine_memory(model, layout, config, weight_bytes=weight_bytes_of(parameters),
                               device_total_bytes=total, device_free_bytes=free, **settings)  # type: ignore[arg-type]

@@ -31,11 +31,12 @@ chunk runs, the hand-over passes the whole staged prompt to the coordinator as b
 device buffer (sink, recent window, dense layers) and the algorithm's representations
 (Quest page bounds, PQ codes, DSA-on-keys) are *recomputed* from the staged prefix K/V rather
 than stored in the tree, which keeps one kind of value in the tree and needs nothing of
-the algorithm. Measured on the CPU (tests/test_engine_prefix_cache.py, 4096 tokens, 8 KV
-heads x 128): Quest's build of one layer took 4-7 ms, its K projection alone ([4096, 1024] x
-[1024, 1024]) 25 ms — a small part of the prefill work a hit saves. PQCache's k-means and
-SnapKV's votes are heavier and were not measured. Only the host offload of the prefix is
-skipped.
+the algorithm. What that costs per layer, from benchmarks/prefix_cache_build_cost.py on the
+CPU (4096 tokens, 8 KV heads x 128, float32; benchmarks/results/prefix_cache_build_cost_cpu.json),
+against the layer's projections and MLP that the hit saves (Llama-3-8B shape, FLOPs-scaled):
+Quest 0.1%, SnapKV's votes 0.6%, DSA on keys < 0.1%, PQCache's k-means 8.5% (4.4x the K
+projection alone) — the one where storing codes would pay; not done. Only the host offload
+of the prefix is skipped.
 
 Locks and eviction. A request holds one lock from admission to its end (moved down to the
 node of its inserted prompt at `on_prefilled`), so no page it reads is evicted; a request
@@ -70,15 +71,29 @@ request's ring row, zeroed first, at `on_admitted`, right after the runner admit
 before its first chunk reads the ring. `evict_swa` frees least recently used windows (their
 nodes become tombstones that keep the full layers' pages for longer prefixes; the match
 falls back to an earlier window or none), called when the SWA pages held exceed
-`swa_limit_pages`; `evict` frees a removed leaf's SWA pages with its host pages. SWA pages
-are plain host tensors, outside the store's host pool and the memory plan (which counts the
-ring's page of slack per row).
+`swa_limit_pages` (the engine's: `swa_limit_pages()`, SWA_WINDOWS_PER_ROW windows per request
+row), before a snapshot; a snapshot that still finds no room is skipped. `evict` frees a
+removed leaf's SWA pages with its host pages. SWA pages are plain host tensors outside the
+store's host pool; the memory plan counts them at that limit (`memory.prefix_cache_host_bytes`),
+beside the ring's page of slack per row.
 
-Not supported (refused by name in `check_supported`): MLA models and algorithms with
-prefill inputs (indexer keys: the staging of a cached prefix has none), fp8 KV (the staged
-prefix would be the stored, rounded values: outputs would differ from the cache off),
-algorithms reading every prompt query, and the resident store without a host pool (nothing
-to hold the cache).
+MLA models with a lightning indexer (DeepSeek-V3.2). The host pages hold the latent rows;
+the prefill of the chunks after a cached prefix also needs the prefix's indexer keys (each
+query attends to its indexer top-k of the staged prefix), and so does DSA's build at the
+hand-over. The cache keeps them beside the pages: one host tensor [layers, page, index_dim]
+per tree page, copied from the staging when the prompt is handed over (`on_commit`, the
+runner's commit hook) — the model's own values, not DSA's stored form, which FP8 keys would
+round — and written into a new request's staging span at `on_admitted`. A generated token's
+raw indexer key is kept nowhere (DSA stores its own form), so for these models only prompt
+pages are cached (`on_finished` adds none): a multi-turn chat reuses each turn's prompt, not
+the answers. The keys are index_dim x dtype bytes per token and layer (DeepSeek-V3.2: 128 x 2
+beside a 576 x 2 latent row, +22%), host memory outside the store's pool, freed with their
+pages; the memory plan counts them for every host pool page (`memory.prefix_cache_host_bytes`).
+
+Not supported (refused by name in `check_supported`): algorithms with prefill inputs other
+than the staged indexer keys, fp8 KV (the staged prefix would be the stored, rounded values:
+outputs would differ from the cache off), algorithms reading every prompt query, and the
+resident store without a host pool (nothing to hold the cache).
 
 Differences from SGLang's radix cache: SGLang's values are device KV indices (its HiCache
 adds a host tier behind them); here they are host pages, since the hierarchical store keeps
@@ -104,6 +119,7 @@ from ..common.batch import Request
 from ..common.errors import ConfigError
 from ..kv_store.hierarchical import HierarchicalKVStore
 from ..kv_store.sliding_window import SlidingWindowKV
+from .staging import PrefillStaging
 from .radix_cache import EvictResult, InsertResult, LockHandle, RadixCache, RadixNode
 
 
@@ -133,20 +149,20 @@ class PrefixStats:
                 "swa_evicted_pages": self.swa_evicted_pages, "swa_lost_pages": self.swa_lost_pages}
 
 
-def check_supported(store: HierarchicalKVStore, *, mla: bool, prefill_inputs: Sequence[str],
-                    query_rows: int | None, algorithm: str, ring: SlidingWindowKV | None = None) -> None:
+def check_supported(store: HierarchicalKVStore, *, prefill_inputs: Sequence[str], query_rows: int | None,
+                    algorithm: str, ring: SlidingWindowKV | None = None, staged_index_keys: bool = False) -> None:
     """Refuse, by name, configurations the prefix cache does not handle (module docstring).
     `ring`: a hybrid model's sliding-window ring, which must keep a page beyond the window
-    (`ModelRunner(ring_page_slack=True)`) for its windows to be snapshot at page boundaries."""
+    (`ModelRunner(ring_page_slack=True)`) for its windows to be snapshot at page boundaries.
+    `staged_index_keys`: the prefill staging keeps an indexer key per token (an MLA + indexer
+    model), which the cache then keeps beside its pages: the one prefill input it can give."""
     what = "EngineConfig.enable_prefix_caching=True"
     if ring is not None and ring.slots < ring.window + store.page_size:
         raise ConfigError(f"{what}: the sliding-window ring keeps {ring.slots} slots per row, fewer than window + "
                           f"page_size ({ring.window} + {store.page_size}); build the runner with ring_page_slack=True")
-    if mla:
-        raise ConfigError(f"{what}: MLA models are not supported yet (the staged indexer keys of a cached prefix "
-                          "are not kept); turn prefix caching off")
-    if prefill_inputs:
-        raise ConfigError(f"{what}: algorithm {algorithm!r} needs prefill inputs {sorted(prefill_inputs)} that a "
+    missing = set(prefill_inputs) - ({"index_k"} if staged_index_keys else set())
+    if missing:
+        raise ConfigError(f"{what}: algorithm {algorithm!r} needs prefill inputs {sorted(missing)} that a "
                           "cached prefix does not have; use another algorithm or turn prefix caching off")
     if query_rows is None:
         raise ConfigError(f"{what}: algorithm {algorithm!r} reads every prompt query at build; a cached prefix "
@@ -157,6 +173,16 @@ def check_supported(store: HierarchicalKVStore, *, mla: bool, prefill_inputs: Se
     if store.host_alloc.num_pages == 0:
         raise ConfigError(f"{what}: the store has no host pool to hold cached pages (store 'resident' sizes none "
                           "by default); set host_capacity_tokens")
+
+
+SWA_WINDOWS_PER_ROW = 4  # sliding windows the engine's prefix cache may hold per request row
+
+
+def swa_limit_pages(rows: int, window: int, page_size: int) -> int:
+    """The SWA pages the engine lets its prefix cache hold (and the memory plan counts):
+    SWA_WINDOWS_PER_ROW windows per request row, each ceil(window / page) + 1 pages (a window
+    not starting on a page boundary spans one more)."""
+    return rows * SWA_WINDOWS_PER_ROW * (-(-window // page_size) + 1)
 
 
 class SwaPages:
@@ -199,7 +225,7 @@ class PrefixCache:
 
     def __init__(self, store: HierarchicalKVStore, *, query_rows: int = 0,
                  headroom: Callable[[], int] | None = None, ring: SlidingWindowKV | None = None,
-                 swa_limit_pages: int | None = None) -> None:
+                 swa_limit_pages: int | None = None, index_staging: PrefillStaging | None = None) -> None:
         self.store = store
         self.page = store.page_size
         self.ring = ring
@@ -212,6 +238,11 @@ class PrefixCache:
         self._windows: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}  # rid -> (end, k, v) to restore
         self._chunk_windows: dict[str, dict[int, list[int]]] = {}  # rid -> {pages: SWA handles} of chunk ends
         self.stats = PrefixStats()
+        # an MLA + indexer model: the indexer key of every cached token, per host page id
+        self.index_staging = index_staging
+        self._index_pages: dict[int, torch.Tensor] = {}  # host page id -> [layers, page, index_dim] on the host
+        self._prompt_index: dict[str, torch.Tensor] = {}  # rid -> its prompt's whole pages' keys, until inserted
+        self._hit_pages: dict[str, list[int]] = {}  # rid -> the cached prefix's page ids, to stage at on_admitted
 
     # -- admission --------------------------------------------------------------------------
     def usable_tokens(self, prompt_len: int) -> int:
@@ -237,12 +268,22 @@ class PrefixCache:
                 self.stats.swa_lost_pages += m.num_pages
                 return 0, None
             self._windows[rid] = window
+        if self.index_staging is not None:
+            self._hit_pages[rid] = list(m.values)
         self._locks[rid] = self.tree.lock(m.node)
         return m.num_pages * self.page, torch.tensor(m.values, dtype=torch.int64)
 
     def on_admitted(self, rid: str, request: Request) -> None:
-        """The request has its ring row (`request.slot`): write its cached prefix's window
-        there, as the prefill chunks of the prefix would have left it."""
+        """The request has its ring row (`request.slot`) and staging span: write its cached
+        prefix's window into the row and its indexer keys into the span, as the prefill chunks
+        of the prefix would have left them."""
+        pages = self._hit_pages.pop(rid, None)
+        if pages:
+            staging = self.index_staging
+            assert staging is not None and staging.index_k is not None
+            keys = torch.cat([self._index_pages[p] for p in pages], 1)  # [layers, tokens, index_dim]
+            base = staging.spans[rid][0]
+            staging.index_k[:, base:base + keys.shape[1]] = keys.to(staging.index_k.device)
         window = self._windows.pop(rid, None)
         if window is None:
             return
@@ -264,6 +305,8 @@ class PrefixCache:
         """Drop the request's lock (its pages become evictable when no one else holds them)
         and the windows it snapshot and did not insert."""
         self._windows.pop(rid, None)
+        self._hit_pages.pop(rid, None)
+        self._prompt_index.pop(rid, None)
         for handles in self._chunk_windows.pop(rid, {}).values():
             self.swa.free(handles)
         handle = self._locks.pop(rid, None)
@@ -280,15 +323,25 @@ class PrefixCache:
         mine = self._chunk_windows.setdefault(rid, {})
         if self.ring is None or pages == 0 or pages in mine:
             return
+        self._swa_room(self.tree.window_pages)
         handles = self._snapshot(request, pages, done)
         if handles is not None:
             mine[pages] = handles
+
+    def _swa_room(self, pages: int) -> None:
+        """Evict least recently used windows until `pages` more SWA pages fit the limit (or no
+        unlocked window is left). Called before snapshots, never inside an insertion sequence
+        (an eviction may remove a leaf that sequence just inserted)."""
+        excess = len(self.swa) + pages - self.swa_limit_pages
+        if excess > 0:
+            self.evict_swa(excess)
 
     def _snapshot(self, request: Request, pages: int, length: int | None = None) -> list[int] | None:
         """SWA handles of the last min(window pages, pages) pages of the prefix ending at page
         `pages`, copied from the request's ring row to the host; None when the ring no longer
         has that window (the prefix ends more than a page before the row's `length`, by
-        default the request's)."""
+        default the request's) or when the SWA pages held would pass `swa_limit_pages` (the
+        bound the memory plan counts: that prefix end is then not reusable)."""
         ring = self.ring
         assert ring is not None
         end = pages * self.page
@@ -297,6 +350,8 @@ class PrefixCache:
         if end > length or lo > max(0, end - ring.window):
             return None
         first = pages - min(self.tree.window_pages, pages)
+        if len(self.swa) + pages - first > self.swa_limit_pages:
+            return None
         start = max(first * self.page, lo)
         ks, vs = zip(*(ring.read(layer, request.slot, start, end) for layer in range(ring.num_layers)))
         k = torch.stack(ks).to("cpu")  # [layers, end - start, kv_heads, head_dim]
@@ -330,7 +385,40 @@ class PrefixCache:
         k, v = torch.cat(ks, 1), torch.cat(vs, 1)
         return end, k[:, k.shape[1] - n:], v[:, v.shape[1] - n:]
 
+    # -- indexer keys ----------------------------------------------------------------------------
+    def on_commit(self, rid: str, request: Request) -> None:
+        """The runner's commit hook: the prompt was handed over and its staging is about to be
+        released; copy the indexer keys of its whole pages to the host, to go into the tree
+        beside their pages at `on_prefilled`. They are the model's own values, as the staging
+        held them (not DSA's stored form, which FP8 keys round), so a prefix served from the
+        cache feeds the next chunks' indexer exactly what computing it would."""
+        staging = self.index_staging
+        assert staging is not None and staging.index_k is not None
+        n = request.prompt_len // self.page * self.page
+        if n:
+            base = staging.spans[rid][0]
+            self._prompt_index[rid] = staging.index_k[:, base:base + n].to("cpu")
+
+    def _index_limit(self, rid: str, pages: int) -> int:
+        """How many of a request's first `pages` pages can be inserted: all without an indexer;
+        with one, those whose keys `on_commit` copied (its prompt's whole pages, until they are
+        inserted: a generated token's raw indexer key is not kept anywhere)."""
+        if self.index_staging is None:
+            return pages
+        keys = self._prompt_index.get(rid)
+        return 0 if keys is None else min(pages, keys.shape[1] // self.page)
+
+    def _attach_index(self, rid: str, ids: Sequence[int], positions: Sequence[int]) -> None:
+        """Keep the indexer keys of page `positions[i]` of request `rid` for host page `ids[i]`."""
+        if self.index_staging is None:
+            return
+        keys = self._prompt_index[rid]
+        for page_id, p in zip(ids, positions):
+            self._index_pages[page_id] = keys[:, p * self.page:(p + 1) * self.page].clone()
+
     def _free_evicted(self, out: EvictResult) -> None:
+        for page_id in out.values:
+            self._index_pages.pop(page_id, None)
         self.store.release_host_pages(torch.tensor(out.values, dtype=torch.int64))
         self.swa.free(out.swa_values)
         self.stats.evicted_pages += len(out.values)
@@ -349,6 +437,7 @@ class PrefixCache:
     def on_prefilled(self, rid: str, request: Request, prompt_ids: Sequence[int]) -> None:
         """The prompt was handed to the store: cache its whole pages."""
         self._cache(rid, request, prompt_ids, keep_lock=self.store.keeps_host(request))
+        self._prompt_index.pop(rid, None)
 
     def on_finished(self, rid: str, request: Request | None, token_ids: Sequence[int], retracted: bool) -> None:
         """Before the request's memory is freed: cache its prompt and generated tokens whose
@@ -363,7 +452,9 @@ class PrefixCache:
         self.release(rid)
 
     def _cache(self, rid: str, request: Request, token_ids: Sequence[int], keep_lock: bool) -> None:
-        full = min(len(token_ids), request.seq_len) // self.page
+        full = self._index_limit(rid, min(len(token_ids), request.seq_len) // self.page)
+        if self.ring is not None and full:
+            self._swa_room(self.tree.window_pages)  # for the window of the end (chunk ends hold theirs)
         node: RadixNode | None = None
         for pages, handles in sorted(self._chunk_windows.pop(rid, {}).items()):
             if pages < full:  # windows inside the prompt, shortest first (each may export pages)
@@ -385,9 +476,6 @@ class PrefixCache:
             self._locks[rid], old = old, None
         if old is not None:
             self.tree.unlock(old)
-        excess = len(self.swa) - self.swa_limit_pages
-        if excess > 0:
-            self.evict_swa(excess)
 
     def _insert(self, request: Request, tokens: list[int], values: list[int],
                 swa: list[int] | None = None) -> InsertResult:
@@ -405,6 +493,7 @@ class PrefixCache:
         result = self._insert(request, tokens, ids, swa)
         unused = set(result.unused_values)
         kept = [v for v in ids if v not in unused]
+        self._attach_index(request.rid, kept, [p for p, v in enumerate(ids) if v not in unused])
         self.store.lend_host_pages(request, torch.tensor(kept, dtype=torch.int64))
         self.stats.inserted_pages += len(kept)
         return result.node
@@ -428,6 +517,9 @@ class PrefixCache:
         result = self._insert(request, tokens[:end], known + ids, swa)
         mine = set(ids)
         back = [v for v in result.unused_values if v in mine]
+        unused = set(back)
+        self._attach_index(request.rid, [v for v in ids if v not in unused],
+                           [have + i for i, v in enumerate(ids) if v not in unused])
         self.store.release_host_pages(torch.tensor(back, dtype=torch.int64))
         self.stats.inserted_pages += take - len(back)
         return None  # nothing of the request's own is borrowed: no lock to keep

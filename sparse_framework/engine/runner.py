@@ -197,6 +197,9 @@ class ModelRunner:
         # called after each prompt chunk that is not the last, with (rid, request, tokens done):
         # a prefix cache snapshots the sliding window there (engine/prefix_cache.py)
         self.chunk_hook: Callable[[str, Request, int], None] | None = None
+        # called when a prompt was handed to the coordinator, before its staging is released,
+        # with (rid, request): a prefix cache copies the staged indexer keys there
+        self.commit_hook: Callable[[str, Request], None] | None = None
         self._layers(model_config if model_config is not None else getattr(model, "config", None),
                      layout, max_num_seqs, max_model_len)
         if needs and self.mla is not None:
@@ -483,6 +486,8 @@ class ModelRunner:
             self.coord.abort_step(batch)
             raise
         self.coord.forward_end(batch)
+        if self.commit_hook is not None:
+            self.commit_hook(rid, request)
         self.staging.release(rid)
         self._q_tails.pop(rid, None)
 

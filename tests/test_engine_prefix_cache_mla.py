@@ -1,0 +1,153 @@
+"""The prefix cache on an MLA + lightning-indexer model (engine/prefix_cache.py, "MLA models"):
+a tiny random DeepSeek-V3.2 (index_topk 16, below the prompts, so the indexer's choice matters
+at prefill and decode), DSA fed the model's indexer. With the cache on, a later request's
+prefix latent rows come from host pages and its indexer keys from the cache's copies; its
+outputs equal the cache off token for token: hierarchical sparse, dense mode (pages exported
+from the device), resident, and DSA keys stored in bfloat16 by a float32 model (the cache
+must hand back the model's own keys, not DSA's rounded ones)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine_prefix_cache import GREEDY, assert_empty_after_clear, shared_prefix_prompts, tokens
+
+from sparse_framework.engine.command import RANDOM_MODELS
+from sparse_framework.engine.engine import Engine, EngineConfig
+from sparse_framework.engine.models import ModelConfig, random_model
+
+CONFIG = ModelConfig.from_hf({**RANDOM_MODELS["deepseek-v3.2-tiny"], "vocab_size": 96})
+DSA = {"algorithm": "dsa", "top_k": 16, "page_size": 4, "sink_tokens": 0, "recent_tokens": 0,
+       "min_sparse_prompt_len": 0, "device_buffer_tokens": 64,
+       "extra": {"index_heads": 4, "index_dim": 32, "key_dtype": "float32", "score_newest": True}}
+CONFIGS = {
+    "hierarchical": (DSA, {}),
+    "bf16-index-keys": ({**DSA, "extra": {**DSA["extra"], "key_dtype": "bfloat16"}}, {}),
+    "dense-mode": ({**DSA, "min_sparse_prompt_len": 1000}, {}),
+    "resident": ({**DSA, "store": "resident"}, {"host_capacity_tokens": 1024}),
+}
+
+
+def engine_for(sparse: dict, cache: bool, **config) -> Engine:
+    model = random_model(CONFIG, torch.float32, seed=0)
+    settings = {"max_num_seqs": 4, "max_model_len": 128, "max_num_batched_tokens": 16, **config}
+    return Engine(model, CONFIG, sparse, EngineConfig(enable_prefix_caching=cache, **settings))
+
+
+def poison(engine: Engine) -> None:
+    """NaN over the idle staging, indexer keys included: a hit must write its prefix's keys."""
+    staging = engine.runner.staging
+    assert not staging.spans and staging.index_k is not None
+    staging.k.fill_(float("nan"))
+    staging.index_k.fill_(float("nan"))
+
+
+def one_after_another(engine: Engine, batch: list[list[int]]) -> dict[str, list[int]]:
+    out = {}
+    for i, p in enumerate(batch):
+        poison(engine)
+        engine.add_request(f"r{i}", p, GREEDY)
+        for o in engine.run_to_completion():
+            assert o.finish_reason == "length", (o.rid, o.error)
+            out[o.rid] = o.token_ids
+    return out
+
+
+def assert_no_keys_left(engine: Engine) -> None:
+    assert_empty_after_clear(engine)
+    cache = engine.prefix_cache
+    assert not cache._index_pages and not cache._prompt_index and not cache._hit_pages
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_cache_on_equals_cache_off_one_after_another(name) -> None:
+    sparse, extra = CONFIGS[name]
+    batch = shared_prefix_prompts(prefix=45, tails=(3, 9, 14, 6))
+    off = one_after_another(engine_for(sparse, False, **extra), batch)
+    engine = engine_for(sparse, True, **extra)
+    assert one_after_another(engine, batch) == off
+    stats, cache = engine.prefix_cache.stats, engine.prefix_cache
+    assert stats.hits == len(batch) - 1
+    assert stats.hit_tokens >= sum(min(44, cache.usable_tokens(len(p))) for p in batch[1:])
+    assert sum(step[1] for step in engine.step_log) == stats.prompt_tokens - stats.hit_tokens
+    # every cached page has its indexer keys: [layers, page, index_dim]
+    assert len(cache._index_pages) == cache.cached_pages() > 0
+    assert all(k.shape == (CONFIG.num_layers, 4, 32) for k in cache._index_pages.values())
+    assert_no_keys_left(engine)
+
+
+def test_the_cached_keys_are_the_models_own_not_dsas_rounded_form() -> None:
+    """With bfloat16 DSA keys in a float32 model, the cached indexer keys equal the keys the
+    model computed for the prompt (float32), which DSA's stored form does not."""
+    sparse, _ = CONFIGS["bf16-index-keys"]
+    engine = engine_for(sparse, True)
+    captured: dict[int, torch.Tensor] = {}
+
+    def grab(layer: int):
+        def hook(module, args, out) -> None:
+            captured.setdefault(layer, out[2].detach().clone())  # (q, weights, k) of the first forward
+        return hook
+
+    for i, layer in enumerate(engine.runner.model.model.layers):
+        layer.self_attn.indexer.register_forward_hook(grab(i))
+    prompt = shared_prefix_prompts(prefix=45, tails=(3,))[0]
+    one_after_another(engine, [prompt])  # first forward: the prompt's first chunk of 16 tokens
+    cache = engine.prefix_cache
+    pages = cache.tree.match_prefix(prompt[:44]).values
+    cached = torch.cat([cache._index_pages[p] for p in pages], 1)[:, :16]  # [layers, 16, 32]
+    fresh = torch.stack([captured[i] for i in range(CONFIG.num_layers)])
+    assert fresh.shape == cached.shape and fresh.dtype == torch.float32
+    assert torch.equal(cached, fresh)
+    assert not torch.equal(fresh, fresh.to(torch.bfloat16).float())  # DSA's bf16 form would differ
+
+
+def test_multi_turn_chat_reuses_the_prompts_only() -> None:
+    """Turn n+1 = turn n's prompt + its answer + a message: the answer's raw indexer keys are
+    kept nowhere, so the cache serves the whole pages of turn n's prompt, not of its answer;
+    outputs equal the cache off."""
+    sparse, _ = CONFIGS["hierarchical"]
+    g = torch.Generator().manual_seed(2)
+    messages = [tokens(n, g) for n in (21, 7, 10)]
+
+    def chat(engine: Engine) -> list[list[int]]:
+        history, outputs = [], []
+        for turn, message in enumerate(messages):
+            history = history + message
+            out = one_after_another(engine, [history])["r0"]
+            outputs.append(out)
+            history = history + out
+        return outputs
+
+    off = chat(engine_for(sparse, False))
+    engine = engine_for(sparse, True)
+    assert chat(engine) == off
+    prompts, history = [], 0
+    for message in messages:
+        history += len(message)
+        prompts.append(history)
+        history += GREEDY.max_tokens
+    assert engine.prefix_cache.stats.hit_tokens == sum(p // 4 * 4 for p in prompts[:-1])
+    assert_no_keys_left(engine)
+
+
+def test_arriving_together_with_eviction_under_a_small_host_pool() -> None:
+    """Two at a time over a host pool that cannot keep every prefix: pages (and their keys)
+    are evicted, outputs still equal the cache off."""
+    sparse, _ = CONFIGS["hierarchical"]
+    batch = [*shared_prefix_prompts(seed=1), *shared_prefix_prompts(seed=2, prefix=30, tails=(5, 11))]
+    settings = {"max_num_seqs": 2, "host_capacity_tokens": 160}
+
+    def together(engine: Engine) -> dict[str, list[int]]:
+        for i, p in enumerate(batch):
+            engine.add_request(f"r{i}", p, GREEDY)
+        outs = engine.run_to_completion()
+        assert all(o.finish_reason == "length" for o in outs), [(o.rid, o.error) for o in outs]
+        return {o.rid: o.token_ids for o in outs}
+
+    off = together(engine_for(sparse, False, **settings))
+    engine = engine_for(sparse, True, **settings)
+    assert together(engine) == off
+    stats = engine.prefix_cache.stats
+    assert stats.hits >= 2 and stats.evicted_pages > 0
+    assert len(engine.prefix_cache._index_pages) == engine.prefix_cache.cached_pages()
+    assert_no_keys_left(engine)
