@@ -350,3 +350,32 @@ def test_random_arrivals_with_shared_prefixes_equal_the_cache_off(path, data) ->
     on, engine = drive(True)
     assert on == off and len(on) == n
     assert_empty_after_clear(engine)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["sparse-small-budget", "dense-mode", "resident"])
+def test_cache_on_equals_cache_off_on_cuda(path, name) -> None:
+    """The CUDA path with the cache: Triton kernels, pinned host pool (hits copied from it into
+    the staging), whole-step CUDA graphs and async scheduling, float32 (TF32 off): requests
+    sharing a prefix, arriving together and one after another, equal the cache off."""
+    sparse, extra = CONFIGS[name]
+    sparse = {**sparse, "backend": "triton"}
+    settings = {"cuda_graphs": True, "async_scheduling": True, **extra}
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        def make(cache: bool) -> Engine:
+            model = load_model(path, dtype=torch.float32, device="cuda")
+            config = {"max_num_seqs": 4, "max_model_len": 128, "max_num_batched_tokens": 16, **settings}
+            return Engine(model, model.config, sparse, EngineConfig(enable_prefix_caching=cache, **config))
+
+        batch = shared_prefix_prompts(seed=4)
+        off = one_after_another(make(False), batch)
+        engine = make(True)
+        assert one_after_another(engine, batch) == off
+        assert engine.prefix_cache.stats.hits == len(batch) - 1
+        assert together(make(True), shared_prefix_prompts(seed=5)) == together(make(False), shared_prefix_prompts(seed=5))
+        assert_empty_after_clear(engine)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
