@@ -207,6 +207,38 @@ def test_preemption_with_the_cache_on(path, chunk) -> None:
     assert_empty_after_clear(tight)
 
 
+@pytest.mark.parametrize("host_tokens", [80, 160, 240])
+def test_dense_requests_hits_keep_every_host_promise(path, host_tokens) -> None:
+    """A dense-mode request that hits copies its prefix into its staging but holds no host
+    page: preempted, it copies its whole context to new host pages, so its promise covers its
+    whole life, cached prefix included. After every scheduling step the free host pages cover
+    every promise (the budget's headroom is never negative) — before the fix a hit shrank a
+    dense request's promise by its cached pages — and where its own prefix lock kept the room
+    it needs, it is admitted without the cache instead of failing; outputs equal the cache off."""
+    sparse = {**SMALL, "min_sparse_prompt_len": 1000}
+    batch = shared_prefix_prompts(seed=3, prefix=32, tails=(8, 12, 16, 10))
+    params = SamplingParams(max_tokens=30, temperature=0.0)
+    roomy = together(engine_for(path, sparse, False, max_num_batched_tokens=32), batch, params)
+    tight = engine_for(path, sparse, True, device_capacity_tokens=160, max_num_batched_tokens=32,
+                       max_prefill_chunk=8, host_capacity_tokens=host_tokens)
+    schedule, headrooms = tight.scheduler.schedule, []
+
+    def checked(*args, **kwargs):
+        plan = schedule(*args, **kwargs)
+        headrooms.append(tight.budget.headroom())
+        return plan
+
+    tight.scheduler.schedule = checked
+    outs = together_all(tight, batch[:1], params)
+    for i, p in enumerate(batch[1:], start=1):
+        tight.add_request(f"r{i}", p, params)
+    outs += tight.run_to_completion()
+    assert all(o.finish_reason == "length" for o in outs), [(o.rid, o.error) for o in outs]
+    assert {o.rid: o.token_ids for o in outs} == roomy
+    assert headrooms and min(headrooms) >= 0
+    assert_empty_after_clear(tight)
+
+
 def test_eviction_under_a_small_host_pool(path) -> None:
     """A host pool of 96 tokens (24 pages) for sparse requests of up to 69 tokens: the cache
     must give pages back (least recently used first) to admit the next request, and outputs

@@ -21,9 +21,14 @@ length crosses a page boundary, in `forward_begin`). This module bridges the two
 
 With a prefix cache (engine/prefix_cache.py) an admission (and the re-admission of a
 sequence preempted while prefilling) first looks its prompt up and locks the cached prefix;
-the sequence then needs host pages for the rest of its life only (a hybrid model's cached
-window is written into its ring row once the runner admitted it: `on_admitted`), starts its
-prefill at `num_computed_tokens = cached tokens`, and the cache's unlocked pages count as free: when
+a sequence that keeps its K/V on the host maps those pages as its own and needs host pages
+for the rest of its life only (one that does not — dense mode, the resident store — copies
+the prefix into its staging, drops the lock at once, and is still promised its whole life: if
+preempted it copies its whole context out; when its own lock is what keeps that room from
+being freed by eviction, it is admitted without the cache). A hybrid model's cached window
+is written into its ring row once the runner admitted it (`on_admitted`). The sequence starts
+its prefill at `num_computed_tokens = cached tokens`, and the cache's unlocked pages count as
+free: when
 the free pages less the promises do not cover an admission, a resumption or a decode row's
 growth, the least recently used cached pages are evicted first (before the scheduler
 preempts anyone). A finished prompt's pages are inserted at `end_prefill`, and a finishing
@@ -106,12 +111,27 @@ class RunnerBudget:
             short = pages - self.headroom()
         return short <= 0
 
+    def _adopts_cached_pages(self, seq: Sequence) -> bool:
+        """Whether the store maps a cached prefix's host pages as the sequence's own: a request
+        that keeps its K/V on the host does (those pages are held already); one that does not
+        (dense mode, the resident store) only copies them into its staging, and if preempted
+        copies its whole context to new host pages — its promise must cover all of it."""
+        dense = seq.num_prompt_tokens < self.runner.coord.config.min_sparse_prompt_len
+        return not (self.store.all_resident or dense)
+
     def can_admit(self, seq: Sequence) -> bool:
         cached, pages = self.cache.match(seq.rid, seq.prompt_ids) if self.cache is not None else (0, None)
-        need = self._life_pages(seq) - cached // self.page  # the cached pages are held already
+        adopts = self._adopts_cached_pages(seq)
+        need = self._life_pages(seq) - (cached // self.page if adopts else 0)
         if self.store.host_alloc.num_pages and not self._host_room(need):
             self._drop_match(seq)
-            return False
+            if adopts or not cached:
+                return False
+            # its own lock kept the matched pages from eviction, and it would not hold them:
+            # admitted without the cache if evicting them makes the room
+            cached, pages = 0, None
+            if not self._host_room(need):
+                return False
         if not self._admit_keeping_grants(seq, cached, pages):
             return False
         self._promised[seq.rid] = self._life_pages(seq)

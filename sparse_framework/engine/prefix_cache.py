@@ -276,7 +276,12 @@ class PrefixCache:
     def on_admitted(self, rid: str, request: Request) -> None:
         """The request has its ring row (`request.slot`) and staging span: write its cached
         prefix's window into the row and its indexer keys into the span, as the prefill chunks
-        of the prefix would have left them."""
+        of the prefix would have left them. A request that keeps nothing on the host has its
+        prefix in the staging now and never reads the pages again: its lock goes at once."""
+        if not self.store.keeps_host(request):
+            handle = self._locks.pop(rid, None)
+            if handle is not None:
+                self.tree.unlock(handle)
         pages = self._hit_pages.pop(rid, None)
         if pages:
             staging = self.index_staging
