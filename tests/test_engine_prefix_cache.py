@@ -76,12 +76,13 @@ def one_after_another(engine: Engine, batch: list[list[int]], params: SamplingPa
 
 def poison_staging(engine: Engine) -> None:
     """NaN over the idle prefill staging: what an earlier prompt left there (the same prefix
-    at the same rows, here) must not stand in for the cached prefix's copy."""
+    at the same rows, here) must not stand in for the cached prefix's copy (or its indexer keys)."""
     staging = engine.runner.staging
     assert not staging.spans
     staging.k.fill_(float("nan"))
-    if staging.v is not None:
-        staging.v.fill_(float("nan"))
+    for other in (staging.v, staging.index_k):  # V, or an MLA model's indexer keys
+        if other is not None:
+            other.fill_(float("nan"))
 
 
 def together(engine: Engine, batch: list[list[int]], params: SamplingParams = GREEDY) -> dict[str, list[int]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_prefix_cache import GREEDY, assert_empty_after_clear, shared_prefix_prompts, tokens
+from test_engine_prefix_cache import GREEDY, assert_empty_after_clear, one_after_another, shared_prefix_prompts, tokens
 
 from sparse_framework.engine.command import RANDOM_MODELS
 from sparse_framework.engine.engine import Engine, EngineConfig
@@ -32,25 +32,6 @@ def engine_for(sparse: dict, cache: bool, **config) -> Engine:
     model = random_model(CONFIG, torch.float32, seed=0)
     settings = {"max_num_seqs": 4, "max_model_len": 128, "max_num_batched_tokens": 16, **config}
     return Engine(model, CONFIG, sparse, EngineConfig(enable_prefix_caching=cache, **settings))
-
-
-def poison(engine: Engine) -> None:
-    """NaN over the idle staging, indexer keys included: a hit must write its prefix's keys."""
-    staging = engine.runner.staging
-    assert not staging.spans and staging.index_k is not None
-    staging.k.fill_(float("nan"))
-    staging.index_k.fill_(float("nan"))
-
-
-def one_after_another(engine: Engine, batch: list[list[int]]) -> dict[str, list[int]]:
-    out = {}
-    for i, p in enumerate(batch):
-        poison(engine)
-        engine.add_request(f"r{i}", p, GREEDY)
-        for o in engine.run_to_completion():
-            assert o.finish_reason == "length", (o.rid, o.error)
-            out[o.rid] = o.token_ids
-    return out
 
 
 def assert_no_keys_left(engine: Engine) -> None:
