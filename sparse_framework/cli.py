@@ -119,6 +119,9 @@ def _parser() -> argparse.ArgumentParser:
         "the serving engine's memory plan for a model shape of `bench --random` (its weights counted): the "
         "function the engine runs with gpu_memory_utilization (docs/engine.md, Memory)")
     eng.add_argument("--engine", action="store_true", help="print the engine's plan per --context (max_model_len)")
+    eng.add_argument("--enable-prefix-caching", action="store_true",
+                     help="plan with the prefix cache on: its host copies beside the host pool (indexer keys, "
+                          "sliding windows) and the ring's page of slack")
     eng.add_argument("--gpu-memory-gib", type=float, default=80.0, help="the device's memory, GiB (default 80)")
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of it (default 0.9)")
     eng.add_argument("--host-memory-gib", type=float,
@@ -272,7 +275,7 @@ def _engine_plan(args: argparse.Namespace) -> int:
             model, layout, config, weight_bytes=model.num_parameters() * dtype.itemsize, max_model_len=context,
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             gpu_memory_utilization=args.gpu_memory_utilization, device_total_bytes=int(args.gpu_memory_gib * 2**30),
-            host_memory_bytes=host,
+            host_memory_bytes=host, prefix_caching=args.enable_prefix_caching,
         )
         console.print(p.describe(), highlight=False)
         p.check()  # not one request fits: the engine's own error

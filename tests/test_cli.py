@@ -160,6 +160,21 @@ def test_plan_engine_llama_3_8b_on_an_h100(capsys) -> None:
     assert "weights 14.96 GiB" in printed  # 8.03 B parameters in bfloat16
 
 
+def test_plan_engine_with_the_prefix_cache_shows_its_host_copies(capsys, tmp_path) -> None:
+    """DeepSeek-V3.2 mini: with --enable-prefix-caching each request row's host bytes grow by
+    its tokens' indexer keys (6 layers x 128 x 2 bytes per token), printed as their own line."""
+    args = ["plan", "--engine", "--model", "deepseek-v3.2-mini", "--host-memory-gib", "64", "--context", "32768",
+            "--config", '{"algorithm": "dsa", "extra": {"index_heads": 64, "index_dim": 128}}']
+    assert main([*args, "--json", str(tmp_path / "off.json")]) == 0
+    off = capsys.readouterr().out
+    assert main([*args, "--enable-prefix-caching", "--json", str(tmp_path / "on.json")]) == 0
+    on = capsys.readouterr().out
+    assert "prefix cache beside the host pool" in on and "prefix cache" not in off
+    (a,), (b,) = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("off", "on"))
+    assert b["host_bytes_per_request"] - a["host_bytes_per_request"] == 6 * 128 * 2 * 32768
+    assert b["prefix_cache_host_bytes"] == b["num_seqs"] * 6 * 128 * 2 * 32768 and a["prefix_cache_host_bytes"] == 0
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
