@@ -35,8 +35,11 @@ the algorithm. What that costs per layer, from benchmarks/prefix_cache_build_cos
 CPU (4096 tokens, 8 KV heads x 128, float32; benchmarks/results/prefix_cache_build_cost_cpu.json),
 against the layer's projections and MLP that the hit saves (Llama-3-8B shape, FLOPs-scaled):
 Quest 0.1%, SnapKV's votes 0.6%, DSA on keys < 0.1%, PQCache's k-means 8.5% (4.4x the K
-projection alone) — the one where storing codes would pay; not done. Only the host offload
-of the prefix is skipped.
+projection alone). Only the host offload of the prefix is skipped. Storing would not even be
+exact for two of them: PQCache's codebooks are fitted to the whole prompt's keys and SnapKV's
+votes come from the prompt's last queries, so a prefix's codes or votes under another
+prompt differ; Quest's page bounds and DSA's keys are the prefix's own (the indexer keys of
+an MLA model are stored, below, because the prefill itself needs them).
 
 Locks and eviction. A request holds one lock from admission to its end (moved down to the
 node of its inserted prompt at `on_prefilled`), so no page it reads is evicted; a request
