@@ -306,3 +306,36 @@ def test_memory_plan_counts_the_ring_page_of_slack(checkpoints) -> None:
     assert on.memory_plan.device_bytes_per_request == off.memory_plan.device_bytes_per_request + page_bytes
     assert on.runner.ring.slots == 8 + FULL["page_size"]
     assert on.runner.ring.nbytes == on.num_seqs * c.sliding_ring_bytes(torch.float32, 128, FULL["page_size"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_cache_on_equals_cache_off_on_cuda(checkpoints, name) -> None:
+    """On CUDA the window snapshots are copied to pinned host memory without waiting for the
+    device (read after an event at the next hit): a shared system prompt, one request after
+    another and then together, float32 (TF32 off), Triton, async scheduling: equal to the cache off."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        def make(cache: bool) -> Engine:
+            model = load_model(checkpoints[name], dtype=torch.float32, device="cuda")
+            settings = {"max_num_seqs": 4, "max_model_len": 128, "max_num_batched_tokens": 16,
+                        "async_scheduling": True}
+            return Engine(model, model.config, {**FULL, "backend": "triton"},
+                          EngineConfig(enable_prefix_caching=cache, **settings))
+
+        def together(engine: Engine) -> dict[str, list[int]]:
+            for i, p in enumerate(batch):
+                engine.add_request(f"r{i}", p, GREEDY)
+            outs = engine.run_to_completion()
+            assert all(o.finish_reason == "length" for o in outs)
+            return {o.rid: o.token_ids for o in outs}
+
+        batch = shared_system_prompt(seed=5)
+        engine = make(True)
+        assert one_after_another(engine, batch) == one_after_another(make(False), batch)
+        assert engine.prefix_cache.stats.hits > 0
+        assert together(make(True)) == together(make(False))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32

@@ -1,4 +1,4 @@
-"""Host values to the device without waiting for it.
+"""Host values to the device, and device values to the host, without waiting for the device.
 
 `torch.tensor(values, device="cuda")` copies from pageable memory and then synchronises the
 stream: the host waits until every kernel queued before the copy has run. An engine that
@@ -29,3 +29,15 @@ def tensor_to_device(t: torch.Tensor, device: str | torch.device) -> torch.Tenso
     if dev.type != "cuda" or t.device.type == "cuda":
         return t.to(dev)
     return t.pin_memory().to(dev, non_blocking=True)
+
+
+def copy_to_host(src: torch.Tensor) -> torch.Tensor:
+    """A host copy of `src`. From a CUDA device it is issued without synchronising: the source
+    is made contiguous on the device and copied into a new pinned tensor; the caller must wait
+    for the stream (an event recorded after the copy) before the host reads it. Elsewhere it
+    is a plain copy."""
+    if src.device.type != "cuda":
+        return src.to("cpu", copy=True)
+    out = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+    out.copy_(src.contiguous(), non_blocking=True)
+    return out

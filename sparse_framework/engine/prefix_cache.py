@@ -67,6 +67,8 @@ The window at a page boundary up to a page behind the row's length must still be
 ring: with the cache on the ring keeps `window + page_size` slots per row
 (`ModelRunner(ring_page_slack=True)`; attention masks the extra ones). A snapshot the ring no
 longer covers (an export cut short by the host room) is skipped: that tail is not cached.
+Snapshots are copied to pinned host memory without waiting for the device (the host waits
+on an event only before it reads them: `_wait_copies`), since on_chunk runs inside a step.
 On a hit the window's pages are gathered at `match` (a window whose oldest page was copied
 only in part, as the first page of a window that is not a whole number of pages, and is now
 needed whole, makes the lookup a miss: `stats.swa_lost_pages`) and written into the new
@@ -120,6 +122,7 @@ import torch
 
 from ..common.batch import Request
 from ..common.errors import ConfigError
+from ..common.transfer import copy_to_host
 from ..kv_store.hierarchical import HierarchicalKVStore
 from ..kv_store.sliding_window import SlidingWindowKV
 from .staging import PrefillStaging
@@ -246,6 +249,7 @@ class PrefixCache:
         self._index_pages: dict[int, torch.Tensor] = {}  # host page id -> [layers, page, index_dim] on the host
         self._prompt_index: dict[str, torch.Tensor] = {}  # rid -> its prompt's whole pages' keys, until inserted
         self._hit_pages: dict[str, list[int]] = {}  # rid -> the cached prefix's page ids, to stage at on_admitted
+        self._pending: torch.cuda.Event | None = None  # the last device -> host copies issued
 
     # -- admission --------------------------------------------------------------------------
     def usable_tokens(self, prompt_len: int) -> int:
@@ -289,6 +293,7 @@ class PrefixCache:
         if pages:
             staging = self.index_staging
             assert staging is not None and staging.index_k is not None
+            self._wait_copies()
             keys = torch.cat([self._index_pages[p] for p in pages], 1)  # [layers, tokens, index_dim]
             base = staging.spans[rid][0]
             staging.index_k[:, base:base + keys.shape[1]] = keys.to(staging.index_k.device)
@@ -336,6 +341,24 @@ class PrefixCache:
         if handles is not None:
             mine[pages] = handles
 
+    # -- device -> host copies ------------------------------------------------------------------
+    def _copied(self) -> None:
+        """After issuing copies to the host (`copy_to_host`): on CUDA, an event the host waits
+        on before it reads any of them (`_wait_copies`). The copies are taken inside a step
+        (a chunk's window, the hand-over's indexer keys) and read at a later admission or after
+        the step: not waiting for them there keeps the step's launch ahead of the GPU (async
+        scheduling)."""
+        device = self.ring.k.device if self.ring is not None else (
+            self.index_staging.k.device if self.index_staging is not None else torch.device("cpu"))
+        if device.type == "cuda":
+            self._pending = torch.cuda.Event()
+            self._pending.record(torch.cuda.current_stream(device))
+
+    def _wait_copies(self) -> None:
+        if self._pending is not None:
+            self._pending.synchronize()
+            self._pending = None
+
     def _swa_room(self, pages: int) -> None:
         """Evict least recently used windows until `pages` more SWA pages fit the limit (or no
         unlocked window is left). Called before snapshots, never inside an insertion sequence
@@ -362,17 +385,18 @@ class PrefixCache:
             return None
         start = max(first * self.page, lo)
         ks, vs = zip(*(ring.read(layer, request.slot, start, end) for layer in range(ring.num_layers)))
-        k = torch.stack(ks).to("cpu")  # [layers, end - start, kv_heads, head_dim]
-        v = torch.stack(vs).to("cpu")
+        k, v = torch.stack(ks), torch.stack(vs)  # [layers, end - start, kv_heads, head_dim], on the ring's device
         handles = []
         for p in range(first, pages):
             a, b = p * self.page, (p + 1) * self.page
-            pk = k.new_zeros((k.shape[0], self.page, *k.shape[2:]))
-            pv = torch.zeros_like(pk)
             valid = max(a, start)
-            pk[:, valid - a:] = k[:, valid - start:b - start]
-            pv[:, valid - a:] = v[:, valid - start:b - start]
+            page_kv = [x[:, valid - start:b - start] for x in (k, v)]
+            if valid > a:  # the first tokens lay before the window: zeros in front (on the device)
+                pad = k.new_zeros((k.shape[0], valid - a, *k.shape[2:]))
+                page_kv = [torch.cat([pad, x], 1) for x in page_kv]
+            pk, pv = (copy_to_host(x) for x in page_kv)  # no device sync: read after `_wait_copies`
             handles.append(self.swa.put(pk, pv, valid - a))
+        self._copied()
         return handles
 
     def _gather_window(self, end: int, handles: Sequence[int]) -> tuple[int, torch.Tensor, torch.Tensor] | None:
@@ -380,6 +404,7 @@ class PrefixCache:
         min(end, window), kv_heads, head_dim]); None when a token the next one attends to was
         not snapshot."""
         assert self.ring is not None
+        self._wait_copies()
         n = min(end, self.ring.window)
         need_from = max(0, end - self.ring.window + 1)  # position end - window is masked out
         first = end // self.page - len(handles)
@@ -405,7 +430,8 @@ class PrefixCache:
         n = request.prompt_len // self.page * self.page
         if n:
             base = staging.spans[rid][0]
-            self._prompt_index[rid] = staging.index_k[:, base:base + n].to("cpu")
+            self._prompt_index[rid] = copy_to_host(staging.index_k[:, base:base + n])  # read at on_prefilled
+            self._copied()
 
     def _index_limit(self, rid: str, pages: int) -> int:
         """How many of a request's first `pages` pages can be inserted: all without an indexer;
@@ -420,6 +446,7 @@ class PrefixCache:
         """Keep the indexer keys of page `positions[i]` of request `rid` for host page `ids[i]`."""
         if self.index_staging is None:
             return
+        self._wait_copies()
         keys = self._prompt_index[rid]
         for page_id, p in zip(ids, positions):
             self._index_pages[page_id] = keys[:, p * self.page:(p + 1) * self.page].clone()
