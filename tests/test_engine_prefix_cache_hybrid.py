@@ -162,21 +162,22 @@ def test_multi_turn_chat(checkpoints, name: str) -> None:
     assert_empty_after_clear(engine)
 
 
+def all_at_once(engine: Engine, batch: list[list[int]]) -> dict[str, list[int]]:
+    """Every prompt queued at once, run to completion: tokens by request id."""
+    for i, p in enumerate(batch):
+        engine.add_request(f"r{i}", p, GREEDY)
+    outs = engine.run_to_completion()
+    assert all(o.finish_reason == "length" for o in outs)
+    return {o.rid: o.token_ids for o in outs}
+
+
 @pytest.mark.parametrize("name", ["mistral", "gemma2"])
 def test_arriving_together(checkpoints, name: str) -> None:
     """Two running at a time: later requests hit windows inserted while others still decode."""
     batch = shared_system_prompt(seed=1)
-
-    def together(engine: Engine) -> dict[str, list[int]]:
-        for i, p in enumerate(batch):
-            engine.add_request(f"r{i}", p, GREEDY)
-        outs = engine.run_to_completion()
-        assert all(o.finish_reason == "length" for o in outs)
-        return {o.rid: o.token_ids for o in outs}
-
-    off = together(engine_for(checkpoints[name], FULL, False, max_num_seqs=2))
+    off = all_at_once(engine_for(checkpoints[name], FULL, False, max_num_seqs=2), batch)
     engine = engine_for(checkpoints[name], FULL, True, max_num_seqs=2)
-    assert together(engine) == off
+    assert all_at_once(engine, batch) == off
     assert engine.prefix_cache.stats.hits >= 2
     assert_empty_after_clear(engine)
 
@@ -325,17 +326,10 @@ def test_cache_on_equals_cache_off_on_cuda(checkpoints, name) -> None:
             return Engine(model, model.config, {**FULL, "backend": "triton"},
                           EngineConfig(enable_prefix_caching=cache, **settings))
 
-        def together(engine: Engine) -> dict[str, list[int]]:
-            for i, p in enumerate(batch):
-                engine.add_request(f"r{i}", p, GREEDY)
-            outs = engine.run_to_completion()
-            assert all(o.finish_reason == "length" for o in outs)
-            return {o.rid: o.token_ids for o in outs}
-
         batch = shared_system_prompt(seed=5)
         engine = make(True)
         assert one_after_another(engine, batch) == one_after_another(make(False), batch)
         assert engine.prefix_cache.stats.hits > 0
-        assert together(make(True)) == together(make(False))
+        assert all_at_once(make(True), batch) == all_at_once(make(False), batch)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
