@@ -74,6 +74,9 @@ def main() -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--host-memory-gib", type=float, default=None, help="the whole host's budget (split by the ranks)")
     p.add_argument("--allreduce-iters", type=int, default=20)
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="async scheduling (opt-in under TP: rank 0's tokens broadcast on the device, plans "
+                        "checked over a host-side gloo group)")
     p.add_argument("--out", default=None, help="JSON written by rank 0")
     args = p.parse_args()
 
@@ -93,12 +96,13 @@ def main() -> int:
     llm = LLM.from_model(model, load_config(args.config), max_num_seqs=spec.running,
                          max_num_batched_tokens=max(args.max_num_batched_tokens, spec.running),
                          max_model_len=work.max_model_len, cuda_graphs=args.cuda_graphs, tensor_parallel_size=tp,
-                         **memory)
+                         async_scheduling=args.async_scheduling or None, **memory)
     result = run_benchmark(llm, spec, work=work)
     rows = result["decode_step_rows"] or spec.running
     result["allreduce_step_ms"] = allreduce_step_ms(ctx, rows, config.hidden_size, config.num_layers, model.lm_head.weight.dtype,
                                                     args.allreduce_iters)
     result.update({"tensor_parallel_size": tp, "model": args.random, "command": " ".join(sys.argv),
+                   "async_scheduling": llm.engine.async_scheduling,
                    "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")})
     if ctx is None or ctx.rank == 0:
         keys = ("tensor_parallel_size", "decode_step_rows", "decode_step_ms", "decode_step_floor_ms", "allreduce_step_ms",

@@ -57,6 +57,17 @@ SCENARIOS: dict[str, tuple[ModelConfig, dict, dict, list[int], list[dict]]] = {
     # sampled on rank 0 from the request's own seed, the tokens shared with rank 1
     "seeded": (CONFIG, SPARSE, {}, [30, 33], [{"max_tokens": 8, "temperature": 0.8, "top_k": 20, "seed": 7},
                                              {"max_tokens": 8, "temperature": 1.0, "seed": 11}]),
+    # async scheduling (opt-in with TP): rank 0's tokens broadcast as tensors, plans checked on the host
+    "async_sparse": (CONFIG, SPARSE, {"max_num_batched_tokens": 16, "async_scheduling": True}, [37, 5, 60],
+                     [GREEDY] * 3),
+    "async_preempt": (CONFIG, {**SPARSE, "min_sparse_prompt_len": 1000},
+                      {"device_capacity_tokens": 160, "max_num_batched_tokens": 32, "max_prefill_chunk": 16,
+                       "async_scheduling": True}, [40, 44, 48], [{"max_tokens": 30, "temperature": 0.0}] * 3),
+    # stop tokens seen one step late: the rows decoded past them are dropped on every rank alike
+    "async_seeded_stops": (CONFIG, SPARSE, {"async_scheduling": True}, [30, 33, 26],
+                           [{"max_tokens": 12, "temperature": 1.0, "seed": 5, "stop_token_ids": list(range(0, VOCAB, 4))},
+                            {"max_tokens": 12, "temperature": 0.0, "stop_token_ids": list(range(1, VOCAB, 5))},
+                            {"max_tokens": 12, "temperature": 0.7, "seed": 9}]),
 }
 
 
@@ -72,18 +83,21 @@ def _model(config: ModelConfig, shard: TPShard | None = None) -> Any:
     return model
 
 
-def _run(model: Any, name: str, tp: int, sparse: dict | None = None) -> tuple[dict[str, list[int]], int]:
-    """Scenario `name` (its sparse config replaced by `sparse` if given): tokens and preemptions."""
+def _run(model: Any, name: str, tp: int, sparse: dict | None = None,
+         **change: Any) -> tuple[dict[str, tuple[list[int], str]], int]:
+    """Scenario `name` (its sparse config replaced by `sparse` if given, EngineConfig arguments
+    by `change`): tokens and finish reason per request, and preemptions."""
     config, own, options, lens, params = SCENARIOS[name]
     sparse = sparse or own
     engine = Engine(model, config, sparse, EngineConfig(**{"max_num_seqs": 4, "max_model_len": 128,
-                                                           "tensor_parallel_size": tp, **options}))
+                                                           "tensor_parallel_size": tp, **options, **change}))
+    assert engine.async_scheduling == bool({**options, **change}.get("async_scheduling"))
     for i, (prompt, p) in enumerate(zip(_prompts(lens, seed=len(name)), params)):
         engine.add_request(f"r{i}", prompt, SamplingParams(**p))
     outs = engine.run_to_completion()
-    assert all(o.finish_reason == "length" for o in outs), [(o.rid, o.error) for o in outs]
+    assert all(o.finish_reason in ("length", "stop") for o in outs), [(o.rid, o.error) for o in outs]
     assert engine.runner.coord.store.used_tokens() == 0 and not engine.runner.requests
-    return {o.rid: o.token_ids for o in outs}, engine.scheduler.num_preemptions
+    return {o.rid: (o.token_ids, o.finish_reason) for o in outs}, engine.scheduler.num_preemptions
 
 
 def _rank_work(ctx: parallel.TPContext) -> dict[str, Any]:
@@ -121,18 +135,23 @@ def ranks() -> list[dict[str, Any]]:
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_tp2_output_equals_tp1_token_for_token(ranks, name) -> None:
     """Dense, sparse (Quest at a binding budget: selections per KV head stay on their rank),
-    DSA over the keys, biases, preemption and seeded sampling: both ranks give the tokens of
-    one unsplit engine over the same weights."""
+    DSA over the keys, biases, preemption and seeded sampling, and with async scheduling
+    (sparse, preemption, stop tokens): both ranks give the tokens of one unsplit engine over
+    the same weights."""
     config = SCENARIOS[name][0]
     want, preemptions = _run(_model(config), name, 1)
     for rank in ranks:
         got, rank_preemptions = rank[name]
         assert got == want
         assert rank_preemptions == preemptions
-    if name == "preempt":
+    if name in ("preempt", "async_preempt"):
         assert preemptions > 0  # the scenario preempts (TP=1 and both ranks alike)
     if name in ("sparse", "dsa_keys"):  # the budget binds: dense attention gives other tokens
         assert _run(_model(config), name, 1, sparse=DENSE)[0] != want
+    if name.startswith("async"):  # and async scheduling changes nothing
+        assert _run(_model(config), name, 1, async_scheduling=False)[0] == want
+    if name == "async_seeded_stops":  # the stop tokens are met, before max_tokens
+        assert {reason for _, reason in want.values()} == {"stop", "length"}
 
 
 def test_each_rank_holds_its_kv_heads_and_takes_the_smallest_memory_plan(ranks) -> None:

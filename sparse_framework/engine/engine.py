@@ -25,6 +25,9 @@ given one more decode row: that row's token is dropped and the request finishes 
 device work already queued for it is ordered before any later use of that memory). Greedy
 and seeded requests produce the same tokens either way (tests/test_engine_engine.py); rows
 that draw from the engine's shared generator may not (an extra row changes the draw).
+With tensor parallelism it is opt-in (`async_scheduling=True`; None is off there): rank 0's
+sampled tokens are broadcast on the device (NCCL) and feed every rank's next step, and the
+ranks compare their plans over a host-side gloo group, which does not wait for the GPU.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ class EngineConfig:
     have none, `supports_fused_ops`); prefill_attention: "auto"
     (flash-attn's varlen kernel where installed, else SDPA), "flash_attn" (required) or "sdpa"
     (engine/prefill_attention.py); async_scheduling: the next step is built while the GPU runs
-    this one (module docstring; None: on for a CUDA device); seed: the sampler's generator
+    this one (module docstring; None: on for a CUDA device, off with tensor_parallel_size > 1); seed: the sampler's generator
     for requests without a seed of their own. kv_cache_dtype: "auto" (the KV store in the
     model's dtype) or "fp8" (MLA models with a 512 + 64 latent only: the store keeps FlashMLA's
     656-byte FP8 rows, quantising the model's latents as it writes them, on the device and the
@@ -312,12 +315,10 @@ class Engine:
         self.max_model_len = max_model_len
         self._live: dict[str, _Live] = {}
         self._rejected: list[RequestOutput] = []  # outputs the next step() returns
-        # with tensor parallelism the ranks' step check and rank 0's token broadcast wait for the
-        # device every step, so there is nothing to overlap: async scheduling stays off
-        if self.tp is not None and config.async_scheduling:
-            raise ConfigError("EngineConfig.async_scheduling=True with tensor_parallel_size > 1: not supported (the "
-                              "ranks' per-step agreement waits for the device); leave it None or False")
-        self.async_scheduling = self.tp is None and (
+        # with tensor parallelism async scheduling is opt-in (True; None means off there): the
+        # ranks then check their steps over a host-side group and rank 0's tokens are broadcast
+        # on the device. Not yet measured on GPUs, so the synchronous path stays the default
+        self.async_scheduling = bool(config.async_scheduling) if self.tp is not None else (
             config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda")
         self._inflight: _InFlight | None = None
         self._last_read = 0.0
@@ -449,7 +450,7 @@ class Engine:
             return outputs
         started = time.perf_counter()
         if self.tp is not None:  # before the forward: ranks with other steps would mismatch its all-reduces
-            self.tp.check_same_step(self._digest(plan))
+            self.tp.check_same_step(self._digest(plan), on_host=self.async_scheduling)
         context = sum(s.num_computed_tokens + 1 for s in plan.decode)
         decode = [DecodeRow(s.rid, s.last_token_id) for s in plan.decode]
         chunks = [RunnerChunk(c.seq.rid, tuple(c.seq.prompt_ids[c.start : c.end]), c.start, c.is_last) for c in plan.prefill]
@@ -459,7 +460,9 @@ class Engine:
         tokens = None
         if sampled and (self.tp is None or self.tp.rank == 0):  # with TP rank 0 samples for all
             tokens = self.sampler.sample(logits, [x.params for x in lives], [x.generator for x in lives])
-        if self.async_scheduling:  # never with TP (see __init__)
+        if self.async_scheduling:
+            if self.tp is not None and sampled:  # every rank feeds its next step rank 0's tokens
+                tokens = self.tp.broadcast_tokens(tokens, len(sampled))
             record = self._record(plan, lives, tokens, started, context)
             previous, self._inflight = self._inflight, record
             if previous is not None:

@@ -57,6 +57,7 @@ class TPContext:
     backend: str
     device: torch.device
     group: Any = None  # the process group (None: the default group)
+    host_group: Any = None  # a gloo group over the same ranks for host-side checks (None: `group` is gloo)
 
     @property
     def shard(self) -> TPShard:
@@ -75,19 +76,35 @@ class TPContext:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return [int(v) for v in t.tolist()]
 
-    def check_same_step(self, digest: int) -> None:
+    def check_same_step(self, digest: int, on_host: bool = False) -> None:
         """Raise on every rank unless every rank scheduled the same step (`digest` of its plan):
         run before the forward, since ranks with different steps would call the model's
-        all-reduces with different shapes (a crash or a hang, not an error message)."""
-        mine = torch.tensor([digest], dtype=torch.int64, device=self.device)
+        all-reduces with different shapes (a crash or a hang, not an error message).
+        `on_host`: over the gloo side group (`host_group`), which does not wait for the device
+        (with NCCL the gather would queue behind the step the GPU still runs: async scheduling)."""
+        host = on_host and self.host_group is not None
+        group = self.host_group if host else self.group
+        mine = torch.tensor([digest], dtype=torch.int64, device="cpu" if host else self.device)
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(rows, mine, group=self.group)
+        dist.all_gather(rows, mine, group=group)
         digests = [int(r) for r in torch.cat(rows).tolist()]
         if len(set(digests)) != 1:
             raise RuntimeError(
                 f"tensor parallelism: the ranks scheduled different steps (plan digests {digests}); every rank must get "
                 "the same requests in the same order and the same EngineConfig"
             )
+
+    def broadcast_tokens(self, tokens: torch.Tensor | None, count: int) -> torch.Tensor:
+        """Rank 0's `count` sampled tokens [count] int64 on every rank's device, without the
+        host (async scheduling: they stay on the device and feed the next step)."""
+        if self.rank == 0:
+            if tokens is None or tokens.shape != (count,):
+                raise RuntimeError(f"rank 0 must give the {count} sampled tokens of the step")
+            row = tokens.to(torch.int64)
+        else:
+            row = torch.empty(count, dtype=torch.int64, device=self.device)
+        dist.broadcast(row, src=0, group=self.group)
+        return row
 
     def share_tokens(self, tokens: list[int] | None, count: int) -> list[int]:
         """Rank 0's `count` sampled tokens, on every rank (a broadcast)."""
@@ -124,10 +141,13 @@ def init_tp(
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    if backend == "nccl" and "lo" in {name for _, name in socket.if_nameindex()}:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the host-side group: ranks of one host
     if not dist.is_initialized():
         kwargs: dict[str, Any] = {"device_id": dev} if backend == "nccl" else {}
         dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world_size, **kwargs)
-    _CURRENT = TPContext(rank, world_size, backend, dev)
+    host_group = dist.new_group(backend="gloo") if backend == "nccl" else None
+    _CURRENT = TPContext(rank, world_size, backend, dev, host_group=host_group)
     return _CURRENT
 
 
