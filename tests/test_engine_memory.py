@@ -353,3 +353,38 @@ def test_prefix_caching_plans_the_caches_host_copies_beside_the_pool(kind) -> No
         engine = Engine(model, config, sparse, EngineConfig(max_num_seqs=3, max_model_len=MAX_LEN,
                                                              enable_prefix_caching=True))
         assert engine.prefix_cache.swa_limit_pages == swa_limit_pages(3, 8, 4) == 3 * SWA_WINDOWS_PER_ROW * 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", ["llama-3-8b", "deepseek-v3.2-mini"])
+def test_measured_step_peak_stays_within_the_planned_activations(shape) -> None:
+    """On CUDA: the peak allocated during the steps of an 8K prompt (two 4K chunks, the second
+    over the whole staged prefix) beyond what was allocated before the steps (weights, pools,
+    staging) stays within the plan's activation term. Two layers of each shape (the real
+    per-layer sizes), random bf16 weights."""
+    raw = {**RANDOM_MODELS[shape], "num_hidden_layers": 2}
+    config = ModelConfig.from_hf(raw)
+    model = random_model(config, torch.bfloat16, "cuda")
+    if config.mla is not None:
+        sparse = {"algorithm": "dsa", "top_k": 2048, "page_size": 64, "sink_tokens": 0, "recent_tokens": 0,
+                  "min_sparse_prompt_len": 0, "device_buffer_tokens": 4096, "backend": "triton",
+                  "extra": {"index_heads": 64, "index_dim": 128, "score_newest": True}}
+    else:
+        sparse = {"algorithm": "quest", "top_k": 2048, "page_size": 16, "device_buffer_tokens": 4096,
+                  "backend": "triton"}
+    engine = Engine(model, config, sparse, EngineConfig(
+        max_num_seqs=2, max_model_len=8192 + 64, max_num_batched_tokens=4096, gpu_memory_utilization=0.9,
+        cuda_graphs=False, async_scheduling=False))
+    plan = engine.memory_plan
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    engine.add_request("r", torch.randint(0, config.vocab_size, (8192,)).tolist(),
+                       SamplingParams(max_tokens=4, temperature=0.0))
+    engine.run_to_completion()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    print(f"{shape}: measured step peak {peak / 2**30:.2f} GiB, planned activations "
+          f"{plan.activation_bytes / 2**30:.2f} GiB")
+    assert peak <= plan.activation_bytes
