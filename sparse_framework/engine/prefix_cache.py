@@ -41,8 +41,10 @@ votes come from the prompt's last queries, so a prefix's codes or votes under an
 prompt differ; Quest's page bounds and DSA's keys are the prefix's own (the indexer keys of
 an MLA model are stored, below, because the prefill itself needs them).
 
-Locks and eviction. A request holds one lock from admission to its end (moved down to the
-node of its inserted prompt at `on_prefilled`), so no page it reads is evicted; a request
+Locks and eviction. A request that keeps its K/V on the host holds one lock from admission
+to its end (moved down to the node of its inserted prompt at `on_prefilled`), so no page it
+reads is evicted; one that keeps nothing there drops it once its prefix is staged
+(`on_admitted`: the copy is queued on the device before any later write to those pages); a request
 preempted while prefilling drops its lock and looks its prefix up again when it resumes.
 The budget evicts least recently used unlocked leaves (`evict`) when an admission, a
 resumption or a decode row's growth needs host pages: cache before preemption. Its host
