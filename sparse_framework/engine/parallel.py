@@ -57,7 +57,7 @@ class TPContext:
     backend: str
     device: torch.device
     group: Any = None  # the process group (None: the default group)
-    host_group: Any = None  # a gloo group over the same ranks for host-side checks (None: `group` is gloo)
+    host_group: Any = None  # a gloo group over the same ranks for host-side checks (made when first needed)
 
     @property
     def shard(self) -> TPShard:
@@ -82,7 +82,9 @@ class TPContext:
         all-reduces with different shapes (a crash or a hang, not an error message).
         `on_host`: over the gloo side group (`host_group`), which does not wait for the device
         (with NCCL the gather would queue behind the step the GPU still runs: async scheduling)."""
-        host = on_host and self.host_group is not None
+        host = on_host and self.backend != "gloo"
+        if host and self.host_group is None:  # made at the first use, by every rank at the same step
+            self.host_group = dist.new_group(backend="gloo")
         group = self.host_group if host else self.group
         mine = torch.tensor([digest], dtype=torch.int64, device="cpu" if host else self.device)
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
@@ -146,8 +148,7 @@ def init_tp(
     if not dist.is_initialized():
         kwargs: dict[str, Any] = {"device_id": dev} if backend == "nccl" else {}
         dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world_size, **kwargs)
-    host_group = dist.new_group(backend="gloo") if backend == "nccl" else None
-    _CURRENT = TPContext(rank, world_size, backend, dev, host_group=host_group)
+    _CURRENT = TPContext(rank, world_size, backend, dev)
     return _CURRENT
 
 
