@@ -82,11 +82,15 @@ def test_the_cached_keys_are_the_models_own_not_dsas_rounded_form() -> None:
     assert not torch.equal(fresh, fresh.to(torch.bfloat16).float())  # DSA's bf16 form would differ
 
 
-def test_multi_turn_chat_reuses_the_prompts_only() -> None:
-    """Turn n+1 = turn n's prompt + its answer + a message: the answer's raw indexer keys are
-    kept nowhere, so the cache serves the whole pages of turn n's prompt, not of its answer;
-    outputs equal the cache off."""
-    sparse, _ = CONFIGS["hierarchical"]
+@pytest.mark.parametrize("name", ["hierarchical", "bf16-index-keys"])
+def test_multi_turn_chat(name) -> None:
+    """Turn n+1 = turn n's prompt + its answer + a message; outputs equal the cache off. With
+    DSA's keys in the model's dtype (float32 here) the answer's indexer keys are read from
+    DSA's representation, so the cache serves every whole page of turn n's K/V (all but its
+    last token, as for other models); with bf16 keys in the float32 model they would be
+    rounded, so only turn n's prompt pages are served."""
+    sparse, _ = CONFIGS[name]
+    lossless = name == "hierarchical"
     g = torch.Generator().manual_seed(2)
     messages = [tokens(n, g) for n in (21, 7, 10)]
 
@@ -101,13 +105,16 @@ def test_multi_turn_chat_reuses_the_prompts_only() -> None:
 
     off = chat(engine_for(sparse, False))
     engine = engine_for(sparse, True)
+    assert (engine.prefix_cache.index_reader is not None) == lossless
     assert chat(engine) == off
-    prompts, history = [], 0
-    for message in messages:
-        history += len(message)
-        prompts.append(history)
-        history += GREEDY.max_tokens
-    assert engine.prefix_cache.stats.hit_tokens == sum(p // 4 * 4 for p in prompts[:-1])
+    hits, written = 0, 0  # written: the previous turn's tokens with K/V (all but its last output)
+    for turn, message in enumerate(messages):
+        prompt = written + 1 + len(message) if turn else len(message)
+        if turn:
+            prev_prompt = written + 1 - GREEDY.max_tokens
+            hits += (min(written, prompt - 1) if lossless else prev_prompt) // 4 * 4
+        written = prompt + GREEDY.max_tokens - 1
+    assert engine.prefix_cache.stats.hit_tokens == hits > 0
     assert_no_keys_left(engine)
 
 

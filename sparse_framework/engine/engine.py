@@ -35,11 +35,13 @@ from __future__ import annotations
 import logging
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..common.batch import Request
 from ..common.errors import CapacityError, ConfigError, SparseFrameworkError
 from ..common.flashmla_format import LATENT_DIM, NOPE_DIM
 from ..config import SparseConfig, load_config
@@ -306,6 +308,7 @@ class Engine:
                 self.runner.chunk_hook = self.prefix_cache.on_chunk
             if self.prefix_cache.index_staging is not None:  # an indexer's keys, copied at the hand-over
                 self.runner.commit_hook = self.prefix_cache.on_commit
+                self.prefix_cache.index_reader = self._lossless_index_keys()
         self.scheduler = Scheduler(
             self.budget, max_num_batched_tokens=max(config.max_num_batched_tokens, rows),
             max_num_seqs=rows, max_prefill_chunk=config.max_prefill_chunk, max_model_len=max_model_len,
@@ -380,6 +383,17 @@ class Engine:
         return PrefixCache(store, query_rows=algo.prefill_query_rows or 0, headroom=self.budget.headroom,
                            ring=runner.ring, index_staging=runner.staging if staged_index else None,
                            swa_limit_pages=swa_limit)
+
+    def _lossless_index_keys(self) -> Callable[[Request, int, int], torch.Tensor] | None:
+        """Where DSA keeps the model's indexer keys as they are (stored in the model's dtype,
+        not FP8), a reader of a request's keys from its representation: the prefix cache can
+        then cache generated tokens too. None otherwise (only prompt pages are cached)."""
+        algo = self.runner.coord.algorithm
+        keys = getattr(algo, "index_k", None)
+        staged = self.runner.staging.index_k
+        if keys is None or staged is None or getattr(algo, "fp8", False) or keys.dtype != staged.dtype:
+            return None
+        return lambda request, start, stop: keys[:, request.slot, start:stop]
 
     def clear_prefix_cache(self) -> int:
         """Evict every cached page no running request holds; the host pages freed."""

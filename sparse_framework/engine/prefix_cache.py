@@ -91,9 +91,11 @@ hand-over. The cache keeps them beside the pages: one host tensor [layers, page,
 per tree page, copied from the staging when the prompt is handed over (`on_commit`, the
 runner's commit hook) — the model's own values, not DSA's stored form, which FP8 keys would
 round — and written into a new request's staging span at `on_admitted`. A generated token's
-raw indexer key is kept nowhere (DSA stores its own form), so for these models only prompt
-pages are cached (`on_finished` adds none): a multi-turn chat reuses each turn's prompt, not
-the answers. The keys are index_dim x dtype bytes per token and layer (DeepSeek-V3.2: 128 x 2
+key is the model's own in DSA's representation when DSA stores keys in the model's dtype: the
+engine then gives an `index_reader` and `on_finished` caches generated tokens as for other
+models (read after the step, a host copy that waits for the device). With FP8 keys (V3.2's
+deployment) it is rounded there and kept nowhere else: only prompt pages are cached, and a
+multi-turn chat reuses each turn's prompt, not its answer. The keys are index_dim x dtype bytes per token and layer (DeepSeek-V3.2: 128 x 2
 beside a 576 x 2 latent row, +22%), host memory outside the store's pool, freed with their
 pages; the memory plan counts them for every host pool page (`memory.prefix_cache_host_bytes`).
 
@@ -252,6 +254,10 @@ class PrefixCache:
         self._prompt_index: dict[str, torch.Tensor] = {}  # rid -> its prompt's whole pages' keys, until inserted
         self._hit_pages: dict[str, list[int]] = {}  # rid -> the cached prefix's page ids, to stage at on_admitted
         self._pending: torch.cuda.Event | None = None  # the last device -> host copies issued
+        # (request, start, stop) -> indexer keys [layers, stop - start, index_dim] of its tokens as
+        # the model computed them, where the algorithm keeps them losslessly (the engine sets it:
+        # DSA with keys in the model's dtype); None: only prompt pages can be cached
+        self.index_reader: Callable[[Request, int, int], torch.Tensor] | None = None
 
     # -- admission --------------------------------------------------------------------------
     def usable_tokens(self, prompt_len: int) -> int:
@@ -436,22 +442,31 @@ class PrefixCache:
             self._copied()
 
     def _index_limit(self, rid: str, pages: int) -> int:
-        """How many of a request's first `pages` pages can be inserted: all without an indexer;
-        with one, those whose keys `on_commit` copied (its prompt's whole pages, until they are
-        inserted: a generated token's raw indexer key is not kept anywhere)."""
-        if self.index_staging is None:
+        """How many of a request's first `pages` pages can be inserted: all without an indexer
+        or with an `index_reader` (the algorithm keeps the keys losslessly); else those whose
+        keys `on_commit` copied (its prompt's whole pages, until they are inserted: a generated
+        token's raw indexer key is then kept nowhere)."""
+        if self.index_staging is None or self.index_reader is not None:
             return pages
         keys = self._prompt_index.get(rid)
         return 0 if keys is None else min(pages, keys.shape[1] // self.page)
 
-    def _attach_index(self, rid: str, ids: Sequence[int], positions: Sequence[int]) -> None:
-        """Keep the indexer keys of page `positions[i]` of request `rid` for host page `ids[i]`."""
+    def _attach_index(self, request: Request, ids: Sequence[int], positions: Sequence[int]) -> None:
+        """Keep the indexer keys of page `positions[i]` of `request` for host page `ids[i]`:
+        from the prompt's copy, or read from the algorithm (`index_reader`) past it."""
         if self.index_staging is None:
             return
         self._wait_copies()
-        keys = self._prompt_index[rid]
+        prompt = self._prompt_index.get(request.rid)
+        have = 0 if prompt is None else prompt.shape[1] // self.page
         for page_id, p in zip(ids, positions):
-            self._index_pages[page_id] = keys[:, p * self.page:(p + 1) * self.page].clone()
+            a, b = p * self.page, (p + 1) * self.page
+            if p < have:
+                assert prompt is not None
+                self._index_pages[page_id] = prompt[:, a:b].clone()
+            else:
+                assert self.index_reader is not None, "an indexer page beyond the prompt without a reader"
+                self._index_pages[page_id] = self.index_reader(request, a, b).to("cpu")  # after a step: may wait
 
     def _free_evicted(self, out: EvictResult) -> None:
         for page_id in out.values:
@@ -530,7 +545,7 @@ class PrefixCache:
         result = self._insert(request, tokens, ids, swa)
         unused = set(result.unused_values)
         kept = [v for v in ids if v not in unused]
-        self._attach_index(request.rid, kept, [p for p, v in enumerate(ids) if v not in unused])
+        self._attach_index(request, kept, [p for p, v in enumerate(ids) if v not in unused])
         self.store.lend_host_pages(request, torch.tensor(kept, dtype=torch.int64))
         self.stats.inserted_pages += len(kept)
         return result.node
@@ -555,7 +570,7 @@ class PrefixCache:
         mine = set(ids)
         back = [v for v in result.unused_values if v in mine]
         unused = set(back)
-        self._attach_index(request.rid, [v for v in ids if v not in unused],
+        self._attach_index(request, [v for v in ids if v not in unused],
                            [have + i for i, v in enumerate(ids) if v not in unused])
         self.store.release_host_pages(torch.tensor(back, dtype=torch.int64))
         self.stats.inserted_pages += take - len(back)
