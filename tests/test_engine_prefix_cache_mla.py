@@ -82,14 +82,17 @@ def test_the_cached_keys_are_the_models_own_not_dsas_rounded_form() -> None:
     assert not torch.equal(fresh, fresh.to(torch.bfloat16).float())  # DSA's bf16 form would differ
 
 
-@pytest.mark.parametrize("name", ["hierarchical", "bf16-index-keys"])
+@pytest.mark.parametrize("name", ["hierarchical", "bf16-index-keys", "dense-mode", "dense-layer"])
 def test_multi_turn_chat(name) -> None:
     """Turn n+1 = turn n's prompt + its answer + a message; outputs equal the cache off. With
     DSA's keys in the model's dtype (float32 here) the answer's indexer keys are read from
     DSA's representation, so the cache serves every whole page of turn n's K/V (all but its
-    last token, as for other models); with bf16 keys in the float32 model they would be
-    rounded, so only turn n's prompt pages are served."""
-    sparse, _ = CONFIGS[name]
+    last token, as for other models). Only turn n's prompt pages are served where those keys
+    would be wrong: bf16 keys in the float32 model (rounded), a dense-mode request and a
+    dense layer (no representation built)."""
+    sparse, _ = CONFIGS["hierarchical"] if name == "dense-layer" else CONFIGS[name]
+    if name == "dense-layer":
+        sparse = {**sparse, "dense_layers": [0]}
     lossless = name == "hierarchical"
     g = torch.Generator().manual_seed(2)
     messages = [tokens(n, g) for n in (21, 7, 10)]
@@ -105,7 +108,7 @@ def test_multi_turn_chat(name) -> None:
 
     off = chat(engine_for(sparse, False))
     engine = engine_for(sparse, True)
-    assert (engine.prefix_cache.index_reader is not None) == lossless
+    assert (engine.prefix_cache.index_reader is not None) == (name in ("hierarchical", "dense-mode"))
     assert chat(engine) == off
     hits, written = 0, 0  # written: the previous turn's tokens with K/V (all but its last output)
     for turn, message in enumerate(messages):

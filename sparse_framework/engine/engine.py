@@ -386,12 +386,14 @@ class Engine:
 
     def _lossless_index_keys(self) -> Callable[[Request, int, int], torch.Tensor] | None:
         """Where DSA keeps the model's indexer keys as they are (stored in the model's dtype,
-        not FP8), a reader of a request's keys from its representation: the prefix cache can
-        then cache generated tokens too. None otherwise (only prompt pages are cached)."""
-        algo = self.runner.coord.algorithm
-        keys = getattr(algo, "index_k", None)
+        not FP8) in every layer (no dense layer, which builds no representation), a reader of
+        a sparse request's keys from its representation: the prefix cache can then cache
+        generated tokens too. None otherwise (only prompt pages are cached)."""
+        coord = self.runner.coord
+        keys = getattr(coord.algorithm, "index_k", None)
         staged = self.runner.staging.index_k
-        if keys is None or staged is None or getattr(algo, "fp8", False) or keys.dtype != staged.dtype:
+        if (keys is None or staged is None or getattr(coord.algorithm, "fp8", False) or keys.dtype != staged.dtype
+                or coord.dense_layers):
             return None
         return lambda request, start, stop: keys[:, request.slot, start:stop]
 

@@ -441,14 +441,19 @@ class PrefixCache:
             self._prompt_index[rid] = copy_to_host(staging.index_k[:, base:base + n])  # read at on_prefilled
             self._copied()
 
-    def _index_limit(self, rid: str, pages: int) -> int:
+    def _reads_index(self, request: Request) -> bool:
+        """Whether the algorithm holds this request's keys for `index_reader`: a sparse request
+        (a dense-mode one builds no representation)."""
+        return self.index_reader is not None and not request.dense
+
+    def _index_limit(self, request: Request, pages: int) -> int:
         """How many of a request's first `pages` pages can be inserted: all without an indexer
-        or with an `index_reader` (the algorithm keeps the keys losslessly); else those whose
-        keys `on_commit` copied (its prompt's whole pages, until they are inserted: a generated
-        token's raw indexer key is then kept nowhere)."""
-        if self.index_staging is None or self.index_reader is not None:
+        or where `index_reader` reads its keys (the algorithm keeps them losslessly); else those
+        whose keys `on_commit` copied (its prompt's whole pages, until they are inserted: a
+        generated token's exact indexer key is then kept nowhere)."""
+        if self.index_staging is None or self._reads_index(request):
             return pages
-        keys = self._prompt_index.get(rid)
+        keys = self._prompt_index.get(request.rid)
         return 0 if keys is None else min(pages, keys.shape[1] // self.page)
 
     def _attach_index(self, request: Request, ids: Sequence[int], positions: Sequence[int]) -> None:
@@ -465,7 +470,7 @@ class PrefixCache:
                 assert prompt is not None
                 self._index_pages[page_id] = prompt[:, a:b].clone()
             else:
-                assert self.index_reader is not None, "an indexer page beyond the prompt without a reader"
+                assert self.index_reader is not None and self._reads_index(request), "a page past the prompt's keys"
                 self._index_pages[page_id] = self.index_reader(request, a, b).to("cpu")  # after a step: may wait
 
     def _free_evicted(self, out: EvictResult) -> None:
@@ -504,7 +509,7 @@ class PrefixCache:
         self.release(rid)
 
     def _cache(self, rid: str, request: Request, token_ids: Sequence[int], keep_lock: bool) -> None:
-        full = self._index_limit(rid, min(len(token_ids), request.seq_len) // self.page)
+        full = self._index_limit(request, min(len(token_ids), request.seq_len) // self.page)
         if self.ring is not None and full:
             self._swa_room(self.tree.window_pages)  # for the window of the end (chunk ends hold theirs)
         node: RadixNode | None = None
