@@ -68,6 +68,13 @@ SCENARIOS: dict[str, tuple[ModelConfig, dict, dict, list[int], list[dict]]] = {
                            [{"max_tokens": 12, "temperature": 1.0, "seed": 5, "stop_token_ids": list(range(0, VOCAB, 4))},
                             {"max_tokens": 12, "temperature": 0.0, "stop_token_ids": list(range(1, VOCAB, 5))},
                             {"max_tokens": 12, "temperature": 0.7, "seed": 9}]),
+    # prompts sharing a 36-token prefix, two running at a time: later ones hit the prefix cache,
+    # and each rank's cache (its own KV heads' pages) must decide alike
+    "prefix_cache": (CONFIG, SPARSE, {"max_num_seqs": 2, "enable_prefix_caching": True}, [5, 9, 3, 12],
+                     [GREEDY] * 4),
+    "prefix_cache_async": (CONFIG, {**SPARSE, "min_sparse_prompt_len": 1000},
+                           {"max_num_seqs": 2, "enable_prefix_caching": True, "async_scheduling": True},
+                           [5, 9, 3, 12], [GREEDY] * 4),
 }
 
 
@@ -84,20 +91,25 @@ def _model(config: ModelConfig, shard: TPShard | None = None) -> Any:
 
 
 def _run(model: Any, name: str, tp: int, sparse: dict | None = None,
-         **change: Any) -> tuple[dict[str, tuple[list[int], str]], int]:
+         **change: Any) -> tuple[dict[str, tuple[list[int], str]], tuple[int, int]]:
     """Scenario `name` (its sparse config replaced by `sparse` if given, EngineConfig arguments
-    by `change`): tokens and finish reason per request, and preemptions."""
+    by `change`): tokens and finish reason per request, and (preemptions, prefix-cache hit
+    tokens). A "prefix_cache" scenario's prompts share a 36-token prefix."""
     config, own, options, lens, params = SCENARIOS[name]
     sparse = sparse or own
     engine = Engine(model, config, sparse, EngineConfig(**{"max_num_seqs": 4, "max_model_len": 128,
                                                            "tensor_parallel_size": tp, **options, **change}))
     assert engine.async_scheduling == bool({**options, **change}.get("async_scheduling"))
-    for i, (prompt, p) in enumerate(zip(_prompts(lens, seed=len(name)), params)):
+    prompts = _prompts(lens, seed=len(name))
+    if name.startswith("prefix_cache"):
+        prompts = [_prompts([36], seed=1)[0] + p for p in prompts]
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", prompt, SamplingParams(**p))
     outs = engine.run_to_completion()
     assert all(o.finish_reason in ("length", "stop") for o in outs), [(o.rid, o.error) for o in outs]
     assert engine.runner.coord.store.used_tokens() == 0 and not engine.runner.requests
-    return {o.rid: (o.token_ids, o.finish_reason) for o in outs}, engine.scheduler.num_preemptions
+    hits = engine.prefix_cache.stats.hit_tokens if engine.prefix_cache is not None else 0
+    return {o.rid: (o.token_ids, o.finish_reason) for o in outs}, (engine.scheduler.num_preemptions, hits)
 
 
 def _rank_work(ctx: parallel.TPContext) -> dict[str, Any]:
@@ -135,15 +147,15 @@ def ranks() -> list[dict[str, Any]]:
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_tp2_output_equals_tp1_token_for_token(ranks, name) -> None:
     """Dense, sparse (Quest at a binding budget: selections per KV head stay on their rank),
-    DSA over the keys, biases, preemption and seeded sampling, and with async scheduling
-    (sparse, preemption, stop tokens): both ranks give the tokens of one unsplit engine over
-    the same weights."""
+    DSA over the keys, biases, preemption and seeded sampling, with async scheduling
+    (sparse, preemption, stop tokens) and with the prefix cache (sparse; dense mode with async
+    scheduling): both ranks give the tokens of one unsplit engine over the same weights."""
     config = SCENARIOS[name][0]
-    want, preemptions = _run(_model(config), name, 1)
+    want, (preemptions, hits) = _run(_model(config), name, 1)
     for rank in ranks:
-        got, rank_preemptions = rank[name]
+        got, rank_counts = rank[name]
         assert got == want
-        assert rank_preemptions == preemptions
+        assert rank_counts == (preemptions, hits)  # preempted and served from the cache alike
     if name in ("preempt", "async_preempt"):
         assert preemptions > 0  # the scenario preempts (TP=1 and both ranks alike)
     if name in ("sparse", "dsa_keys"):  # the budget binds: dense attention gives other tokens
@@ -152,6 +164,8 @@ def test_tp2_output_equals_tp1_token_for_token(ranks, name) -> None:
         assert _run(_model(config), name, 1, async_scheduling=False)[0] == want
     if name == "async_seeded_stops":  # the stop tokens are met, before max_tokens
         assert {reason for _, reason in want.values()} == {"stop", "length"}
+    if name.startswith("prefix_cache"):  # hits, and the outputs of the cache off
+        assert hits > 0 and _run(_model(config), name, 1, enable_prefix_caching=False)[0] == want
 
 
 def test_each_rank_holds_its_kv_heads_and_takes_the_smallest_memory_plan(ranks) -> None:
