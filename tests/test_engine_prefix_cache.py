@@ -358,31 +358,41 @@ def test_random_arrivals_with_shared_prefixes_equal_the_cache_off(path, data) ->
     with random output lengths and a host pool from tight to roomy: cache on == cache off, and
     nothing is held once the cache is cleared."""
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
-    heads = [tokens(n, g) for n in (24, 33, 41)]
-    n = data.draw(st.integers(2, 6), label="requests")
-    reqs = [(heads[data.draw(st.integers(0, 2))] + tokens(data.draw(st.integers(1, 12)), g),
-             data.draw(st.integers(1, 8)), data.draw(st.integers(0, 4))) for _ in range(n)]
+    reqs = draw_arrivals(data, [tokens(n, g) for n in (24, 33, 41)], g)
+    n = len(reqs)
     host = data.draw(st.sampled_from([None, 128, 256]), label="host_capacity_tokens")
     sparse = data.draw(st.sampled_from(["sparse-small-budget", "dense-mode"]), label="config")
 
-    def drive(cache: bool) -> tuple[dict[str, list[int]], Engine]:
-        engine = engine_for(path, CONFIGS[sparse][0], cache, max_num_seqs=2, host_capacity_tokens=host)
-        pending = sorted(enumerate(reqs), key=lambda x: x[1][2])
-        out, step = {}, 0
-        while pending or engine.has_unfinished():
-            while pending and pending[0][1][2] <= step:
-                i, (prompt, max_tokens, _) = pending.pop(0)
-                engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
-            for o in engine.step():
-                assert o.finish_reason == "length", o.error
-                out[o.rid] = o.token_ids
-            step += 1
-        return out, engine
+    def make(cache: bool) -> Engine:
+        return engine_for(path, CONFIGS[sparse][0], cache, max_num_seqs=2, host_capacity_tokens=host)
 
-    off, _ = drive(False)
-    on, engine = drive(True)
+    off, _ = arrivals(make(False), reqs)
+    on, engine = arrivals(make(True), reqs)
     assert on == off and len(on) == n
     assert_empty_after_clear(engine)
+
+
+def draw_arrivals(data, heads: list[list[int]], g: torch.Generator) -> list[tuple[list[int], int, int]]:
+    """2-6 requests: (one of the shared prefixes + a tail of 1-12 tokens, max_tokens 1-8, the
+    step it arrives at 0-4)."""
+    n = data.draw(st.integers(2, 6), label="requests")
+    return [(heads[data.draw(st.integers(0, len(heads) - 1))] + tokens(data.draw(st.integers(1, 12)), g),
+             data.draw(st.integers(1, 8)), data.draw(st.integers(0, 4))) for _ in range(n)]
+
+
+def arrivals(engine: Engine, reqs: list[tuple[list[int], int, int]]) -> tuple[dict[str, list[int]], Engine]:
+    """Add each request at its step, greedy, and run until all are done: tokens by request."""
+    pending = sorted(enumerate(reqs), key=lambda x: x[1][2])
+    out, step = {}, 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][1][2] <= step:
+            i, (prompt, max_tokens, _) = pending.pop(0)
+            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        for o in engine.step():
+            assert o.finish_reason == "length", o.error
+            out[o.rid] = o.token_ids
+        step += 1
+    return out, engine
 
 
 @pytest.mark.gpu

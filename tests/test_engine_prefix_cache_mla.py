@@ -10,7 +10,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_prefix_cache import GREEDY, assert_empty_after_clear, one_after_another, shared_prefix_prompts, tokens
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_engine_prefix_cache import (
+    GREEDY,
+    arrivals,
+    assert_empty_after_clear,
+    draw_arrivals,
+    one_after_another,
+    shared_prefix_prompts,
+    tokens,
+)
 
 from sparse_framework.engine.command import RANDOM_MODELS
 from sparse_framework.engine.engine import Engine, EngineConfig
@@ -141,4 +151,22 @@ def test_arriving_together_with_eviction_under_a_small_host_pool() -> None:
     stats = engine.prefix_cache.stats
     assert stats.hits >= 2 and stats.evicted_pages > 0
     assert len(engine.prefix_cache._index_pages) == engine.prefix_cache.cached_pages()
+    assert_no_keys_left(engine)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+@given(data=st.data())
+def test_random_arrivals_equal_the_cache_off(data) -> None:
+    """Random prompts over three shared prefixes arriving at random steps, random output
+    lengths, a host pool from tight to roomy, every configuration: cache on == cache off."""
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    reqs = draw_arrivals(data, [tokens(n, g) for n in (24, 33, 41)], g)
+    host = data.draw(st.sampled_from([None, 128, 256]), label="host_capacity_tokens")
+    sparse, extra = CONFIGS[data.draw(st.sampled_from(sorted(CONFIGS)), label="config")]
+    settings_ = {**extra, "max_num_seqs": 2}
+    if host is not None:
+        settings_["host_capacity_tokens"] = host
+    off, _ = arrivals(engine_for(sparse, False, **settings_), reqs)
+    on, engine = arrivals(engine_for(sparse, True, **settings_), reqs)
+    assert on == off and len(on) == len(reqs)
     assert_no_keys_left(engine)
