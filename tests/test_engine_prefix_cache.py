@@ -149,31 +149,41 @@ def test_multi_turn_chat_reuses_prompt_and_generated_tokens(path, name) -> None:
     sparse, extra = CONFIGS[name]
     g = torch.Generator().manual_seed(2)
     messages = [tokens(n, g) for n in (21, 7, 10, 5)]
-
-    def chat(engine: Engine) -> list[list[int]]:
-        history, outputs = [], []
-        for turn, message in enumerate(messages):
-            history = history + message
-            out = one_after_another_one(engine, f"t{turn}", history)
-            outputs.append(out)
-            history = history + out
-        return outputs
-
-    off = chat(engine_for(path, sparse, False, **extra))
+    off = chat(engine_for(path, sparse, False, **extra), messages, one_after_another_one)
     engine = engine_for(path, sparse, True, **extra)
-    assert chat(engine) == off
+    assert chat(engine, messages, one_after_another_one) == off
     stats = engine.prefix_cache.stats
-    # turn n (n >= 1) finds every whole page of turn n-1's prompt + output but the last token's
-    lens, hit_floor, history = [], 0, 0
-    for turn, message in enumerate(messages):
-        prompt = history + len(message)
-        if turn:
-            hit_floor += min(history - 1, prompt - 1) // 4 * 4  # turn n-1's K/V: all but its last output
-        history = prompt + GREEDY.max_tokens
-        lens.append(prompt)
-    assert stats.hit_tokens == hit_floor > 0
+    lens = chat_prompt_lens(messages)
+    assert stats.hit_tokens == chat_hit_tokens(lens) > 0
     assert stats.prompt_tokens == sum(lens)
     assert_empty_after_clear(engine)
+
+
+def chat(engine: Engine, messages: list[list[int]], run) -> list[list[int]]:
+    """A multi-turn chat: turn n's prompt is turn n-1's prompt + its output + messages[n], each
+    turn run alone (`run(engine, rid, prompt)` -> its tokens); every turn's output."""
+    history, outputs = [], []
+    for turn, message in enumerate(messages):
+        history = history + message
+        out = run(engine, f"t{turn}", history)
+        outputs.append(out)
+        history = history + out
+    return outputs
+
+
+def chat_prompt_lens(messages: list[list[int]]) -> list[int]:
+    """Each turn's prompt length in `chat` (GREEDY's max_tokens per answer)."""
+    lens, history = [], 0
+    for message in messages:
+        lens.append(history + len(message))
+        history = lens[-1] + GREEDY.max_tokens
+    return lens
+
+
+def chat_hit_tokens(lens: list[int], page: int = 4) -> int:
+    """Prompt tokens a chat's turns find in a cache holding every whole page of the previous
+    turn's K/V: its prompt and all its outputs but the last (whose K/V is never written)."""
+    return sum(min(prev + GREEDY.max_tokens - 1, cur - 1) // page * page for prev, cur in zip(lens, lens[1:]))
 
 
 def one_after_another_one(engine: Engine, rid: str, prompt: list[int]) -> list[int]:

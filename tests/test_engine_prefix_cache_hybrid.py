@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from test_engine_prefix_cache import chat, chat_hit_tokens, chat_prompt_lens
 
 from sparse_framework.engine.engine import Engine, EngineConfig
 from sparse_framework.engine.models import load_model
@@ -139,26 +140,10 @@ def test_multi_turn_chat(checkpoints, name: str) -> None:
     previous turn's K/V (but its last token's) comes from the cache, window included."""
     g = torch.Generator().manual_seed(2)
     messages = [tokens(n, g) for n in (21, 7, 10, 5)]
-
-    def chat(engine: Engine) -> list[list[int]]:
-        history, outputs = [], []
-        for turn, message in enumerate(messages):
-            history = history + message
-            out = run_one(engine, f"t{turn}", history)
-            outputs.append(out)
-            history = history + out
-        return outputs
-
-    off = chat(engine_for(checkpoints[name], FULL, False))
+    off = chat(engine_for(checkpoints[name], FULL, False), messages, run_one)
     engine = engine_for(checkpoints[name], FULL, True)
-    assert chat(engine) == off
-    hit_floor, history = 0, 0
-    for turn, message in enumerate(messages):
-        prompt = history + len(message)
-        if turn:
-            hit_floor += min(history - 1, prompt - 1) // 4 * 4
-        history = prompt + GREEDY.max_tokens
-    assert engine.prefix_cache.stats.hit_tokens == hit_floor > 0
+    assert chat(engine, messages, run_one) == off
+    assert engine.prefix_cache.stats.hit_tokens == chat_hit_tokens(chat_prompt_lens(messages)) > 0
     assert_empty_after_clear(engine)
 
 

@@ -16,8 +16,12 @@ from test_engine_prefix_cache import (
     GREEDY,
     arrivals,
     assert_empty_after_clear,
+    chat,
+    chat_hit_tokens,
+    chat_prompt_lens,
     draw_arrivals,
     one_after_another,
+    one_after_another_one,
     shared_prefix_prompts,
     tokens,
 )
@@ -106,27 +110,12 @@ def test_multi_turn_chat(name) -> None:
     lossless = name == "hierarchical"
     g = torch.Generator().manual_seed(2)
     messages = [tokens(n, g) for n in (21, 7, 10)]
-
-    def chat(engine: Engine) -> list[list[int]]:
-        history, outputs = [], []
-        for turn, message in enumerate(messages):
-            history = history + message
-            out = one_after_another(engine, [history])["r0"]
-            outputs.append(out)
-            history = history + out
-        return outputs
-
-    off = chat(engine_for(sparse, False))
+    off = chat(engine_for(sparse, False), messages, one_after_another_one)
     engine = engine_for(sparse, True)
     assert (engine.prefix_cache.index_reader is not None) == (name in ("hierarchical", "dense-mode"))
-    assert chat(engine) == off
-    hits, written = 0, 0  # written: the previous turn's tokens with K/V (all but its last output)
-    for turn, message in enumerate(messages):
-        prompt = written + 1 + len(message) if turn else len(message)
-        if turn:
-            prev_prompt = written + 1 - GREEDY.max_tokens
-            hits += (min(written, prompt - 1) if lossless else prev_prompt) // 4 * 4
-        written = prompt + GREEDY.max_tokens - 1
+    assert chat(engine, messages, one_after_another_one) == off
+    lens = chat_prompt_lens(messages)
+    hits = chat_hit_tokens(lens) if lossless else sum(prev // 4 * 4 for prev in lens[:-1])  # prompts only
     assert engine.prefix_cache.stats.hit_tokens == hits > 0
     assert_no_keys_left(engine)
 

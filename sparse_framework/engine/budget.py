@@ -111,17 +111,12 @@ class RunnerBudget:
             short = pages - self.headroom()
         return short <= 0
 
-    def _adopts_cached_pages(self, seq: Sequence) -> bool:
-        """Whether the store maps a cached prefix's host pages as the sequence's own: a request
-        that keeps its K/V on the host does (those pages are held already); one that does not
-        (dense mode, the resident store) only copies them into its staging, and if preempted
-        copies its whole context to new host pages — its promise must cover all of it."""
-        dense = seq.num_prompt_tokens < self.runner.coord.config.min_sparse_prompt_len
-        return not (self.store.all_resident or dense)
-
     def can_admit(self, seq: Sequence) -> bool:
         cached, pages = self.cache.match(seq.rid, seq.prompt_ids) if self.cache is not None else (0, None)
-        adopts = self._adopts_cached_pages(seq)
+        # a request that keeps its K/V on the host maps the cached pages as its own (held
+        # already); one that does not (dense mode, the resident store) only copies them into its
+        # staging and, if preempted, copies its whole context to new host pages: promised it all
+        adopts = self.store.keeps_host_for(seq.num_prompt_tokens)
         need = self._life_pages(seq) - (cached // self.page if adopts else 0)
         if self.store.host_alloc.num_pages and not self._host_room(need):
             self._drop_match(seq)

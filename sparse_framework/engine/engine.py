@@ -392,8 +392,7 @@ class Engine:
         coord = self.runner.coord
         keys = getattr(coord.algorithm, "index_k", None)
         staged = self.runner.staging.index_k
-        if (keys is None or staged is None or getattr(coord.algorithm, "fp8", False) or keys.dtype != staged.dtype
-                or coord.dense_layers):
+        if keys is None or staged is None or keys.dtype != staged.dtype or coord.dense_layers:  # FP8: uint8 bits
             return None
         return lambda request, start, stop: keys[:, request.slot, start:stop]
 

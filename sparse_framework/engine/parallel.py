@@ -143,8 +143,10 @@ def init_tp(
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    if backend == "nccl" and "lo" in {name for _, name in socket.if_nameindex()}:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the host-side group: ranks of one host
+    if "lo" in {name for _, name in socket.if_nameindex()}:
+        # every rank is on this host: gloo (the CPU group, or the host-side group beside NCCL)
+        # on loopback, not on whatever the hostname resolves to
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if not dist.is_initialized():
         kwargs: dict[str, Any] = {"device_id": dev} if backend == "nccl" else {}
         dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=world_size, **kwargs)
@@ -194,9 +196,6 @@ def free_port() -> int:
 def _worker(rank: int, world_size: int, backend: str, port: int, out_dir: str, fn: Callable[..., Any],
             args: tuple[Any, ...]) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **NCCL_SAFE_ENV})
-    if backend == "gloo" and "lo" in {name for _, name in socket.if_nameindex()}:
-        # all ranks are on this host: gloo on loopback, not on whatever the hostname resolves to
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     path = Path(out_dir) / f"rank{rank}.pt"
     try:
         ctx = init_tp(rank, world_size, backend)

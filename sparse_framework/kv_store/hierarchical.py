@@ -300,6 +300,11 @@ class HierarchicalKVStore(KVStore):
         """Whether the request's K/V live on the host (its host pages can be cached as they are)."""
         return self._keeps_host(request)
 
+    def keeps_host_for(self, prompt_len: int) -> bool:
+        """`keeps_host` of a request with this prompt before it is admitted (the coordinator
+        marks prompts shorter than min_sparse_prompt_len dense)."""
+        return not (self.all_resident or prompt_len < self.min_sparse_prompt_len)
+
     def host_page_ids(self, request: Request) -> torch.Tensor:
         """The request's host pages in logical order (borrowed ones included)."""
         return self.host_pool.page_ids(request)
