@@ -102,6 +102,24 @@ def test_other_arrivals(tmp_path, arrival) -> None:
         assert 0 <= on["prefill_tokens_saved"] <= 3 * 192
 
 
+def test_schedule_control_reruns_the_cache_off_with_half_the_tokens_per_step(tmp_path) -> None:
+    out = tmp_path / "r.json"
+    args = [*SIZES, "--workloads", "shared-prefix", "--configs", "dense", "--max-num-batched-tokens", "64",
+            "--schedule-control", "--out", str(out)]
+    assert bench.main(args) == 0
+    rows = {r["cell"]: r for r in json.loads(out.read_text())["results"]}
+    assert sorted(rows) == ["shared-prefix/dense/cache-off", "shared-prefix/dense/cache-off-half-step",
+                            "shared-prefix/dense/cache-on"]
+    control, off = rows["shared-prefix/dense/cache-off-half-step"], rows["shared-prefix/dense/cache-off"]
+    assert control["schedule_control"] and control["max_num_batched_tokens"] == 32 == off["max_num_batched_tokens"] // 2
+    assert control["steps"] > off["steps"] and control["prefill_tokens_saved"] == 0
+    # float32 on the CPU: a changed schedule changes no output, and the control says so
+    assert control["outputs_equal_cache_off"] is True and control["outputs_differing"] == 0
+    # the control belongs to the pair: --resume without it runs nothing; with it, nothing either
+    assert bench.main([*args, "--resume"]) == 0
+    assert {r["cell"]: r for r in json.loads(out.read_text())["results"]} == rows
+
+
 def test_bad_arguments_are_clear_errors() -> None:
     with pytest.raises(bench.ConfigError, match="--configs: unknown 'quest'"):
         bench.parse_args(["--configs", "quest"])
