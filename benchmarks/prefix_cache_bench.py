@@ -229,6 +229,7 @@ def run_cell(model: torch.nn.Module, config: dict[str, Any], args: argparse.Name
             "host_capacity_tokens": engine.config.host_capacity_tokens, "cuda_graphs": engine.config.cuda_graphs,
             "async_scheduling": engine.async_scheduling, "config": engine.runner.coord.config.model_dump(mode="json"),
             "device": str(engine.device), "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+            **step_times(engine.step_log),
         })
         token_ids = [list(o.token_ids) for o in outs]
         del engine
@@ -239,6 +240,15 @@ def run_cell(model: torch.nn.Module, config: dict[str, Any], args: argparse.Name
     if torch.device(args.device).type == "cuda":
         torch.cuda.empty_cache()
     return row, token_ids
+
+
+def step_times(log: list[tuple[int, int, int, float]]) -> dict[str, Any]:
+    """Where the run's time went, from the engine's step log (decode rows, prefill tokens,
+    context, seconds): steps with prefill tokens, decode-only steps and their median."""
+    prefill = [t for _, tokens, _, t in log if tokens > 0]
+    decode = [t for _, tokens, _, t in log if tokens == 0]
+    return {"prefill_steps_s": sum(prefill), "decode_steps_s": sum(decode), "decode_steps": len(decode),
+            "decode_step_ms_p50": None if not decode else 1e3 * _percentile(decode, 50)}  # type: ignore[operator]
 
 
 def compare_outputs(off: list[list[int]], on: list[list[int]]) -> dict[str, Any]:

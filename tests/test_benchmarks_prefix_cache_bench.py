@@ -52,6 +52,10 @@ def test_every_cell_is_a_row_with_its_figures(results) -> None:
         assert r["output_tokens_per_s"] > 0 and r["elapsed_s"] > 0
         # every prompt token is either computed by a prefill step or served from the cache
         assert r["prefill_tokens_computed"] + r["prefill_tokens_saved"] == r["prompt_tokens"]
+        # the step log's time: prefill and decode steps within the run, decode steps counted
+        assert 0 < r["prefill_steps_s"] and 0 < r["decode_steps_s"]
+        assert r["prefill_steps_s"] + r["decode_steps_s"] <= r["elapsed_s"] and r["decode_steps"] < r["steps"]
+        assert 0 < r["decode_step_ms_p50"] <= 1e3 * r["decode_steps_s"]
     assert {r["config"]["store"] for r in rows.values() if r["config_name"] == "dense"} == {"resident"}
     assert {r["config"]["store"] for r in rows.values() if r["config_name"] == "quest-hier"} == {"hierarchical"}
 
