@@ -207,3 +207,33 @@ def test_mla_prefill_blocks_equal_the_whole_chunk_reference(monkeypatch, score_b
     want = mla.mla_chunk_attention(x, slice(0, n), q_pos, latent, index_k)
     got = mla.mla_prefill_attention(x, slice(0, n), q_pos, latent, index_k)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_mla_prefill_on_cuda_equals_the_reference() -> None:
+    """On CUDA mla_prefill_attention scores with the fused Triton indexer in blocks of
+    PREFILL_BLOCK_FUSED queries (and SDPA's fused kernels): equal to the float32 torch
+    reference on the CPU, the same keys kept (bf16 indexer inputs: exact products, so only
+    the order of float32 sums differs; a different top-k would show as a large error)."""
+    from sparse_framework.engine.models import mla
+
+    g = torch.Generator().manual_seed(3)
+    n, m, h, hi = 1500, 4000, 8, 64
+    x = mla.MLAInputs(q_nope=torch.randn(n, h, 128, generator=g), q_rot=torch.randn(n, h, 64, generator=g),
+                      latent=torch.randn(n, 576, generator=g), kv_b=torch.randn(h, 256, 512, generator=g) / 23,
+                      scale=0.07, index_q=torch.randn(n, hi, 128, generator=g).bfloat16(),
+                      index_weights=torch.rand(n, hi, generator=g) / 64,
+                      index_k=torch.randn(n, 128, generator=g).bfloat16(), index_topk=256)
+    latent, index_k = torch.randn(m, 576, generator=g), torch.randn(m, 128, generator=g).bfloat16()
+    q_pos = torch.arange(m - n, m)
+    want = mla.mla_chunk_attention(x, slice(0, n), q_pos, latent, index_k)
+    cuda = mla.MLAInputs(**{f: (getattr(x, f).cuda() if isinstance(getattr(x, f), torch.Tensor) else getattr(x, f))
+                            for f in x.__dataclass_fields__})
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        got = mla.mla_prefill_attention(cuda, slice(0, n), q_pos.cuda(), latent.cuda(), index_k.cuda())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.testing.assert_close(got.cpu(), want, rtol=2e-4, atol=2e-4)

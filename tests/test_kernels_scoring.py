@@ -449,6 +449,56 @@ def test_triton_fp8q_interpreted_matches_the_torch_twin() -> None:
     run_interpreted(INTERPRETED_FP8Q.replace("MAX_EXAMPLES", "40"), "fp8q ok")
 
 
+# The prefill indexer kernel over random shapes (hypothesis, in the subprocess): query and key
+# counts off the blocks, head dims not powers of two, strided inputs, every 16-bit dtype and
+# float32; small blocks so that both grid axes have several programs.
+INTERPRETED_PREFILL = r"""
+import torch
+from hypothesis import given, settings, strategies as st, HealthCheck
+from sparse_framework.kernels import scoring as sc
+
+sc.DSA_PREFILL_TUNING = {"block_q": 16, "block_n": 32, "warps": 4}
+
+@settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(0, 70), m=st.integers(0, 100), h=st.integers(1, 6), di=st.sampled_from([16, 24, 64, 128]),
+       dtype=st.sampled_from(["float32", "bfloat16", "float16"]), strided=st.booleans(), seed=st.integers(0, 2**16))
+def random_cases(n, m, h, di, dtype, strided, seed):
+    g = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, dtype)
+    q = torch.randn(n, h, di * (2 if strided else 1), generator=g).to(dt)[..., :di]
+    k = torch.randn(m, di + (8 if strided else 0), generator=g).to(dt)[:, :di]
+    w = torch.randn(h, n, generator=g).t() if strided else torch.randn(n, h, generator=g)
+    got, want = sc.dsa_prefill_index_scores_triton(q, w, k), sc.dsa_prefill_index_scores_torch(q, w, k)
+    assert got.dtype == torch.float32 and got.shape == want.shape == (n, m)
+    if want.numel():
+        # exact products, float32 sums in another order: float32 rounding of the magnitudes summed
+        bound = torch.einsum("njd,md->njm", q.float().abs(), k.float().abs())
+        bound = torch.einsum("nj,njm->nm", w.abs(), bound)
+        assert bool(((got - want).abs() <= 1e-5 * bound + 1e-6).all()), float((got - want).abs().max())
+
+random_cases()
+print("prefill ok")
+"""
+
+
+def test_triton_prefill_index_interpreted_matches_the_torch_twin() -> None:
+    pytest.importorskip("triton")
+    run_interpreted(INTERPRETED_PREFILL.replace("MAX_EXAMPLES", "25"), "prefill ok")
+
+
+def test_prefill_index_refuses_bad_shapes_by_name() -> None:
+    q, w, k = torch.randn(3, 2, 16), torch.randn(3, 2), torch.randn(5, 16)
+    with pytest.raises(ValueError, match=r"index_k \[m, Di\]"):
+        sc.dsa_prefill_index_scores_torch(q, w, torch.randn(5, 8))
+    with pytest.raises(ValueError, match=r"weights must be \[3, 2\]"):
+        sc.dsa_prefill_index_scores_torch(q, torch.randn(2, 3), k)
+    with pytest.raises(ValueError, match="not fp8 bits"):
+        sc.dsa_prefill_index_scores_torch(q, w, k.to(torch.uint8))
+    # the reference is what the MLA model's `index_scores` computes off CUDA
+    from sparse_framework.engine.models import index_scores
+    assert torch.equal(index_scores(q, w, k), sc.dsa_prefill_index_scores_torch(q, w, k))
+
+
 # -- Triton vs torch on CUDA ---------------------------------------------------------------------
 def _gpu_close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
     close(got.cpu(), want.cpu(), tol)
@@ -508,3 +558,16 @@ def test_gpu_dsa(kind, q_dtype, monkeypatch) -> None:
     args = (iq, torch.rand(b, h, device="cuda", generator=g), keys, scale,
             torch.randperm(r, device="cuda", generator=g)[:b], n)
     _gpu_close(sc.dsa_index_scores_triton(*args), sc.dsa_index_scores_torch(*args), 1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_prefill_index(dtype) -> None:
+    """DeepSeek-V3.2's indexer shape (64 heads x 128), a chunk of queries over a longer prefix."""
+    g = torch.Generator(device="cuda").manual_seed(4)
+    n, m, h, di = 777, 3001, 64, 128
+    q = torch.randn(n, h, di, device="cuda", generator=g).to(dtype)
+    k = torch.randn(m, di, device="cuda", generator=g).to(dtype)
+    w = torch.rand(n, h, device="cuda", generator=g) / 64
+    _gpu_close(sc.dsa_prefill_index_scores_triton(q, w, k), sc.dsa_prefill_index_scores_torch(q, w, k), 1e-4)

@@ -224,6 +224,27 @@ def dsa_index_scores_torch(
     return (logits.relu() * weights.float().unsqueeze(-1)).sum(1)
 
 
+def _check_prefill_index(index_q, weights, index_k):  # type: ignore[no-untyped-def]
+    if index_q.dim() != 3 or index_k.dim() != 2 or index_q.shape[-1] != index_k.shape[-1]:
+        raise ValueError(f"dsa_prefill_index_scores: index_q must be [n, H, Di] and index_k [m, Di]; got "
+                         f"{tuple(index_q.shape)} and {tuple(index_k.shape)}")
+    n, h, di = index_q.shape
+    if weights.shape != (n, h):
+        raise ValueError(f"dsa_prefill_index_scores: weights must be [{n}, {h}], got {tuple(weights.shape)}")
+    if index_k.dtype == torch.uint8:
+        raise ValueError("dsa_prefill_index_scores: index_k must be the model's keys (bf16/fp16/float32), not fp8 bits")
+    return n, h, di, index_k.shape[0]
+
+
+def dsa_prefill_index_scores_torch(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor) -> torch.Tensor:
+    """The lightning indexer for a prefill chunk: index_q [n, H, Di], weights [n, H] and one
+    sequence's keys index_k [m, Di] -> float32 [n, m], Σ_h weights[i, h] · ReLU(index_q[i, h]
+    · index_k[s]) (the weights carry the model's scales). Builds [n, H, m] float32."""
+    _check_prefill_index(index_q, weights, index_k)
+    dots = torch.einsum("njd,md->njm", index_q.float(), index_k.float())
+    return torch.einsum("nj,njm->nm", weights.float(), dots.relu())
+
+
 def _check_dsa_fp8q(index_q, weights, index_k, k_scale, slot_ids, n):  # type: ignore[no-untyped-def]
     b, h, di, fp8 = _check_dsa(index_q, weights, index_k, k_scale, slot_ids, n)
     if not fp8:

@@ -8,6 +8,8 @@ here as `*_torch`):
   dsa_index_scores      DeepSeek's lightning indexer Σ_h w_h · ReLU(q_h · k_t), bf16 or fp8 keys
   dsa_index_scores_fp8q the same over fp8 keys, the raw queries quantised like the keys in
                         the kernel (what DSA runs with fp8 keys)
+  dsa_prefill_index_scores  the indexer for a prefill chunk: n queries over one sequence's m
+                        keys (the model's own keys, 16-bit or float32), [n, m]
 
 Every Triton kernel streams the representation that grows with the context once, one
 program per (row, head or group, block of pages/tokens), tails masked; head dims that are not
@@ -45,6 +47,7 @@ from .reference_scores import (
     PQ_REDUCTIONS,
     REDUCTIONS,
     _check_dsa,
+    _check_prefill_index,
     _check_dsa_fp8q,
     _check_quest,
     _check_snapkv,
@@ -53,6 +56,7 @@ from .reference_scores import (
     dequantize_fp8_blocks,
     dsa_index_scores_fp8q_torch,
     dsa_index_scores_torch,
+    dsa_prefill_index_scores_torch,
     pqcache_scores_torch,
     quantize_fp8_blocks,
     quest_scores_torch,
@@ -65,6 +69,7 @@ __all__ = [
     "quest_scores_torch", "quest_scores_triton", "pqcache_scores_torch", "pqcache_scores_triton",
     "snapkv_window_mass_torch", "snapkv_window_mass_triton", "dsa_index_scores_torch", "dsa_index_scores_triton",
     "dsa_index_scores_fp8q_torch", "dsa_index_scores_fp8q_triton",
+    "dsa_prefill_index_scores_torch", "dsa_prefill_index_scores_triton",
 ]
 
 # launch shapes (module attributes, so that tests and benchmarks can change them)
@@ -85,6 +90,8 @@ DSA_TUNING = {
     "fp8q": {"block_n": 128, "steps": 32, "stages": 3, "warps": 4},
 }
 DSA_MIN_PROGRAMS = 264
+# the prefill indexer: queries and keys per program, warps
+DSA_PREFILL_TUNING = {"block_q": 64, "block_n": 128, "warps": 4}
 FP8_DECODE = "auto"  # "auto" | "native" (tl.float8e4nv) | "arith" (integer decode, any GPU)
 # "fp8q" multiplies with an fp8 tensor-core dot where fp8 is native: "auto" (compiled only),
 # "on" (also interpreted: tests), "off" (float16 dots of decoded values, exact)
@@ -615,3 +622,55 @@ def dsa_index_scores_fp8q_triton(
         first_pass = (hist, lens, *window(sink, recent))
     return _dsa_launch(index_q, weights, index_k, k_scale, slot_ids, n, b, h, di, quantize=True, pow2_scales=pow2_scales,
                        first_pass=first_pass)
+
+
+# -- DSA at prefill ----------------------------------------------------------------------------
+@triton.jit
+def dsa_prefill_index_kernel(
+    q_ptr, w_ptr, k_ptr, out_ptr, n, m, H,
+    s_qn, s_qh, s_qd, s_wn, s_wh, s_km, s_kd,
+    DI: tl.constexpr, MODE: tl.constexpr, KDT: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program: BLOCK_Q queries x BLOCK_N keys. The key tile is loaded once; per head
+    the [BLOCK_Q, Di] x [Di, BLOCK_N] dot, ReLU, times the queries' weight for that head,
+    summed into a float32 [BLOCK_Q, BLOCK_N] tile: the [n, H, m] float32 products torch
+    makes (and reads twice more, for the ReLU and the head sum) never exist. Axis 0 of the
+    grid walks the key blocks, so the programs running together share their query block
+    (in L2) and stream the keys."""
+    kb = tl.program_id(0)
+    qb = tl.program_id(1)
+    i = qb * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    t = kb * BLOCK_N + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    i_ok = i < n
+    k = tl.load(k_ptr + t[:, None].to(tl.int64) * s_km + d[None, :] * s_kd,
+                mask=(t[:, None] < m) & (d[None, :] < DI), other=0.0)
+    kt = tl.trans(k.to(KDT))
+    acc = tl.zeros([BLOCK_Q, BLOCK_N], tl.float32)
+    q_rows = q_ptr + i[:, None].to(tl.int64) * s_qn + d[None, :] * s_qd
+    for h in range(H):
+        q = tl.load(q_rows + h * s_qh, mask=i_ok[:, None] & (d[None, :] < DI), other=0.0)
+        w = tl.load(w_ptr + i.to(tl.int64) * s_wn + h * s_wh, mask=i_ok, other=0.0).to(tl.float32)
+        acc += tl.maximum(_dot(q, kt, MODE), 0.0) * w[:, None]
+    tl.store(out_ptr + i[:, None].to(tl.int64) * m + t[None, :], acc, mask=i_ok[:, None] & (t[None, :] < m))
+
+
+def dsa_prefill_index_scores_triton(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor) -> torch.Tensor:
+    """Triton version of `dsa_prefill_index_scores_torch`: index_q [n, H, Di], weights [n, H],
+    index_k [m, Di] (the model's keys: bf16/fp16/float32) -> float32 [n, m]. 16-bit operands
+    of one dtype multiply exactly on tensor cores with float32 sums (only the order of the
+    sums differs from torch's float32); float32 ones by the `_dot_mode` rules."""
+    n, h, di, m = _check_prefill_index(index_q, weights, index_k)
+    _launchable(index_q, weights, index_k)
+    out = torch.empty(n, m, dtype=torch.float32, device=index_q.device)
+    if out.numel() == 0:
+        return out
+    mode, kdt = _dot_mode(index_q.dtype, index_k.dtype)
+    tune = DSA_PREFILL_TUNING
+    grid = (cdiv(m, tune["block_n"]), cdiv(n, tune["block_q"]))
+    launch(dsa_prefill_index_kernel, grid, index_q, weights, index_k, out, n, m, h,
+           *index_q.stride(), *weights.stride(), *index_k.stride(),
+           DI=di, MODE=mode, KDT=kdt, BLOCK_Q=tune["block_q"], BLOCK_N=tune["block_n"], BLOCK_D=_pow2(di, 16),
+           num_warps=tune["warps"])
+    return out

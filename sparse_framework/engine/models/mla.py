@@ -24,8 +24,10 @@ from typing import Protocol
 import torch
 
 from ...common.errors import ConfigError
+from ...kernels.reference_scores import dsa_prefill_index_scores_torch
 
 INDEX_SCORE_BYTES = 2**30  # a prefill block's float32 index scores at most (mla_prefill_attention)
+PREFILL_BLOCK_FUSED = 1024  # queries per block where the fused indexer kernel runs (CUDA)
 
 
 @dataclass(frozen=True)
@@ -90,9 +92,14 @@ class MLAAttend(Protocol):
 
 def index_scores(index_q: torch.Tensor, index_weights: torch.Tensor, index_k: torch.Tensor) -> torch.Tensor:
     """The lightning indexer's scores [n, m] float32 of n queries over m keys:
-    Σ_j w_j · ReLU(iq_j · ik_s) (the weights carry the model's scales)."""
-    dots = torch.einsum("njd,md->njm", index_q.float(), index_k.float())
-    return torch.einsum("nj,njm->nm", index_weights.float(), dots.relu())
+    Σ_j w_j · ReLU(iq_j · ik_s) (the weights carry the model's scales). On CUDA one fused
+    Triton kernel (kernels/scoring.py: float32 sums of exact products, as torch's but for
+    the order of the sums); elsewhere torch, which builds [n, Hi, m] float32."""
+    if index_q.is_cuda:
+        from ...kernels.scoring import dsa_prefill_index_scores_triton  # Triton only where it runs
+
+        return dsa_prefill_index_scores_triton(index_q, index_weights, index_k)
+    return dsa_prefill_index_scores_torch(index_q, index_weights, index_k)
 
 
 def indexer_keep(scores: torch.Tensor, q_pos: torch.Tensor, topk: int) -> torch.Tensor:
@@ -142,7 +149,8 @@ def mla_chunk_attention(
     k, v = x.expand(latent)
     q = torch.cat([x.q_nope[rows], x.q_rot[rows]], dim=-1)
     logits = torch.einsum("thd,shd->hts", q.to(compute_dtype), k.to(compute_dtype)) * x.scale
-    keep = indexer_keep(index_scores(x.index_q[rows], x.index_weights[rows], index_k), q_pos, x.index_topk)
+    keep = indexer_keep(dsa_prefill_index_scores_torch(x.index_q[rows], x.index_weights[rows], index_k), q_pos,
+                        x.index_topk)
     probs = logits.masked_fill(~keep[None], float("-inf")).softmax(dim=-1)
     return torch.einsum("hts,shv->thv", probs, v.to(compute_dtype))
 
@@ -156,8 +164,13 @@ def mla_prefill_attention(
     fused kernels where the mask allows; float32 math on the CPU). Returns [n, H, v_head] in
     the latent's dtype. The block shrinks on a long prefix so that the float32 index scores
     of one block ([block, Hi, m], and their ReLU) stay within INDEX_SCORE_BYTES (DeepSeek-V3.2
-    at 128K: 32 queries, not 256 x 8 GiB)."""
-    block = max(1, min(block, INDEX_SCORE_BYTES // (4 * x.index_q.shape[1] * max(1, index_k.shape[0]))))
+    at 128K: 32 queries, not 256 x 8 GiB). On CUDA the fused indexer kernel makes only the
+    [block, m] scores, so the blocks are PREFILL_BLOCK_FUSED queries (fewer launches, bigger
+    top-k and SDPA calls), bounded the same way by the scores and their mask."""
+    heads = x.index_q.shape[1]
+    if x.index_q.is_cuda:
+        block, heads = max(block, PREFILL_BLOCK_FUSED), 1
+    block = max(1, min(block, INDEX_SCORE_BYTES // (4 * heads * max(1, index_k.shape[0]))))
     k, v = x.expand(latent)  # [m, H, nope + rope], [m, H, v]
     kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     q = torch.cat([x.q_nope[rows], x.q_rot[rows]], dim=-1).to(k.dtype)
