@@ -209,11 +209,60 @@ def test_mla_prefill_blocks_equal_the_whole_chunk_reference(monkeypatch, score_b
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+
+# The sparse prefill (absorbed queries over each query's top-k latent rows, the Triton sparse
+# MLA kernel) against the expanded reference, interpreted on the CPU: random shapes (hypothesis)
+# with index_topk below, at and above the prefix, chunks at any offset, blocks that split the
+# chunk; in float32 the two orders of the products agree to rounding.
+SPARSE_PREFILL = r"""
+import torch
+from hypothesis import given, settings, strategies as st, HealthCheck
+from sparse_framework.engine.models import mla
+
+@settings(max_examples=20, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 12), before=st.integers(0, 30), h=st.sampled_from([1, 3, 4]), topk=st.integers(1, 40),
+       block=st.integers(1, 12), seed=st.integers(0, 2**16))
+def cases(n, before, h, topk, block, seed):
+    g = torch.Generator().manual_seed(seed)
+    m, hi, lat, rope = before + n, 4, 32, 8
+    x = mla.MLAInputs(q_nope=torch.randn(n, h, 16, generator=g), q_rot=torch.randn(n, h, rope, generator=g),
+                      latent=torch.randn(n, lat + rope, generator=g), kv_b=torch.randn(h, 16 + 24, lat, generator=g) / 5,
+                      scale=0.3, index_q=torch.randn(n, hi, 16, generator=g), index_weights=torch.rand(n, hi, generator=g),
+                      index_k=torch.randn(n, 16, generator=g), index_topk=topk)
+    latent, index_k = torch.randn(m, lat + rope, generator=g), torch.randn(m, 16, generator=g)
+    q_pos = torch.arange(before, m)
+    want = mla.mla_chunk_attention(x, slice(0, n), q_pos, latent, index_k)
+    got = mla.mla_sparse_prefill_attention(x, slice(0, n), q_pos, latent, index_k, block)
+    assert got.shape == want.shape == (n, h, 24)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+cases()
+print("sparse prefill ok")
+"""
+
+
+def test_mla_sparse_prefill_interpreted_equals_the_expanded_reference() -> None:
+    pytest.importorskip("triton")
+    from helpers import run_interpreted
+
+    run_interpreted(SPARSE_PREFILL, "sparse prefill ok")
+
+
+def test_indexer_topk_lists_the_kept_keys_best_first() -> None:
+    from sparse_framework.engine.models import mla
+
+    scores = torch.tensor([[0.5, 3.0, 1.0, 2.0], [4.0, 1.0, 9.0, 0.0]])
+    q_pos = torch.tensor([0, 2])
+    assert mla.indexer_topk(scores, q_pos, 3).tolist() == [[0, -1, -1], [2, 0, 1]]
+    assert mla.indexer_topk(scores, torch.tensor([3, 3]), 2).tolist() == [[1, 3], [2, 0]]
+    keep = mla.indexer_keep(scores, q_pos, 3)
+    assert keep.tolist() == [[True, False, False, False], [True, True, True, False]]
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_mla_prefill_on_cuda_equals_the_reference() -> None:
+def test_mla_prefill_on_cuda_equals_the_reference(monkeypatch) -> None:
     """On CUDA mla_prefill_attention scores with the fused Triton indexer in blocks of
-    PREFILL_BLOCK_FUSED queries (and SDPA's fused kernels): equal to the float32 torch
+    PREFILL_BLOCK_FUSED queries and attends sparsely (or by SDPA's masked kernels): equal to the float32 torch
     reference on the CPU, the same keys kept (bf16 indexer inputs: exact products, so only
     the order of float32 sums differs; a different top-k would show as a large error)."""
     from sparse_framework.engine.models import mla
@@ -233,7 +282,9 @@ def test_mla_prefill_on_cuda_equals_the_reference() -> None:
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        got = mla.mla_prefill_attention(cuda, slice(0, n), q_pos.cuda(), latent.cuda(), index_k.cuda())
+        for sparse in (True, False):  # absorbed over the top-k rows (the default), masked SDPA
+            monkeypatch.setattr(mla, "SPARSE_PREFILL", sparse)
+            got = mla.mla_prefill_attention(cuda, slice(0, n), q_pos.cuda(), latent.cuda(), index_k.cuda())
+            torch.testing.assert_close(got.cpu(), want, rtol=2e-4, atol=2e-4)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    torch.testing.assert_close(got.cpu(), want, rtol=2e-4, atol=2e-4)

@@ -28,6 +28,7 @@ from ...kernels.reference_scores import dsa_prefill_index_scores_torch
 
 INDEX_SCORE_BYTES = 2**30  # a prefill block's float32 index scores at most (mla_prefill_attention)
 PREFILL_BLOCK_FUSED = 1024  # queries per block where the fused indexer kernel runs (CUDA)
+SPARSE_PREFILL = True  # CUDA prefill attends absorbed over each query's top-k rows (mla_sparse_prefill_attention)
 
 
 @dataclass(frozen=True)
@@ -102,15 +103,23 @@ def index_scores(index_q: torch.Tensor, index_weights: torch.Tensor, index_k: to
     return dsa_prefill_index_scores_torch(index_q, index_weights, index_k)
 
 
-def indexer_keep(scores: torch.Tensor, q_pos: torch.Tensor, topk: int) -> torch.Tensor:
-    """bool [n, m]: the keys each query keeps, as the model selects: among the causal ones
-    (key position <= q_pos, keys at positions 0..m-1) the top min(topk, m) by score."""
+def indexer_topk(scores: torch.Tensor, q_pos: torch.Tensor, topk: int) -> torch.Tensor:
+    """int32 [n, min(topk, m)]: the keys each query keeps, as the model selects — among the
+    causal ones (key position <= q_pos, keys at positions 0..m-1) the top min(topk, m) by
+    score — as key positions, best first, -1 where the query has fewer causal keys (the
+    index lists of FlashMLA's sparse kernels)."""
     m = scores.shape[1]
     causal = torch.arange(m, device=scores.device)[None, :] <= q_pos[:, None]
-    masked = scores.masked_fill(~causal, float("-inf"))
-    chosen = masked.topk(min(topk, m), dim=-1).indices
-    keep = torch.zeros_like(causal).scatter_(1, chosen, True)
-    return keep & causal
+    top = scores.masked_fill(~causal, float("-inf")).topk(min(topk, m), dim=-1)
+    return torch.where(top.values == float("-inf"), -1, top.indices).to(torch.int32)
+
+
+def indexer_keep(scores: torch.Tensor, q_pos: torch.Tensor, topk: int) -> torch.Tensor:
+    """bool [n, m]: `indexer_topk`'s keys as a mask (every causal key scores finitely, so the
+    -1 entries are exactly the non-causal picks; they are pointed at the query's best key)."""
+    chosen = indexer_topk(scores, q_pos, topk).long()
+    chosen = torch.where(chosen < 0, chosen[:, :1], chosen)
+    return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, chosen, True)
 
 
 def dense_mla_attend(seq_lens: Sequence[int], compute_dtype: torch.dtype = torch.float32) -> MLAAttend:
@@ -171,6 +180,8 @@ def mla_prefill_attention(
     if x.index_q.is_cuda:
         block, heads = max(block, PREFILL_BLOCK_FUSED), 1
     block = max(1, min(block, INDEX_SCORE_BYTES // (4 * heads * max(1, index_k.shape[0]))))
+    if x.index_q.is_cuda and SPARSE_PREFILL:
+        return mla_sparse_prefill_attention(x, rows, q_pos, latent, index_k, block)
     k, v = x.expand(latent)  # [m, H, nope + rope], [m, H, v]
     kh, vh = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     q = torch.cat([x.q_nope[rows], x.q_rot[rows]], dim=-1).to(k.dtype)
@@ -183,4 +194,32 @@ def mla_prefill_attention(
         qh = q[lo:hi].transpose(0, 1).unsqueeze(0)
         o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=keep, scale=x.scale)
         out[lo:hi] = o[0].transpose(0, 1)
+    return out
+
+
+def mla_sparse_prefill_attention(
+    x: MLAInputs, rows: slice, q_pos: torch.Tensor, latent: torch.Tensor, index_k: torch.Tensor, block: int = 1024,
+) -> torch.Tensor:
+    """`mla_prefill_attention`'s result computed sparsely, as DeepSeek's own inference and
+    FlashMLA's sparse prefill do: each query attends in absorbed form (`absorbed_queries`:
+    q_nope folded through W_UK) to only its indexer top-k latent rows of the staged prefix
+    (`indexer_topk`), by the Triton sparse MLA kernel (kernels/sparse_decode.py, one query
+    token per "sequence"), then W_UV (`expand_values`). The masked SDPA computes every
+    query-key pair and drops ~90% of them at 32K; this reads index_topk rows per query and
+    never expands the prefix through kv_b_proj (the [m, H, nope + v] product). The same
+    function in exact arithmetic; in floating point the absorbed order of the products
+    differs from the expanded one by rounding. CUDA, or the CPU under TRITON_INTERPRET=1."""
+    from ...kernels.sparse_decode import sparse_mla_decode  # Triton only where it runs
+
+    start = rows.start or 0
+    n = q_pos.shape[0]
+    kv = latent.unsqueeze(1)  # [m, 1, kv_lora_rank + rope]: K the row, V its first kv_lora_rank
+    out = torch.empty((n, x.q_nope.shape[1], x.kv_b.shape[1] - x.nope_dim), dtype=x.kv_b.dtype, device=latent.device)
+    for lo in range(0, n, block):
+        hi = min(lo + block, n)
+        r = slice(start + lo, start + hi)
+        chosen = indexer_topk(index_scores(x.index_q[r], x.index_weights[r], index_k), q_pos[lo:hi], x.index_topk)
+        q = x.absorbed_queries(r)  # [b, H, kv_lora_rank + rope], the softmax scale folded in
+        attended = sparse_mla_decode(q.unsqueeze(1), kv, chosen.unsqueeze(1), 1.0, v_dim=x.kv_lora_rank)
+        out[lo:hi] = x.expand_values(attended[:, 0])
     return out
