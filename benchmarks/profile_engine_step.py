@@ -71,11 +71,17 @@ def main(argv: list[str] | None = None) -> int:
                                                 generator=g).tolist(), SamplingParams(max_tokens=2, ignore_eos=True))
     engine.run_to_completion()
     engine.step_log.clear()
+    # the first request decodes while the others prefill (a step each per 16384 tokens): its
+    # output must outlast that, or the batch never decodes all together
+    prefill_steps = args.batch * -(-args.context // 16384)
     for i in range(args.batch):
         engine.add_request(f"r{i}", torch.randint(0, model_config.vocab_size, (args.context,), generator=g).tolist(),
-                           SamplingParams(max_tokens=args.timed_steps + 2 * args.steps + 16, temperature=0.0,
-                                          ignore_eos=True))
+                           SamplingParams(max_tokens=args.timed_steps + 2 * args.steps + 16 + prefill_steps,
+                                          temperature=0.0, ignore_eos=True))
     while not engine.step_log or engine.step_log[-1][1] or engine.step_log[-1][0] < args.batch:
+        if not engine.has_unfinished():
+            print("profile_engine_step.py: the requests ended before all of them decoded together", file=sys.stderr)
+            return 1
         engine.step()  # prefill, until a step decodes every request and prefills nothing
     prefill = [(tokens, sec) for _, tokens, _, sec in engine.step_log if tokens]
     tokens, sec = sum(t for t, _ in prefill), sum(s for _, s in prefill)
