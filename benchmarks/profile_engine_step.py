@@ -78,11 +78,14 @@ def main(argv: list[str] | None = None) -> int:
         engine.add_request(f"r{i}", torch.randint(0, model_config.vocab_size, (args.context,), generator=g).tolist(),
                            SamplingParams(max_tokens=args.timed_steps + 2 * args.steps + 16 + prefill_steps,
                                           temperature=0.0, ignore_eos=True))
+    ended = []
     while not engine.step_log or engine.step_log[-1][1] or engine.step_log[-1][0] < args.batch:
         if not engine.has_unfinished():
-            print("profile_engine_step.py: the requests ended before all of them decoded together", file=sys.stderr)
+            why = "; ".join(sorted({f"{o.finish_reason}: {o.error}" for o in ended}))
+            print(f"profile_engine_step.py: the requests ended before all of them decoded together ({why})",
+                  file=sys.stderr)
             return 1
-        engine.step()  # prefill, until a step decodes every request and prefills nothing
+        ended += engine.step()  # prefill, until a step decodes every request and prefills nothing
     prefill = [(tokens, sec) for _, tokens, _, sec in engine.step_log if tokens]
     tokens, sec = sum(t for t, _ in prefill), sum(s for _, s in prefill)
     flops = 2 * model_config.num_parameters() * tokens + 2 * 2 * model_config.num_layers * model_config.num_heads \
