@@ -60,8 +60,11 @@ def main(argv: list[str] | None = None) -> int:
 
     model_config = ModelConfig.from_hf(RANDOM_MODELS[args.shape])
     model = random_model(model_config, "bfloat16", "cuda")
+    # the first request decodes while the others prefill (a step each per 16384 tokens): its
+    # output must outlast that, or the batch never decodes all together
+    max_tokens = args.timed_steps + 2 * args.steps + 16 + args.batch * -(-args.context // 16384)
     engine = Engine(model, model_config, json.loads(args.config), EngineConfig(
-        max_num_seqs=args.batch, max_num_batched_tokens=16384, max_model_len=args.context + 64,
+        max_num_seqs=args.batch, max_num_batched_tokens=16384, max_model_len=args.context + max_tokens,
         decode_graphs=args.decode_graphs, cuda_graphs=args.cuda_graphs, fused_ops=args.fused_ops == "on",
         prefill_attention=args.prefill_attention,
         async_scheduling=args.async_scheduling == "on"))
@@ -71,17 +74,13 @@ def main(argv: list[str] | None = None) -> int:
                                                 generator=g).tolist(), SamplingParams(max_tokens=2, ignore_eos=True))
     engine.run_to_completion()
     engine.step_log.clear()
-    # the first request decodes while the others prefill (a step each per 16384 tokens): its
-    # output must outlast that, or the batch never decodes all together
-    prefill_steps = args.batch * -(-args.context // 16384)
     for i in range(args.batch):
         engine.add_request(f"r{i}", torch.randint(0, model_config.vocab_size, (args.context,), generator=g).tolist(),
-                           SamplingParams(max_tokens=args.timed_steps + 2 * args.steps + 16 + prefill_steps,
-                                          temperature=0.0, ignore_eos=True))
+                           SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     ended = []
     while not engine.step_log or engine.step_log[-1][1] or engine.step_log[-1][0] < args.batch:
         if not engine.has_unfinished():
-            why = "; ".join(sorted({f"{o.finish_reason}: {o.error}" for o in ended}))
+            why = "; ".join(sorted({f"{o.finish_reason}: {o.error}" for o in ended})[:3])
             print(f"profile_engine_step.py: the requests ended before all of them decoded together ({why})",
                   file=sys.stderr)
             return 1
