@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from sparse_framework.kernels import pdl
 
     pdl.PDL = args.pdl
+    from sparse_framework.engine.bench import prefill_flops
     from sparse_framework.engine.command import RANDOM_MODELS
     from sparse_framework.engine.models import ModelConfig, random_model
 
@@ -87,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         ended += engine.step()  # prefill, until a step decodes every request and prefills nothing
     prefill = [(tokens, sec) for _, tokens, _, sec in engine.step_log if tokens]
     tokens, sec = sum(t for t, _ in prefill), sum(s for _, s in prefill)
-    flops = 2 * model_config.num_parameters() * tokens + 2 * 2 * model_config.num_layers * model_config.num_heads \
-        * model_config.head_dim * args.context ** 2 / 2 * args.batch  # matmuls + causal attention
+    flops = prefill_flops(model_config, [args.context] * args.batch)  # bench's count (MLA: what DSA needs)
     print(f"prefill: {tokens} tokens in {sec:.2f} s over {len(prefill)} steps, {tokens / sec:,.0f} tok/s, "
           f"{flops / sec / 1e12:.0f} TFLOP/s ({engine.runner.prefill_attention_label})")
     for _ in range(3):

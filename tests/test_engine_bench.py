@@ -273,3 +273,4 @@ def test_bench_runs_hierarchical_dsa_on_deepseek_v32_end_to_end(monkeypatch, tmp
     assert r["decode_step_weight_bytes"] < r["decode_step_floor_bytes"] and r["kv_row_bytes"] == 40 * 4
     assert 0 <= r["hit_rate"] <= 1 and r["buffer_misses"] > 0 and r["h2d_bytes"] > 0  # prompts > the 64-row buffer
     assert r["prefill_flops"] == bench.prefill_flops(DSV32, [90] * 3) and r["prefill_tflops"] > 0
+    assert r["prefill_attention"] == "mla-masked-sdpa"  # the CPU's MLA prefill, not the other layers' choice

@@ -248,6 +248,15 @@ def test_mla_sparse_prefill_interpreted_equals_the_expanded_reference() -> None:
     run_interpreted(SPARSE_PREFILL, "sparse prefill ok")
 
 
+def test_the_runner_names_the_mla_prefill_it_runs(monkeypatch) -> None:
+    from sparse_framework.engine.models import mla
+
+    assert mla.mla_prefill_label(torch.device("cpu")) == "mla-masked-sdpa"
+    assert mla.mla_prefill_label(torch.device("cuda")) == "mla-sparse-triton"
+    monkeypatch.setattr(mla, "SPARSE_PREFILL", False)
+    assert mla.mla_prefill_label(torch.device("cuda")) == "mla-masked-sdpa"
+
+
 def test_indexer_topk_lists_the_kept_keys_best_first() -> None:
     from sparse_framework.engine.models import mla
 

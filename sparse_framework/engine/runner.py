@@ -69,7 +69,7 @@ from ..config import SparseConfig, load_config
 from ..coordinator import SparseCoordinator
 from ..kv_store.sliding_window import SlidingWindowKV
 from .models import ModelConfig
-from .models.mla import MLAInputs, mla_prefill_attention
+from .models.mla import MLAInputs, mla_prefill_attention, mla_prefill_label
 from .models.mla_config import MLAConfig
 from .prefill_attention import choose as choose_prefill_attention
 from .staging import PrefillStaging, chunk_attention
@@ -173,6 +173,8 @@ class ModelRunner:
         self.compute_layout = layout if self.dtype == layout.dtype else dataclasses.replace(layout, dtype=self.dtype)
         self.prefill_attention_label, self._chunk_attention = choose_prefill_attention(
             prefill_attention, torch.device(layout.device), self.dtype)
+        if layout.is_mla:  # MLA chunks take mla_prefill_attention, whatever was chosen for the others
+            self.prefill_attention_label = mla_prefill_label(torch.device(layout.device))
         self.layout = layout
         self.num_q_heads = num_q_heads
         config = load_config(sparse_config)

@@ -197,6 +197,13 @@ def mla_prefill_attention(
     return out
 
 
+def mla_prefill_label(device: torch.device) -> str:
+    """What `mla_prefill_attention` runs on `device` (bench's `prefill_attention` field)."""
+    if device.type == "cuda":
+        return "mla-sparse-triton" if SPARSE_PREFILL else "mla-masked-sdpa"
+    return "mla-masked-sdpa"
+
+
 def mla_sparse_prefill_attention(
     x: MLAInputs, rows: slice, q_pos: torch.Tensor, latent: torch.Tensor, index_k: torch.Tensor, block: int = 1024,
 ) -> torch.Tensor:
