@@ -51,6 +51,11 @@ def hf_model(name: str, window: bool = True):
     config_cls, model_cls, extra = MODELS[name]
     if not window:  # the same model with a window longer than any sequence here: every key seen
         extra = {**extra, "sliding_window": TINY["max_position_embeddings"]}
+    return tiny_hf_model(config_cls, model_cls, extra)
+
+
+def tiny_hf_model(config_cls: str, model_cls: str, extra: dict):
+    """A transformers model of the TINY shape (seed 0), its norms' weights drawn too."""
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**TINY, **extra)).eval()
     with torch.no_grad():  # Gemma's norms start at 0 (scale 1 + w): make them matter

@@ -7,6 +7,8 @@ cleared; unsupported settings are refused by name. Plus the store's borrowed hos
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import transformers
@@ -186,8 +188,11 @@ def chat_hit_tokens(lens: list[int], page: int = 4) -> int:
     return sum(min(prev + GREEDY.max_tokens - 1, cur - 1) // page * page for prev, cur in zip(lens, lens[1:]))
 
 
-def one_after_another_one(engine: Engine, rid: str, prompt: list[int]) -> list[int]:
-    poison_staging(engine)
+def one_after_another_one(engine: Engine, rid: str, prompt: list[int],
+                          poison: Callable[[Engine], None] | None = None) -> list[int]:
+    """One request run alone (greedy, to its length) on `engine`, the idle staging poisoned
+    first (`poison_staging`, or `poison`: a hybrid's ring too); its output tokens."""
+    (poison or poison_staging)(engine)
     engine.add_request(rid, prompt, GREEDY)
     (out,) = engine.run_to_completion()
     assert out.finish_reason == "length", out.error

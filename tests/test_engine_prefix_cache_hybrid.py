@@ -12,8 +12,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
-from test_engine_prefix_cache import chat, chat_hit_tokens, chat_prompt_lens
+from test_engine_hybrid import tiny_hf_model
+from test_engine_prefix_cache import (
+    chat,
+    chat_hit_tokens,
+    chat_prompt_lens,
+    engine_for,
+    one_after_another_one,
+    poison_staging,
+)
 
 from sparse_framework.engine.engine import Engine, EngineConfig
 from sparse_framework.engine.models import load_model
@@ -21,9 +28,6 @@ from sparse_framework.engine.sampling import SamplingParams
 from sparse_framework.kv_store.sliding_window import SlidingWindowKV
 
 VOCAB = 96
-TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
-            pad_token_id=None)
 MODELS = {  # name -> (config class, model class, extra); page size 4 below
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(sliding_window=8, query_pre_attn_scalar=16,
@@ -48,13 +52,8 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     out = {}
-    for name, (config_cls, model_cls, extra) in MODELS.items():
-        torch.manual_seed(0)
-        model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**TINY, **extra)).eval()
-        with torch.no_grad():  # Gemma's norms start at 0 (scale 1 + w): make them matter
-            for n, p in model.named_parameters():
-                if "norm" in n:
-                    p.normal_(0.0, 0.3)
+    for name, spec in MODELS.items():
+        model = tiny_hf_model(*spec)
         path = tmp_path_factory.mktemp(name)
         model.save_pretrained(path, safe_serialization=True)
         out[name] = path
@@ -65,28 +64,19 @@ def tokens(n: int, g: torch.Generator) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=g).tolist()
 
 
-def engine_for(path, sparse: dict, cache: bool, **config) -> Engine:
-    model = load_model(path, dtype=torch.float32)
-    settings = {"max_num_seqs": 4, "max_model_len": 128, "max_num_batched_tokens": 16, **config}
-    return Engine(model, model.config, sparse, EngineConfig(enable_prefix_caching=cache, **settings))
-
-
 def poison(engine: Engine) -> None:
     """NaN over the idle staging and the whole ring: what earlier requests left in the ring
     row must not stand in for the window a hit restores (every slot a chunk reads is written)."""
-    staging, ring = engine.runner.staging, engine.runner.ring
-    assert not staging.spans and ring is not None
-    for t in (staging.k, staging.v, ring.k, ring.v):
+    poison_staging(engine)
+    ring = engine.runner.ring
+    assert ring is not None
+    for t in (ring.k, ring.v):
         if t is not None:
             t.fill_(float("nan"))
 
 
 def run_one(engine: Engine, rid: str, prompt: list[int]) -> list[int]:
-    poison(engine)
-    engine.add_request(rid, prompt, GREEDY)
-    (out,) = engine.run_to_completion()
-    assert out.finish_reason == "length", out.error
-    return out.token_ids
+    return one_after_another_one(engine, rid, prompt, poison)
 
 
 def one_after_another(engine: Engine, batch: list[list[int]]) -> list[list[int]]:

@@ -205,7 +205,7 @@ def mla_prefill_label(device: torch.device) -> str:
 
 
 def mla_sparse_prefill_attention(
-    x: MLAInputs, rows: slice, q_pos: torch.Tensor, latent: torch.Tensor, index_k: torch.Tensor, block: int = 1024,
+    x: MLAInputs, rows: slice, q_pos: torch.Tensor, latent: torch.Tensor, index_k: torch.Tensor, block: int = PREFILL_BLOCK_FUSED,
 ) -> torch.Tensor:
     """`mla_prefill_attention`'s result computed sparsely, as DeepSeek's own inference and
     FlashMLA's sparse prefill do: each query attends in absorbed form (`absorbed_queries`:
