@@ -199,13 +199,12 @@ def mla_prefill_attention(
 
 def mla_prefill_label(device: torch.device) -> str:
     """What `mla_prefill_attention` runs on `device` (bench's `prefill_attention` field)."""
-    if device.type == "cuda":
-        return "mla-sparse-triton" if SPARSE_PREFILL else "mla-masked-sdpa"
-    return "mla-masked-sdpa"
+    return "mla-sparse-triton" if device.type == "cuda" and SPARSE_PREFILL else "mla-masked-sdpa"
 
 
 def mla_sparse_prefill_attention(
-    x: MLAInputs, rows: slice, q_pos: torch.Tensor, latent: torch.Tensor, index_k: torch.Tensor, block: int = PREFILL_BLOCK_FUSED,
+    x: MLAInputs, rows: slice, q_pos: torch.Tensor, latent: torch.Tensor, index_k: torch.Tensor,
+    block: int = PREFILL_BLOCK_FUSED,
 ) -> torch.Tensor:
     """`mla_prefill_attention`'s result computed sparsely, as DeepSeek's own inference and
     FlashMLA's sparse prefill do: each query attends in absorbed form (`absorbed_queries`:
