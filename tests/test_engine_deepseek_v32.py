@@ -10,6 +10,8 @@ import importlib.util
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sparse_framework.common.errors import ConfigError
 from sparse_framework.engine.engine import Engine, EngineConfig
@@ -257,15 +259,42 @@ def test_the_runner_names_the_mla_prefill_it_runs(monkeypatch) -> None:
     assert mla.mla_prefill_label(torch.device("cuda")) == "mla-masked-sdpa"
 
 
-def test_indexer_topk_lists_the_kept_keys_best_first() -> None:
+def test_indexer_topk_lists_the_kept_keys() -> None:
     from sparse_framework.engine.models import mla
 
     scores = torch.tensor([[0.5, 3.0, 1.0, 2.0], [4.0, 1.0, 9.0, 0.0]])
     q_pos = torch.tensor([0, 2])
-    assert mla.indexer_topk(scores, q_pos, 3).tolist() == [[0, -1, -1], [2, 0, 1]]
-    assert mla.indexer_topk(scores, torch.tensor([3, 3]), 2).tolist() == [[1, 3], [2, 0]]
+    assert mla.indexer_topk(scores, q_pos, 3).tolist() == [[0, -1, -1], [0, 1, 2]]
+    assert mla.indexer_topk(scores, torch.tensor([3, 3]), 2).tolist() == [[1, 3], [0, 2]]
     keep = mla.indexer_keep(scores, q_pos, 3)
     assert keep.tolist() == [[True, False, False, False], [True, True, True, False]]
+
+
+@given(n=st.integers(1, 6), m=st.integers(1, 40), extra=st.integers(0, 30), topk=st.integers(1, 24),
+       levels=st.integers(1, 4), seed=st.integers(0, 2**16))
+@settings(max_examples=60, deadline=None)
+def test_indexer_ties_go_to_the_earlier_keys_whatever_the_width(n, m, extra, topk, levels, seed) -> None:
+    """Scores from a few levels (ties everywhere, as ReLU's zeros make them): each query keeps
+    the top min(topk, causal keys) by score, ties at the cut to the earliest keys; the same
+    keys when the prefix is wider (more non-causal keys: another chunking of the prompt); the
+    index lists name exactly the kept keys, in key order, -1 after."""
+    from sparse_framework.engine.models import mla
+
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, levels, (n, m + extra), generator=g).float()
+    q_pos = torch.randint(0, m, (n,), generator=g)
+    keep = mla.indexer_keep(scores, q_pos, topk)
+    assert torch.equal(mla.indexer_keep(scores[:, :m], q_pos, topk), keep[:, :m]) and not keep[:, m:].any()
+    for i in range(n):
+        causal = scores[i, : int(q_pos[i]) + 1].tolist()
+        want = sorted(range(len(causal)), key=lambda j: (-causal[j], j))[:topk]
+        assert torch.nonzero(keep[i]).flatten().tolist() == sorted(want)
+    lists = mla.indexer_topk(scores, q_pos, topk)
+    assert lists.shape == (n, min(topk, m + extra)) and lists.dtype == torch.int32
+    for i in range(n):
+        kept = torch.nonzero(keep[i]).flatten().tolist()
+        assert lists[i].tolist() == kept + [-1] * (lists.shape[1] - len(kept))
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

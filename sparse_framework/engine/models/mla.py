@@ -103,23 +103,34 @@ def index_scores(index_q: torch.Tensor, index_weights: torch.Tensor, index_k: to
     return dsa_prefill_index_scores_torch(index_q, index_weights, index_k)
 
 
-def indexer_topk(scores: torch.Tensor, q_pos: torch.Tensor, topk: int) -> torch.Tensor:
-    """int32 [n, min(topk, m)]: the keys each query keeps, as the model selects — among the
-    causal ones (key position <= q_pos, keys at positions 0..m-1) the top min(topk, m) by
-    score — as key positions, best first, -1 where the query has fewer causal keys (the
-    index lists of FlashMLA's sparse kernels)."""
-    m = scores.shape[1]
-    causal = torch.arange(m, device=scores.device)[None, :] <= q_pos[:, None]
-    top = scores.masked_fill(~causal, float("-inf")).topk(min(topk, m), dim=-1)
-    return torch.where(top.values == float("-inf"), -1, top.indices).to(torch.int32)
-
-
 def indexer_keep(scores: torch.Tensor, q_pos: torch.Tensor, topk: int) -> torch.Tensor:
-    """bool [n, m]: `indexer_topk`'s keys as a mask (every causal key scores finitely, so the
-    -1 entries are exactly the non-causal picks; they are pointed at the query's best key)."""
-    chosen = indexer_topk(scores, q_pos, topk).long()
-    chosen = torch.where(chosen < 0, chosen[:, :1], chosen)
-    return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, chosen, True)
+    """bool [n, m]: the keys each query keeps, as the model selects: among the causal ones
+    (key position <= q_pos, keys at positions 0..m-1) the top min(topk, m) by score, a tie at
+    the cut going to the earlier keys. The model's own top-k leaves ties to torch.topk, whose
+    pick among equal scores depends on the tensor's width — here the chunk's prefix, so a
+    prompt prefilled in other chunks (another schedule, a prefix-cache hit) could keep other
+    keys; ReLU makes exact ties common (every head's dot negative: a score of 0)."""
+    m = scores.shape[1]
+    k = min(topk, m)
+    causal = torch.arange(m, device=scores.device)[None, :] <= q_pos[:, None]
+    masked = scores.masked_fill(~causal, float("-inf"))
+    cut = masked.topk(k, dim=-1).values[:, -1:]  # the k-th best score of each query
+    above = masked > cut
+    tied = (masked == cut) & causal
+    room = k - above.sum(-1, keepdim=True, dtype=torch.int32)
+    return above | (tied & (tied.cumsum(-1, dtype=torch.int32) <= room))
+
+
+def indexer_topk(scores: torch.Tensor, q_pos: torch.Tensor, topk: int) -> torch.Tensor:
+    """int32 [n, min(topk, m)]: `indexer_keep`'s keys as positions in key order, -1 after them
+    where the query has fewer causal keys (the index lists of FlashMLA's sparse kernels)."""
+    keep = indexer_keep(scores, q_pos, topk)
+    n, m = keep.shape
+    k = min(topk, m)
+    slot = torch.where(keep, keep.cumsum(-1, dtype=torch.int32) - 1, k).long()  # kept key -> its list slot
+    positions = torch.arange(m, device=keep.device, dtype=torch.int32).expand(n, m)
+    lists = torch.full((n, k + 1), -1, dtype=torch.int32, device=keep.device)
+    return lists.scatter_(1, slot, positions)[:, :k]  # column k took the keys not kept
 
 
 def dense_mla_attend(seq_lens: Sequence[int], compute_dtype: torch.dtype = torch.float32) -> MLAAttend:
