@@ -13,6 +13,7 @@ from rich.console import Console
 from ..common.errors import ConfigError
 from .experiment import DEFAULT_EXPERIMENT, load_experiment
 from .report import make_plots, markdown_page
+from .ruler import RULER_TASKS
 from .runner import METRICS
 from .sweep import results_table, run_sweep
 
@@ -31,9 +32,24 @@ context x workload is one cell, and each (workload, context) also runs dense as 
    "contexts": [2048, 4096],
    "workloads": [{"kind": "reference", "task": "mqar"},          # the shipped model: mqar, passkey
                  {"kind": "synthetic", "options": {"decode_steps": 8}},
-                 {"kind": "hf", "model": "/path/to/model", "prompts": "prompts.txt"}],
+                 {"kind": "hf", "model": "/path/to/model", "prompts": "prompts.txt"},
+                 {"kind": "ruler", "task": "niah_single_1", "samples": 4}],
    "base": {"sink_tokens": 16, "recent_tokens": 64},   # shared config options
    "device": "cpu", "dtype": "float32", "seed": 0}
+
+Workload kinds:
+  reference  a retrieval task on the shipped reference model, decoded teacher-forced
+             (task: mqar, passkey; sequences)
+  synthetic  the engine's synthetic attention workload: random keys with needles, no model
+             (options: WorkloadConfig fields)
+  hf         a local Hugging Face model and a prompts file, decoded teacher-forced along the
+             dense model's greedy continuation (model, prompts, max_new_tokens, limit)
+  ruler      a RULER task answered by a real model through the engine, greedy, scored by
+             string-match-all; the contexts are the RULER lengths. task: one of
+             """ + ", ".join(RULER_TASKS) + """;
+             model: a catalog name or checkpoint directory (default smollm2-135m-instruct);
+             samples, max_new_tokens, chat_template, max_num_seqs, max_num_batched_tokens,
+             engine: other EngineConfig options, examples: predictions kept per cell)
 
 With no file it runs a small embedded sweep on the shipped reference model (a few minutes
 on a CPU). Results go to JSON lines (--out), one per finished cell: run the same command
@@ -53,7 +69,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--device", help="override the experiment's device (cpu, cuda, cuda:1, ...)")
     p.add_argument("--out", default=DEFAULT_OUT, metavar="PATH", help=f"results, JSON lines (default {DEFAULT_OUT})")
     p.add_argument("--fresh", action="store_true", help="discard earlier results in --out instead of resuming")
-    p.add_argument("--plots", metavar="DIR", help="write PNG plots (accuracy/recall vs budget, time vs context) to DIR")
+    p.add_argument("--plots", metavar="DIR", help="write PNG plots (accuracy/recall vs budget, RULER accuracy per task, time vs context) to DIR")
     p.add_argument("--markdown", metavar="PATH", help="write a results page (tables, plots) to PATH")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--show-default", action="store_true", help="print the embedded experiment as JSON and exit")

@@ -16,12 +16,13 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..config import SparseConfig, load_config, validate
 from ..engine.workload import DTYPES, WorkloadConfig, check_dtype_name
 from ..common.errors import ConfigError
 from ..reference.tasks import TASKS
+from .ruler import RULER_TASKS
 
 HUGE_BUFFER = 1 << 40  # only to ask an algorithm how wide its largest selection is
 
@@ -107,7 +108,72 @@ class HFWorkload(BaseModel):
         return f"hf/{Path(self.model).name}"
 
 
-Workload = Annotated[Union[ReferenceWorkload, SyntheticWorkload, HFWorkload], Field(discriminator="kind")]
+# EngineConfig fields a ruler workload sets through its own keys or that follow from the cell
+RULER_ENGINE_OWN = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "seed")
+
+
+class RulerWorkload(BaseModel):
+    """A RULER task (lm-eval's offline generators) answered by a real model through the
+    engine: every sample of a cell is one greedy request, scored by string-match-all."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["ruler"]
+    task: str = Field(description="one of: " + ", ".join(RULER_TASKS))
+    model: str = Field("smollm2-135m-instruct", description="a catalog model name or a local checkpoint directory")
+    samples: int = Field(4, ge=1, description="prompts per cell (all submitted at once)")
+    max_new_tokens: int | None = Field(None, ge=1, description="answer budget (default: the task's lm-eval max_gen_toks)")
+    chat_template: bool = Field(True, description="wrap the prompt in the model's chat template (gen_prefix opens the "
+                                "assistant's turn), as lm-eval does for instruct models")
+    max_num_seqs: int = Field(16, ge=1, description="requests the engine runs at once (capped at samples)")
+    max_num_batched_tokens: int = Field(4096, ge=1, description="tokens per engine step (prefill chunks + decode rows)")
+    engine: dict[str, Any] = Field(default_factory=dict, description="other EngineConfig options (e.g. cuda_graphs)")
+    examples: int = Field(3, ge=0, description="predictions kept (truncated) in each cell's record")
+
+    @field_validator("task")
+    @classmethod
+    def _task(cls, task: str) -> str:
+        if task not in RULER_TASKS:
+            raise ValueError(f"task must be one of {', '.join(RULER_TASKS)}, got {task!r}")
+        return task
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, model: str) -> str:
+        from ..engine.models.catalog import CATALOG
+
+        if model not in CATALOG and not Path(model).expanduser().is_dir():
+            raise ValueError(f"model must be a catalog model name ({', '.join(CATALOG)}) or a local checkpoint "
+                             f"directory, got {model!r}")
+        return model
+
+    @field_validator("engine")
+    @classmethod
+    def _engine(cls, options: dict[str, Any]) -> dict[str, Any]:
+        from ..engine.engine import EngineConfig
+
+        allowed = [f for f in EngineConfig.__dataclass_fields__ if f not in RULER_ENGINE_OWN]
+        for key in options:
+            if key in RULER_ENGINE_OWN:
+                raise ValueError(f"{key!r} is set by the workload's own key, the cell or the experiment, not in `engine`")
+            if key not in allowed:
+                raise ValueError(f"unknown engine option {key!r}; allowed: {', '.join(allowed)}")
+        try:
+            EngineConfig(**options)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return options
+
+    @property
+    def new_tokens(self) -> int:
+        return self.max_new_tokens or RULER_TASKS[self.task].max_new_tokens
+
+    @property
+    def label(self) -> str:
+        return f"ruler/{self.task}"
+
+
+Workload = Annotated[Union[ReferenceWorkload, SyntheticWorkload, HFWorkload, RulerWorkload], Field(discriminator="kind")]
 
 
 class Experiment(BaseModel):
@@ -147,6 +213,18 @@ class Experiment(BaseModel):
     def _dtype(cls, name: str) -> str:
         return check_dtype_name(name)
 
+    @model_validator(mode="after")
+    def _ruler_contexts(self) -> Experiment:
+        """A RULER generator cannot fill every length (ruler.RulerTask.min_context): refused
+        here rather than failing (or, in lm-eval, looping) in the middle of a sweep."""
+        for w in self.workloads:
+            if isinstance(w, RulerWorkload):
+                need = RULER_TASKS[w.task].min_context
+                short = [c for c in self.contexts if c < need]
+                if short:
+                    raise ValueError(f"contexts {short} are too short for RULER task {w.task!r} (at least {need} tokens)")
+        return self
+
     @property
     def entries(self) -> list[AlgorithmEntry]:
         return [AlgorithmEntry(algorithm=a) if isinstance(a, str) else a for a in self.algorithms]
@@ -178,7 +256,7 @@ def top_k_for(budget: int | str | float, context: int, page_size: int) -> int:
 class Cell:
     """One measurement. `config` is None for the dense baseline."""
 
-    workload: ReferenceWorkload | SyntheticWorkload | HFWorkload
+    workload: ReferenceWorkload | SyntheticWorkload | HFWorkload | RulerWorkload
     context: int
     algorithm: str  # label; "dense" for the baseline
     backend: str

@@ -1,6 +1,7 @@
 """Run the cells of an experiment and measure each against dense decoding.
 
-Model workloads (the reference model, a user's Hugging Face model) decode teacher-forced: the
+RULER workloads generate through the engine instead (ruler_runner.py). Model workloads (the
+reference model, a user's Hugging Face model) decode teacher-forced: the
 prompt is prefilled densely, then the known continuation is fed one token per step, so dense
 and sparse runs see the same tokens and their logits compare position by position. Sparse
 runs go through the transformers integration (`SparseHandle`); its observer hands every
@@ -25,22 +26,26 @@ from ..engine.loop import run_experiment
 from ..engine.metrics import attention_recall, dense_attention, needle_hits, relative_error, selected_mask
 from ..engine.workload import DTYPES, WorkloadConfig
 from ..common.errors import ConfigError
-from .experiment import Cell, HFWorkload, ReferenceWorkload, SyntheticWorkload
+from .experiment import Cell, HFWorkload, ReferenceWorkload, RulerWorkload, SyntheticWorkload
 
 # What a cell reports (None where a workload cannot measure it), with how tables show it.
 METRICS: dict[str, str] = {
-    "accuracy": "task accuracy: answers entirely right (reference), or argmax agreement with dense (hf)",
+    "accuracy": "task accuracy: answers entirely right (reference), argmax agreement with dense (hf), or "
+    "RULER's string-match-all, the share of the expected strings in the greedy answer (ruler)",
     "recall": "attention mass on the selected tokens / mass of the exact top-k of the same size",
     "rel_error": "attention output error vs dense attention, ‖o − o_dense‖ / ‖o_dense‖",
     "kl": "KL(dense ‖ sparse) of the next-token distributions, nats per scored position",
     "needle_hit_rate": "share of the asked fact's tokens (reference) or needles (synthetic) selected",
     "device_kv_fraction": "device KV bytes held / dense device KV bytes",
-    "moved_kib_per_token": "host→device KiB copied per decode step (all layers and rows)",
+    "hit_rate": "share of the selected tokens already in the device buffer at decode (hierarchical store; ruler)",
+    "moved_kib_per_token": "host→device KiB copied per decode step, all layers: of the batch (teacher-forced, "
+    "synthetic), of one request, i.e. per output token (ruler)",
     "sparse_fraction": "share of the decode layer-steps (request x layer x step) that attended sparsely; "
     "the rest fell back to dense: prompts below min_sparse_prompt_len, dense layers. 'never': the "
     "cell measured dense attention only",
-    "ms_per_token": "wall time per decode step of the batch (first step excluded; Python and kernels, "
-    "with any first-use compilation of a new shape: benchmarks/, not this, measure speed)",
+    "ms_per_token": "wall time per decode step of the batch (first step excluded; ruler: per output token over the "
+    "engine's decode-only steps; Python and kernels, with any first-use compilation of a new shape: benchmarks/, "
+    "not this, measure speed)",
 }
 
 
@@ -144,8 +149,10 @@ def kl_per_position(dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
 class Runner:
     """Runs cells; keeps loaded models, drawn sequences and dense baselines between cells."""
 
-    def __init__(self, device: str, dtype: str, seed: int) -> None:
+    def __init__(self, device: str, dtype: str, seed: int, dense_backend: str = "torch_ref") -> None:
         self.device, self.dtype, self.seed = device, DTYPES[dtype], seed
+        self.dense_backend = dense_backend  # the engine's dense baseline (ruler) runs through it
+        self._ruler: Any = None  # a RulerRunner, made by the first ruler cell
         self._models: dict[str, Any] = {}
         self._dense: dict[str, tuple[Decoded, Any]] = {}  # per (workload, context): dense decode, inputs
 
@@ -191,6 +198,12 @@ class Runner:
         """The metrics of one cell (raises on failure; the caller records the error)."""
         if isinstance(cell.workload, SyntheticWorkload):
             return self._synthetic(cell)
+        if isinstance(cell.workload, RulerWorkload):
+            if self._ruler is None:
+                from .ruler_runner import RulerRunner
+
+                self._ruler = RulerRunner(self.device, self.dtype, self.seed, self.dense_backend)
+            return self._ruler.run(cell)
         if isinstance(cell.workload, ReferenceWorkload):
             return self._reference(cell)
         return self._hf(cell)

@@ -34,6 +34,7 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("rel_error", "rel\nerr", "{:.3f}"),
     ("kl", "KL", "{:.1e}"),
     ("needle_hit_rate", "needle", "{:.3f}"),
+    ("hit_rate", "dev\nhits", "{:.0%}"),
     ("device_kv_fraction", "dev\nKV", "{:.3f}"),
     ("moved_kib_per_token", "moved\nKiB/tok", "{:.1f}"),
     ("ms_per_token", "ms/\ntok", "{:.1f}"),
@@ -114,7 +115,7 @@ def run_sweep(
         preflight(exp, [c for c in cells if c.id not in done])
     if skipped:
         console.print(f"resuming: {skipped} of {len(cells)} cells already in {out}")
-    runner = Runner(exp.device, exp.dtype, exp.seed)
+    runner = Runner(exp.device, exp.dtype, exp.seed, dense_backend=exp.backends[0])
     records = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console, disable=not progress, transient=True) as bar:
