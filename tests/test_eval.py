@@ -226,3 +226,26 @@ def test_cli_plots_markdown_and_errors(tmp_path: Path, capsys) -> None:
     capsys.readouterr()
     assert main(["eval", "--show-default"]) == 0
     assert json.loads(capsys.readouterr().out) == DEFAULT_EXPERIMENT
+
+
+def test_report_only_measures_nothing_and_says_what_is_missing(tmp_path: Path, monkeypatch, capsys) -> None:
+    """--report-only renders the cells already in --out (measured elsewhere) and names the
+    rest as missing; it never runs a cell, and refuses --fresh or a missing results file."""
+    pytest.importorskip("matplotlib")
+    from sparse_framework.cli import main
+
+    out = tmp_path / "r.jsonl"
+    one = {**SMALL, "algorithms": [SMALL["algorithms"][0]], "budgets": [32]}
+    run_sweep(load_experiment(one), out, progress=False)  # 2 cells: dense, exact@32
+    monkeypatch.setattr("sparse_framework.eval.runner.Runner.run", lambda self, cell: pytest.fail("a cell ran"))
+    (tmp_path / "exp.json").write_text(json.dumps({**SMALL, "budgets": [32]}))  # 3 cells: + quest@32
+    page = tmp_path / "page.md"
+    args = ["eval", str(tmp_path / "exp.json"), "--out", str(out), "--markdown", str(page), "--no-progress"]
+    assert main([*args, "--report-only"]) == 0
+    text = page.read_text()
+    assert "**Partial: 2 of 3 cells" in text and "| exact |" in text and "| quest |" not in text
+    assert "--report-only" in text  # the reproducing command says so
+    assert main([*args, "--report-only", "--fresh"]) == 2
+    assert "--fresh would discard them" in capsys.readouterr().out
+    assert main(["eval", str(tmp_path / "exp.json"), "--out", str(tmp_path / "none.jsonl"), "--report-only"]) == 2
+    assert "does not exist" in capsys.readouterr().out

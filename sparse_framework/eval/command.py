@@ -11,7 +11,7 @@ from typing import Any
 from rich.console import Console
 
 from ..common.errors import ConfigError
-from .experiment import DEFAULT_EXPERIMENT, load_experiment
+from .experiment import DEFAULT_EXPERIMENT, expand, load_experiment
 from .report import make_plots, markdown_page
 from .ruler import RULER_TASKS
 from .runner import METRICS
@@ -72,6 +72,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--plots", metavar="DIR", help="write PNG plots (accuracy/recall vs budget, RULER accuracy per task, time vs context) to DIR")
     p.add_argument("--markdown", metavar="PATH", help="write a results page (tables, plots) to PATH")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--report-only", action="store_true",
+                   help="measure nothing: tables, plots and page from the cells already in --out (a sweep measured "
+                   "on another machine, or cut short)")
     p.add_argument("--show-default", action="store_true", help="print the embedded experiment as JSON and exit")
 
 
@@ -87,7 +90,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
         if path and not Path(path).resolve().parent.is_dir():
             raise ConfigError(f"{flag}: directory {str(Path(path).parent)!r} does not exist")
     out = Path(args.out)
-    records = run_sweep(exp, out, progress=not args.no_progress, fresh=args.fresh, console=console)
+    if args.report_only and args.fresh:
+        raise ConfigError("--report-only reads the cells in --out; --fresh would discard them: give one of the two")
+    if args.report_only and not out.is_file():
+        raise ConfigError(f"--report-only: results file {str(out)!r} does not exist")
+    records = run_sweep(exp, out, progress=not args.no_progress, fresh=args.fresh, console=console,
+                        measure=not args.report_only)
+    if not records:
+        raise ConfigError(f"no cell of experiment {exp.name!r} is in {str(out)!r}")
+    total = len(expand(exp))
     console.print(results_table(records, title=f"experiment {exp.name!r} on {exp.device} (results: {out})"))
     plots = make_plots(records, Path(args.plots)) if args.plots else []
     if plots:
@@ -98,9 +109,16 @@ def run(args: argparse.Namespace, console: Console) -> int:
             ([args.experiment] if args.experiment else [])
             + (["--device", args.device] if args.device else [])
             + ["--out", args.out] + (["--plots", args.plots] if args.plots else []) + ["--markdown", args.markdown]
+            + (["--report-only"] if args.report_only else [])
         )
+        missing = total - len(records)
         experiment = exp.model_dump(exclude_unset=True)
-        page.write_text(markdown_page(records, experiment, command, plots, page))
+        text = markdown_page(records, experiment, command, plots, page)
+        if missing:
+            head, _, rest = text.partition("\n\n")
+            text = (f"{head}\n\n**Partial: {len(records)} of {total} cells of this experiment were measured; the other "
+                    f"{missing} are not in the results file (nothing below stands in for them).**\n\n{rest}")
+        page.write_text(text)
         console.print(f"results page: {page}")
     failed = sum(r.status != "ok" for r in records)
     if failed:

@@ -151,8 +151,15 @@ def ruler_accuracy_plot(plt: Any, ok: list[CellRecord], directory: Path) -> Path
         ax.set_ylabel("accuracy (string-match-all)")
         ax.set_title(task[len(RULER_PREFIX):], fontsize=10)
         ax.grid(alpha=0.3)
-    axes.flat[0].legend(fontsize=6, ncol=2 if len(contexts) > 1 else 1)
-    fig.tight_layout()
+    # one legend for the figure: a panel's own would list only the series that panel has
+    handles: dict[str, Any] = {}
+    for ax in axes.flat[: len(tasks)]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", fontsize=7,
+               ncol=min(4, len(handles)), bbox_to_anchor=(0.5, 0.0))
+    rows_of_legend = -(-len(handles) // min(4, max(1, len(handles))))
+    fig.tight_layout(rect=(0, 0.04 * rows_of_legend / grid + 0.02, 1, 1))
     path = _save(fig, directory / "ruler_accuracy.png")
     plt.close(fig)
     return path

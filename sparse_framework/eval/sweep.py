@@ -99,10 +99,12 @@ def preflight(exp: Experiment, cells: list[Cell]) -> None:
 
 
 def run_sweep(
-    exp: Experiment, out: Path | None, *, progress: bool = True, fresh: bool = False, console: Console | None = None
+    exp: Experiment, out: Path | None, *, progress: bool = True, fresh: bool = False, console: Console | None = None,
+    measure: bool = True,
 ) -> list[CellRecord]:
     """Every cell of `exp`; finished ones found in `out` are kept (unless `fresh`), new ones
-    appended to `out` as they finish."""
+    appended to `out` as they finish. `measure=False`: only the finished ones (a report of a
+    sweep measured elsewhere, e.g. on a GPU machine, without running the rest)."""
     console = console or Console()
     cells = expand(exp)
     if out is not None:
@@ -111,6 +113,9 @@ def run_sweep(
             out.unlink()
     done = read_results(out) if out is not None else {}
     skipped = sum(c.id in done for c in cells)
+    if not measure:
+        console.print(f"report only: {skipped} of {len(cells)} cells are in {out}; the others are not measured")
+        return [done[c.id] for c in cells if c.id in done]
     if skipped < len(cells):  # (a finished sweep renders its tables and plots anywhere)
         preflight(exp, [c for c in cells if c.id not in done])
     if skipped:
