@@ -169,7 +169,7 @@ def _lm_eval_ruler() -> Any:
     except ImportError as exc:
         raise ConfigError(
             f"generating RULER tasks needs lm-eval 0.4.13 with wonderwords and nltk ({exc}); "
-            'pip install "sparse-framework[real]", or carry a sample cache ($SPARSE_FRAMEWORK_CACHE/ruler)'
+            'pip install "lm-eval>=0.4.13,<0.5" wonderwords nltk, or carry a sample cache ($SPARSE_FRAMEWORK_CACHE/ruler)'
         ) from None
     return ruler
 

