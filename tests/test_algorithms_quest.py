@@ -16,10 +16,12 @@ MAX_REQUESTS, MAX_SEQ_LEN, LAYERS = 3, 128, 2
 
 
 def make(page: int, how: str = "max", top_k: int = 8, sink: int = 0, recent: int = 0, hk: int = 2,
-         d: int = 6, dtype: torch.dtype = torch.float32, min_pages: int = 0, newest_in_top_k: bool = True) -> Quest:
+         d: int = 6, dtype: torch.dtype = torch.float32, min_pages: int = 0, newest_in_top_k: bool = True,
+         range_weight: float = 1.0) -> Quest:
     cfg = load_config({"algorithm": "quest", "top_k": max(top_k, page), "page_size": page, "sink_tokens": sink,
                        "recent_tokens": recent, "device_buffer_tokens": 4096, "min_sparse_prompt_len": 0,
-                       "extra": {"gqa_reduce": how, "min_pages": min_pages, "newest_in_top_k": newest_in_top_k}})
+                       "extra": {"gqa_reduce": how, "min_pages": min_pages, "newest_in_top_k": newest_in_top_k,
+                                 "range_weight": range_weight}})
     layout = KVLayout(num_layers=LAYERS, num_kv_heads=hk, head_dim=d, dtype=dtype)
     return Quest(cfg, layout, max_requests=MAX_REQUESTS, max_seq_len=MAX_SEQ_LEN)
 
@@ -53,6 +55,20 @@ def head_bounds(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Te
             for p in range(lo.shape[1])
         ]))
     return torch.stack(rows)
+
+
+def weighted_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, w: float) -> torch.Tensor:
+    """`range_weight`'s definition, float64, by loops: q [Hq, D], lo/hi [Hk, P, D] -> [Hq, P]
+    with s[j, p] = Σ_d q_jd·(lo_hd + hi_hd)/2 + w·|q_jd|·(hi_hd − lo_hd)/2, h = j // (Hq // Hk)."""
+    hq, hk = q.shape[0], lo.shape[0]
+    out = torch.zeros(hq, lo.shape[1], dtype=torch.float64)
+    for j in range(hq):
+        h = j // (hq // hk)
+        for p in range(lo.shape[1]):
+            for d in range(q.shape[1]):
+                qd, m, big = float(q[j, d]), float(lo[h, p, d]), float(hi[h, p, d])
+                out[j, p] += qd * (m + big) / 2 + w * abs(qd) * (big - m) / 2
+    return out
 
 
 def reduce(per_head: torch.Tensor, hk: int, how: str) -> torch.Tensor:
@@ -248,7 +264,7 @@ def test_budget_covering_the_context_selects_everything(page, hk, lens, sink, re
     g = torch.Generator().manual_seed(seed)
     # the budget is top_k // page_size pages: cover the longest context in whole pages
     quest = make(page, top_k=-(-max(lens) // page) * page + page * int(torch.randint(0, 3, (1,), generator=g)), sink=sink,
-                 recent=recent, hk=hk)
+                 recent=recent, hk=hk, range_weight=float(torch.rand(1, generator=g)))
     reqs = requests(lens, g)
     for r in reqs:
         quest.build(1, r, torch.randn(r.seq_len, hk, 6, generator=g))
@@ -280,3 +296,74 @@ def test_select_example_with_sink_recent_and_a_partial_last_page() -> None:
 def test_bad_gqa_reduce_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="`extra.gqa_reduce` = 'median'"):
         load_config({"algorithm": "quest", "extra": {"gqa_reduce": "median"}})
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    how=st.sampled_from(["max", "sum", "mean"]),
+    w=st.sampled_from([0.0, 0.25, 0.5, 1.0]) | st.floats(0.0, 1.0),
+    page=st.sampled_from([1, 2, 4, 8]),
+    hk=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 3]),
+    lens=st.lists(st.integers(1, 40), min_size=1, max_size=MAX_REQUESTS),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_range_weight_scores_match_their_definition(how, w, page, hk, group, lens, dtype, seed) -> None:
+    """`range_weight` w: per query head Σ_d q_d·(min_d + max_d)/2 + w·|q_d|·(max_d − min_d)/2
+    (a float64 loop over the definition), reduced over the group; w = 1 is the paper's bound,
+    bit for bit, and w = 0 scores the page midpoint."""
+    g = torch.Generator().manual_seed(seed)
+    d = 6
+    quest = make(page, how, hk=hk, d=d, dtype=dtype, range_weight=w)
+    paper = make(page, how, hk=hk, d=d, dtype=dtype)
+    reqs = requests(lens, g)
+    keys = [torch.randn(n, hk, d, generator=g).to(dtype) for n in lens]
+    for r, k in zip(reqs, keys):
+        quest.build(1, r, k)
+        paper.build(1, r, k)
+    q = torch.randn(len(reqs), hk * group, d, generator=g).to(dtype)
+    scores, bound = quest.score(1, q, batch_of(reqs)), paper.score(1, q, batch_of(reqs))
+    for i, (r, k) in enumerate(zip(reqs, keys)):
+        lo, hi = page_bounds(k, page)
+        n_pages = lo.shape[1]  # pages past a request's length hold anything
+        want = reduce(weighted_scores(q[i], lo, hi, w), hk, how)
+        assert torch.allclose(scores[i, :, :n_pages].double(), want, atol=1e-4, rtol=1e-4)
+        if w == 1.0:
+            assert torch.equal(scores[i, :, :n_pages], bound[i, :, :n_pages])
+
+
+def test_range_weight_zero_ranks_pages_by_their_midpoint() -> None:
+    """A worked example: page A's keys sit near q's direction but vary little; page B spreads
+    far in a channel q barely uses. The bound (w = 1) prefers B for its spread, w = 0 prefers A."""
+    q = torch.tensor([[[1.0, 0.1]]])  # one request, one query head
+    keys = torch.tensor([[0.9, 0.0], [1.1, 0.0], [0.0, -9.0], [0.0, 9.0]]).view(4, 1, 2)  # pages of 2: A, B
+    r = Request("a", 4, seq_len=4, slot=0)
+    got = {}
+    for w in (1.0, 0.0):
+        quest = make(2, "sum", hk=1, d=2, range_weight=w)
+        quest.build(0, r, keys)
+        got[w] = quest.score(0, q, batch_of([r]))[0, 0].tolist()
+    assert got[1.0] == pytest.approx([1.1, 0.9])  # A: 1.1 + 0; B: 0 + 0.9
+    assert got[0.0] == pytest.approx([1.0, 0.0])  # A: q·(1.0, 0); B: q·(0, 0)
+
+
+def test_range_weight_outside_zero_one_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="range_weight"):
+        load_config({"algorithm": "quest", "extra": {"range_weight": 1.5}})
+
+
+@pytest.mark.parametrize("range_weight", [0.0, 0.5])
+def test_range_weight_with_a_budget_covering_the_context_equals_dense(range_weight) -> None:
+    """Through the coordinator, against float64 dense attention, over a few decode steps."""
+    from test_coordinator import Driver, make as make_coordinator
+
+    cfg = {"algorithm": "quest", "top_k": 128, "page_size": 4, "sink_tokens": 3, "recent_tokens": 5,
+           "extra": {"dense_first_layers": 0, "range_weight": range_weight}}
+    coord = make_coordinator(cfg, kv_heads=2)
+    drv = Driver(coord, q_heads=4, seed=7)
+    reqs = [Request("a", 40), Request("b", 77)]
+    drv.prefill(reqs)
+    for _ in range(4):
+        for out, ref, _meta in drv.decode(reqs):
+            assert torch.allclose(out.double(), ref, atol=1e-5, rtol=0)

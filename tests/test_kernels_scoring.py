@@ -43,23 +43,27 @@ shapes = dict(b=st.integers(1, 3), hkv=st.integers(1, 4), group=st.integers(1, 4
 
 # -- torch references vs direct float64 re-computations -----------------------------------------
 @settings(deadline=None, max_examples=20)
-@given(n_pages=st.integers(0, 45), **shapes)
-def test_quest_reference(b, hkv, group, d, how, dtype, seed, n_pages) -> None:
+@given(n_pages=st.integers(0, 45), w=st.sampled_from([1.0, 0.5, 0.0]) | st.floats(0.0, 1.0), **shapes)
+def test_quest_reference(b, hkv, group, d, how, dtype, seed, n_pages, w) -> None:
+    """The bound Σ_d max(q_d·min_d, q_d·max_d) less (1 − w)·Σ_d |q_d|·(max_d − min_d)/2
+    (`range_weight` w; 1 = the bound), against a float64 re-computation."""
     g = torch.Generator().manual_seed(seed)
     r, maxp = b + 1, n_pages + 3
     x, y = torch.randn(2, r, hkv, maxp, d, generator=g)
     lo, hi = torch.minimum(x, y).to(dtype), torch.maximum(x, y).to(dtype)
     q = torch.randn(b, hkv * group, d, generator=g).to(dtype)
     slots = torch.randperm(r, generator=g)[:b]
-    got = sc.quest_scores_torch(q, lo, hi, slots, n_pages, how)
+    got = sc.quest_scores_torch(q, lo, hi, slots, n_pages, how, w)
     want = torch.zeros(b, hkv, n_pages, dtype=torch.float64)
     for i in range(b):
         for j in range(hkv):
             rows = []
             for h in range(j * group, (j + 1) * group):
                 qd = q[i, h].double()
-                pick = torch.where(qd >= 0, hi[slots[i], j, :n_pages].double(), lo[slots[i], j, :n_pages].double())
-                rows.append((pick * qd).sum(-1))  # the larger of q·min and q·max per dim
+                m, big = lo[slots[i], j, :n_pages].double(), hi[slots[i], j, :n_pages].double()
+                pick = torch.where(qd >= 0, big, m)
+                # the larger of q·min and q·max per dim, less the weighted spread
+                rows.append((pick * qd).sum(-1) - (1 - w) / 2 * (qd.abs() * (big - m)).sum(-1))
             want[i, j] = combine(rows, how)
     close(got, want, 1e-5)
 
@@ -310,6 +314,8 @@ def test_bad_arguments_are_refused_with_clear_errors() -> None:
         sc.quest_scores_torch(q, pages, pages, slots, 4, "median")
     with pytest.raises(ValueError, match="n_pages"):
         sc.quest_scores_torch(q, pages, pages, slots, 9)
+    with pytest.raises(ValueError, match="range_weight must be in"):
+        sc.quest_scores_torch(q, pages, pages, slots, 4, "sum", -0.5)
     with pytest.raises(ValueError, match="not a multiple"):
         sc.quest_scores_torch(torch.randn(1, 3, 16), pages, pages, slots, 4)
     with pytest.raises(ValueError, match="w <= n"):
@@ -344,13 +350,14 @@ def tol(dt):
     return 1e-4 if dt == torch.float32 else 1e-3
 
 for dt in (torch.float32, torch.bfloat16):
-    for b, r, hkv, grp, d, maxp, n_pages, how in [(2, 3, 2, 2, 16, 40, 37, "max"), (1, 2, 1, 3, 24, 10, 10, "mean"),
-                                                   (3, 3, 2, 1, 64, 200, 133, "sum")]:
+    for b, r, hkv, grp, d, maxp, n_pages, how, w in [(2, 3, 2, 2, 16, 40, 37, "max", 1.0), (1, 2, 1, 3, 24, 10, 10, "mean", 0.5),
+                                                      (3, 3, 2, 1, 64, 200, 133, "sum", 1.0), (2, 3, 3, 3, 64, 90, 77, "sum", 0.0),
+                                                      (2, 2, 2, 2, 32, 30, 29, "max", 0.3)]:
         x, y = rnd(r, hkv, maxp, d), rnd(r, hkv, maxp, d)
         lo, hi, q = torch.minimum(x, y).to(dt), torch.maximum(x, y).to(dt), rnd(b, hkv * grp, d, dtype=dt)
         slots = torch.randperm(r, generator=g)[:b]
-        args = (q, lo, hi, slots, n_pages, how)
-        check(sc.quest_scores_triton(*args), sc.quest_scores_torch(*args), tol(dt), ("quest", dt, d))
+        args = (q, lo, hi, slots, n_pages, how, w)  # w: range_weight (1 = the paper's bound)
+        check(sc.quest_scores_triton(*args), sc.quest_scores_torch(*args), tol(dt), ("quest", dt, d, w))
     for b, r, hkv, grp, m, k, sub, maxn, n, how in [(2, 3, 2, 2, 2, 64, 8, 700, 613, "sum"), (1, 2, 3, 1, 4, 16, 4, 50, 50, "max"),
                                                      (2, 2, 1, 3, 3, 256, 5, 40, 33, "mean"),
                                                      (2, 3, 2, 3, 2, 64, 8, 300, 257, "none")]:

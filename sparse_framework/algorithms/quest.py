@@ -16,6 +16,17 @@ with page size 16 in every published run; the original kernel counts the last pa
 the budget, as `newest_in_top_k` (default) does here (false: the last page on top of it).
 Differences: the original keeps no sink or recent pages (set sink_tokens / recent_tokens to 0
 to match); its evaluation path (not its kernel) does not force the last page either.
+
+`range_weight` (1 = the paper): per channel max(q_d·m_d, q_d·M_d) = q_d·mid_d + |q_d|·r_d
+(midpoint, half-range), so the bound is the page midpoint's q·k plus a spread term that a page
+earns for how far its keys swing per channel, whatever q·k is. On a real model (SmolLM2-135M,
+whose largest key channels, RoPE's slowest pairs, swing through half their prompt-wide range
+inside any page of 16) that term misranks the pages of the upper layers, and weighting it less
+(0: the midpoint) keeps the needle (docs/algorithms.md, "Quest and PQCache on a real model"). It needs nothing more
+than the min/max pages, so build, append, the prefix cache and chunked prefill (which hand the
+whole staged prompt to `build`) are unchanged. Centering the keys, often suggested, is no fix:
+subtracting a mean key μ lowers every page's bound of a query head by the same q·μ, so with
+`sum`/`mean` the ranking does not move; per-channel scaling (k_d·s, q_d/s) leaves each term.
 """
 
 from __future__ import annotations
@@ -47,6 +58,14 @@ class QuestOptions(BaseModel):
         description="the page of the newest token takes one of the top-k places unless the sink or recent window "
         "holds it (the original kernel's count: exactly max(min_pages, top_k // page_size) pages with "
         "sink_tokens = recent_tokens = 0); false: it is kept on top of them",
+    )
+    range_weight: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="a page scores q·(min+max)/2 + range_weight·Σ_d |q_d|·(max_d − min_d)/2: 1 = the paper's upper "
+        "bound Σ_d max(q_d·min_d, q_d·max_d); below 1 the per-channel spread, which every page has in a model's "
+        "large outlier key channels, counts less; 0 = the page midpoint's q·k (docs/algorithms.md, SmolLM2 section)",
     )
     impl: Literal["auto", "torch", "triton"] = Field("auto", description="scoring kernel: auto = triton on CUDA")
 
@@ -113,7 +132,8 @@ class Quest(ScoringAlgorithm):
     ) -> torch.Tensor:
         assert batch.seq_lens is not None and batch.slot_ids is not None
         n_pages = -(-batch.max_seq_len // self.config.page_size)
-        return self.page_scores(queries, self.page_min[layer], self.page_max[layer], batch.slot_ids, n_pages, self.options.gqa_reduce)
+        return self.page_scores(queries, self.page_min[layer], self.page_max[layer], batch.slot_ids, n_pages,
+                                self.options.gqa_reduce, self.options.range_weight)
 
     def release(self, request: Request) -> None:
         """Nothing to free: the pooled rows of `request.slot` are overwritten on reuse."""

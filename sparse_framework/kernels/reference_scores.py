@@ -3,6 +3,7 @@ not on CUDA, and what the Triton kernels of `kernels/scoring.py` are tested agai
 apart from the kernels so that importing an algorithm never needs Triton.
 
   quest_scores          Σ_d max(q_d·min_d, q_d·max_d) per page, combined over a GQA group
+                        (with `range_weight` w < 1: minus (1 − w)·Σ_d |q_d|·(max_d − min_d)/2)
   pqcache_scores        Σ_m q_m · centroid_m[code_m(t)] per token (q·centroid table gathered)
   snapkv_window_mass    the prompt's last w queries' causal softmax mass on the keys before them
   dsa_index_scores      DeepSeek's lightning indexer Σ_h w_h · ReLU(q_h · k_t), bf16 or fp8 keys
@@ -52,7 +53,7 @@ def _check_rows(slot_ids: torch.Tensor, b: int, what: str) -> None:
         raise ValueError(f"{what}: slot_ids must be int64 [{b}], got {slot_ids.dtype} {tuple(slot_ids.shape)}")
 
 
-def _check_quest(q, page_min, page_max, slot_ids, n_pages, reduce):  # type: ignore[no-untyped-def]
+def _check_quest(q, page_min, page_max, slot_ids, n_pages, reduce, range_weight=1.0):  # type: ignore[no-untyped-def]
     if q.dim() != 3 or page_min.dim() != 4 or page_max.shape != page_min.shape:
         raise ValueError(f"quest_scores: q must be [B, Hq, D] and page_min/page_max [R, Hkv, MAXP, D]; got "
                          f"{tuple(q.shape)}, {tuple(page_min.shape)}, {tuple(page_max.shape)}")
@@ -64,23 +65,32 @@ def _check_quest(q, page_min, page_max, slot_ids, n_pages, reduce):  # type: ign
         raise ValueError(f"quest_scores: n_pages ({n_pages}) must be in [0, {maxp}]")
     if reduce not in REDUCTIONS:
         raise ValueError(f"reduce must be one of max, sum, mean; got {reduce!r}")
+    if not 0.0 <= range_weight <= 1.0:
+        raise ValueError(f"quest_scores: range_weight must be in [0, 1], got {range_weight}")
     _check_rows(slot_ids, b, "quest_scores")
     return b, hkv, _group(hq, hkv, "quest_scores"), d
 
 
 def quest_scores_torch(
     q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, slot_ids: torch.Tensor,
-    n_pages: int, reduce: str = "max",
+    n_pages: int, reduce: str = "max", range_weight: float = 1.0,
 ) -> torch.Tensor:
     """Quest page bounds. q [B, Hq, D]; page_min/page_max [R, Hkv, MAXP, D] (KV dtype);
     slot_ids int64 [B] -> float32 [B, Hkv, n_pages]: per query head Σ_d max(q_d·min_d,
-    q_d·max_d), then `reduce` ("max" | "sum" | "mean") over each KV head's group."""
-    b, hkv, g, d = _check_quest(q, page_min, page_max, slot_ids, n_pages, reduce)
+    q_d·max_d), then `reduce` ("max" | "sum" | "mean") over each KV head's group.
+
+    range_weight w in [0, 1]: each term less (1 − w)·|q_d|·(max_d − min_d)/2. As
+    max(q·m, q·M) = q·(m + M)/2 + |q|·(M − m)/2, the score is q·mid + w·|q|·half-range: w = 1
+    is the upper bound (exactly the terms above: the correction is 0), w = 0 the page
+    midpoint's q·k (Quest's `range_weight` option)."""
+    b, hkv, g, d = _check_quest(q, page_min, page_max, slot_ids, n_pages, reduce, range_weight)
     lo = page_min[slot_ids, :, :n_pages].float()  # [B, Hkv, P, D]
     hi = page_max[slot_ids, :, :n_pages].float()
     qq = q.float().view(b, hkv, g, 1, d)
-    bound = torch.maximum(qq * lo.unsqueeze(2), qq * hi.unsqueeze(2)).sum(-1)  # [B, Hkv, G, P]
-    return _reduce(bound, reduce)
+    terms = torch.maximum(qq * lo.unsqueeze(2), qq * hi.unsqueeze(2))
+    if range_weight != 1.0:
+        terms = terms - (1.0 - range_weight) / 2 * (qq.abs() * (hi - lo).unsqueeze(2))
+    return _reduce(terms.sum(-1), reduce)  # [B, Hkv, G, P] -> [B, Hkv, P]
 
 
 def _pq_table(q, codebooks, codes, slot_ids, n, reduce, fold=False):  # type: ignore[no-untyped-def]

@@ -3,6 +3,7 @@ and float32 result of its torch reference in `kernels/reference_scores.py` (re-e
 here as `*_torch`):
 
   quest_scores          Σ_d max(q_d·min_d, q_d·max_d) per page, combined over a GQA group
+                        (with `range_weight` w < 1: minus (1 − w)·Σ_d |q_d|·(max_d − min_d)/2)
   pqcache_scores        Σ_m q_m · centroid_m[code_m(t)] per token (q·centroid table gathered)
   snapkv_window_mass    the prompt's last w queries' causal softmax mass on the keys before them
   dsa_index_scores      DeepSeek's lightning indexer Σ_h w_h · ReLU(q_h · k_t), bf16 or fp8 keys
@@ -163,10 +164,10 @@ def _dot(a, b, MODE: tl.constexpr):
 @triton.jit
 def quest_scores_kernel(
     q_ptr, lo_ptr, hi_ptr, slot_ptr, out_ptr,
-    n_pages, D,
+    n_pages, D, shrink,  # shrink = (1 - range_weight) / 2
     s_qb, s_qh, s_qd,
     s_pr, s_ph, s_pp, s_pd,  # page_min and page_max share strides
-    HKV: tl.constexpr, G: tl.constexpr, REDUCE: tl.constexpr,
+    HKV: tl.constexpr, G: tl.constexpr, REDUCE: tl.constexpr, SHRINK: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.wait(PDL)
@@ -185,7 +186,10 @@ def quest_scores_kernel(
         acc = tl.zeros([BLOCK_P], tl.float32)
     for g in tl.static_range(G):
         q = tl.load(q_ptr + b * s_qb + (j * G + g) * s_qh + d * s_qd, mask=d < D, other=0.0).to(tl.float32)
-        bound = tl.sum(tl.maximum(q[None, :] * lo, q[None, :] * hi), axis=1)
+        terms = tl.maximum(q[None, :] * lo, q[None, :] * hi)
+        if SHRINK:
+            terms = terms - shrink * (tl.abs(q)[None, :] * (hi - lo))
+        bound = tl.sum(terms, axis=1)
         if REDUCE == 0:
             acc = tl.maximum(acc, bound)
         else:
@@ -197,10 +201,11 @@ def quest_scores_kernel(
 
 def quest_scores_triton(
     q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, slot_ids: torch.Tensor,
-    n_pages: int, reduce: str = "max",
+    n_pages: int, reduce: str = "max", range_weight: float = 1.0,
 ) -> torch.Tensor:
-    """Triton version of `quest_scores_torch` (same arguments and result)."""
-    b, hkv, g, d = _check_quest(q, page_min, page_max, slot_ids, n_pages, reduce)
+    """Triton version of `quest_scores_torch` (same arguments and result; range_weight 1
+    compiles the paper's bound without the correction term)."""
+    b, hkv, g, d = _check_quest(q, page_min, page_max, slot_ids, n_pages, reduce, range_weight)
     _launchable(q, page_min, page_max, slot_ids)
     if page_min.stride() != page_max.stride():
         raise ValueError("quest_scores: page_min and page_max must have the same strides")
@@ -212,8 +217,8 @@ def quest_scores_triton(
     grid = (b, hkv, cdiv(n_pages, block_p))
     use_pdl = pdl.enabled(q.device)
     launch(quest_scores_kernel, grid,
-        q, page_min, page_max, slot_ids, out, n_pages, d, *q.stride(), *page_min.stride(),
-        HKV=hkv, G=g, REDUCE=REDUCTIONS[reduce], BLOCK_P=block_p, BLOCK_D=block_d, PDL=use_pdl,
+        q, page_min, page_max, slot_ids, out, n_pages, d, (1.0 - range_weight) / 2, *q.stride(), *page_min.stride(),
+        HKV=hkv, G=g, REDUCE=REDUCTIONS[reduce], SHRINK=range_weight != 1.0, BLOCK_P=block_p, BLOCK_D=block_d, PDL=use_pdl,
         num_warps=QUEST_WARPS, launch_pdl=use_pdl,
     )
     return out
