@@ -93,3 +93,19 @@ def dense_attention_f64(
         den = e.sum() + (0.0 if sink is None else math.exp(sink - float(m)))
         out[h] = (e @ vh) / den
     return out
+
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def load_benchmark(name: str):  # type: ignore[no-untyped-def]
+    """A script of benchmarks/ (not a package) imported as a module, registered under its name
+    so that its dataclasses and pickles resolve."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

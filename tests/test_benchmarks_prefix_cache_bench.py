@@ -6,22 +6,13 @@ bad flags are clear errors."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-def _load(name: str):  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location(name, ROOT / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_benchmark as _load
 
 
 bench = _load("prefix_cache_bench")

@@ -4,24 +4,13 @@ hierarchical store's answers equal the resident store's, and the tables fit 80 c
 
 from __future__ import annotations
 
-import importlib.util
 import io
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from rich.console import Console
 
-ROOT = Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-def _load(name: str):  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location(name, ROOT / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_benchmark as _load
 
 
 bench = _load("real_model_store")
