@@ -35,7 +35,7 @@ DEMO_MAX_MODEL_LEN = 8192  # the reference model was trained to 8K
 DEMO_CONFIG = {"algorithm": "quest", "top_k": 256, "min_sparse_prompt_len": 1024, "extra": {"dense_first_layers": 0}}
 # the text demo on a real model: exact top-k over the keys at 1/8 of 4K (docs/ruler_gpu.md: it keeps
 # dense's accuracy on SmolLM2 where Quest's page bounds lose it)
-DEMO_TEXT_CONFIG = {"algorithm": "dsa", "top_k": 512, "min_sparse_prompt_len": 1024, "extra": {"source": "keys"}}
+DEMO_TEXT_CONFIG = {"algorithm": "dsa", "top_k": 512, "min_sparse_prompt_len": 512, "extra": {"source": "keys"}}
 REFERENCE = "reference"  # --model reference: the shipped toy model
 TEXT_DEMO_CONTEXTS = (1024, 2048, 4096)
 RANDOM_MODELS = {
