@@ -24,6 +24,7 @@ from .engine import command as engine_command
 from .engine.memory import HOST_MEMORY_FRACTION, plan_engine_memory
 from .engine.models import ModelConfig
 from .eval import command as eval_command
+from .serve import command as serve_command
 from .capacity import PRESETS, CapacityPlan, plan_capacity
 from .common.layout import KVLayout
 
@@ -88,6 +89,7 @@ def _parser() -> argparse.ArgumentParser:
 
     eval_command.add_parser(sub)
     engine_command.add_parsers(sub)
+    serve_command.add_parser(sub)
 
     plan = sub.add_parser(
         "plan",
@@ -339,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
             return engine_command.run_generate(args, console)
         if args.command == "bench":
             return engine_command.run_bench(args, console)
+        if args.command == "serve":
+            return serve_command.run(args)
         return _plugins()
     except SparseFrameworkError as exc:
         console.print(Text("error: ", style="red") + Text(str(exc)), highlight=False)

@@ -138,3 +138,13 @@ def test_each_floor_imports_only_below_it(floor: str) -> None:
         if part(target) not in allowed and target not in allowed
     )
     assert wrong == [], f"{floor} may import only {sorted(allowed)}"
+
+
+def test_only_the_cli_imports_the_server() -> None:
+    """serve is the top floor: it imports the engine; nothing but the CLI imports it (the
+    engine and the offline API never depend on the HTTP layer)."""
+    graph = import_graph()
+    wrong = sorted(f"{mod} -> {target}" for mod, targets in graph.items() for target in targets
+                   if part(target) == "serve" and part(mod) not in ("serve", "cli"))
+    assert wrong == []
+    assert "engine.engine" in graph["serve.loop"]

@@ -1,0 +1,139 @@
+"""`sparse-framework serve` and `serve()`: build the model and engine, then run uvicorn.
+
+The model and engine flags are generate's own (`engine.command.engine_arguments`), so a
+configuration tried with `generate` serves unchanged. Shutdown (SIGTERM, Ctrl-C) is uvicorn's
+graceful one: it stops accepting connections, lets the responses in flight finish for up to
+--drain-timeout seconds (the engine keeps stepping meanwhile), cancels the rest (their
+requests are aborted), then the app's lifespan stops the engine loop; the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+from ..common.errors import ConfigError
+from ..config import load_config
+from ..engine import command as engine_command
+from ..engine.llm import LLM
+
+SERVE_HELP = """\
+An OpenAI-compatible HTTP server over one engine (docs/serve.md): POST /v1/completions and
+/v1/chat/completions (stream: true for server-sent events, one chunk per token), GET /v1/models,
+/health (200 once warmed up) and /metrics (Prometheus).
+
+  sparse-framework serve                                  # smollm2-135m-instruct if installed
+  sparse-framework serve --model reference --port 8000    # the toy model: prompts are token ids
+  sparse-framework serve --model DIR --device cuda --api-key secret --max-waiting 256
+
+Then, with the official client:
+
+  from openai import OpenAI
+  client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret")
+  client.completions.create(model="reference", prompt="1 17 300", max_tokens=8)
+
+Requests take max_tokens, temperature, top_p, top_k, seed, stop (strings or token ids),
+stop_token_ids and ignore_eos; n > 1, logprobs and penalties are refused with a 400. A request
+the engine can never run (prompt + max_tokens beyond --max-model-len, larger than the pools) is
+a 400 with the engine's reason; a full waiting queue (--max-waiting) a 429 with Retry-After.
+"""
+
+REFERENCE_NAME = "reference"
+
+
+def add_parser(sub: Any) -> None:
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine (completions, chat, "
+                       "streaming, metrics)", description=SERVE_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    engine_command.engine_arguments(s, engine_command.DEFAULT_MODEL_TEXT)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--served-model-name", metavar="NAME",
+                   help="the model's name in the API (default: --model as given, 'reference' for the toy)")
+    s.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every endpoint (401 "
+                   "otherwise); also read from SPARSE_FRAMEWORK_API_KEY")
+    s.add_argument("--max-waiting", type=int, default=256,
+                   help="requests queued but not running at most; more are answered 429 with Retry-After (default 256)")
+    s.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for responses in flight before aborting them (default 30)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default info)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """The `serve` subcommand."""
+    import os
+
+    engine_command.check_positive(args, "max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting")
+    engine_command.check_device(args.device)
+    return serve(model=args.model, config=args.config, device=args.device, dtype=args.dtype, host=args.host,
+                 port=args.port, served_model_name=args.served_model_name,
+                 api_key=args.api_key or os.environ.get("SPARSE_FRAMEWORK_API_KEY"), max_waiting=args.max_waiting,
+                 drain_timeout=args.drain_timeout, log_level=args.log_level,
+                 **engine_command.engine_options(args, args.max_model_len))
+
+
+def build_llm(model: str | None, config: Any = None, *, device: str = "cpu", dtype: str | None = None,
+              **engine_options: Any) -> tuple[LLM, str]:
+    """The LLM `generate` would build for --model (None: its default; "reference": the toy)
+    and its name in the API."""
+    name = engine_command.chosen_model(model)
+    sparse = load_config(config) if config else (engine_command.DEMO_CONFIG if name is None else None)
+    if name is None and engine_options.get("max_model_len") is None:
+        engine_options["max_model_len"] = engine_command.DEMO_MAX_MODEL_LEN
+    checkpoint = None if name is None else engine_command.resolve_model(name)
+    llm = LLM(checkpoint, sparse, dtype=dtype, device=device, **engine_options)
+    served = REFERENCE_NAME if name is None else (name if not Path(name).exists() else Path(name).name)
+    return llm, served
+
+
+def serve(model: str | None = None, config: Any = None, *, llm: LLM | None = None, host: str = "127.0.0.1",
+          port: int = 8000, served_model_name: str | None = None, api_key: str | None = None,
+          max_waiting: int = 256, drain_timeout: float = 30.0, log_level: str = "info", device: str = "cpu",
+          dtype: str | None = None, **engine_options: Any) -> int:
+    """Serve `llm` (or the model `generate --model` would load, with `config` and the
+    EngineConfig `engine_options`) until SIGTERM or Ctrl-C; 0 after a clean shutdown."""
+    try:
+        import uvicorn
+
+        from .app import ServerState, build_app
+        from .metrics import ServerMetrics
+    except ImportError as exc:
+        raise ConfigError(f"serve needs the server's libraries ({exc.name} is missing): pip install starlette "
+                          "uvicorn prometheus-client (the package's `serve` extra)") from None
+    from .loop import EngineLoop
+
+    if max_waiting < 1:
+        raise ConfigError(f"--max-waiting must be >= 1, got {max_waiting}")
+    if llm is None:
+        llm, name = build_llm(model, config, device=device, dtype=dtype, **engine_options)
+    else:
+        name = model or REFERENCE_NAME
+    name = served_model_name or name
+    engine = llm.engine
+    metrics = ServerMetrics(name)
+    loop = EngineLoop(engine, on_finished=metrics.observe)
+    metrics.attach(loop)
+    max_model_len = engine.scheduler.max_model_len or engine.model_config.max_position_embeddings
+    state = ServerState(llm, name, loop, metrics, max_waiting, max_model_len)
+    app = build_app(state, api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           timeout_graceful_shutdown=drain_timeout, lifespan="on"))
+    # uvicorn re-raises the signal it caught once it has shut down; with the default SIGTERM
+    # action that would kill the process (exit -15) after a clean drain, so SIGTERM is made a no-op
+    # here first (uvicorn restores this handler before re-raising).
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None) if main else None
+    logging.getLogger(__name__).info("serving %s on http://%s:%d", name, host, port)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # the re-raised SIGINT
+        pass
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+    return 0 if server.started else 1
