@@ -368,3 +368,50 @@ def test_fused_ops_need_a_model_with_a_fused_path() -> None:
     config = ModelConfig.from_hf({**TINY, "architectures": ["LlamaForCausalLM"]})
     with pytest.raises(ConfigError, match="fused_ops"):
         Engine(Bare(), config, FULL, EngineConfig(max_num_seqs=1, max_model_len=64, fused_ops=True))
+
+
+@pytest.mark.parametrize("where", ["model", "mid-forward"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_failed_step_fails_only_its_requests_and_the_engine_serves_on(checkpoint, where, async_scheduling) -> None:
+    """An exception inside a step (the model raising before any layer, or a hook raising after
+    layer 0 stored its K/V) ends the requests of that step with finish_reason "error" and the
+    reason, frees their pages, and the engine keeps serving: a request that was waiting
+    finishes exactly as it does alone, and new requests run. (Before, every later step raised
+    "schedule() called again before on_step_done() of the previous plan".)"""
+    _, path = checkpoint
+    batch = prompts([30, 40, 50], seed=5)
+    engine = engine_for(path, SMALL, max_num_seqs=2, async_scheduling=async_scheduling)
+    for i, p in enumerate(batch):
+        engine.add_request(f"r{i}", p, GREEDY)
+    for _ in range(4):  # r0 and r1 prefilled and decoding; r2 waits for a row
+        assert engine.step() == []
+    armed = {"on": True}
+    if where == "model":
+        model = engine.runner.model
+
+        def failing(*args, **kwargs):  # type: ignore[no-untyped-def]
+            if armed.pop("on", False):
+                raise RuntimeError("injected model failure")
+            return model(*args, **kwargs)
+
+        engine.runner.model = failing
+    else:
+        coord = engine.runner.coord
+        end = coord.attention_end
+
+        def failing_end(layer, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if layer == 1 and armed.pop("on", False):
+                raise RuntimeError("injected hook failure")
+            return end(layer, *args, **kwargs)
+
+        coord.attention_end = failing_end
+    failed = engine.step()
+    assert sorted(o.rid for o in failed if o.finish_reason == "error") == ["r0", "r1"], failed
+    assert all("the engine step failed: RuntimeError: injected" in o.error for o in failed if o.finish_reason == "error")
+    engine.add_request("r3", batch[0], GREEDY)  # the same prompt again, after the failure
+    outs = {o.rid: o for o in engine.run_to_completion()}
+    assert sorted(outs) == ["r2", "r3"] and all(o.finish_reason == "length" for o in outs.values())
+    alone = run(engine_for(path, SMALL, async_scheduling=False), [batch[2], batch[0]])
+    assert outs["r2"].token_ids == alone["r0"] and outs["r3"].token_ids == alone["r1"]
+    assert engine.runner.coord.store.used_tokens() == 0 and not engine.runner.staging.spans
+    assert not engine.runner.requests and not engine.has_unfinished()

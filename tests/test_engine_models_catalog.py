@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sparse_framework.common.errors import ConfigError
-from sparse_framework.engine.models import catalog
+from sparse_framework.engine.models import CheckpointError, catalog
 
 NAME = "smollm2-135m-instruct"
 installed = pytest.mark.skipif(
@@ -26,6 +26,8 @@ def test_a_directory_resolves_to_itself(tmp_path: Path) -> None:
 def test_unknown_names_and_files_name_the_choices(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=f"neither a checkpoint directory nor a model name; names: {NAME}"):
         catalog.resolve_model("smollm3-no-such-model")
+    with pytest.raises(CheckpointError, match="model directory not found: /no/such/dir"):
+        catalog.resolve_model("/no/such/dir")
     f = tmp_path / "weights.gguf"
     f.write_bytes(b"x")
     with pytest.raises(ConfigError, match="is a file"):

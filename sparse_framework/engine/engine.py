@@ -207,6 +207,7 @@ class RequestOutput:
 
 
 PENDING = -1  # an output token sampled on the device that the host has not read yet
+STEP_FAILED = "the engine step failed"  # how the error of a request ended by a failed step begins
 
 
 @dataclass
@@ -464,6 +465,40 @@ class Engine:
             outputs.extend(self._read_inflight())
             return outputs
         started = time.perf_counter()
+        try:
+            outputs.extend(self._run_plan(plan, started))
+        except Exception as exc:
+            if self.tp is not None:  # the other ranks wait in a collective: no local recovery
+                raise
+            outputs.extend(self._fail_step(plan, exc))
+        return outputs
+
+    def _fail_step(self, plan: StepPlan, exc: Exception) -> list[RequestOutput]:
+        """A step raised (a model error, a failed host write, an interrupt turned error): end
+        the requests its forward touched with finish_reason "error" and the reason, free
+        their pages, and leave the engine ready for the next step. Requests the step did not
+        touch (waiting, preempted, or only in the step in flight) go on; the step in flight,
+        an earlier step that did run, is read first where its tokens can still be read. The
+        runner has already abandoned the coordinator's open step (`abort_step`)."""
+        why = f"{STEP_FAILED}: {type(exc).__name__}: {exc}"
+        log.error("%s; ending the %d requests it touched", why, len(plan.decode) + len(plan.prefill))
+        outputs: list[RequestOutput] = []
+        try:
+            outputs.extend(self._read_inflight())
+        except Exception:  # noqa: BLE001 - the device may be unusable: its tokens are lost
+            self._inflight = None
+        touched = [s.rid for s in (*plan.decode, *plan.admitted, *plan.resumed)] + [c.seq.rid for c in plan.prefill]
+        for rid in dict.fromkeys(touched):
+            live = self._live.pop(rid, None)
+            seq = self.scheduler.abort(rid)
+            if live is not None and seq is not None:
+                outputs.append(self._output(live, FinishReason.ERROR.value, why))
+        self.scheduler.drop_plan()
+        return outputs
+
+    def _run_plan(self, plan: StepPlan, started: float) -> list[RequestOutput]:
+        """Run a plan with rows: the forward, sampling, and the scheduler's bookkeeping."""
+        outputs: list[RequestOutput] = []
         if self.tp is not None:  # before the forward: ranks with other steps would mismatch its all-reduces
             self.tp.check_same_step(self._digest(plan), on_host=self.async_scheduling)
         context = sum(s.num_computed_tokens + 1 for s in plan.decode)

@@ -284,6 +284,12 @@ class Scheduler:
         why = self.budget.never_fits(seq)
         return None if why is None else f"request {seq.rid!r} can never be served: {why}"
 
+    def drop_plan(self) -> StepPlan | None:
+        """Forget the plan awaiting `on_step_done` (its step failed: the engine ends the
+        requests it touched) so that `schedule` may run again; the plan, or None."""
+        plan, self._plan = self._plan, None
+        return plan
+
     def abort(self, rid: str) -> Sequence | None:
         """Finish `rid` with `FinishReason.ABORT`, freeing all it holds; None when it is not
         queued or running. Allowed between `schedule` and `on_step_done` (its result is then

@@ -11,11 +11,11 @@ Tokens are streamed as they exist on the host: after a step, every running or pr
 sequence's `output_ids` past what its sink has seen (a `PENDING` token of async scheduling is
 a value still on the device and waits for the next step).
 
-A failed step (an exception out of `Engine.step()`) does not stop the loop: the requests the
-step touched end with finish_reason "error" and the reason, their pages are freed
-(`Engine.abort`), and the engine is set to take new steps (`_reset_after_failure`, a stopgap
-until the engine recovers by itself: see that function). Requests the step did not touch
-(waiting, preempted) go on.
+A failed step does not stop the loop: the engine itself ends the requests the step touched
+with finish_reason "error" and the reason (Engine._fail_step; the server answers them 500),
+frees their pages and serves on; requests the step did not touch (waiting, preempted) go on.
+Only an exception out of `Engine.step()` itself (tensor parallelism, or a bug) marks the server
+broken: every request is aborted and it answers 503 until restarted.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.engine import PENDING, Engine, RequestOutput
+from ..engine.engine import PENDING, STEP_FAILED, Engine, RequestOutput
 from ..engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -198,15 +198,21 @@ class EngineLoop:
             self._fail_step(exc)
             self._publish(force_stats=True)
             return
+        failed = False
         for out in outputs:
             self._finished(out)
+            server_error = out.finish_reason == "error" and (out.error or "").startswith(STEP_FAILED)
+            failed |= server_error
             stream = self._streams.pop(out.rid, None)
             if stream is None:
                 continue
             new = out.token_ids[stream.delivered :]
             if new:
                 stream.sink(Event(tokens=list(new)))
-            stream.sink(Event(output=out))
+            stream.sink(Event(output=out, server_error=server_error))
+        if failed:  # the engine ended that step's requests itself and serves on
+            with self._lock:
+                self._snapshot.step_errors += 1
         for seq in (*self.engine.scheduler.running, *self.engine.scheduler.preempted):
             stream = self._streams.get(seq.rid)
             if stream is None:
@@ -220,29 +226,14 @@ class EngineLoop:
         self._publish()
 
     def _fail_step(self, exc: Exception) -> None:
-        """End the requests the failed step touched with an error and free their pages."""
+        """`engine.step()` itself raised: the engine ends a failed step's requests and serves on
+        (Engine._fail_step), so this is a fault it could not recover from (tensor parallelism,
+        where the other ranks wait in a collective, or a bug): every request is aborted with
+        the reason and the server answers 503 until restarted."""
         with self._lock:
             self._snapshot.step_errors += 1
-        why = f"the engine step failed: {type(exc).__name__}: {exc}"
-        plan = getattr(self.engine.scheduler, "_plan", None)
-        if plan is None:  # failed outside a planned step: every request may be affected
-            touched = list(self._streams)
-        else:
-            touched = [s.rid for s in (*plan.decode, *plan.admitted, *plan.resumed, *plan.preempted)]
-            touched += [c.seq.rid for c in plan.prefill]
-        for rid in dict.fromkeys(touched):
-            try:
-                self.engine.abort(rid)
-            except Exception:  # noqa: BLE001 - keep freeing the others
-                log.error("abort of %s after a failed step failed\n%s", rid, traceback.format_exc())
-            stream = self._streams.pop(rid, None)
-            if stream is not None:
-                stream.sink(Event(output=RequestOutput(rid, [], [], "error", why), server_error=True))
-        try:
-            _reset_after_failure(self.engine)
-        except Exception as reset_exc:  # noqa: BLE001
-            self.broken = f"{why}; the engine could not be reset ({reset_exc}): restart the server"
-            self._abort_all(self.broken, server_error=True)
+        self.broken = f"{STEP_FAILED}: {type(exc).__name__}: {exc}; the engine cannot go on: restart the server"
+        self._abort_all(self.broken, server_error=True)
 
     def _abort_all(self, reason: str, server_error: bool = False) -> None:
         for rid, stream in list(self._streams.items()):
@@ -293,21 +284,3 @@ class EngineLoop:
             snap.prefix_hit_tokens, snap.prefix_prompt_tokens = cache.stats.hit_tokens, cache.stats.prompt_tokens
         with self._lock:
             self._snapshot = snap
-
-
-def _reset_after_failure(engine: Engine) -> None:
-    """Make `engine` take steps again after an exception out of `step()`.
-
-    Observed (issue 30): an exception inside `Engine.step()` leaves the scheduler's plan
-    pending, so every later `step()` raises "schedule() called again before on_step_done() of
-    the previous plan", even after aborting every request. Aborting the step's requests frees
-    their pages (coordinator requests, staging spans and pools all go back to empty:
-    tests/test_serve.py checks it); what is left is the scheduler's pending plan and, with
-    async scheduling, the step in flight. Both are dropped here. This reaches into private
-    state and belongs in the engine (a failed step failing its requests itself); until it is
-    there, the server does it."""
-    scheduler = engine.scheduler
-    if getattr(scheduler, "_plan", None) is not None:
-        scheduler._plan = None  # noqa: SLF001 - see the docstring
-    if getattr(engine, "_inflight", None) is not None:
-        engine._inflight = None  # noqa: SLF001

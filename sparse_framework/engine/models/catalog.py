@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...common.errors import ConfigError
+from .errors import CheckpointError
 
 CACHE_ENV = "SPARSE_FRAMEWORK_CACHE"
 CONVERTED_MARK = "converted-from.json"  # written last: its presence means the directory is complete
@@ -99,7 +100,8 @@ def model_dir(name: str) -> Path:
 
 def resolve_model(model: str | Path, log: Callable[[str], None] | None = None) -> Path:
     """A checkpoint directory for `model`: a catalog name (converted into the cache on first
-    use) or a directory as it is. Anything else is a ConfigError naming the choices."""
+    use) or a directory as it is. A path that does not exist is a CheckpointError, anything
+    else a ConfigError; both name the choices."""
     if isinstance(model, str) and model in CATALOG:
         return ensure_converted(model, log)
     path = Path(model)
@@ -108,6 +110,8 @@ def resolve_model(model: str | Path, log: Callable[[str], None] | None = None) -
     names = ", ".join(CATALOG)
     if path.exists():
         raise ConfigError(f"model {str(model)!r} is a file; give a checkpoint directory or a model name ({names})")
+    if isinstance(model, Path) or os.sep in str(model):  # meant as a directory
+        raise CheckpointError(f"model directory not found: {path} (model names: {names})")
     raise ConfigError(f"model {str(model)!r} is neither a checkpoint directory nor a model name; names: {names}")
 
 
