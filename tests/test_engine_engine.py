@@ -415,3 +415,33 @@ def test_a_failed_step_fails_only_its_requests_and_the_engine_serves_on(checkpoi
     assert outs["r2"].token_ids == alone["r0"] and outs["r3"].token_ids == alone["r1"]
     assert engine.runner.coord.store.used_tokens() == 0 and not engine.runner.staging.spans
     assert not engine.runner.requests and not engine.has_unfinished()
+
+
+def test_token_ids_of_any_integer_kind_run_and_others_are_refused_by_name(checkpoint) -> None:
+    """numpy and tensor ids run as the same Python ints do; True, 2.0 and 3.7 are refused as
+    not integers (True was taken as token 1, 3.7 became 3 through LLM); an id whose error
+    output is still pending cannot be added again (it gave two outputs with one id)."""
+    import numpy as np
+
+    _, path = checkpoint
+    (p,) = prompts([20], seed=3)
+    want = run(engine_for(path, SMALL), [p])["r0"]
+    engine = engine_for(path, SMALL)
+    engine.add_request("np", np.array(p, dtype=np.int64), GREEDY)
+    engine.add_request("pt", torch.tensor(p), GREEDY)
+    engine.add_request("mixed", [np.int32(t) if i % 2 else torch.tensor(t) for i, t in enumerate(p)], GREEDY)
+    for rid, bad in (("bool", [True, *p[1:]]), ("float", [*p[:-1], 2.0]), ("frac", [3.7, *p[1:]]),
+                     ("floats", torch.tensor(p, dtype=torch.float32))):
+        engine.add_request(rid, bad, GREEDY)
+    with pytest.raises(ValueError, match="already queued or running"):
+        engine.add_request("frac", p, GREEDY)  # its error output is not out yet
+    outs = {o.rid: o for o in engine.run_to_completion()}
+    assert {r: outs[r].token_ids for r in ("np", "pt", "mixed")} == {"np": want, "pt": want, "mixed": want}
+    for rid in ("bool", "float", "frac", "floats"):
+        assert outs[rid].finish_reason == "error" and "prompt token ids must be integers" in outs[rid].error
+    from sparse_framework.engine import LLM
+
+    llm = LLM(path, SMALL, dtype="float32", max_num_seqs=2, max_model_len=128)
+    (bad, good) = llm.generate([[1, 3.7], p], GREEDY)
+    assert bad.finish_reason == "error" and "cannot tokenize the prompt: prompt token ids must be integers" in bad.error
+    assert good.token_ids == want

@@ -33,6 +33,7 @@ ranks compare their plans over a host-side gloo group, which does not wait for t
 from __future__ import annotations
 
 import logging
+import operator
 import time
 import zlib
 from collections.abc import Callable
@@ -204,6 +205,32 @@ class RequestOutput:
         return {"rid": self.rid, "prompt_tokens": len(self.prompt_token_ids), "token_ids": self.token_ids,
                 "text": self.text, "finish_reason": self.finish_reason, "error": self.error, "ttft_s": self.ttft,
                 "tpot_s": self.tpot, "num_preemptions": self.num_preemptions}
+
+
+def token_ids(prompt: Any) -> tuple[list[int], str | None]:
+    """A prompt's token ids as Python ints, and an error for what is not a token id. Integers
+    of any kind pass (Python, numpy, integer tensors and arrays); booleans and floats do not,
+    even integral ones (True or 3.0 taken as a token is a caller's mistake that would pass
+    silently, and 3.7 would become 3)."""
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dtype == torch.bool or prompt.dtype.is_floating_point or prompt.dtype.is_complex:
+            return [], f"prompt token ids must be integers, got a tensor of {prompt.dtype}"
+        prompt = prompt.reshape(-1).tolist()
+    elif type(prompt).__module__ == "numpy" and hasattr(prompt, "dtype"):
+        if prompt.dtype.kind not in "iu":
+            return [], f"prompt token ids must be integers, got an array of {prompt.dtype}"
+        prompt = prompt.reshape(-1).tolist()
+    ids, bad = [], []
+    for t in prompt:
+        try:
+            if isinstance(t, bool) or type(t).__name__ == "bool_":
+                raise TypeError
+            ids.append(operator.index(t))
+        except TypeError:
+            bad.append(t)
+    if bad:
+        return ids, f"prompt token ids must be integers, got {bad[:5]!r}"
+    return ids, None
 
 
 PENDING = -1  # an output token sampled on the device that the host has not read yet
@@ -409,15 +436,16 @@ class Engine:
         finish_reason "error" and the reason, and the others run on."""
         params = params or SamplingParams()
         now = time.perf_counter()
-        if rid in self._live:
-            raise ValueError(f"request {rid!r} is already queued or running")
-        error = self._check(prompt_ids, params)
-        seq = Sequence(rid, list(prompt_ids), params)
+        if rid in self._live or any(out.rid == rid for out in self._rejected):
+            raise ValueError(f"request {rid!r} is already queued or running (or its error output not yet returned)")
+        ids, error = token_ids(prompt_ids)
+        error = error or self._check(ids, params)
+        seq = Sequence(rid, ids, params)
         if error is None and self.scheduler.add(seq):
             self._live[rid] = _Live(seq, params, params.make_generator(self.device), now)
             return
         why = error or seq.error or "rejected"
-        self._rejected.append(RequestOutput(rid, list(prompt_ids), [], FinishReason.ERROR.value, why,
+        self._rejected.append(RequestOutput(rid, ids, [], FinishReason.ERROR.value, why,
                                             arrival_time=now, finish_time=now))
 
     def _check(self, prompt_ids: list[int], params: SamplingParams) -> str | None:
@@ -426,7 +454,7 @@ class Engine:
         if len(prompt_ids) == 0:
             return "the prompt is empty"
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             return f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}"
         try:

@@ -25,7 +25,7 @@ import torch
 
 from ..common.errors import ConfigError
 from ..config import SparseConfig
-from .engine import Engine, EngineConfig, RequestOutput
+from .engine import Engine, EngineConfig, RequestOutput, token_ids
 from .models import EngineModel, load_model, load_reference
 from .models.catalog import resolve_model
 from .sampling import SamplingParams
@@ -123,7 +123,10 @@ class LLM:
             if self.tokenizer is None:
                 raise ConfigError("this checkpoint has no tokenizer files: give prompts as lists of token ids")
             return list(self.tokenizer.encode(prompt))
-        return [int(t) for t in prompt]
+        ids, error = token_ids(prompt)
+        if error is not None:
+            raise ConfigError(error)
+        return ids
 
     def generate(
         self,
