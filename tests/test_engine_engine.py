@@ -445,3 +445,19 @@ def test_token_ids_of_any_integer_kind_run_and_others_are_refused_by_name(checkp
     (bad, good) = llm.generate([[1, 3.7], p], GREEDY)
     assert bad.finish_reason == "error" and "cannot tokenize the prompt: prompt token ids must be integers" in bad.error
     assert good.token_ids == want
+
+
+def test_the_step_log_is_bounded_and_steps_still_counts_every_step(checkpoint, monkeypatch) -> None:
+    """A serving engine steps forever: its step log keeps the last STEP_LOG_LIMIT steps (it
+    grew by one entry per step for good), while `steps` counts them all."""
+    from sparse_framework.engine import engine as engine_module
+
+    _, path = checkpoint
+    monkeypatch.setattr(engine_module, "STEP_LOG_LIMIT", 3)
+    engine = engine_for(path, SMALL)
+    engine.add_request("r0", prompts([20], seed=1)[0], GREEDY)
+    n = 0
+    while engine.has_unfinished():
+        engine.step()
+        n += 1
+    assert engine.steps == n > 3 and len(engine.step_log) == 3

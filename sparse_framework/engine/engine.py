@@ -33,9 +33,9 @@ ranks compare their plans over a host-side gloo group, which does not wait for t
 from __future__ import annotations
 
 import logging
-import operator
 import time
 import zlib
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +57,7 @@ from .runner import DecodeRow, Model, ModelRunner, TokenFeed
 from .runner import PrefillChunk as RunnerChunk
 from .sampling import Sampler, SamplingParams, finished
 from .scheduler import FinishReason, Scheduler, Sequence, StepPlan
+from .token_ids import token_ids
 
 log = logging.getLogger(__name__)
 
@@ -207,34 +208,9 @@ class RequestOutput:
                 "tpot_s": self.tpot, "num_preemptions": self.num_preemptions}
 
 
-def token_ids(prompt: Any) -> tuple[list[int], str | None]:
-    """A prompt's token ids as Python ints, and an error for what is not a token id. Integers
-    of any kind pass (Python, numpy, integer tensors and arrays); booleans and floats do not,
-    even integral ones (True or 3.0 taken as a token is a caller's mistake that would pass
-    silently, and 3.7 would become 3)."""
-    if isinstance(prompt, torch.Tensor):
-        if prompt.dtype == torch.bool or prompt.dtype.is_floating_point or prompt.dtype.is_complex:
-            return [], f"prompt token ids must be integers, got a tensor of {prompt.dtype}"
-        prompt = prompt.reshape(-1).tolist()
-    elif type(prompt).__module__ == "numpy" and hasattr(prompt, "dtype"):
-        if prompt.dtype.kind not in "iu":
-            return [], f"prompt token ids must be integers, got an array of {prompt.dtype}"
-        prompt = prompt.reshape(-1).tolist()
-    ids, bad = [], []
-    for t in prompt:
-        try:
-            if isinstance(t, bool) or type(t).__name__ == "bool_":
-                raise TypeError
-            ids.append(operator.index(t))
-        except TypeError:
-            bad.append(t)
-    if bad:
-        return ids, f"prompt token ids must be integers, got {bad[:5]!r}"
-    return ids, None
-
-
 PENDING = -1  # an output token sampled on the device that the host has not read yet
 STEP_FAILED = "the engine step failed"  # how the error of a request ended by a failed step begins
+STEP_LOG_LIMIT = 1 << 16  # steps kept in Engine.step_log (benchmarks read whole runs; far shorter)
 
 
 @dataclass
@@ -355,8 +331,10 @@ class Engine:
         self._last_read = 0.0
         # per step run: (decode rows, prefill tokens, context tokens of the decode rows, seconds);
         # a step ends with its sampled tokens on the host (async scheduling: when they are read,
-        # its time counted from its start or the previous read, whichever is later)
-        self.step_log: list[tuple[int, int, int, float]] = []
+        # its time counted from its start or the previous read, whichever is later); the last
+        # STEP_LOG_LIMIT steps only, so that a server's engine does not grow it forever
+        self.step_log: deque[tuple[int, int, int, float]] = deque(maxlen=STEP_LOG_LIMIT)
+        self._steps = 0
 
     # -- tensor parallelism --------------------------------------------------------------------
     @staticmethod
@@ -478,8 +456,8 @@ class Engine:
     # -- a step --------------------------------------------------------------------------------
     @property
     def steps(self) -> int:
-        """Steps run so far (plans with rows)."""
-        return len(self.step_log)
+        """Steps run so far (plans with rows), also past the step log's limit."""
+        return self._steps
 
     def step(self) -> list[RequestOutput]:
         """Run one step; the requests that finished in it (rejected ones included)."""
@@ -550,7 +528,7 @@ class Engine:
         if self.tp is not None and sampled:
             values = self.tp.share_tokens(values if self.tp.rank == 0 else None, len(sampled))
         now = time.perf_counter()
-        self.step_log.append((len(plan.decode), plan.num_tokens - len(plan.decode), context, now - started))
+        self._log_step((len(plan.decode), plan.num_tokens - len(plan.decode), context, now - started))
         new_tokens, stops = {}, {}
         for live, token in zip(lives, values):
             seq = live.seq
@@ -564,6 +542,10 @@ class Engine:
             live = self._live.pop(seq.rid)
             outputs.append(self._output(live, str(seq.finish_reason.value), seq.error))
         return outputs
+
+    def _log_step(self, entry: tuple[int, int, int, float]) -> None:
+        self.step_log.append(entry)
+        self._steps += 1
 
     # -- async scheduling ------------------------------------------------------------------------
     def _feed(self, plan: StepPlan) -> TokenFeed | None:
@@ -607,7 +589,7 @@ class Engine:
             step.ready.synchronize()
         values = step.host.tolist()
         now = time.perf_counter()
-        self.step_log.append((*step.stats, now - max(step.started, self._last_read)))
+        self._log_step((*step.stats, now - max(step.started, self._last_read)))
         self._last_read = now
         outputs = []
         for live, at, token in zip(step.lives, step.at, values):

@@ -25,7 +25,8 @@ import torch
 
 from ..common.errors import ConfigError
 from ..config import SparseConfig
-from .engine import Engine, EngineConfig, RequestOutput, token_ids
+from .engine import Engine, EngineConfig, RequestOutput
+from .token_ids import token_ids
 from .models import EngineModel, load_model, load_reference
 from .models.catalog import resolve_model
 from .sampling import SamplingParams
