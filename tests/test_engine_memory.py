@@ -388,3 +388,22 @@ def test_measured_step_peak_stays_within_the_planned_activations(shape) -> None:
     print(f"{shape}: measured step peak {peak / 2**30:.2f} GiB, planned activations "
           f"{plan.activation_bytes / 2**30:.2f} GiB")
     assert peak <= plan.activation_bytes
+
+
+def test_capacity_errors_speak_the_engines_terms(model) -> None:
+    """The coordinator's sizing error reaches an engine user in the names they set
+    (max_num_seqs, max_model_len; it said max_requests / max_seq_len), and a plan whose weights
+    alone exceed the device says so, with no negative store size."""
+    with pytest.raises(CapacityError) as err:
+        LLM(None, max_model_len=10**9)
+    text = str(err.value)
+    assert "max_model_len=1000000000" in text and "max_num_seqs=" in text
+    assert "max_seq_len" not in text and "max_requests" not in text
+    weights = weights_of(model)
+    config = EngineConfig(max_model_len=MAX_LEN, gpu_memory_utilization=0.9, device_memory_bytes=weights // 2,
+                          host_memory_bytes=2**40)
+    with pytest.raises(CapacityError) as err:
+        Engine(model, TINY, SPARSE, config)
+    text = str(err.value)
+    assert "leaves nothing (" in text and "short)" in text and "-" not in text.split("leaves")[1].split("for the store")[0]
+    assert "The weights alone need more than" in text

@@ -111,14 +111,20 @@ class EngineMemoryPlan:
         if self.requests_by_host == 0:
             host = (f"; and its KV needs {_gib(self.host_bytes_per_request)} of host memory, more than the "
                     f"{_gib(self.host_budget_bytes)} of the host budget ({self.host_budget_source})")
+        budget = self.device_budget_bytes
+        left = f"leaves {_gib(budget)}" if budget >= 0 else f"leaves nothing ({_gib(-budget)} short)"
+        advice = ("Raise gpu_memory_utilization (at most 1) or host_memory_bytes, or lower max_model_len or "
+                  "max_num_batched_tokens")
+        if self.weight_bytes >= self.gpu_memory_utilization * self.device_total_bytes:
+            advice = (f"The weights alone need more than the {_gib(self.gpu_memory_utilization * self.device_total_bytes)} "
+                      "the plan may use: a device with more memory, or tensor_parallel_size > 1")
         raise CapacityError(
             f"no request of max_model_len={self.max_model_len} fits: gpu_memory_utilization="
-            f"{self.gpu_memory_utilization:g} of {_gib(self.device_total_bytes)} device memory leaves "
-            f"{_gib(self.device_budget_bytes)} for the store after the weights ({_gib(self.weight_bytes)}), "
+            f"{self.gpu_memory_utilization:g} of {_gib(self.device_total_bytes)} device memory {left} "
+            f"for the store after the weights ({_gib(self.weight_bytes)}), "
             f"activations ({_gib(self.activation_bytes)}), prefill staging ({_gib(self.staging_bytes)}) and memory "
             f"in use by others ({_gib(self.device_other_bytes)}); one request needs "
-            f"{_gib(self.device_bytes_per_request)} of device pools{host}. Raise gpu_memory_utilization "
-            f"(at most 1) or host_memory_bytes, or lower max_model_len or max_num_batched_tokens"
+            f"{_gib(self.device_bytes_per_request)} of device pools{host}. {advice}"
         )
 
     def describe(self) -> str:

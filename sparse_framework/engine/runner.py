@@ -181,11 +181,15 @@ class ModelRunner:
         if cuda_graphs and torch.device(layout.device).type != "cuda":
             raise ConfigError(f"cuda_graphs=True replays decode steps from CUDA graphs: it needs a CUDA device, "
                               f"got {layout.device!r}")
-        self.coord = SparseCoordinator(
-            config, layout, max_requests=max_num_seqs, max_seq_len=max_model_len,
-            device_capacity_tokens=device_capacity_tokens, host_capacity_tokens=host_capacity_tokens,
-            decode_graphs=decode_graphs or cuda_graphs,
-        )
+        try:
+            self.coord = SparseCoordinator(
+                config, layout, max_requests=max_num_seqs, max_seq_len=max_model_len,
+                device_capacity_tokens=device_capacity_tokens, host_capacity_tokens=host_capacity_tokens,
+                decode_graphs=decode_graphs or cuda_graphs,
+            )
+        except CapacityError as exc:  # in the engine's terms: the user set max_num_seqs / max_model_len
+            text = str(exc).replace("max_requests", "max_num_seqs").replace("max_seq_len", "max_model_len")
+            raise type(exc)(text) from None
         self.step_graphs = StepGraphs(self.coord) if cuda_graphs else None
         algo = self.coord.algorithm
         needs = sorted({**algo.prefill_inputs, **algo.decode_inputs})
