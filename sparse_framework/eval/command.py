@@ -112,13 +112,10 @@ def run(args: argparse.Namespace, console: Console) -> int:
             + (["--report-only"] if args.report_only else [])
         )
         missing = total - len(records)
+        notes = (f"**Partial: {len(records)} of {total} cells of this experiment were measured; the other {missing} "
+                 "are not in the results file (nothing below stands in for them).**") if missing else ""
         experiment = exp.model_dump(exclude_unset=True)
-        text = markdown_page(records, experiment, command, plots, page)
-        if missing:
-            head, _, rest = text.partition("\n\n")
-            text = (f"{head}\n\n**Partial: {len(records)} of {total} cells of this experiment were measured; the other "
-                    f"{missing} are not in the results file (nothing below stands in for them).**\n\n{rest}")
-        page.write_text(text)
+        page.write_text(markdown_page(records, experiment, command, plots, page, notes=notes))
         console.print(f"results page: {page}")
     failed = sum(r.status != "ok" for r in records)
     if failed:
