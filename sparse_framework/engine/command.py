@@ -172,6 +172,20 @@ def chosen_model(model: str | None) -> str | None:
     return model if model is not None else default_model()
 
 
+def model_setup(model: str | None, config: Any, max_model_len: int | None, text_config: Any = None
+                ) -> tuple[str | None, Path | None, Any, int | None]:
+    """What an engine command runs, resolved once for generate and serve: the model's name
+    (None: the shipped toy), its checkpoint directory, the sparse config (`config` as given;
+    else the toy's demo config, or `text_config` for a real model) and max_model_len (the toy:
+    DEMO_MAX_MODEL_LEN unless given)."""
+    name = chosen_model(model)
+    checkpoint = None if name is None else resolve_model(name)
+    sparse = load_config(config) if config else (DEMO_CONFIG if name is None else text_config)
+    if name is None and max_model_len is None:
+        max_model_len = DEMO_MAX_MODEL_LEN
+    return name, checkpoint, sparse, max_model_len
+
+
 def add_parsers(sub: Any) -> None:
     g = sub.add_parser("generate", help="generate for prompts with the engine (continuous batching, sparse decode)",
                        description=GENERATE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -300,8 +314,9 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
     check_device(args.device)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
-    model = chosen_model(args.model)
-    checkpoint = None if model is None else resolve_model(model)  # before reading prompts from stdin
+    # the model resolved (a catalog model converted) before prompts are read from stdin
+    model, checkpoint, config, max_model_len = model_setup(
+        args.model, args.config, args.max_model_len, DEMO_TEXT_CONFIG if args.prompts is None else None)
     expected: list[list[int]] | list[str] | None = None
     if args.prompts is not None:
         prompts: list[Any] = _read_prompts(args.prompts)
@@ -309,9 +324,6 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
         prompts, expected = _demo_prompts(args.max_tokens)
     else:
         prompts, expected = None, None  # the text demo, built with the model's tokenizer below
-    default_config = DEMO_CONFIG if model is None else (DEMO_TEXT_CONFIG if args.prompts is None else None)
-    config = load_config(args.config) if args.config else default_config
-    max_model_len = args.max_model_len or (DEMO_MAX_MODEL_LEN if model is None else None)
     llm = LLM(checkpoint, config, dtype=args.dtype, device=args.device, **engine_options(args, max_model_len))
     if prompts is None:
         prompts, expected = text_demo_prompts(checkpoint, llm.tokenizer)

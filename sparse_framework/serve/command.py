@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from ..common.errors import ConfigError
-from ..config import load_config
 from ..engine import command as engine_command
 from ..engine.llm import LLM
 
@@ -81,12 +80,8 @@ def build_llm(model: str | None, config: Any = None, *, device: str = "cpu", dty
               **engine_options: Any) -> tuple[LLM, str]:
     """The LLM `generate` would build for --model (None: its default; "reference": the toy)
     and its name in the API."""
-    name = engine_command.chosen_model(model)
-    sparse = load_config(config) if config else (engine_command.DEMO_CONFIG if name is None else None)
-    if name is None and engine_options.get("max_model_len") is None:
-        engine_options["max_model_len"] = engine_command.DEMO_MAX_MODEL_LEN
-    checkpoint = None if name is None else engine_command.resolve_model(name)
-    llm = LLM(checkpoint, sparse, dtype=dtype, device=device, **engine_options)
+    name, checkpoint, sparse, max_model_len = engine_command.model_setup(model, config, engine_options.pop("max_model_len", None))
+    llm = LLM(checkpoint, sparse, dtype=dtype, device=device, max_model_len=max_model_len, **engine_options)
     served = REFERENCE_NAME if name is None else (name if not Path(name).exists() else Path(name).name)
     return llm, served
 
