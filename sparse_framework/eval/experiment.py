@@ -22,7 +22,7 @@ from ..config import SparseConfig, load_config, validate
 from ..engine.workload import DTYPES, WorkloadConfig, check_dtype_name
 from ..common.errors import ConfigError
 from ..reference.tasks import TASKS
-from .ruler import RULER_TASKS
+from .ruler import RULER_TASKS, check_task
 
 HUGE_BUFFER = 1 << 40  # only to ask an algorithm how wide its largest selection is
 
@@ -133,8 +133,7 @@ class RulerWorkload(BaseModel):
     @field_validator("task")
     @classmethod
     def _task(cls, task: str) -> str:
-        if task not in RULER_TASKS:
-            raise ValueError(f"task must be one of {', '.join(RULER_TASKS)}, got {task!r}")
+        check_task(task)  # a ConfigError is a ValueError: pydantic reports it under the field
         return task
 
     @field_validator("model")
