@@ -155,6 +155,50 @@ def test_an_interrupted_sweep_resumes_and_skips_finished_cells(tmp_path: Path, m
     assert len(calls) == 2
 
 
+def test_shards_split_the_unfinished_cells_algorithm_major_and_together_cover_the_sweep(tmp_path: Path,
+                                                                                       monkeypatch) -> None:
+    """N shards, each from its own copy of the same partial results file, measure disjoint
+    shares of the unfinished cells that together are all of them; each deals the dense cells
+    first, then one algorithm at a time; concatenated, the files make the whole sweep."""
+    exp = load_experiment({**SMALL, "contexts": [512, 1024], "budgets": [1.0, 32, 64]})
+    cells = expand(exp)
+    out = tmp_path / "r.jsonl"
+    monkeypatch.setattr("sparse_framework.eval.runner.Runner.run", lambda self, cell: {"accuracy": 1.0})
+    run_sweep(load_experiment({**SMALL, "contexts": [512], "budgets": [1.0], "algorithms": SMALL["algorithms"][:1]}),
+              out, progress=False)  # 2 of the 14 cells finished
+    before = out.read_text()
+    assert len(read_results(out)) == 2
+    measured: list[list] = []
+    for index in range(3):
+        copy = tmp_path / f"shard{index}.jsonl"
+        copy.write_text(before)
+        calls: list = []
+        monkeypatch.setattr("sparse_framework.eval.runner.Runner.run",
+                            lambda self, cell, calls=calls: calls.append(cell) or {"accuracy": 1.0})
+        records = run_sweep(exp, copy, progress=False, shard=(index, 3))
+        assert len(records) == 2 + len(calls)
+        measured.append(calls)
+    ids = [c.id for calls in measured for c in calls]
+    assert len(ids) == len(set(ids)) == len(cells) - 2
+    order = ["dense", "exact", "quest"]
+    for calls in measured:
+        ranks = [order.index(c.algorithm) for c in calls]
+        assert ranks == sorted(ranks)
+    merged = tmp_path / "merged.jsonl"
+    merged.write_text("".join((tmp_path / f"shard{i}.jsonl").read_text() for i in range(3)))
+    assert read_results(merged).keys() == {c.id for c in cells}
+
+
+@pytest.mark.parametrize("text", ["1/1", "2", "a/b", "-1/2"])
+def test_a_bad_shard_names_the_form(text: str) -> None:
+    import argparse
+
+    from sparse_framework.eval.command import parse_shard
+
+    with pytest.raises(argparse.ArgumentTypeError, match="I/N|0 <= I < N"):
+        parse_shard(text)
+
+
 def test_a_failing_cell_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> None:
     exp = load_experiment({
         **SMALL, "algorithms": [SMALL["algorithms"][0]], "budgets": [32],

@@ -75,7 +75,22 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--report-only", action="store_true",
                    help="measure nothing: tables, plots and page from the cells already in --out (a sweep measured "
                    "on another machine, or cut short)")
+    p.add_argument("--shard", metavar="I/N", type=parse_shard,
+                   help="measure only share I of N (0-based) of the cells not yet in --out, dealt algorithm by "
+                   "algorithm (dense first): N processes, one per GPU, each with its own copy of --out, then "
+                   "concatenate the files (finished cells are recognised by their ids)")
     p.add_argument("--show-default", action="store_true", help="print the embedded experiment as JSON and exit")
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """`I/N` with 0 <= I < N; anything else names the flag and the form."""
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected I/N (e.g. 0/4), got {text!r}") from None
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"expected 0 <= I < N, got {text!r}")
+    return index, count
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
@@ -95,7 +110,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.report_only and not out.is_file():
         raise ConfigError(f"--report-only: results file {str(out)!r} does not exist")
     records = run_sweep(exp, out, progress=not args.no_progress, fresh=args.fresh, console=console,
-                        measure=not args.report_only)
+                        measure=not args.report_only, shard=args.shard)
     if not records:
         raise ConfigError(f"no cell of experiment {exp.name!r} is in {str(out)!r}")
     total = len(expand(exp))

@@ -98,13 +98,31 @@ def preflight(exp: Experiment, cells: list[Cell]) -> None:
             raise ConfigError(f"experiment `backends`: backend {cell.backend!r} {exc}") from None
 
 
+def shard_cells(cells: list[Cell], done: dict[str, CellRecord], shard: tuple[int, int]) -> list[Cell]:
+    """Shard `index` of `count`: the cells not yet in `done`, ordered algorithm-major (the dense
+    baselines first, then each algorithm of the experiment in its order, over every workload,
+    context and budget), dealt round-robin. Every shard computes the same list from the same
+    results file, so `count` processes (one per GPU) share a sweep without talking to each
+    other, and a sweep cut short by a time limit has covered the first algorithms everywhere
+    instead of every algorithm on the first workloads only."""
+    index, count = shard
+    order = {"dense": -1}
+    for c in cells:
+        order.setdefault(c.algorithm, len(order))
+    todo = [c for c in cells if c.id not in done]
+    todo.sort(key=lambda c: order[c.algorithm])  # stable: workload, context, budget order kept
+    return todo[index::count]
+
+
 def run_sweep(
     exp: Experiment, out: Path | None, *, progress: bool = True, fresh: bool = False, console: Console | None = None,
-    measure: bool = True,
+    measure: bool = True, shard: tuple[int, int] | None = None,
 ) -> list[CellRecord]:
     """Every cell of `exp`; finished ones found in `out` are kept (unless `fresh`), new ones
     appended to `out` as they finish. `measure=False`: only the finished ones (a report of a
-    sweep measured elsewhere, e.g. on a GPU machine, without running the rest)."""
+    sweep measured elsewhere, e.g. on a GPU machine, without running the rest). `shard`
+    (index, count): measure only that share of the unfinished cells (`shard_cells`); the
+    records returned are this shard's cells and the finished ones."""
     console = console or Console()
     cells = expand(exp)
     if out is not None:
@@ -112,6 +130,8 @@ def run_sweep(
         if fresh and out.exists():
             out.unlink()
     done = read_results(out) if out is not None else {}
+    if shard is not None:
+        cells = [c for c in cells if c.id in done] + shard_cells(cells, done, shard)
     skipped = sum(c.id in done for c in cells)
     if not measure:
         console.print(f"report only: {skipped} of {len(cells)} cells are in {out}; the others are not measured")
