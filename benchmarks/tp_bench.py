@@ -61,6 +61,27 @@ def allreduce_step_ms(ctx: parallel.TPContext | None, rows: int, hidden: int, la
     return statistics.median(times)
 
 
+def allreduce_bus_gbs(ctx: parallel.TPContext | None, mib: int = 256, iters: int = 10) -> float | None:
+    """NVLink's measured all-reduce bus bandwidth, GB/s (nccl-tests' busbw: 2(N-1)/N x bytes /
+    time, median of `iters`) on a large bf16 message, where the link's bandwidth, not its
+    latency, bounds the time: the scale for a decode step's small all-reduces."""
+    if ctx is None or ctx.device.type != "cuda" or ctx.world_size < 2:
+        return None
+    x = torch.empty(mib * 2**19, dtype=torch.bfloat16, device=ctx.device).normal_()
+    times = []
+    for i in range(iters + 3):
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dist.all_reduce(x)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1000)
+    n = ctx.world_size
+    return 2 * (n - 1) / n * x.numel() * x.element_size() / statistics.median(times) / 1e9
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--random", default="llama-3-8b", help="shape: " + ", ".join(RANDOM_MODELS) + " or a config.json path")
@@ -101,11 +122,12 @@ def main() -> int:
     rows = result["decode_step_rows"] or spec.running
     result["allreduce_step_ms"] = allreduce_step_ms(ctx, rows, config.hidden_size, config.num_layers, model.lm_head.weight.dtype,
                                                     args.allreduce_iters)
+    result["allreduce_bus_gbs"] = allreduce_bus_gbs(ctx)
     result.update({"tensor_parallel_size": tp, "model": args.random, "command": " ".join(sys.argv),
                    "async_scheduling": llm.engine.async_scheduling,
                    "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")})
     if ctx is None or ctx.rank == 0:
-        keys = ("tensor_parallel_size", "decode_step_rows", "decode_step_ms", "decode_step_floor_ms", "allreduce_step_ms",
+        keys = ("tensor_parallel_size", "decode_step_rows", "decode_step_ms", "decode_step_floor_ms", "allreduce_step_ms", "allreduce_bus_gbs",
                 "output_tokens_per_s", "tpot_p50_ms", "admitted_concurrency", "memory_bound_max", "prefill_tflops")
         print(json.dumps({k: result.get(k) for k in keys}, indent=1))
         if args.out:
