@@ -140,7 +140,7 @@ def run_shared_prefix(engine: Engine, sizes: Sizes, vocab: int) -> list[RequestO
         for i in wave:
             engine.add_request(f"q{i}", prompts[i], params)
         while engine.has_unfinished():
-            done.update((o.rid, o) for o in engine.step())
+            done.update((o.request_id, o) for o in engine.step())
     return [done[f"q{i}"] for i in range(len(prompts))]
 
 
@@ -155,8 +155,8 @@ def run_chat(engine: Engine, sizes: Sizes, vocab: int) -> list[RequestOutput]:
         engine.add_request(f"c{c}t0", messages[c][0], params)
     while engine.has_unfinished():
         for out in engine.step():
-            done[out.rid] = out
-            c, t = (int(x) for x in out.rid[1:].split("t"))
+            done[out.request_id] = out
+            c, t = (int(x) for x in out.request_id[1:].split("t"))
             if t + 1 < sizes.turns and out.finish_reason != "error":
                 prompt = list(out.prompt_token_ids) + list(out.token_ids) + messages[c][t + 1]
                 engine.add_request(f"c{c}t{t + 1}", prompt, params)
@@ -210,7 +210,7 @@ def run_cell(model: torch.nn.Module, config: dict[str, Any], args: argparse.Name
         elapsed = time.perf_counter() - start
         failed = [o for o in outs if o.finish_reason == "error"]
         if failed:
-            raise ConfigError(f"{len(failed)} request(s) failed, e.g. {failed[0].rid}: {failed[0].error}")
+            raise ConfigError(f"{len(failed)} request(s) failed, e.g. {failed[0].request_id}: {failed[0].error}")
         ttft = [o.ttft for o in outs if o.ttft is not None]
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
         computed = sum(entry[1] for entry in engine.step_log)

@@ -105,6 +105,7 @@ class SparseConfig(BaseModel):
                 f"invalid extra-config for algorithm {self.algorithm!r}: "
                 + "; ".join(describe_errors(exc, algo.Config, prefix="extra"))
             ) from None
+        self._check_top_k(algo)
         algo.check_config(self)
         self.adaptor_class.check_config(self)
         backend = self.backend_class
@@ -116,6 +117,36 @@ class SparseConfig(BaseModel):
                 f"set it to one of {allowed}"
             )
         return self
+
+    def _check_top_k(self, algo: type[SparseAlgorithm]) -> None:
+        """top_k refused in its own terms: above MAX_CONTEXT_TOKENS it can never be used;
+        otherwise when its selection (sink + top_k + recent, as the base class counts it)
+        does not fit the device buffer, with the largest top_k that does — the algorithm's own
+        check named only the buffer ("raise device_buffer_tokens to at least 1000000000096"
+        for a top_k of 1e12). What an algorithm adds on top (SnapKV's tail) is left to its own
+        check. A selection never holds more tokens than the context, so a top_k above
+        max_model_len buys nothing."""
+        from .algorithms.base import SparseAlgorithm
+
+        buffer = self.device_buffer_tokens
+        need = algo.max_selected_tokens(self)
+        base_need = SparseAlgorithm.max_selected_tokens.__func__(algo, self)  # type: ignore[attr-defined]
+        too_wide = need > buffer and base_need > buffer
+        fits = _largest_fitting_top_k(self, algo) if too_wide else None
+        lower = (f"lower top_k to at most {fits} (what device_buffer_tokens ({buffer}) holds)" if fits
+                 else f"lower sink_tokens and recent_tokens (they alone fill device_buffer_tokens ({buffer}))")
+        if self.top_k > MAX_CONTEXT_TOKENS:
+            raise ValueError(
+                f"`top_k` = {self.top_k} can never be used: a selection never holds more tokens than the context, "
+                f"and no context is longer than {MAX_CONTEXT_TOKENS} tokens (int32 positions); give a top_k below "
+                "your max_model_len" + (f": {lower}" if too_wide else ""))
+        if too_wide:
+            raise ValueError(
+                f"`top_k` = {self.top_k} (with sink_tokens {self.sink_tokens} and recent_tokens {self.recent_tokens}: "
+                f"up to {need} tokens per request and layer) does not fit the device buffer: {lower}, or raise "
+                f"device_buffer_tokens to at least {need} (a top_k above your "
+                "max_model_len buys nothing: a selection never holds more tokens than the context)"
+            )
 
     # -- resolved plugins --------------------------------------------------------------
     @property
@@ -139,6 +170,22 @@ class SparseConfig(BaseModel):
         """`extra` parsed by the algorithm's Config model (defaults filled in)."""
         assert self._extra_model is not None  # set by the validator; never None after construction
         return self._extra_model
+
+
+MAX_CONTEXT_TOKENS = 2**31 - 1  # positions and selections are int32: no context is longer
+
+
+def _largest_fitting_top_k(config: SparseConfig, algo: type[SparseAlgorithm]) -> int | None:
+    """The largest top_k whose selection fits config's device buffer (None: not even 1)."""
+    def fits(top_k: int) -> bool:
+        return algo.max_selected_tokens(config.model_copy(update={"top_k": top_k})) <= config.device_buffer_tokens
+
+    lo, hi = 0, config.top_k  # fits(lo) (or lo == 0), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    unit = config.page_size if algo.granularity == "page" else 1
+    return (lo - lo % unit) or None  # whole pages: 4000, not the equivalent 4015
 
 
 def describe_errors(exc: ValidationError, model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -218,7 +265,7 @@ def config_schema(distribution: str | None = None) -> dict[str, Any]:
     tied to its algorithm name by if/then.
 
     `distribution` limits the algorithms and backends to those one distribution registers
-    ("sparse-framework": the built-ins; see `registry.names`)."""
+    ("sparse-decode-framework": the built-ins; see `registry.names`)."""
     schema = SparseConfig.model_json_schema()
     defs = schema.setdefault("$defs", {})
     rules = []

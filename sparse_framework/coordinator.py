@@ -40,12 +40,15 @@ from .common.batch import Batch, Request, Selection
 from .config import SparseConfig, dense_layer_set, load_config
 from .decode_graphs import DecodeGraphs, signature
 from .common.errors import CapacityError, ConfigError, LimitError
-from .dense_fallback import DenseTally
+from .dense_fallback import SHORT_PROMPT, DenseTally
 from .footprint import check_footprint, reraise_allocation_error
 from .step_order import StepOrder
 from .kv_store.hierarchical import HierarchicalKVStore
 from .common.softmax import softcap_and_sink_softmax
 from .common.layout import KVLayout
+
+
+REQUESTED_DENSE = "requested dense (sparse=False)"  # dense_report's reason for a request that asked
 
 
 @dataclass
@@ -155,6 +158,8 @@ class SparseCoordinator:
         self.requests: dict[str, Request] = {}
         self.retracted: set[str] = set()
         self.steps = StepOrder(layout.num_layers)  # the open step, checked hook by hook
+        # q/k/v dtypes attention_begin takes (`_check_inputs`; None: any, an fp8 store quantises)
+        self._input_dtypes = None if layout.is_fp8 else frozenset((layout.dtype, torch.float32))
         # requests and decode layer-steps that attended densely, and why (`dense_report`)
         self.dense_tally = DenseTally()
         self._options: dict[int, AttentionOptions] = {}  # layers with softcap / sinks (set_attention_options)
@@ -197,9 +202,20 @@ class SparseCoordinator:
         return self.store.pool_stats()
 
     # -- request lifecycle ------------------------------------------------------------------
-    def on_request_begin(self, request: Request, cached_pages: torch.Tensor | None = None) -> None:
-        """Admit a request: decide dense or sparse, reserve its KV and a state row. Allowed
-        during a step (the new request is in no batch).
+    def decodes_densely(self, prompt_len: int, sparse: bool | None = None) -> bool:
+        """Whether a request decodes densely (every token, every layer): `sparse` when the
+        request says (False: dense; True: sparse even for a short prompt — every algorithm
+        selects within whatever context there is), else the config's rule, prompts shorter
+        than min_sparse_prompt_len. The one rule: an engine's budget asks it before admission."""
+        if sparse is None:
+            return prompt_len < self.config.min_sparse_prompt_len
+        return not sparse
+
+    def on_request_begin(
+        self, request: Request, cached_pages: torch.Tensor | None = None, *, sparse: bool | None = None
+    ) -> None:
+        """Admit a request: decide dense or sparse (`decodes_densely(prompt_len, sparse)`),
+        reserve its KV and a state row. Allowed during a step (the new request is in no batch).
 
         `cached_pages`: host page ids (the store's pages, owned by a prefix cache) that hold
         the K/V of the prompt's first len(cached_pages) x page_size tokens. The store maps
@@ -221,7 +237,7 @@ class SparseCoordinator:
             )
         request.slot = self._free_slots.pop()
         request.seq_len = 0
-        request.dense = request.prompt_len < self.config.min_sparse_prompt_len
+        request.dense = self.decodes_densely(request.prompt_len, sparse)
         cached = 0 if cached_pages is None else cached_pages.numel() * self.store.page_size
         if cached >= request.prompt_len:
             self._free_slots.append(request.slot)
@@ -236,7 +252,7 @@ class SparseCoordinator:
             request.slot = -1
             raise
         self.requests[request.rid] = request
-        self.dense_tally.admit(request.dense)
+        self.dense_tally.admit(request.dense, SHORT_PROMPT if sparse is None else REQUESTED_DENSE)
 
     def can_grow(self, requests: list[Request]) -> bool:
         """Whether a decode step of these active requests would find room for its new tokens
@@ -275,17 +291,23 @@ class SparseCoordinator:
 
     def on_request_end(self, request: Request) -> None:
         """Finish a request: free its KV, its representations and its state row. Refused for
-        a request of the open step's batch (forward_end or abort_step first)."""
+        a request of the open step's batch (forward_end or abort_step first). When the
+        algorithm's `release` raises, the store's pages and the row are freed before the
+        exception goes on: an ended request never keeps KV."""
         if self.requests.get(request.rid) is None:
             raise ValueError(f"request {request.rid!r} is not active")
         self.steps.check_request("on_request_end", request)
         self.requests.pop(request.rid)
         self.steps.forget(request)
         self.retracted.discard(request.rid)
-        self.algorithm.release(request)
-        self.store.release(request)
-        self._free_slots.append(request.slot)
-        request.slot = -1
+        try:
+            self.algorithm.release(request)  # a plugin's hook: if it raises, the KV is freed all the same
+        finally:
+            try:
+                self.store.release(request)
+            finally:
+                self._free_slots.append(request.slot)
+                request.slot = -1
 
     # -- step -----------------------------------------------------------------------------
     def forward_begin(self, batch: Batch) -> None:
@@ -392,7 +414,8 @@ class SparseCoordinator:
         q [Σ prompt_len, q_heads, dim], k/v [Σ prompt_len, kv_heads, dim]. MLA: k is the
         latent [tokens, 1, 576] and v is None. inputs: the extra tensors the algorithm
         declares in `algorithm.prefill_inputs` / `decode_inputs` (e.g. DSA's indexer queries, weights and
-        keys), rows aligned with q's.
+        keys), rows aligned with q's. q, k and v are in the layout's dtype or float32 (cast
+        down as stored; an fp8 layout takes any); ValueError naming the dtypes otherwise.
 
         Refused (HookOrderError, nothing changed) outside a step, while another layer is
         open, or for a layer that already ran in this step.
@@ -585,6 +608,18 @@ class SparseCoordinator:
         elif v is None or tuple(k.shape) != want_kv or tuple(v.shape) != want_kv:
             got = "None" if v is None else list(v.shape)
             raise ValueError(f"k and v must be {list(want_kv)}, got {list(k.shape)} and {got}")
+        # dtype compares only (no cost to speak of). The layout's dtype is taken, and float32
+        # (a model computing in float32 over a narrower cache: cast down as it is stored); an
+        # fp8 layout's store quantises whatever it is given. Anything else — bfloat16 rows
+        # into a float32 layout (KVLayout's default dtype, not the model's), float16 into
+        # bfloat16 — was cast silently: a layout built for another model dtype
+        ok = self._input_dtypes
+        if ok is not None and not (q.dtype in ok and k.dtype in ok and (v is None or v.dtype in ok)):
+            got = f"q {q.dtype}, k {k.dtype}" + ("" if v is None else f", v {v.dtype}")
+            raise ValueError(
+                f"layer {layer}: the KV layout's dtype is {lay.dtype} but got {got}; q, k and v must be in the "
+                f"layout's dtype (or float32, cast down as stored): build the layout with the model's dtype "
+                f"(KVLayout(dtype=...), ModelConfig.kv_layout(dtype, ...)) or cast q, k and v to {lay.dtype}")
         tail = self._query_tail_rows(batch)
         rows_ok = q.dim() == 3 and (q.shape[0] == tokens or (tail is not None and q.shape[0] == sum(tail)))
         if not rows_ok or q.shape[2] != lay.head_dim or q.shape[1] % lay.num_kv_heads:

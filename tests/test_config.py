@@ -152,6 +152,22 @@ def test_device_buffer_too_small():
     assert Quest.max_selected_tokens(cfg) == SMALL_MAX_SELECTED
 
 
+def test_a_top_k_too_large_is_refused_by_name_with_its_bound():
+    """top_k 1e12 was answered "raise device_buffer_tokens to at least 1000000000096": now the
+    message names top_k, says it can never be used (no context is that long) and gives the
+    largest top_k the buffer holds; a top_k merely too wide for the buffer gets both ways out."""
+    msg = config_error({"top_k": 1e12})
+    assert "`top_k` = 1000000000000 can never be used" in msg and "2147483647 tokens" in msg
+    assert "lower top_k to at most 4000" in msg and "raise device_buffer_tokens" not in msg
+    msg = config_error({"top_k": 8192})
+    assert "`top_k` = 8192" in msg and "up to 8288 tokens" in msg and "lower top_k to at most 4000" in msg
+    assert "raise device_buffer_tokens to at least 8288" in msg and "max_model_len buys nothing" in msg
+    assert Quest.max_selected_tokens(load_config({"top_k": 4000})) <= 4096  # the bound given fits
+    msg = config_error({"algorithm": "dsa", "top_k": 5000, "extra": {"source": "keys"}})
+    assert "`top_k` = 5000" in msg and "lower top_k to at most 4015" in msg
+    load_config({"algorithm": "dsa", "top_k": 4015, "extra": {"source": "keys"}})
+
+
 def test_bad_json_string():
     msg = config_error('{"algorithm": "quest",')
     assert msg.startswith("config JSON string is not valid JSON:")

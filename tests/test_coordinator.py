@@ -361,6 +361,32 @@ def test_model_input_errors_name_the_input_and_the_shape() -> None:
         quest.attention_begin(0, q, k, v, qb, {"index_k": torch.randn(20, 16)})
 
 
+@pytest.mark.parametrize("layout_dtype, given", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float16)])
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_q_k_v_in_a_narrower_dtype_than_the_layout_are_refused_by_name(layout_dtype, given, phase) -> None:
+    """bfloat16 q/k/v into a float32 layout (KVLayout's default dtype, not the model's) were
+    cast silently into a pool twice the size; refused at attention_begin with both dtypes
+    named, nothing changed (the same call in the layout's dtype then runs)."""
+    layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=8, dtype=layout_dtype)
+    coord = SparseCoordinator(BASE, layout, max_requests=2, max_seq_len=64)
+    r = Request("a", 20)
+    if phase == "decode":
+        Driver(coord, q_heads=4).prefill([r])  # float32 rows: cast down as stored
+    else:
+        coord.on_request_begin(r)
+    batch = Batch([r], is_prefill=phase == "prefill")
+    coord.forward_begin(batch)
+    n = 20 if phase == "prefill" else 1
+    q, k, v = torch.randn(n, 4, 8), torch.randn(n, 2, 8), torch.randn(n, 2, 8)
+    with pytest.raises(ValueError, match=rf"KV layout's dtype is {layout_dtype} but got q {given}, k {given}, v {given}"):
+        coord.attention_begin(0, q.to(given), k.to(given), v.to(given), batch)
+    with pytest.raises(ValueError, match=rf"got q torch.float32, k torch.float32, v {given}"):
+        coord.attention_begin(0, q, k, v.to(given), batch)
+    meta = coord.attention_begin(0, q.to(layout_dtype), k.to(layout_dtype), v.to(layout_dtype), batch)
+    coord.attention_end(0, coord.attend(0, q.to(layout_dtype), meta), batch)
+    coord.forward_end(batch)
+
+
 @pytest.mark.parametrize("algorithm, extra", VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_keys_in_another_dtype_than_the_layout_are_accepted(algorithm, extra, dtype) -> None:

@@ -65,8 +65,8 @@ def run(path, sparse: dict, batch: list[list[int]], **config) -> dict[str, list[
     for i, p in enumerate(batch):
         engine.add_request(f"r{i}", p, GREEDY)
     outs = engine.run_to_completion()
-    assert all(o.finish_reason == "length" for o in outs), [(o.rid, o.error) for o in outs]
-    return {o.rid: o.token_ids for o in outs}
+    assert all(o.finish_reason == "length" for o in outs), [(o.request_id, o.error) for o in outs]
+    return {o.request_id: o.token_ids for o in outs}
 
 
 @pytest.mark.parametrize("store", ["hierarchical", "resident"])
@@ -122,7 +122,7 @@ def test_engine_with_the_dense_moe_dispatch_equals_transformers(checkpoint) -> N
     batch = prompts([23, 12], seed=3)
     for i, p in enumerate(batch):
         engine.add_request(f"r{i}", p, GREEDY)
-    got = {o.rid: o.token_ids for o in engine.run_to_completion()}
+    got = {o.request_id: o.token_ids for o in engine.run_to_completion()}
     for i, p in enumerate(batch):
         assert got[f"r{i}"] == hf_greedy(model, p, GREEDY.max_tokens), f"r{i}"
 

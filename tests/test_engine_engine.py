@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from sparse_framework import ConfigError
-from sparse_framework.engine.engine import Engine, EngineConfig
+from sparse_framework.engine.engine import PENDING, Engine, EngineConfig
 from sparse_framework.engine.models import load_model
 from sparse_framework.engine.sampling import SamplingParams
 
@@ -48,8 +48,8 @@ def run(engine: Engine, batch: list[list[int]], params: SamplingParams = GREEDY)
     for i, p in enumerate(batch):
         engine.add_request(f"r{i}", p, params)
     outs = engine.run_to_completion()
-    assert all(o.finish_reason == "length" for o in outs), [(o.rid, o.error) for o in outs]
-    return {o.rid: o.token_ids for o in outs}
+    assert all(o.finish_reason == "length" for o in outs), [(o.request_id, o.error) for o in outs]
+    return {o.request_id: o.token_ids for o in outs}
 
 
 def hf_greedy(model, prompt: list[int], new: int) -> list[int]:
@@ -100,6 +100,62 @@ def test_preempted_and_resumed_output_equals_the_unpreempted_one(checkpoint, chu
     assert tight.runner.coord.store.used_tokens() == 0 and not tight.runner.requests
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_resident_store_without_host_room_ends_only_the_request_it_cannot_keep(checkpoint, async_scheduling,
+                                                                                    caplog) -> None:
+    """The resident store keeps no host pool unless host_capacity_tokens is given, so a request
+    that must be preempted has nowhere to go: it alone ends with finish_reason "error" and why
+    (its tokens so far those of a roomy run), its pages are freed and the others finish as
+    they would with room for all. (Before, `step()` raised CapacityError and every request in
+    flight was lost.)"""
+    _, path = checkpoint
+    sparse = {**SMALL, "store": "resident"}
+    batch = prompts([40, 44, 48], seed=2)
+    params = SamplingParams(max_tokens=30, temperature=0.0)
+    roomy = run(engine_for(path, sparse, async_scheduling=False), batch, params)
+    with caplog.at_level("WARNING", logger="sparse_framework.engine.budget"):
+        tight = engine_for(path, sparse, device_capacity_tokens=160, max_num_batched_tokens=32,
+                           async_scheduling=async_scheduling)
+    assert "no host pool: a request that must be preempted is ended" in caplog.text  # said when built
+    for i, p in enumerate(batch):
+        tight.add_request(f"r{i}", p, params)
+    outs = {o.request_id: o for o in tight.run_to_completion()}
+    failed = [o for o in outs.values() if o.finish_reason == "error"]
+    assert [o.request_id for o in failed] == ["r2"], {r: (o.finish_reason, o.error) for r, o in outs.items()}
+    assert "cannot be kept" in failed[0].error and "host_capacity_tokens" in failed[0].error
+    assert failed[0].token_ids == roomy["r2"][: len(failed[0].token_ids)] and PENDING not in failed[0].token_ids
+    assert {r: outs[r].token_ids for r in ("r0", "r1")} == {r: roomy[r] for r in ("r0", "r1")}
+    assert all(outs[r].finish_reason == "length" for r in ("r0", "r1"))
+    assert tight.runner.coord.store.used_tokens() == 0 and not tight.runner.requests and not tight.runner.coord.requests
+
+
+def test_a_request_chooses_its_own_sparse_or_dense_decoding(checkpoint) -> None:
+    """SamplingParams.sparse: False decodes a request densely (its tokens those of a dense
+    config), True sparsely even below min_sparse_prompt_len (those of a config without the
+    limit), None by the config's rule; requests of each kind batched together. At a budget
+    that binds, sparse and dense tokens differ, so the choice is the one taken."""
+    _, path = checkpoint
+    batch = prompts([70, 60, 50], seed=8)
+    dense_cfg = {**SMALL, "min_sparse_prompt_len": 1000}
+    sparse_run, dense_run = run(engine_for(path, SMALL), batch), run(engine_for(path, dense_cfg), batch)
+    assert sparse_run != dense_run
+    engine = engine_for(path, SMALL)  # every prompt sparse by the rule
+    for i, (p, sparse) in enumerate(zip(batch, [False, None, True])):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=GREEDY.max_tokens, temperature=0.0, sparse=sparse))
+    got = {o.request_id: o.token_ids for o in engine.run_to_completion()}
+    assert got == {"r0": dense_run["r0"], "r1": sparse_run["r1"], "r2": sparse_run["r2"]}
+    assert engine.runner.coord.dense_report()["dense_requests"] == {"requested dense (sparse=False)": 1}
+    engine = engine_for(path, dense_cfg)  # every prompt dense by the rule
+    forced = SamplingParams(max_tokens=GREEDY.max_tokens, temperature=0.0, sparse=True)
+    engine.add_request("r0", batch[0], forced)
+    engine.add_request("r1", batch[1], GREEDY)
+    got = {o.request_id: o.token_ids for o in engine.run_to_completion()}
+    assert got == {"r0": sparse_run["r0"], "r1": dense_run["r1"]}
+    assert engine.runner.coord.store.used_tokens() == 0
+    with pytest.raises(ConfigError, match="SamplingParams.sparse"):
+        SamplingParams(sparse="dense")  # type: ignore[arg-type]
+
+
 def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(checkpoint) -> None:
     _, path = checkpoint
     batch = prompts([30, 50, 20], seed=3)
@@ -121,7 +177,7 @@ def test_bad_requests_get_one_clear_error_each_and_the_rest_run(checkpoint) -> N
     engine.add_request("ok2", good[1], GREEDY)
     with pytest.raises(ValueError, match="already queued"):
         engine.add_request("ok1", good[0], GREEDY)
-    outs = {o.rid: o for o in engine.run_to_completion()}
+    outs = {o.request_id: o for o in engine.run_to_completion()}
     assert outs["empty"].error == "the prompt is empty"
     assert "exceeds max_model_len 64" in outs["long"].error
     assert f"outside the vocabulary 0..{VOCAB - 1}" in outs["vocab"].error
@@ -142,7 +198,7 @@ def test_abort_frees_everything_and_the_others_finish(checkpoint) -> None:
     aborted = engine.abort("r1")
     assert aborted is not None and aborted.finish_reason == "abort"
     outs = engine.run_to_completion()
-    assert sorted(o.rid for o in outs) == ["r0", "r2"]
+    assert sorted(o.request_id for o in outs) == ["r0", "r2"]
     assert engine.runner.coord.store.used_tokens() == 0 and not engine.runner.staging.spans
     assert engine.abort("r1") is None
 
@@ -173,14 +229,14 @@ def test_random_arrivals_lengths_and_aborts_never_lose_or_mix_requests(checkpoin
             engine.abort(rid)
             aborted.add(rid)
         for out in engine.step():
-            assert out.rid not in finished
-            finished[out.rid] = out
+            assert out.request_id not in finished
+            finished[out.request_id] = out
         store = engine.runner.coord.store
         for pool in store.pools:
             assert all(a.used <= a.num_pages for a in pool.alloc.values())
         assert store.host_alloc.used <= store.host_alloc.num_pages
     for out in engine.run_to_completion():
-        finished[out.rid] = out
+        finished[out.request_id] = out
     event(f"preempted: {engine.scheduler.num_preemptions > 0}")
     assert set(finished) | aborted == set(reqs)
     for rid, out in finished.items():
@@ -195,7 +251,7 @@ def test_random_arrivals_lengths_and_aborts_never_lose_or_mix_requests(checkpoin
 def _outputs(engine: Engine, batch: list[list[int]], params: list[SamplingParams]) -> dict[str, tuple]:
     for i, (p, sp) in enumerate(zip(batch, params)):
         engine.add_request(f"r{i}", p, sp)
-    return {o.rid: (o.token_ids, o.finish_reason) for o in engine.run_to_completion()}
+    return {o.request_id: (o.token_ids, o.finish_reason) for o in engine.run_to_completion()}
 
 
 @pytest.mark.parametrize("case", ["greedy-stops", "seeded", "preemption"])
@@ -245,7 +301,7 @@ def test_async_abort_reads_the_step_in_flight_first(checkpoint) -> None:
     plain.add_request("x", prompts([30, 40, 50], seed=5)[1], GREEDY)
     assert aborted.token_ids == plain.run_to_completion()[0].token_ids[: len(aborted.token_ids)]
     outs = engine.run_to_completion()
-    assert sorted(o.rid for o in outs) == ["r0", "r2"]
+    assert sorted(o.request_id for o in outs) == ["r0", "r2"]
     assert engine.runner.coord.store.used_tokens() == 0
 
 
@@ -323,7 +379,7 @@ def test_bad_model_directories_are_clear_errors(tmp_path) -> None:
 
 FUSED = r"""
 import torch
-from sparse_framework.engine.engine import Engine, EngineConfig
+from sparse_framework.engine.engine import PENDING, Engine, EngineConfig
 from sparse_framework.engine.models import ModelConfig, random_model
 from sparse_framework.engine.sampling import SamplingParams
 
@@ -340,7 +396,7 @@ for fused in (False, True):
     assert model.fused_ops == fused
     for i, p in enumerate(batch):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=10, temperature=0.0))
-    outs[fused] = {o.rid: o.token_ids for o in engine.run_to_completion()}
+    outs[fused] = {o.request_id: o.token_ids for o in engine.run_to_completion()}
 assert outs[True] == outs[False], outs
 print("fused engine ok")
 """
@@ -370,14 +426,16 @@ def test_fused_ops_need_a_model_with_a_fused_path() -> None:
         Engine(Bare(), config, FULL, EngineConfig(max_num_seqs=1, max_model_len=64, fused_ops=True))
 
 
-@pytest.mark.parametrize("where", ["model", "mid-forward"])
+@pytest.mark.parametrize("where", ["model", "mid-forward", "forward_end"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_a_failed_step_fails_only_its_requests_and_the_engine_serves_on(checkpoint, where, async_scheduling) -> None:
-    """An exception inside a step (the model raising before any layer, or a hook raising after
-    layer 0 stored its K/V) ends the requests of that step with finish_reason "error" and the
-    reason, frees their pages, and the engine keeps serving: a request that was waiting
-    finishes exactly as it does alone, and new requests run. (Before, every later step raised
-    "schedule() called again before on_step_done() of the previous plan".)"""
+    """An exception inside a step (the model raising before any layer, a hook raising after
+    layer 0 stored its K/V, or the coordinator's forward_end raising after every layer ran)
+    ends the requests of that step with finish_reason "error" and the reason, frees their
+    pages, and the engine keeps serving: a request that was waiting finishes exactly as it
+    does alone, and new requests run. (Before, every later step raised "schedule() called
+    again before on_step_done() of the previous plan"; and a failed forward_end left the step
+    open, so freeing its requests raised HookOrderError out of `step()`.)"""
     _, path = checkpoint
     batch = prompts([30, 40, 50], seed=5)
     engine = engine_for(path, SMALL, max_num_seqs=2, async_scheduling=async_scheduling)
@@ -395,6 +453,16 @@ def test_a_failed_step_fails_only_its_requests_and_the_engine_serves_on(checkpoi
             return model(*args, **kwargs)
 
         engine.runner.model = failing
+    elif where == "forward_end":
+        coord = engine.runner.coord
+        forward_end = coord.forward_end
+
+        def failing_forward_end(batch):  # type: ignore[no-untyped-def]
+            if armed.pop("on", False):
+                raise RuntimeError("injected hook failure")
+            return forward_end(batch)
+
+        coord.forward_end = failing_forward_end
     else:
         coord = engine.runner.coord
         end = coord.attention_end
@@ -406,15 +474,55 @@ def test_a_failed_step_fails_only_its_requests_and_the_engine_serves_on(checkpoi
 
         coord.attention_end = failing_end
     failed = engine.step()
-    assert sorted(o.rid for o in failed if o.finish_reason == "error") == ["r0", "r1"], failed
+    assert sorted(o.request_id for o in failed if o.finish_reason == "error") == ["r0", "r1"], failed
     assert all("the engine step failed: RuntimeError: injected" in o.error for o in failed if o.finish_reason == "error")
     engine.add_request("r3", batch[0], GREEDY)  # the same prompt again, after the failure
-    outs = {o.rid: o for o in engine.run_to_completion()}
+    outs = {o.request_id: o for o in engine.run_to_completion()}
     assert sorted(outs) == ["r2", "r3"] and all(o.finish_reason == "length" for o in outs.values())
     alone = run(engine_for(path, SMALL, async_scheduling=False), [batch[2], batch[0]])
     assert outs["r2"].token_ids == alone["r0"] and outs["r3"].token_ids == alone["r1"]
     assert engine.runner.coord.store.used_tokens() == 0 and not engine.runner.staging.spans
     assert not engine.runner.requests and not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_abort_frees_the_request_even_when_a_hook_raises(checkpoint, async_scheduling) -> None:
+    """The algorithm's `release` (a plugin's hook, run by on_request_end) raising while a
+    request is aborted: the scheduler, the runner and the coordinator free it all the same
+    (its pages, its row), the error is logged and recorded in the abort's output, and the
+    others finish as they would. (Before, abort raised with the request dropped by the engine
+    but still held by the scheduler and the store: its pages were never freed and
+    `run_to_completion` never ended.)"""
+    _, path = checkpoint
+    batch = prompts([30, 40, 50], seed=5)
+    engine = engine_for(path, SMALL, async_scheduling=async_scheduling)
+    for i, p in enumerate(batch):
+        engine.add_request(f"r{i}", p, GREEDY)
+    for _ in range(4):
+        engine.step()
+    coord = engine.runner.coord
+    release = coord.algorithm.release
+
+    def failing_release(request):  # type: ignore[no-untyped-def]
+        raise RuntimeError("injected release failure")
+
+    coord.algorithm.release = failing_release
+    held = coord.store.used_tokens()
+    aborted = engine.abort("r1")
+    coord.algorithm.release = release
+    assert aborted is not None and aborted.finish_reason == "abort"
+    assert "RuntimeError: injected release failure" in aborted.error
+    assert "r1" not in coord.requests and "r1" not in engine.runner.requests and coord.store.used_tokens() < held
+    assert len(coord._free_slots) == engine.num_seqs - 2
+    outs = {}
+    for _ in range(200):  # bounded: the old code never ended
+        if not engine.has_unfinished():
+            break
+        outs.update((o.request_id, o) for o in engine.step())
+    assert sorted(outs) == ["r0", "r2"] and all(o.finish_reason == "length" for o in outs.values())
+    alone = run(engine_for(path, SMALL), [batch[0], batch[2]])
+    assert outs["r0"].token_ids == alone["r0"] and outs["r2"].token_ids == alone["r1"]
+    assert coord.store.used_tokens() == 0 and not coord.requests and not engine.runner.staging.spans
 
 
 def test_token_ids_of_any_integer_kind_run_and_others_are_refused_by_name(checkpoint) -> None:
@@ -435,7 +543,7 @@ def test_token_ids_of_any_integer_kind_run_and_others_are_refused_by_name(checkp
         engine.add_request(rid, bad, GREEDY)
     with pytest.raises(ValueError, match="already queued or running"):
         engine.add_request("frac", p, GREEDY)  # its error output is not out yet
-    outs = {o.rid: o for o in engine.run_to_completion()}
+    outs = {o.request_id: o for o in engine.run_to_completion()}
     assert {r: outs[r].token_ids for r in ("np", "pt", "mixed")} == {"np": want, "pt": want, "mixed": want}
     for rid in ("bool", "float", "frac", "floats"):
         assert outs[rid].finish_reason == "error" and "prompt token ids must be integers" in outs[rid].error

@@ -97,8 +97,8 @@ def run(engine: Engine, batch: list[list[int]], params: SamplingParams = GREEDY)
     for i, p in enumerate(batch):
         engine.add_request(f"r{i}", p, params)
     outs = engine.run_to_completion()
-    assert all(o.finish_reason == "length" for o in outs), [(o.rid, o.error) for o in outs]
-    return {o.rid: o.token_ids for o in outs}
+    assert all(o.finish_reason == "length" for o in outs), [(o.request_id, o.error) for o in outs]
+    return {o.request_id: o.token_ids for o in outs}
 
 
 @pytest.mark.parametrize("sparse", list(SPARSE))

@@ -153,7 +153,7 @@ def test_engine_admits_exactly_the_planned_number_of_requests(model, bound) -> N
     assert engine.memory_plan.limited_by == ("host" if bound == "host" else "device")
     most, outs = serve(engine, n + 2, prompt_len=40, max_tokens=MAX_LEN - 40)  # each to max_model_len
     assert most == n
-    assert sorted(o.rid for o in outs) == [f"r{i}" for i in range(n + 2)]
+    assert sorted(o.request_id for o in outs) == [f"r{i}" for i in range(n + 2)]
     assert all(o.finish_reason == "length" and len(o.token_ids) == MAX_LEN - 40 for o in outs), [o.error for o in outs]
     assert engine.scheduler.num_preemptions == 0  # the rows hold their requests to full length
 

@@ -106,10 +106,10 @@ def _run(model: Any, name: str, tp: int, sparse: dict | None = None,
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", prompt, SamplingParams(**p))
     outs = engine.run_to_completion()
-    assert all(o.finish_reason in ("length", "stop") for o in outs), [(o.rid, o.error) for o in outs]
+    assert all(o.finish_reason in ("length", "stop") for o in outs), [(o.request_id, o.error) for o in outs]
     assert engine.runner.coord.store.used_tokens() == 0 and not engine.runner.requests
     hits = engine.prefix_cache.stats.hit_tokens if engine.prefix_cache is not None else 0
-    return {o.rid: (o.token_ids, o.finish_reason) for o in outs}, (engine.scheduler.num_preemptions, hits)
+    return {o.request_id: (o.token_ids, o.finish_reason) for o in outs}, (engine.scheduler.num_preemptions, hits)
 
 
 def _rank_work(ctx: parallel.TPContext) -> dict[str, Any]:

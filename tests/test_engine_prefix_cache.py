@@ -71,8 +71,8 @@ def one_after_another(engine: Engine, batch: list[list[int]], params: SamplingPa
         poison_staging(engine)
         engine.add_request(f"r{i}", p, params)
         for o in engine.run_to_completion():
-            assert o.finish_reason == "length", (o.rid, o.error)
-            out[o.rid] = o.token_ids
+            assert o.finish_reason == "length", (o.request_id, o.error)
+            out[o.request_id] = o.token_ids
     return out
 
 
@@ -91,8 +91,8 @@ def together(engine: Engine, batch: list[list[int]], params: SamplingParams = GR
     for i, p in enumerate(batch):
         engine.add_request(f"r{i}", p, params)
     outs = engine.run_to_completion()
-    assert all(o.finish_reason == "length" for o in outs), [(o.rid, o.error) for o in outs]
-    return {o.rid: o.token_ids for o in outs}
+    assert all(o.finish_reason == "length" for o in outs), [(o.request_id, o.error) for o in outs]
+    return {o.request_id: o.token_ids for o in outs}
 
 
 def assert_empty_after_clear(engine: Engine) -> None:
@@ -216,7 +216,7 @@ def test_preemption_with_the_cache_on(path, chunk) -> None:
         tight.add_request(f"r{i}", p, params)
     outs += tight.run_to_completion()
     assert all(o.finish_reason == "length" for o in outs)
-    got = {o.rid: o.token_ids for o in outs}
+    got = {o.request_id: o.token_ids for o in outs}
     assert tight.scheduler.num_preemptions > 0
     assert tight.prefix_cache.stats.hits >= 1
     assert got == roomy
@@ -249,8 +249,8 @@ def test_dense_requests_hits_keep_every_host_promise(path, host_tokens) -> None:
     for i, p in enumerate(batch[1:], start=1):
         tight.add_request(f"r{i}", p, params)
     outs += tight.run_to_completion()
-    assert all(o.finish_reason == "length" for o in outs), [(o.rid, o.error) for o in outs]
-    assert {o.rid: o.token_ids for o in outs} == roomy
+    assert all(o.finish_reason == "length" for o in outs), [(o.request_id, o.error) for o in outs]
+    assert {o.request_id: o.token_ids for o in outs} == roomy
     assert headrooms and min(headrooms) >= 0
     assert_empty_after_clear(tight)
 
@@ -277,9 +277,9 @@ def test_async_scheduling_with_the_cache(path) -> None:
     read are cached) gives the outputs of the synchronous loop without the cache."""
     batch = shared_prefix_prompts(seed=5)
     params = SamplingParams(max_tokens=9, temperature=0.0, stop_token_ids=[7])
-    off = {o.rid: o.token_ids for o in together_all(engine_for(path, FULL, False, async_scheduling=False), batch, params)}
+    off = {o.request_id: o.token_ids for o in together_all(engine_for(path, FULL, False, async_scheduling=False), batch, params)}
     engine = engine_for(path, FULL, True, async_scheduling=True, max_num_seqs=2)
-    on = {o.rid: o.token_ids for o in together_all(engine, batch, params)}
+    on = {o.request_id: o.token_ids for o in together_all(engine, batch, params)}
     assert on == off
     assert engine.prefix_cache.stats.hits > 0
     assert_empty_after_clear(engine)
@@ -405,7 +405,7 @@ def arrivals(engine: Engine, reqs: list[tuple[list[int], int, int]]) -> tuple[di
             engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
         for o in engine.step():
             assert o.finish_reason == "length", o.error
-            out[o.rid] = o.token_ids
+            out[o.request_id] = o.token_ids
         step += 1
     return out, engine
 

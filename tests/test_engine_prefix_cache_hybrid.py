@@ -143,7 +143,7 @@ def all_at_once(engine: Engine, batch: list[list[int]]) -> dict[str, list[int]]:
         engine.add_request(f"r{i}", p, GREEDY)
     outs = engine.run_to_completion()
     assert all(o.finish_reason == "length" for o in outs)
-    return {o.rid: o.token_ids for o in outs}
+    return {o.request_id: o.token_ids for o in outs}
 
 
 @pytest.mark.parametrize("name", ["mistral", "gemma2"])
@@ -205,7 +205,7 @@ def test_async_scheduling_and_preemption(checkpoints, name: str) -> None:
                 outs += engine.run_to_completion()
         outs += engine.run_to_completion()
         assert all(o.finish_reason == "length" for o in outs)
-        return {o.rid: o.token_ids for o in outs}
+        return {o.request_id: o.token_ids for o in outs}
 
     roomy = together(engine_for(checkpoints[name], dense, False, async_scheduling=False))
     engine = engine_for(checkpoints[name], dense, True, async_scheduling=True, max_num_seqs=2)

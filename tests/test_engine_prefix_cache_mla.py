@@ -131,8 +131,8 @@ def test_arriving_together_with_eviction_under_a_small_host_pool() -> None:
         for i, p in enumerate(batch):
             engine.add_request(f"r{i}", p, GREEDY)
         outs = engine.run_to_completion()
-        assert all(o.finish_reason == "length" for o in outs), [(o.rid, o.error) for o in outs]
-        return {o.rid: o.token_ids for o in outs}
+        assert all(o.finish_reason == "length" for o in outs), [(o.request_id, o.error) for o in outs]
+        return {o.request_id: o.token_ids for o in outs}
 
     off = together(engine_for(sparse, False, **settings))
     engine = engine_for(sparse, True, **settings)

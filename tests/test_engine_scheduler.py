@@ -529,6 +529,61 @@ def test_a_budget_that_breaks_its_contract_ends_the_request_with_an_error() -> N
     assert "even alone" in s.error and eng.held == {} and not sched.has_unfinished()
 
 
+class _NoHostRoom(FakeEngine):
+    """A store with nowhere to keep a decoding sequence's K/V (the resident store without a
+    host pool): retract says why and changes nothing."""
+
+    def retract(self, seq: Sequence) -> str | None:
+        if not seq.is_prefilling:
+            return "no host room for its K/V"
+        return super().retract(seq)
+
+
+def test_a_sequence_that_cannot_be_retracted_ends_alone_with_the_reason() -> None:
+    """The newest running sequence must be preempted, but its budget has nowhere to keep it:
+    it is ended with FinishReason.ERROR and why (in plan.finished), its memory freed, nothing
+    starts in that step (a waiting one starts the step after), and the oldest finish with
+    their reference outputs."""
+    eng = _NoHostRoom(device_pages=10, host_pages=100, page=4, staging_factor=0)
+    sched = Scheduler(eng, max_num_batched_tokens=16, max_num_seqs=3)
+    seqs = [make_seq(f"r{i}", 4, 12, base=i) for i in range(4)]  # r3 waits for a row
+    for seq in seqs:
+        sched.add(seq)
+    plans = []
+    while sched.has_unfinished():
+        assert len(plans) < 1000
+        plan = sched.schedule()
+        plans.append(plan)
+        if not plan.is_empty:
+            sched.on_step_done(plan, eng.execute(plan, sched))
+    first = next(i for i, p in enumerate(plans) if p.finished)
+    assert plans[first].finished == [seqs[2]] and not plans[first].preempted and not plans[first].admitted
+    assert plans[first + 1].admitted == [seqs[3]]
+    assert seqs[2].finish_reason is FinishReason.ERROR and "cannot be kept: no host room for its K/V" in seqs[2].error
+    for seq in seqs[:2]:
+        assert_reference(seq)
+    assert eng.held == {} and sched.num_preemptions == 0
+
+
+class _FreeRaises(FakeEngine):
+    def free(self, seq: Sequence) -> None:
+        super().free(seq)
+        raise RuntimeError("injected free failure")
+
+
+def test_a_sequence_is_forgotten_even_when_its_budget_raises_while_freeing_it() -> None:
+    eng = _FreeRaises(device_pages=100, host_pages=100)
+    sched = Scheduler(eng, max_num_batched_tokens=8, max_num_seqs=2)
+    a, b = make_seq("a", 2, 3), make_seq("b", 2, 3, base=1)
+    sched.add(a)
+    sched.add(b)
+    step(sched, eng)
+    with pytest.raises(RuntimeError, match="injected free failure"):
+        sched.abort("a")
+    assert a.finish_reason is FinishReason.ABORT and a not in sched.running and sched.abort("a") is None
+    assert sched.running == (b,)
+
+
 # -- random arrivals, aborts and steps ----------------------------------------------------------
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(

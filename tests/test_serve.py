@@ -239,7 +239,7 @@ def test_seeded_sampling_is_reproducible(server: Server) -> None:
     ({"top_p": 0}, "top_p"),
     ({"n": 2}, "one choice per prompt"),
     ({"logprobs": 2}, "logprobs"),
-    ({"extra_body": {"sparse": "dense"}}, "min_sparse_prompt_len"),
+    ({"extra_body": {"sparse": "dense"}}, "sparse must be true .sparse decoding., false .dense. or null"),
     ({"extra_body": {"stop_token_ids": [10**6]}}, "vocabulary"),
     ({"prompt": "one two"}, "token ids separated by spaces"),
 ])
@@ -247,6 +247,37 @@ def test_requests_that_can_never_run_are_400_with_the_reason(server: Server, kwa
     args = {"model": "reference", "prompt": "1 2 3", "max_tokens": 4, **kwargs}
     with pytest.raises(openai.BadRequestError, match=match):
         server.client().completions.create(**args)
+
+
+def test_the_sparse_field_chooses_the_requests_decoding(server: Server) -> None:
+    """`sparse` true / false / null in the body is SamplingParams.sparse: a 480-token prompt
+    (dense by the served config's rule, min_sparse_prompt_len 1024) gives LLM.generate's text
+    with the same choice each way, and only `sparse: true` selects from the device buffer (the
+    store's lookups grow). (Before, any `sparse` field was a 400.)"""
+    import random
+
+    from sparse_framework.engine import LLM, SamplingParams
+    from sparse_framework.engine.command import DEMO_CONFIG
+    from sparse_framework.serve.loop import STATS_INTERVAL_S
+
+    def lookups() -> float:  # read once the idle loop has refreshed the store's counters
+        time.sleep(STATS_INTERVAL_S + 0.5)
+        m = server.metrics()
+        return m["sparse_framework_device_buffer_hits_total"] + m["sparse_framework_device_buffer_misses_total"]
+
+    rng = random.Random(0)
+    prompt = [rng.randrange(1, 500) for _ in range(480)]
+    llm = LLM(None, DEMO_CONFIG, max_model_len=MAX_MODEL_LEN, max_num_seqs=8)
+    client = server.client()
+    before = lookups()
+    for sparse in (False, None, True):
+        (want,) = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, sparse=sparse))
+        got = client.completions.create(model="reference", prompt=prompt, max_tokens=8, temperature=0,
+                                        extra_body={"sparse": sparse})
+        assert got.choices[0].text == want.text, sparse
+        if sparse is None:
+            assert lookups() == before  # dense both ways: every token resident, nothing selected
+    assert lookups() > before
 
 
 def test_chat_without_a_chat_template_is_400(server: Server) -> None:

@@ -14,7 +14,14 @@ length crosses a page boundary, in `forward_begin`). This module bridges the two
   granted so far in this plan), since the rows share the pools' free pages, and an admission
   or resumption later in the plan is refused if it would take the room they were granted;
 - a store without a host pool (the resident store's default) promises nothing: its device
-  pool holds every request whole, so nothing needs preempting unless it is sized smaller;
+  pool holds every request whole, so nothing needs preempting unless it is sized smaller
+  (device_capacity_tokens below max_num_seqs x max_model_len); then a decoding request that
+  must be preempted has nowhere to keep its K/V: `retract` says so and the scheduler ends that
+  request alone with finish_reason "error" (the engine logs a warning for such a
+  configuration when it is built; give host_capacity_tokens to preempt instead);
+- a request's mode, dense or sparse, is the coordinator's rule (`decodes_densely`) with the
+  request's own `SamplingParams.sparse` (None: by prompt length), asked before admission since
+  it decides whether the request keeps its K/V on the host and what it needs on the device;
 - a sequence preempted while still prefilling has no K/V in the store yet: its coordinator
   request and staging are dropped (its host promise stays) and it is admitted again, from
   token 0, when it resumes.
@@ -37,11 +44,15 @@ sequence's prompt and outputs at `free`, before its memory is released.
 
 from __future__ import annotations
 
+import logging
+
 from ..common.arith import cdiv
 from ..kv_store.device_pools import DENSE_LAYERS, RESIDENT
 from .prefix_cache import PrefixCache
 from .runner import ModelRunner
 from .scheduler import Sequence
+
+log = logging.getLogger(__name__)
 
 
 class RunnerBudget:
@@ -57,6 +68,23 @@ class RunnerBudget:
         self._granted: list[str] = []  # decode rows of the plan being made that start a page, grown together
         self._trial: str | None = None  # reserved by the last can_admit / can_resume
         self._dropped: set[str] = set()  # preempted while prefilling: admitted again on resume
+        self._warn_if_preemption_ends_requests()
+
+    def _warn_if_preemption_ends_requests(self) -> None:
+        """The resident store keeps no host copy unless host_capacity_tokens is given: when its
+        device pool cannot hold every request row to max_model_len, a request that must be
+        preempted has nowhere to go and is ended with an error (`retract`); say so once, when
+        the engine is built, with the settings that avoid it."""
+        store, rows = self.store, self.store.max_requests
+        if not store.all_resident or store.host_alloc.num_pages or rows < 2:
+            return
+        need = rows * cdiv(self.runner.max_model_len, self.page) * self.page
+        have = min(pool.slots for pool in store.pools)
+        if have < need:
+            log.warning("the resident store's device pool (%d tokens per layer) holds fewer than max_num_seqs %d x "
+                        "max_model_len %d tokens and it has no host pool: a request that must be preempted is ended "
+                        "with finish_reason 'error' instead; give host_capacity_tokens (room to preempt into), or "
+                        "more device_capacity_tokens, or fewer max_num_seqs", have, rows, self.runner.max_model_len)
 
     def begin_plan(self) -> None:
         """Before each `Scheduler.schedule()`: no decode row is granted yet."""
@@ -91,7 +119,7 @@ class RunnerBudget:
         if host_pages and self._life_pages(seq) > host_pages:
             return (f"its {life} tokens of K/V exceed the host pool ({host_pages * self.page} tokens); "
                     "raise host_capacity_tokens or lower max_tokens")
-        dense_mode = prompt < self.store.min_sparse_prompt_len
+        dense_mode = self.runner.coord.decodes_densely(prompt, _sparse(seq))
         for pool in self.store.pools:
             whole = pool.kind in (DENSE_LAYERS, RESIDENT) or dense_mode
             need = life if whole else self.store.buffer_tokens
@@ -116,7 +144,8 @@ class RunnerBudget:
         # a request that keeps its K/V on the host maps the cached pages as its own (held
         # already); one that does not (dense mode, the resident store) only copies them into its
         # staging and, if preempted, copies its whole context to new host pages: promised it all
-        adopts = self.store.keeps_host_for(seq.num_prompt_tokens)
+        adopts = self.store.keeps_host_for(seq.num_prompt_tokens, self.runner.coord.decodes_densely(
+            seq.num_prompt_tokens, _sparse(seq)))
         need = self._life_pages(seq) - (cached // self.page if adopts else 0)
         if self.store.host_alloc.num_pages and not self._host_room(need):
             self._drop_match(seq)
@@ -141,7 +170,7 @@ class RunnerBudget:
         """Admit `seq` in the runner (with its cached prefix) unless that takes room the
         plan's decode rows were granted (their growth is checked before admissions are made);
         the prefix lock is dropped when it fails."""
-        if not self.runner.admit(seq.rid, seq.num_prompt_tokens, pages):
+        if not self.runner.admit(seq.rid, seq.num_prompt_tokens, pages, _sparse(seq)):
             self._drop_match(seq)
             return False
         if not self.runner.can_grow(self._granted):
@@ -182,14 +211,16 @@ class RunnerBudget:
         if self.store.needs_page(self.runner.requests[seq.rid]):
             self._granted.append(seq.rid)
 
-    def retract(self, seq: Sequence) -> None:
+    def retract(self, seq: Sequence) -> str | None:
+        """None once retracted; why not (nothing changed) when its K/V has no host room to go
+        to — the resident store keeps none unless host_capacity_tokens is given."""
         request = self.runner.requests[seq.rid]
         if request.seq_len == 0:  # still prefilling: nothing in the store to keep
             self.runner.free(seq.rid)
             self._drop_match(seq)  # looked up again when it resumes
             self._dropped.add(seq.rid)
-        else:
-            self.runner.retract(seq.rid)
+            return None
+        return self.runner.retract(seq.rid)
 
     def can_resume(self, seq: Sequence) -> bool:
         if seq.rid in self._dropped:  # its host room is promised: only device room and staging
@@ -198,7 +229,9 @@ class RunnerBudget:
         else:
             ok = self.runner.resume(seq.rid)
             if ok and not self.runner.can_grow([*self._granted, seq.rid]):
-                self.runner.retract(seq.rid)  # back in, but its next token would not fit
+                why = self.runner.retract(seq.rid)  # back in, but its next token would not fit
+                if why is not None:  # the host room its resumption just released is gone
+                    raise RuntimeError(f"request {seq.rid!r}: cannot retract it again after resuming it: {why}")
                 ok = False
         if ok:
             self._trial = seq.rid
@@ -212,17 +245,30 @@ class RunnerBudget:
             self._granted.append(seq.rid)  # it decodes in this step
 
     def free(self, seq: Sequence) -> None:
-        if self.cache is not None:
-            request = self.runner.requests.get(seq.rid)
-            retracted = seq.rid in self.runner.coord.retracted
-            self.cache.on_finished(seq.rid, request, [*seq.prompt_ids, *seq.output_ids], retracted)
-        self.runner.free(seq.rid)
-        self._promised.pop(seq.rid, None)
-        self._dropped.discard(seq.rid)
-        if self._trial == seq.rid:
-            self._trial = None
+        """Release everything `seq` holds. When the prefix cache's insertion or a hook of the
+        coordinator raises, the rest is still released before the exception goes on (a
+        request the scheduler forgets must not keep pages)."""
+        try:
+            if self.cache is not None:
+                request = self.runner.requests.get(seq.rid)
+                retracted = seq.rid in self.runner.coord.retracted
+                self.cache.on_finished(seq.rid, request, [*seq.prompt_ids, *seq.output_ids], retracted)
+        finally:
+            try:
+                self.runner.free(seq.rid)
+            finally:
+                self._promised.pop(seq.rid, None)
+                self._dropped.discard(seq.rid)
+                if self._trial == seq.rid:
+                    self._trial = None
 
     def _take_trial(self, seq: Sequence) -> None:
         if self._trial != seq.rid:
             raise RuntimeError(f"request {seq.rid!r}: admit/resume without a successful can_admit/can_resume just before")
         self._trial = None
+
+
+def _sparse(seq: Sequence) -> bool | None:
+    """The request's own choice of sparse or dense decoding (SamplingParams.sparse; None: the
+    config's rule, also for parameters without the field)."""
+    return getattr(seq.params, "sparse", None)

@@ -4,7 +4,7 @@
     engine.add_request("r1", prompt_ids, SamplingParams(max_tokens=64))
     while engine.has_unfinished():
         for out in engine.step():          # the requests that finished in this step
-            print(out.rid, out.token_ids, out.finish_reason)
+            print(out.request_id, out.token_ids, out.finish_reason)
 
 Each `step()` asks the scheduler for a plan (decode rows and prefill chunks within the token
 budget; admissions, preemptions and resumptions already reserved through `RunnerBudget`),
@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 import zlib
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -177,9 +178,12 @@ def kv_store_dtype(kv_cache_dtype: str, model_config: ModelConfig, dtype: torch.
 
 @dataclass
 class RequestOutput:
-    """A finished request: its tokens, why it ended, and its timings (seconds, perf_counter)."""
+    """A finished request: its tokens, why it ended, and its timings (seconds, perf_counter).
 
-    rid: str
+    `request_id` is vLLM's name for the id given to `add_request`; `rid`, its old name here,
+    is kept as a read-only alias that warns (DeprecationWarning)."""
+
+    request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
     finish_reason: str
@@ -189,6 +193,12 @@ class RequestOutput:
     first_token_time: float | None = None
     finish_time: float = 0.0
     num_preemptions: int = 0
+
+    @property
+    def rid(self) -> str:
+        """Deprecated alias of `request_id` (read-only)."""
+        warnings.warn("RequestOutput.rid is deprecated: use RequestOutput.request_id", DeprecationWarning, stacklevel=2)
+        return self.request_id
 
     @property
     def ttft(self) -> float | None:
@@ -203,7 +213,7 @@ class RequestOutput:
         return (self.finish_time - self.first_token_time) / (len(self.token_ids) - 1)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"rid": self.rid, "prompt_tokens": len(self.prompt_token_ids), "token_ids": self.token_ids,
+        return {"request_id": self.request_id, "prompt_tokens": len(self.prompt_token_ids), "token_ids": self.token_ids,
                 "text": self.text, "finish_reason": self.finish_reason, "error": self.error, "ttft_s": self.ttft,
                 "tpot_s": self.tpot, "num_preemptions": self.num_preemptions}
 
@@ -225,6 +235,9 @@ class _InFlight:
     started: float
     stats: tuple[int, int, int]  # decode rows, prefill tokens, context (step_log)
     finished: list[Sequence]  # finished at max_tokens in this step: output once the token is read
+    # ended by the scheduler while the next step was planned (no room to keep them), their
+    # newest token still in this step: rid -> (live, error); output once the token is read
+    ended: dict[str, tuple[_Live, str | None]] = field(default_factory=dict)
 
 
 @dataclass
@@ -414,7 +427,8 @@ class Engine:
         finish_reason "error" and the reason, and the others run on."""
         params = params or SamplingParams()
         now = time.perf_counter()
-        if rid in self._live or any(out.rid == rid for out in self._rejected):
+        if (rid in self._live or any(out.request_id == rid for out in self._rejected)
+                or (self._inflight is not None and rid in self._inflight.ended)):
             raise ValueError(f"request {rid!r} is already queued or running (or its error output not yet returned)")
         ids, error = token_ids(prompt_ids)
         error = error or self._check(ids, params)
@@ -442,13 +456,29 @@ class Engine:
         return None
 
     def abort(self, rid: str) -> RequestOutput | None:
-        """Stop a request and free everything it holds; its output so far (None if unknown)."""
+        """Stop a request and free everything it holds; its output so far, finish_reason
+        "abort" (None if unknown). A request that already ended but whose output `step()` has
+        not returned yet (rejected, or finished in the step in flight) gives that output here
+        instead, and `step()` will not return it.
+
+        If a hook raises while the request is freed (the prefix cache, the algorithm's
+        `release`), the scheduler, the runner and the coordinator still free it
+        (Scheduler.finish, RunnerBudget.free, SparseCoordinator.on_request_end): the error is
+        logged and recorded in the output's `error`, not raised, so a server's loop goes on."""
         self._rejected.extend(self._read_inflight())  # its tokens so far, values read
+        for i, out in enumerate(self._rejected):
+            if out.request_id == rid:
+                return self._rejected.pop(i)
         live = self._live.pop(rid, None)
-        seq = self.scheduler.abort(rid)
+        error = None
+        try:
+            seq = self.scheduler.abort(rid)
+        except Exception as exc:  # noqa: BLE001 - freed all the same; recorded in its output
+            log.exception("aborting request %r: freeing it raised", rid)
+            seq, error = (live.seq if live else None), f"freeing the aborted request raised {type(exc).__name__}: {exc}"
         if live is None or seq is None:
             return None
-        return self._output(live, FinishReason.ABORT.value)
+        return self._output(live, FinishReason.ABORT.value, error)
 
     def has_unfinished(self) -> bool:
         return bool(self._rejected) or self.scheduler.has_unfinished() or self._inflight is not None
@@ -465,22 +495,34 @@ class Engine:
         self.budget.begin_plan()
         plan = self.scheduler.schedule()
         for seq in plan.finished:
-            live = self._live.pop(seq.rid)
-            outputs.append(self._output(live, FinishReason.ERROR.value, seq.error))
+            outputs.extend(self._ended_while_planning(seq))
         if plan.is_empty:
             outputs.extend(self._read_inflight())
             return outputs
         started = time.perf_counter()
         try:
             outputs.extend(self._run_plan(plan, started))
-        except Exception as exc:
+        except BaseException as exc:
             if self.tp is not None:  # the other ranks wait in a collective: no local recovery
                 raise
             outputs.extend(self._fail_step(plan, exc))
+            if not isinstance(exc, Exception):  # Ctrl-C, SystemExit: consistent again, then raised
+                self._rejected.extend(outputs)  # the next step() returns them
+                raise
         return outputs
 
-    def _fail_step(self, plan: StepPlan, exc: Exception) -> list[RequestOutput]:
-        """A step raised (a model error, a failed host write, an interrupt turned error): end
+    def _ended_while_planning(self, seq: Sequence) -> list[RequestOutput]:
+        """A sequence the scheduler ended while planning (`plan.finished`: it had to be
+        preempted with nowhere to keep it): its output now, or, when its newest token is still
+        on the device (async scheduling), once the step in flight is read (`_read`)."""
+        live = self._live.pop(seq.rid)
+        if self._inflight is not None and PENDING in seq.output_ids:
+            self._inflight.ended[seq.rid] = (live, seq.error)
+            return []
+        return [self._output(live, FinishReason.ERROR.value, seq.error)]
+
+    def _fail_step(self, plan: StepPlan, exc: BaseException) -> list[RequestOutput]:
+        """A step raised (a model error, a failed host write, an interrupt): end
         the requests its forward touched with finish_reason "error" and the reason, free
         their pages, and leave the engine ready for the next step. Requests the step did not
         touch (waiting, preempted, or only in the step in flight) go on; the step in flight,
@@ -496,7 +538,11 @@ class Engine:
         touched = [s.rid for s in (*plan.decode, *plan.admitted, *plan.resumed)] + [c.seq.rid for c in plan.prefill]
         for rid in dict.fromkeys(touched):
             live = self._live.pop(rid, None)
-            seq = self.scheduler.abort(rid)
+            try:
+                seq = self.scheduler.abort(rid)
+            except Exception:  # noqa: BLE001 - freed all the same (Scheduler.finish); the others go on
+                log.exception("ending request %r after the failed step: freeing it raised", rid)
+                seq = live.seq if live else None
             if live is not None and seq is not None:
                 outputs.append(self._output(live, FinishReason.ERROR.value, why))
         self.scheduler.drop_plan()
@@ -594,13 +640,17 @@ class Engine:
         outputs = []
         for live, at, token in zip(step.lives, step.at, values):
             seq = live.seq
-            if seq.rid not in self._live or at >= len(seq.output_ids):
+            ended = seq.rid in step.ended
+            if (not ended and self._live.get(seq.rid) is not live) or at >= len(seq.output_ids):
                 continue  # its output is out (aborted, or stopped at an earlier step)
             seq.output_ids[at] = token
             if live.first_token is None:
                 live.first_token = now
             if finished(live.params, token, at + 1, self.eos or None) == "stop":
                 del seq.output_ids[at + 1 :]  # sampled after the stop, in steps already run
+                if ended:  # it stopped before it had to be ended: a stop, not an error
+                    step.ended[seq.rid] = (live, None)
+                    continue
                 if seq.is_finished:  # at max_tokens in a later step: the stop token came first
                     seq.finish_reason = FinishReason.STOP
                 else:
@@ -611,6 +661,9 @@ class Engine:
             live = self._live.pop(seq.rid, None)
             if live is not None:
                 outputs.append(self._output(live, str(seq.finish_reason.value), seq.error))
+        for live, error in step.ended.values():
+            reason = FinishReason.STOP if error is None else FinishReason.ERROR
+            outputs.append(self._output(live, reason.value, error))
         return outputs
 
     def _output(self, live: _Live, reason: str, error: str | None = None) -> RequestOutput:

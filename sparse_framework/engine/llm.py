@@ -13,11 +13,27 @@ models/catalog.py), or None for the shipped
 reference model (CPU, float32; its prompts are token ids, or text of space-separated ids).
 Prompts are strings (tokenized) or lists of token ids. The outputs come back in prompt order;
 a prompt that cannot run comes back with finish_reason "error" and why, the rest run.
+
+The reference model's max_model_len defaults to REFERENCE_MAX_MODEL_LEN (8192), as in
+`sparse-framework generate` and `serve` (engine/command.py takes the same constant): the length
+it was trained to, and a memory plan the CPU holds at the default max_num_seqs (a few hundred
+MiB of KV), where its max_position_embeddings (65536) would take 8x that. Other models default
+to their max_position_embeddings.
+
+`generate` holds a lock: calls from several threads run one after another (the engine serves
+one caller at a time), each with its own outputs. On any exception in it — Ctrl-C included —
+its requests still running are aborted (their pages freed) before the exception goes on, so
+the next call starts clean. `abort(request_id)` ends requests (ids are the outputs'
+`request_id`, "req-N" in submission order); called from another thread while a `generate`
+runs, the abort is applied between that call's steps and the request comes back from it with
+finish_reason "abort".
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +48,7 @@ from .models.catalog import resolve_model
 from .sampling import SamplingParams
 
 DEFAULT_SPARSE = {"algorithm": "quest"}
+REFERENCE_MAX_MODEL_LEN = 8192  # the reference model's default max_model_len (module docstring)
 
 
 class IdTokenizer:
@@ -92,6 +109,8 @@ class LLM:
         if model is None:
             loaded = load_reference(dtype, device)
             tokenizer = tokenizer or IdTokenizer(loaded.config.vocab_size)
+            if engine_options.get("max_model_len") is None:
+                engine_options["max_model_len"] = REFERENCE_MAX_MODEL_LEN
         else:
             model = resolve_model(model)
             loaded = load_model(model, dtype, device)
@@ -117,6 +136,12 @@ class LLM:
             raise ConfigError(f"LLM: {exc}; the engine options are: {fields}") from None
         self.engine = Engine(model, model.config, sparse_config or DEFAULT_SPARSE, config)
         self._next = 0
+        # one caller at a time: the engine's scheduler holds one plan, its outputs go to one
+        # caller (re-entrant: generate's cleanup calls abort)
+        self._lock = threading.RLock()
+        self._to_abort: set[str] = set()  # aborts asked from other threads during a generate
+        self._generating: int | None = None  # the thread running generate (under _to_abort_lock)
+        self._to_abort_lock = threading.Lock()
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt (a string through the tokenizer, or ids as they are)."""
@@ -138,31 +163,72 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (continuous batching); outputs in prompt order, with
         `text` decoded when there is a tokenizer. `on_step(finished, total)` after each step
-        (a progress bar)."""
+        (a progress bar). Calls from several threads are serialised; an exception (Ctrl-C
+        included) aborts this call's requests before it goes on (module docstring)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ConfigError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
-        rids = []
-        done: dict[str, RequestOutput] = {}
-        for prompt, p in zip(prompts, params):
-            rid = f"req-{self._next}"
-            self._next += 1
-            rids.append(rid)
+        with self._lock:
+            with self._to_abort_lock:
+                self._generating = threading.get_ident()
+            rids: list[str] = []
+            done: dict[str, RequestOutput] = {}
             try:
-                ids = self.encode(prompt)  # type: ignore[arg-type]
-            except (ConfigError, ValueError, TypeError) as exc:  # this prompt only
-                done[rid] = RequestOutput(rid, [], [], "error", f"cannot tokenize the prompt: {exc}")
-                continue
-            self.engine.add_request(rid, ids, p)
-        while len(done) < len(rids):
-            for out in self.engine.step():
-                done[out.rid] = out
-            if on_step is not None:
-                on_step(len(done), len(rids))
+                self._run(prompts, params, rids, done, on_step)
+            except BaseException:
+                with contextlib.suppress(Exception):  # the first error is the one to report
+                    self._abort_now([r for r in rids if r not in done])
+                raise
+            finally:
+                with self._to_abort_lock:
+                    self._generating = None
         outputs = [done[r] for r in rids]
         if self.tokenizer is not None:
             for out in outputs:
                 out.text = decode_text(self.tokenizer, out.token_ids)
         return outputs
+
+    def _run(self, prompts: Sequence[Any], params: Sequence[SamplingParams], rids: list[str],
+             done: dict[str, RequestOutput], on_step: Callable[[int, int], None] | None) -> None:
+        """Add the prompts (their ids into `rids` as they are added) and step until each has
+        its output in `done`."""
+        for prompt, p in zip(prompts, params):
+            rid = f"req-{self._next}"
+            self._next += 1
+            rids.append(rid)
+            try:
+                ids = self.encode(prompt)
+            except (ConfigError, ValueError, TypeError) as exc:  # this prompt only
+                done[rid] = RequestOutput(rid, [], [], "error", f"cannot tokenize the prompt: {exc}")
+                continue
+            self.engine.add_request(rid, ids, p)
+        mine = set(rids)
+        while len(done) < len(rids):
+            with self._to_abort_lock:
+                asked, self._to_abort = self._to_abort, set()
+            for out in self._abort_now(asked):
+                if out.request_id in mine:
+                    done[out.request_id] = out
+            for out in self.engine.step():
+                if out.request_id in mine:  # (an abort asked after its call ended comes out here: dropped)
+                    done[out.request_id] = out
+            if on_step is not None:
+                on_step(len(done), len(rids))
+
+    def abort(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
+        """End requests (one id or several) and free their pages; the outputs of those ended
+        now (finish_reason "abort"; unknown or finished ids give none). Called from another
+        thread while a `generate` runs, the abort is queued, applied between that call's
+        steps (the request comes back from it with finish_reason "abort"), and [] returned."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        with self._to_abort_lock:
+            if self._generating not in (None, threading.get_ident()):  # another thread's generate steps
+                self._to_abort.update(ids)
+                return []
+        with self._lock:
+            return self._abort_now(ids)
+
+    def _abort_now(self, ids: Iterable[str]) -> list[RequestOutput]:
+        return [out for out in (self.engine.abort(rid) for rid in ids) if out is not None]

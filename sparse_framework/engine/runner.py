@@ -188,8 +188,7 @@ class ModelRunner:
                 decode_graphs=decode_graphs or cuda_graphs,
             )
         except CapacityError as exc:  # in the engine's terms: the user set max_num_seqs / max_model_len
-            text = str(exc).replace("max_requests", "max_num_seqs").replace("max_seq_len", "max_model_len")
-            raise type(exc)(text) from None
+            raise type(exc)(_engine_terms(str(exc))) from None
         self.step_graphs = StepGraphs(self.coord) if cuda_graphs else None
         algo = self.coord.algorithm
         needs = sorted({**algo.prefill_inputs, **algo.decode_inputs})
@@ -249,18 +248,20 @@ class ModelRunner:
                                         layout.head_dim, dtype=self.dtype, device=layout.device, slots=slots)
 
     # -- memory (what the scheduler's budget asks) -----------------------------------------------
-    def admit(self, rid: str, prompt_len: int, cached_pages: torch.Tensor | None = None) -> bool:
+    def admit(self, rid: str, prompt_len: int, cached_pages: torch.Tensor | None = None,
+              sparse: bool | None = None) -> bool:
         """Reserve a request's device buffers, host pages and prompt staging; False (nothing
         reserved) when there is no room now. `cached_pages`: host pages of a prefix cache
         holding the K/V of the prompt's first len x page_size tokens: they are copied into the
         request's staging span (the prefill chunks attend to them, and the hand-over builds
         the device buffer and the algorithm's representations from the whole staged prompt)
-        and mapped read-only into its host table; its prefill starts after them."""
+        and mapped read-only into its host table; its prefill starts after them. `sparse`: the
+        request's own choice of decoding (SamplingParams.sparse; None: the config's rule)."""
         if not self.staging.reserve(rid, prompt_len):
             return False
         request = Request(rid, prompt_len)
         try:
-            self.coord.on_request_begin(request, cached_pages)
+            self.coord.on_request_begin(request, cached_pages, sparse=sparse)
         except CapacityError:
             self.staging.release(rid)
             return False
@@ -280,9 +281,15 @@ class ModelRunner:
         """Whether one more decode token of each of these requests finds room."""
         return self.coord.can_grow([self.requests[r] for r in rids])
 
-    def retract(self, rid: str) -> None:
-        """Preempt a decoding request: its device KV goes, its host KV stays."""
-        self.coord.on_request_retract(self.requests[rid])
+    def retract(self, rid: str) -> str | None:
+        """Preempt a decoding request: its device KV goes, its host KV stays. None when done;
+        why not, with nothing changed, when the host pool has no room for its K/V (a request
+        kept whole on the device, the resident store's, is copied there)."""
+        try:
+            self.coord.on_request_retract(self.requests[rid])
+        except CapacityError as exc:
+            return _engine_terms(str(exc))
+        return None
 
     def resume(self, rid: str) -> bool:
         """Bring a retracted request back; False (still retracted) when there is no room."""
@@ -293,13 +300,16 @@ class ModelRunner:
         return True
 
     def free(self, rid: str) -> None:
-        """Release everything a request holds, in any state."""
+        """Release everything a request holds, in any state; the staging too when the
+        coordinator's `on_request_end` raises (which frees its own pages before raising)."""
         request = self.requests.pop(rid, None)
-        if request is not None:
-            self.coord.on_request_end(request)
-        if rid in self.staging.spans:
-            self.staging.release(rid)
-        self._q_tails.pop(rid, None)
+        try:
+            if request is not None:
+                self.coord.on_request_end(request)
+        finally:
+            if rid in self.staging.spans:
+                self.staging.release(rid)
+            self._q_tails.pop(rid, None)
 
     def seq_len(self, rid: str) -> int:
         """Tokens of the request whose K/V are stored (prompt + decoded so far)."""
@@ -343,12 +353,12 @@ class ModelRunner:
                     i, p, self._attend_fn(batch, len(decode), []), r))
             else:
                 logits = self.model(token_ids, pos, self._attend_fn(batch, len(decode), prefill), rows)
-        except BaseException:
+            if batch is not None:
+                self.coord.forward_end(batch)
+        except BaseException:  # forward_end's failure too: the step never stays open
             if batch is not None:
                 self.coord.abort_step(batch)
             raise
-        if batch is not None:
-            self.coord.forward_end(batch)
         for chunk in prefill:
             if chunk.last:
                 self._commit(chunk.rid, chunk.start + len(chunk.tokens))
@@ -488,10 +498,10 @@ class ModelRunner:
                 self.coord.attention_begin(layer, self._prompt_queries(layer, rid, prompt_len), k,
                                            None if self.layout.is_mla else v, batch, inputs)
                 self.coord.attention_end(layer, None, batch)
+            self.coord.forward_end(batch)
         except BaseException:
             self.coord.abort_step(batch)
             raise
-        self.coord.forward_end(batch)
         if self.commit_hook is not None:
             self.commit_hook(rid, request)
         self.staging.release(rid)
@@ -506,3 +516,9 @@ class ModelRunner:
             shape = (n, self.num_q_heads, self.layout.head_dim)
             return torch.zeros((1, *shape[1:]), dtype=self.dtype, device=self.layout.device).expand(shape)
         return tail[layer]
+
+
+def _engine_terms(text: str) -> str:
+    """A coordinator's message in the engine's settings (EngineConfig's names)."""
+    return (text.replace("build the coordinator with", "give").replace("max_requests", "max_num_seqs")
+            .replace("max_seq_len", "max_model_len"))

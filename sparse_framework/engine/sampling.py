@@ -60,6 +60,9 @@ class SamplingParams:
         so its tokens do not depend on the batch it is in.
     stop_token_ids: tokens that end the request (the token is kept in the output).
     ignore_eos: keep generating past the model's end-of-sequence token.
+    sparse: this request's decoding (not a vLLM field): None follows the sparse config's rule
+        (prompts shorter than min_sparse_prompt_len decode densely), False decodes it densely,
+        True sparsely even when its prompt is short (the coordinator's `decodes_densely`).
     """
 
     max_tokens: int = 16
@@ -69,6 +72,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    sparse: bool | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ConfigError:
@@ -91,6 +95,8 @@ class SamplingParams:
             raise bad("stop_token_ids", "a list of token ids (integers >= 0)")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "true or false")
+        if self.sparse is not None and not isinstance(self.sparse, bool):
+            raise bad("sparse", "None (the sparse config's rule), true (sparse) or false (dense)")
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "top_k", max(self.top_k, 0))

@@ -12,15 +12,18 @@ Policy (first come, first served; a sequence's arrival index is its priority):
    newest running sequence is preempted and the check repeats; when the one that cannot grow
    is itself the newest, it is preempted. Preempting is `budget.retract`: the device room is
    released and the KV stays on the host, so a decoding sequence resumes later without
-   recomputation. A sequence preempted while still prefilling loses its staged chunks (they
-   lived in device staging) and restarts its prefill from token 0 when it comes back; it has
-   produced no output yet, so its output is unchanged.
+   recomputation. A sequence whose K/V has no host room to go to (the resident store without
+   a host pool) cannot be preempted: it alone is ended with `FinishReason.ERROR` and the
+   reason, its memory freed, and the others go on. A sequence preempted while still
+   prefilling loses its staged chunks (they lived in device staging) and restarts its prefill
+   from token 0 when it comes back; it has produced no output yet, so its output is unchanged.
 2. The rest of `max_num_batched_tokens` goes to prefill chunks: first the running sequences
    still prefilling (oldest first), then the queue - preempted sequences (oldest first,
    `budget.resume`; a decoding one takes a decode row) before any waiting one
    (`budget.admit`). The queue is strict: it stops at the first sequence that cannot start
    (no memory, no token left, `max_num_seqs` running), so a large old request is never
-   overtaken by small new ones. Nothing is resumed or admitted in a step that preempted.
+   overtaken by small new ones. Nothing is resumed or admitted in a step that preempted (or
+   ended a sequence to make room).
    A prompt longer than what is left of the budget (or than `max_prefill_chunk`) is split
    over steps, so a 128K prompt never needs 128K tokens of activations at once.
 3. A request that could never run, even alone (prompt + max_tokens beyond `max_model_len`,
@@ -185,7 +188,10 @@ class MemoryBudget(Protocol):
       more token of any layer kept whole on the device.
     - `retract` releases all device room (buffers, staging, device KV) and keeps the host
       room; for a prefilling sequence the staged chunks are lost (the scheduler resets its
-      `num_computed_tokens` to 0). `resume` re-reserves what the sequence needs to take its
+      `num_computed_tokens` to 0). It returns None, or, when the sequence's K/V has nowhere
+      to go (a store without host room for it: the resident store's default), why, having
+      changed nothing: the scheduler then ends that sequence alone with `FinishReason.ERROR`
+      (`plan.finished`) and frees it, so the others go on. `resume` re-reserves what the sequence needs to take its
       next step: device buffers plus the coming token (decoding) or plus staging (prefilling).
     - `end_prefill` releases the staging once the prompt is fully prefilled.
     - `free` releases everything the sequence holds, whatever its state.
@@ -204,7 +210,7 @@ class MemoryBudget(Protocol):
     def end_prefill(self, seq: Sequence) -> None: ...
     def can_grow(self, seq: Sequence) -> bool: ...
     def grow(self, seq: Sequence) -> None: ...
-    def retract(self, seq: Sequence) -> None: ...
+    def retract(self, seq: Sequence) -> str | None: ...
     def can_resume(self, seq: Sequence) -> bool: ...
     def resume(self, seq: Sequence) -> None: ...
     def free(self, seq: Sequence) -> None: ...
@@ -298,16 +304,20 @@ class Scheduler:
 
     def finish(self, rid: str, reason: FinishReason) -> Sequence | None:
         """Finish `rid` now with `reason`, freeing all it holds (abort; or a stop token the
-        engine read a step late, async scheduling); None when it is not queued or running."""
+        engine read a step late, async scheduling); None when it is not queued or running.
+        If `budget.free` raises, the sequence is still finished and forgotten (never left
+        half-removed) and the exception goes on to the caller."""
         seq = self._live.get(rid)
         if seq is None:
             return None
-        if seq.status is SequenceStatus.WAITING:
-            self._waiting.remove(seq)
-        else:
-            (self._running if seq.status is SequenceStatus.RUNNING else self._preempted).remove(seq)
-            self.budget.free(seq)
-        self._finish(seq, reason)
+        try:
+            if seq.status is SequenceStatus.WAITING:
+                self._waiting.remove(seq)
+            else:
+                (self._running if seq.status is SequenceStatus.RUNNING else self._preempted).remove(seq)
+                self.budget.free(seq)
+        finally:  # a budget that raised while freeing: the sequence is forgotten all the same
+            self._finish(seq, reason)
         return seq
 
     def has_unfinished(self) -> bool:
@@ -336,7 +346,7 @@ class Scheduler:
         for seq in self._running:  # prefills under way, oldest first
             if seq.is_prefilling and tokens_left > 0:
                 tokens_left -= self._add_chunk(plan, seq, tokens_left)
-        if not plan.preempted:
+        if not plan.preempted and not plan.finished:  # room made for growth is not handed out
             self._start_queued(plan, tokens_left)
         if not plan.is_empty:
             self._plan = plan
@@ -367,8 +377,14 @@ class Scheduler:
                 self._preempt(plan, seq)
 
     def _preempt(self, plan: StepPlan, seq: Sequence) -> None:
+        why = self.budget.retract(seq)
         self._running.remove(seq)
-        self.budget.retract(seq)
+        if why is not None:  # nowhere to keep it (no host room): it alone ends, the others go on
+            self.budget.free(seq)
+            error = f"request {seq.rid!r} had to be preempted and cannot be kept: {why}"
+            self._finish(seq, FinishReason.ERROR, error=error)
+            plan.finished.append(seq)
+            return
         if seq.is_prefilling:
             seq.num_computed_tokens = 0  # its staged chunks are gone
         seq.status = SequenceStatus.PREEMPTED

@@ -300,10 +300,13 @@ class HierarchicalKVStore(KVStore):
         """Whether the request's K/V live on the host (its host pages can be cached as they are)."""
         return self._keeps_host(request)
 
-    def keeps_host_for(self, prompt_len: int) -> bool:
-        """`keeps_host` of a request with this prompt before it is admitted (the coordinator
-        marks prompts shorter than min_sparse_prompt_len dense)."""
-        return not (self.all_resident or prompt_len < self.min_sparse_prompt_len)
+    def keeps_host_for(self, prompt_len: int, dense: bool | None = None) -> bool:
+        """`keeps_host` of a request with this prompt before it is admitted: `dense` as the
+        coordinator will decide it (None: its config rule, prompts shorter than
+        min_sparse_prompt_len dense)."""
+        if dense is None:
+            dense = prompt_len < self.min_sparse_prompt_len
+        return not (self.all_resident or dense)
 
     def host_page_ids(self, request: Request) -> torch.Tensor:
         """The request's host pages in logical order (borrowed ones included)."""

@@ -150,7 +150,7 @@ class EngineLoop:
         self.engine.add_request(rid, [0, 1], SamplingParams(max_tokens=2, temperature=0.0))
         for _ in range(64):  # bounded: a 2-token prompt and 2 tokens take a few steps
             outputs = self.engine.step()
-            if any(o.rid == rid for o in outputs):
+            if any(o.request_id == rid for o in outputs):
                 break
         else:
             raise RuntimeError("the warm-up request did not finish in 64 steps")
@@ -203,7 +203,7 @@ class EngineLoop:
             self._finished(out)
             server_error = out.finish_reason == "error" and (out.error or "").startswith(STEP_FAILED)
             failed |= server_error
-            stream = self._streams.pop(out.rid, None)
+            stream = self._streams.pop(out.request_id, None)
             if stream is None:
                 continue
             new = out.token_ids[stream.delivered :]

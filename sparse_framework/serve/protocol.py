@@ -26,11 +26,6 @@ UNSUPPORTED = {
     "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "tools": (None, []),
     "response_format": (None, {"type": "text"}),
 }
-SPARSE_FIELD_WHY = (
-    "the request field 'sparse' is not supported yet: the engine decides dense or sparse decoding per "
-    "request from the prompt length alone (prompts shorter than the config's min_sparse_prompt_len decode "
-    "densely); serve a config with the min_sparse_prompt_len you want"
-)
 
 
 class RequestError(Exception):
@@ -58,9 +53,7 @@ def bad(message: str, param: str | None = None) -> RequestError:
 
 
 def check_unsupported(body: Mapping[str, Any]) -> None:
-    """400 for a field the engine cannot honour (n > 1, logprobs, penalties, 'sparse' ...)."""
-    if "sparse" in body:
-        raise bad(SPARSE_FIELD_WHY, "sparse")
+    """400 for a field the engine cannot honour (n > 1, logprobs, penalties ...)."""
     for name, allowed in UNSUPPORTED.items():
         value = body.get(name)
         if value is not None and value not in allowed:
@@ -72,7 +65,9 @@ def check_unsupported(body: Mapping[str, Any]) -> None:
 
 def sampling_params(body: Mapping[str, Any], default_max_tokens: int) -> tuple[SamplingParams, tuple[str, ...]]:
     """The request's SamplingParams and stop strings. `stop` takes strings and token ids
-    (ints); `stop_token_ids` and `ignore_eos` are vLLM's extra fields."""
+    (ints); `stop_token_ids` and `ignore_eos` are vLLM's extra fields; `sparse` (true, false,
+    or absent/null for the served config's rule by prompt length) is this server's own:
+    SamplingParams.sparse, the request's sparse or dense decoding."""
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -87,6 +82,10 @@ def sampling_params(body: Mapping[str, Any], default_max_tokens: int) -> tuple[S
     extra_ids = body.get("stop_token_ids") or []
     if not isinstance(extra_ids, list):
         raise bad(f"stop_token_ids must be a list of token ids, got {extra_ids!r}", "stop_token_ids")
+    sparse = body.get("sparse")
+    if sparse is not None and not isinstance(sparse, bool):
+        raise bad(f"sparse must be true (sparse decoding), false (dense) or null (the served config's rule: "
+                  f"prompts shorter than its min_sparse_prompt_len decode densely), got {sparse!r}", "sparse")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     values = {
         "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
@@ -96,6 +95,7 @@ def sampling_params(body: Mapping[str, Any], default_max_tokens: int) -> tuple[S
         "seed": body.get("seed"),
         "stop_token_ids": tuple(ids + list(extra_ids)),
         "ignore_eos": _or(body.get("ignore_eos"), False),
+        "sparse": sparse,
     }
     try:
         return SamplingParams(**values), strings
