@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from .engine.memory import HOST_MEMORY_FRACTION, plan_engine_memory
 from .engine.models import ModelConfig
 from .eval import command as eval_command
 from .serve import command as serve_command
+from .serve import bench as serve_bench
 from .capacity import PRESETS, CapacityPlan, plan_capacity
 from .common.layout import KVLayout
 
@@ -41,7 +43,7 @@ PLAN_DEFAULT: dict[str, Any] = {"top_k": 2048, "extra": {"dense_first_layers": 0
 # The workload of `run` is WorkloadConfig's defaults (one place: `--help-workload` prints them)
 
 console = Console()
-if not console.is_terminal:  # piped or captured: the tables are made to fit 100 columns
+if not console.is_terminal and not os.environ.get("COLUMNS"):  # piped or captured: 100 columns unless COLUMNS says
     console = Console(width=100)
 
 
@@ -90,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     eval_command.add_parser(sub)
     engine_command.add_parsers(sub)
     serve_command.add_parser(sub)
+    serve_bench.add_parser(sub)
 
     plan = sub.add_parser(
         "plan",
@@ -132,6 +135,9 @@ def _parser() -> argparse.ArgumentParser:
     eng.add_argument("--max-num-seqs", type=int, default=256, help="upper bound on request rows (default 256)")
     eng.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
                      help="weights and KV dtype (default bfloat16)")
+    eng.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                     help="plan one rank of N (default 1): its weight shard (embeddings and head whole), its "
+                          "num_kv_heads / N, 1/N of the host budget; admitted requests are the same on every rank")
     return parser
 
 
@@ -266,10 +272,14 @@ def _engine_plan(args: argparse.Namespace) -> int:
         raise SparseFrameworkError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization:g}")
     if args.max_num_batched_tokens < 1 or args.max_num_seqs < 1:
         raise SparseFrameworkError("--max-num-batched-tokens and --max-num-seqs must be >= 1")
-    model = ModelConfig.from_hf(models[args.model])
+    from .engine.models.tensor_parallel import local_config
+
+    model = local_config(ModelConfig.from_hf(models[args.model]), args.tensor_parallel_size)  # one rank's
     dtype = LAYOUT_DTYPES[args.dtype]
     config = load_config(args.config) if args.config else load_config(PLAN_DEFAULT)
     host = None if args.host_memory_gib is None else int(args.host_memory_gib * 2**30)
+    if host is not None:
+        host //= args.tensor_parallel_size  # as the engine splits it (Engine: host budget // world size)
     plans = []
     for context in _int_list(args.context, "--context"):
         layout = model.kv_layout(dtype, max_model_len=context)  # the store's layers: full attention at this context
@@ -281,7 +291,8 @@ def _engine_plan(args: argparse.Namespace) -> int:
         )
         console.print(p.describe(), highlight=False)
         p.check()  # not one request fits: the engine's own error
-        plans.append({"model": args.model, "config": config.model_dump(mode="json"), **p.as_dict()})
+        plans.append({"model": args.model, "tensor_parallel_size": args.tensor_parallel_size,
+                      "config": config.model_dump(mode="json"), **p.as_dict()})
     if args.json:
         _check_parent(args.json, "--json")
         Path(args.json).write_text(json.dumps(plans, indent=2))
@@ -326,7 +337,14 @@ def _schema(args: argparse.Namespace) -> int:
     return 0
 
 
+INTERRUPTED = 130  # the shell's status for a command ended by SIGINT (128 + 2)
+INTERRUPT_NOTES = {"eval": "; finished cells are in --out: the same command resumes"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run a command. A user's mistake (SparseFrameworkError), a file that is not text and
+    Ctrl-C each end with one line saying so and a non-zero status (2; 130 for Ctrl-C), never a
+    traceback: tracebacks are for the framework's own bugs."""
     args = _parser().parse_args(argv)
     try:
         if args.command == "run":
@@ -343,10 +361,22 @@ def main(argv: list[str] | None = None) -> int:
             return engine_command.run_bench(args, console)
         if args.command == "serve":
             return serve_command.run(args)
+        if args.command == "bench-serve":
+            return serve_bench.run(args, console)
         return _plugins()
     except SparseFrameworkError as exc:
         console.print(Text("error: ", style="red") + Text(str(exc)), highlight=False)
         return 2
+    except UnicodeDecodeError as exc:  # a --config, --workload or experiment path to a binary or UTF-16 file
+        console.print(Text("error: ", style="red") + Text(
+            f"a file given to `{args.command}` is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as "
+            "UTF-8"), highlight=False)
+        return 2
+    except KeyboardInterrupt:
+        console.print(Text("interrupted", style="red") + Text(
+            f" (Ctrl-C): `{args.command}` stopped{INTERRUPT_NOTES.get(args.command, '')}"), highlight=False,
+            soft_wrap=True)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

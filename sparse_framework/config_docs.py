@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from . import registry
 from .config import SparseConfig, config_schema
 
-BUILTIN_DISTRIBUTION = "sparse-framework"
+BUILTIN_DISTRIBUTION = registry.BUILTIN
 REGENERATE = "python -m sparse_framework.config_docs docs/config.md"
 
 Schema = dict[str, Any]

@@ -62,7 +62,7 @@ def _check_kind(kind: str) -> None:
 def names(kind: str, distribution: str | None = None) -> list[str]:
     """Registered names of one kind, sorted (nothing is imported).
 
-    `distribution` keeps only the names that distribution registers (e.g. "sparse-framework"
+    `distribution` keeps only the names that distribution registers (e.g. BUILTIN
     for the built-ins), so that output meant to be reproducible — the generated config
     reference — does not depend on which plugins happen to be installed.
     """
@@ -96,7 +96,7 @@ def _base_class(kind: str) -> type:
     return AttentionBackend
 
 
-BUILTIN = "sparse-framework"  # the distribution of the built-in plugins
+BUILTIN = "sparse-decode-framework"  # the distribution of the built-in plugins (pyproject.toml's name)
 
 
 def _choose(kind: str, name: str) -> EntryPoint:

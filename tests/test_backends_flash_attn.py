@@ -27,7 +27,7 @@ def test_missing_library_is_one_clear_error_naming_the_extra() -> None:
     with pytest.raises(ConfigError) as info:
         SparseCoordinator({**SMALL_QUEST, "backend": "flash_attn"}, layout)
     msg = str(info.value)
-    assert "backend 'flash_attn' is unavailable" in msg and 'pip install "sparse-framework[flash-attn]"' in msg
+    assert "backend 'flash_attn' is unavailable" in msg and 'pip install -e ".[flash-attn]"' in msg
 
 
 @pytest.fixture

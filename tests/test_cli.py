@@ -147,7 +147,8 @@ def test_plan_engine_equals_the_engines_own_plan(tmp_path, capsys) -> None:
             max_num_seqs=8, max_num_batched_tokens=32, max_model_len=context, gpu_memory_utilization=0.5,
             device_memory_bytes=total, host_memory_bytes=host))
         assert engine.memory_plan is not None
-        assert {k: v for k, v in row.items() if k not in ("model", "config")} == engine.memory_plan.as_dict()
+        assert {k: v for k, v in row.items() if k not in ("model", "config", "tensor_parallel_size")} == \
+            engine.memory_plan.as_dict()
         assert engine.num_seqs == row["num_seqs"] > 0
     assert planned[0]["num_seqs"] > planned[1]["num_seqs"]  # longer requests, fewer of them
 
@@ -158,6 +159,30 @@ def test_plan_engine_llama_3_8b_on_an_h100(capsys) -> None:
     printed = capsys.readouterr().out
     assert "0.9 x 80.00 GiB = 72.00 GiB" in printed and "128.00 GiB (host_memory_bytes)" in printed
     assert "weights 14.96 GiB" in printed  # 8.03 B parameters in bfloat16
+
+
+def test_plan_engine_for_one_rank_of_a_tensor_parallel_group(tmp_path, capsys) -> None:
+    """--tensor-parallel-size N plans one rank as the engine does under TP: the rank's weight
+    shard (embeddings and head whole), num_kv_heads / N per request, 1/N of the host budget."""
+    from sparse_framework.engine.command import RANDOM_MODELS
+    from sparse_framework.engine.models import ModelConfig
+    from sparse_framework.engine.models.tensor_parallel import local_config
+
+    rows = {}
+    for n in (1, 4):
+        out = tmp_path / f"tp{n}.json"
+        assert main(["plan", "--engine", "--host-memory-gib", "400", "--context", "32768", "--max-num-seqs", "1024",
+                     "--tensor-parallel-size", str(n), "--json", str(out)]) == 0
+        (rows[n],) = json.loads(out.read_text())
+    capsys.readouterr()
+    full = ModelConfig.from_hf(RANDOM_MODELS["llama-3-8b"])
+    assert rows[4]["weight_bytes"] == local_config(full, 4).num_parameters() * 2 < rows[1]["weight_bytes"] // 2
+    assert rows[4]["device_bytes_per_request"] < rows[1]["device_bytes_per_request"] // 3
+    assert rows[4]["host_bytes_per_request"] == rows[1]["host_bytes_per_request"] // 4
+    assert rows[4]["host_budget_bytes"] == 400 * 2**30 // 4 == rows[1]["host_budget_bytes"] // 4
+    assert rows[4]["max_requests"] > rows[1]["max_requests"] and rows[4]["tensor_parallel_size"] == 4
+    assert main(["plan", "--engine", "--host-memory-gib", "64", "--tensor-parallel-size", "3"]) == 2
+    assert "tensor_parallel_size=3 must divide" in " ".join(capsys.readouterr().out.split())
 
 
 def test_plan_engine_with_the_prefix_cache_shows_its_host_copies(capsys, tmp_path) -> None:
@@ -187,3 +212,60 @@ def test_plan_engine_with_the_prefix_cache_shows_its_host_copies(capsys, tmp_pat
 def test_plan_engine_bad_input(args, message, capsys) -> None:
     assert main(["plan", "--engine", "--host-memory-gib", "64", *args]) == 2
     assert message in " ".join(capsys.readouterr().out.split())
+
+
+# -- the distribution's name (PyPI's `sparse-framework` is someone else's project) -------------
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+TAKEN_ON_PYPI = {"sparse-framework", "sparse_framework"}  # an unrelated project (1.2.0, 2024)
+
+
+def _project() -> tuple[str, set[str]]:
+    """pyproject.toml's [project] name and its extras."""
+    text = (ROOT / "pyproject.toml").read_text()
+    project = text[text.index("[project]\n"):]
+    name = __import__("re").search(r'^name = "([^"]+)"', project, __import__("re").M).group(1)
+    extras_block = text[text.index("[project.optional-dependencies]"):text.index("[project.scripts]")]
+    extras = set(__import__("re").findall(r"^([\w-]+) = \[", extras_block, __import__("re").M))
+    return name, extras
+
+
+def test_the_distribution_is_ours_and_registers_the_builtins() -> None:
+    import importlib.metadata
+
+    from sparse_framework import registry
+
+    name, _ = _project()
+    assert name == registry.BUILTIN == "sparse-decode-framework"
+    assert "sparse-framework[" not in (ROOT / "pyproject.toml").read_text()  # `dev` names its extras by ours
+    groups = {ep.group for ep in importlib.metadata.distribution(name).entry_points}
+    assert set(registry.GROUPS.values()) <= groups  # installed under this name (pip install -e . after a rename)
+    assert registry.describe("algorithm")[0].distribution == name
+
+
+def test_no_install_hint_names_a_distribution_that_is_not_ours() -> None:
+    """Every `pip install` in the package, the README and docs/ that installs this project
+    installs it from the checkout (`pip install -e ".[extra]"`) or by the distribution's own
+    name, with extras that exist: never `sparse-framework[...]`, an unrelated PyPI project."""
+    import re
+
+    name, extras = _project()
+    assert name not in TAKEN_ON_PYPI
+    files = [*sorted((ROOT / "sparse_framework").rglob("*.py")), ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    wrong = []
+    for path in files:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for command in re.findall(r"pip install([^`\n]*)", line):
+                command = re.split(r"&&|;|\||, | or ", command)[0]  # this pip command's own arguments
+                for token in command.split():
+                    target = token.strip("\"'`(),:\\")
+                    if not re.fullmatch(r"[\w.-]+(\[[\w,-]*\])?", target):
+                        continue  # an option's value, a path or prose, not a requirement
+                    base, _, extra = target.partition("[")
+                    ours = re.fullmatch(r"(?i)sparse[-_.]?framework", base) or base in (".", name)
+                    if not ours and not re.search(r"(?i)sparse[-_.]?framework", base):
+                        continue
+                    if base not in (".", name) or any(e.strip() not in extras for e in extra.rstrip("]").split(",") if extra):
+                        wrong.append(f"{path.relative_to(ROOT)}:{number}: {token}")
+    assert not wrong, wrong

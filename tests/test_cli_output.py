@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -223,3 +224,135 @@ def test_benchmark_tables_fit_100_columns(module: str, results: str, args, monke
     text = con.export_text()
     check_readable(text)
     assert str(rows[0]["context"]) in text
+
+
+# -- an 80-column terminal: words and figures whole, the least important columns left out --------
+NARROW = 80
+
+
+class Recorder(Console):
+    """A console of `width` columns that keeps what it was asked to print (the tables)."""
+
+    def __init__(self, width: int = NARROW) -> None:
+        super().__init__(width=width, record=True, force_terminal=False, color_system=None)
+        self.printed: list = []
+
+    def print(self, *objects, **kwargs) -> None:  # type: ignore[override]
+        self.printed.extend(objects)
+        super().print(*objects, **kwargs)
+
+
+def _tables(objects) -> list:
+    from rich.console import Group
+    from rich.table import Table
+
+    found = []
+    for obj in objects:
+        if isinstance(obj, Table):
+            found.append(obj)
+        elif isinstance(obj, Group):
+            found += _tables(obj.renderables)
+    return found
+
+
+def _one_line(header) -> str:
+    text = header.plain if hasattr(header, "plain") else str(header)
+    return " ".join(text.split()).replace("/ ", "/")
+
+
+def check_whole(console: Recorder, keep: dict[str, set[str]] | None = None) -> set[str]:
+    """At the console's width: no line too long, nothing cut ('…'), and every word of every
+    heading and cell of the printed tables in the output whole (as many times as the tables
+    hold it), except the columns named as left out under a table. Returns those; `keep`:
+    per table title, headings that must not be left out."""
+    width = console.width
+    text = console.export_text(clear=False)
+    lines = text.splitlines()
+    assert "…" not in text, text
+    assert max(len(line.rstrip()) for line in lines) <= width, [line for line in lines if len(line.rstrip()) > width]
+    flat = " ".join(text.split())
+    dropped = {name for note in re.findall(rf"not shown at {width} columns: (.*?) \(a wider terminal", flat)
+               for name in note.split(", ")}
+    tables = _tables(console.printed)
+    assert tables
+    want: Counter = Counter()
+    for table in tables:
+        for column in table.columns:
+            name = _one_line(column.header)
+            if name in dropped:
+                assert name not in (keep or {}).get(str(table.title), set()), (table.title, name)
+                continue
+            want.update(str(column.header).split())  # "ms/\ntok": "ms/" and "tok"
+            for cell in column.cells:
+                want.update((cell.plain if hasattr(cell, "plain") else str(cell)).split())
+    missing = want - Counter(text.split())
+    assert not missing, (missing, text)
+    return dropped
+
+
+@pytest.fixture
+def narrow(monkeypatch) -> Recorder:
+    rec = Recorder()
+    monkeypatch.setattr(cli, "console", rec)
+    return rec
+
+
+def test_run_table_is_whole_at_80_columns(narrow) -> None:
+    assert cli.main(["run", "--config", CFG, "--contexts", "40,300", "--steps", "2", "--no-progress"]) == 0
+    assert check_whole(narrow) == set()  # the mode wraps at its spaces; every column stays
+    assert "1/2" in narrow.export_text(clear=False).split()
+
+
+def test_plan_table_is_whole_at_80_columns(narrow) -> None:
+    assert cli.main(["plan", "--context", "16384,1048576"]) == 0
+    check_whole(narrow, keep={str(t.title): {"context", "store", "device/req", "requests", "gain"}
+                              for t in _tables(narrow.printed)})
+    text = narrow.export_text(clear=False)
+    assert "1,048,576" in text.split() and "489.07x" in text.split()
+
+
+def test_plugins_and_workload_options_are_whole_at_80_columns(narrow) -> None:
+    assert cli.main(["plugins"]) == 0
+    assert cli.main(["run", "--help-workload"]) == 0
+    assert check_whole(narrow) == set()
+
+
+def test_eval_table_at_80_columns_leaves_out_costs_first_and_says_so() -> None:
+    metrics = {"accuracy": 0.75, "recall": 0.9123, "rel_error": 0.1234, "kl": 1.5e-3, "needle_hit_rate": 0.8,
+               "device_kv_fraction": 0.25, "moved_kib_per_token": 1234.5, "ms_per_token": 123.4, "hit_rate": 0.97}
+    records = [
+        _record(algorithm="dense", backend="dense", budget="dense", top_k=None, metrics={**metrics, "sparse_fraction": None}),
+        _record(algorithm="dsa-keys", backend="triton", metrics={**metrics, "sparse_fraction": 1.0}),
+        _record(budget="1/4", top_k=1024, metrics={**metrics, "sparse_fraction": 0.0}),
+    ]
+    con = Recorder()
+    con.print(results_table(records, title="experiment 'e' on cpu"))
+    dropped = check_whole(con, keep={"reference/passkey": {"context", "algorithm", "budget", "acc", "recall", "rel err"}})
+    assert dropped == {"moved KiB/tok", "dev hits"}  # the costs go first, named under the table
+    wide = Recorder(WIDTH)
+    wide.print(results_table(records))
+    assert check_whole(wide) == set()  # at 100 columns nothing is left out
+
+
+def _gpu_bench_result(**kw) -> dict:
+    """A `run_benchmark` result with an H100's figures (large enough to need every digit)."""
+    r = dict(input_len=131072, admitted_concurrency=48, concurrency=64, memory_bound_max=1234, memory_bound="device",
+             output_tokens_per_s=12345.6, ttft_p50_ms=123456.0, ttft_p99_ms=234567.0, tpot_p50_ms=45.6,
+             tpot_p99_ms=78.9, decode_step_ms=40.1, decode_step_floor_ms=12.3, preemptions=17, prefill_tflops=456.7,
+             peak_tflops=790.0, hit_rate=0.987, h2d_bytes=123.4e9, h2d_gb_per_s=45.67, peak_gpu_bytes=75 * 2**30,
+             device_pool_bytes=60 * 2**30, host_pool_bytes=900 * 2**30, device="cuda:0")
+    return {**r, **kw}
+
+
+def test_bench_tables_are_whole_at_80_columns() -> None:
+    from sparse_framework.engine.bench import bench_tables
+
+    con = Recorder()
+    for table in bench_tables([_gpu_bench_result()], "bench: llama-3-8b, 64 x (131072 in, 32 out), all at once"):
+        con.print(table)
+    keep = {"in", "conc", "tok/s", "TTFT p50", "TPOT p50", "step", "prefill TF/s", "hit", "GPU peak"}
+    dropped = check_whole(con, keep={str(t.title): keep for t in _tables(con.printed)})
+    text = con.export_text(clear=False).split()
+    for figure in ("131,072", "48/64", "12,345.6", "123,456", "45.6", "40.1", "457", "98.7%", "75.00"):
+        assert figure in text, figure
+    assert dropped <= {"TTFT p99", "TPOT p99", "preempt", "floor", "H2D GB/s", "host", "dev pools", "% peak"}

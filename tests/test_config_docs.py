@@ -75,7 +75,7 @@ def test_installed_plugins_do_not_change_the_page(tmp_path: Path, monkeypatch: p
     assert "fake_docs_algo" in config_schema()["properties"]["algorithm"]["enum"]  # the CLI's schema shows it
     assert "fake_docs_backend" in config_schema()["properties"]["backend"]["enum"]
     assert registry.names("algorithm", "fake-docs-plugin") == ["fake_docs_algo"]
-    assert "fake_docs_algo" not in registry.names("algorithm", "sparse-framework")
+    assert "fake_docs_algo" not in registry.names("algorithm", registry.BUILTIN)
     assert config_docs.render_config_markdown() == before
 
 

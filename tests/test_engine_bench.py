@@ -274,3 +274,43 @@ def test_bench_runs_hierarchical_dsa_on_deepseek_v32_end_to_end(monkeypatch, tmp
     assert 0 <= r["hit_rate"] <= 1 and r["buffer_misses"] > 0 and r["h2d_bytes"] > 0  # prompts > the 64-row buffer
     assert r["prefill_flops"] == bench.prefill_flops(DSV32, [90] * 3) and r["prefill_tflops"] > 0
     assert r["prefill_attention"] == "mla-masked-sdpa"  # the CPU's MLA prefill, not the other layers' choice
+
+
+def test_progress_counts_tokens_so_it_moves_during_a_long_prefill(tiny) -> None:
+    """`on_step(done, total)` counts prompt tokens prefilled + tokens decoded: the first prefill
+    chunk already moves it (a count of finished requests stood at 0 through the whole prefill),
+    it never goes back, and it ends at the total."""
+    spec = bench.BenchSpec(num_prompts=2, input_len=200, output_len=4)
+    llm = LLM.from_model(tiny, quest("resident"), max_num_seqs=2, max_num_batched_tokens=32, max_model_len=204)
+    calls: list[tuple[int, int]] = []
+    r = bench.run_benchmark(llm, spec, on_step=lambda done, total: calls.append((done, total)))
+    total = 2 * 200 + 2 * (4 - 1)  # the last prefill chunk samples the first output token
+    assert {t for _, t in calls} == {total}
+    done = [d for d, _ in calls]
+    assert done[0] == 32 and done == sorted(done) and done[-1] == total
+    assert len(calls) == r["steps"] and sum(d < 400 for d in done) >= 12  # 13 prefill steps of 32 tokens
+
+
+def test_bench_on_the_cpu_prints_no_hbm_floor_and_no_h100_peak(monkeypatch) -> None:
+    """On the CPU the decode floor and the % of the matmul peak are "n/a" (they are an H100's
+    HBM and tensor-core figures), and the captions say why; on CUDA they are figures."""
+    out = io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(file=out, width=100, force_terminal=False))
+    assert cli.main(["bench", "--random", "tiny", "--no-progress", "--num-prompts", "2", "--input-len", "40",
+                     "--output-len", "3"]) == 0
+    text = out.getvalue()
+    rows = [line.split() for line in text.splitlines() if line.lstrip().startswith("40 ")]
+    assert len(rows) == 2 and rows[0][9] == "n/a" and rows[1][3] == "n/a", text  # floor; % peak
+    flat = " ".join(text.split())
+    assert "floor: n/a on the CPU (the floors are for a GPU's HBM" in flat and "% peak: n/a on the CPU" in flat
+    assert "0.0 " not in " ".join(rows[0][8:10]) + " "
+    gpu = {"input_len": 40, "admitted_concurrency": 2, "concurrency": 2, "memory_bound_max": None, "memory_bound": "-",
+           "output_tokens_per_s": 1.0, "ttft_p50_ms": 1.0, "ttft_p99_ms": 1.0, "tpot_p50_ms": 1.0, "tpot_p99_ms": 1.0,
+           "decode_step_ms": 2.0, "decode_step_floor_ms": 1.5, "preemptions": 0, "prefill_tflops": 79.0,
+           "peak_tflops": 790.0, "hit_rate": None, "h2d_bytes": None, "h2d_gb_per_s": None, "peak_gpu_bytes": 2**30,
+           "device_pool_bytes": 2**30, "host_pool_bytes": 0, "device": "cuda:0"}
+    con = Console(width=100, record=True, color_system=None)
+    for table in bench.bench_tables([gpu], "gpu"):
+        con.print(table)
+    shown = con.export_text()
+    assert "n/a" not in shown and " 1.5 " in shown and " 10.0 " in shown

@@ -11,6 +11,7 @@ from rich.console import Console
 
 from sparse_framework import cli
 from sparse_framework.engine import command
+from sparse_framework.eval import command as eval_command
 from sparse_framework.engine.models import catalog
 
 
@@ -146,3 +147,98 @@ def test_the_default_model_is_the_installed_real_one_with_its_chat_template(cons
         assert o["prompt_tokens"] > (20 if not chat else 0)  # the template adds a system turn
         if not chat:
             assert "Paris" in o["text"], o["text"]
+
+
+# -- a prompts file that is not text, Ctrl-C, and a progress bar that moves --------------------
+UTF16 = b"\xff\xfe" + "1 2 3\n".encode("utf-16-le")
+
+
+@pytest.mark.parametrize("content, message", [
+    (UTF16, "it is UTF-16 text; give UTF-8 text, one prompt per line"),
+    (bytes(range(256)) * 4, "not text (it holds NUL bytes: binary data, or UTF-16 without a byte-order mark)"),
+    ("café 1 2\n".encode("latin-1"), "not UTF-8 text (byte 0xe9 at offset 3)"),
+], ids=["utf16", "binary", "latin1"])
+def test_a_prompts_file_that_is_not_text_is_one_clear_error(console, tmp_path, content, message) -> None:
+    path = tmp_path / "p.txt"
+    path.write_bytes(content)
+    assert cli.main(["generate", "--model", "reference", "--no-progress", "--prompts", str(path)]) == 2
+    text = " ".join(console.getvalue().split())
+    assert text.startswith(f"error: --prompts {path}: ") and message in text, text
+
+
+def test_utf16_on_stdin_is_one_clear_error(console, monkeypatch) -> None:
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(UTF16)))
+    assert cli.main(["generate", "--model", "reference", "--no-progress", "--prompts", "-"]) == 2
+    assert " ".join(console.getvalue().split()).startswith("error: --prompts - (stdin): it is UTF-16 text")
+
+
+def test_a_binary_prompts_file_ends_the_process_without_a_traceback(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / "p.bin"
+    path.write_bytes(bytes(range(256)))
+    done = subprocess.run([sys.executable, "-m", "sparse_framework.cli", "generate", "--model", "reference",
+                           "--prompts", str(path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr + done.stdout, done.stderr
+    assert " ".join(done.stdout.split()).startswith(f"error: --prompts {path}: not text")
+
+
+def _interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("argv, target", [
+    (["generate", "--model", "reference", "--max-tokens", "2"], (command.LLM, "generate")),
+    (["bench", "--random", "tiny", "--num-prompts", "1", "--input-len", "8", "--output-len", "2"],
+     (command, "run_benchmark")),
+    (["eval"], (eval_command, "run_sweep")),
+], ids=["generate", "bench", "eval"])
+def test_ctrl_c_ends_with_one_line_and_status_130(console, monkeypatch, argv, target) -> None:
+    monkeypatch.setattr(*target, _interrupt)
+    try:
+        status = cli.main([*argv, "--no-progress"])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped main as a KeyboardInterrupt (a traceback for the user)")
+    assert status == 130
+    lines = console.getvalue().strip().splitlines()
+    assert lines[-1].startswith(f"interrupted (Ctrl-C): `{argv[0]}` stopped"), lines
+    assert "Traceback" not in console.getvalue()
+    if argv[0] == "eval":
+        assert lines[-1].endswith("stopped; finished cells are in --out: the same command resumes")
+
+
+class _Bar:
+    """A progress bar that keeps what it was told."""
+
+    def __init__(self) -> None:
+        self.total, self.done = None, []
+
+    def __enter__(self) -> "_Bar":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+    def add_task(self, what: str, total: int) -> int:
+        self.total = total
+        return 0
+
+    def update(self, task: int, completed: int) -> None:
+        self.done.append(completed)
+
+
+def test_generate_progress_moves_with_every_prefill_chunk(console, tmp_path, monkeypatch) -> None:
+    """The bar counts prompt tokens prefilled + tokens decoded: it moves on the first chunk of
+    a long prefill (a count of finished requests stood at 0 until the first request ended)."""
+    bar = _Bar()
+    monkeypatch.setattr(command, "_progress", lambda *args: bar)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text(" ".join(str(3 + i % 50) for i in range(300)) + "\n" + " ".join(str(7 + i % 40) for i in range(200)) + "\n")
+    path = tmp_path / "out.json"
+    assert cli.main(["generate", "--model", "reference", "--prompts", str(prompts), "--max-tokens", "3",
+                     "--max-num-batched-tokens", "64", "--json", str(path)]) == 0
+    outs = json.loads(path.read_text())
+    assert bar.total == sum(o["prompt_tokens"] for o in outs) + 2 * (3 - 1)
+    assert bar.done[0] == 64 and bar.done == sorted(bar.done)
+    assert bar.done[-1] == sum(o["prompt_tokens"] + len(o["token_ids"]) - 1 for o in outs)

@@ -93,7 +93,7 @@ def test_engine_prefill_through_the_varlen_call(monkeypatch: pytest.MonkeyPatch)
                         EngineConfig(max_num_seqs=3, max_model_len=96, max_num_batched_tokens=16))
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", p, SamplingParams(max_tokens=6, temperature=0.0))
-        return {o.rid: o.token_ids for o in engine.run_to_completion()}
+        return {o.request_id: o.token_ids for o in engine.run_to_completion()}
 
     plain = run()
     fake = FakeVarlen()

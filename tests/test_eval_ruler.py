@@ -42,7 +42,7 @@ def tokenizer(model_dir: Path) -> Any:
 
 
 def _needs_lm_eval() -> None:
-    pytest.importorskip("lm_eval", reason="generating RULER samples needs lm-eval: pip install 'sparse-framework[real]'")
+    pytest.importorskip("lm_eval", reason='generating RULER samples needs lm-eval: pip install -e ".[real]"')
 
 
 # -- samples --------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ def test_discovered_by_name(installed: Path) -> None:
     assert dist.version == "0.1.0"
     assert NAME in registry.names("algorithm")
     assert NAME in registry.names("algorithm", "sparse-plugin-example")
-    assert NAME not in registry.names("algorithm", "sparse-framework")
+    assert NAME not in registry.names("algorithm", registry.BUILTIN)
     cls = registry.load("algorithm", NAME)
     assert issubclass(cls, SparseAlgorithm) and cls.__name__ == "KeyNorm"
     assert cls.granularity == "token" and cls.per_kv_head and not cls.needs_prefill_queries
@@ -81,7 +81,7 @@ def test_discovered_by_name(installed: Path) -> None:
     schema = config_schema()
     assert NAME in schema["properties"]["algorithm"]["enum"]
     assert schema["$defs"][f"extra_{NAME}"]["properties"]["prefer"]["enum"] == ["low", "high"]
-    assert NAME not in config_schema("sparse-framework")["properties"]["algorithm"]["enum"]
+    assert NAME not in config_schema(registry.BUILTIN)["properties"]["algorithm"]["enum"]
 
 
 def test_extra_config_validates(installed: Path) -> None:

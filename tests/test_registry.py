@@ -84,7 +84,7 @@ def test_builtins_are_discovered_through_entry_points(kind, name, cls, base):
     assert loaded is cls and issubclass(loaded, base)
     # registered by this project's own distribution, like any third-party plugin
     (info,) = [i for i in registry.describe(kind) if i.name == name]
-    assert info.distribution == "sparse-framework"
+    assert info.distribution == registry.BUILTIN == "sparse-decode-framework"
     assert info.target == f"{cls.__module__}:{cls.__name__}"
     assert info.error is None
     eps = importlib.metadata.entry_points(group=registry.GROUPS[kind])
@@ -241,17 +241,17 @@ def test_third_party_shadowing_a_builtin_loses_to_it_and_stays_selectable(tmp_pa
     install_fake(monkeypatch, tmp_path)
     assert registry.load("algorithm", "quest") is Quest
     assert registry.load("algorithm", "fake-shadow:quest") is SnapKV
-    assert registry.load("algorithm", "sparse-framework:quest") is Quest
+    assert registry.load("algorithm", "sparse-decode-framework:quest") is Quest
     assert load_config({"algorithm": "quest", **SMALL}).algorithm_class is Quest
     assert load_config({"algorithm": "fake-shadow:quest", **SMALL}).algorithm_class is SnapKV
 
     rows = [(i.name, i.distribution, i.error) for i in registry.describe("algorithm") if i.name.endswith("quest")]
-    assert rows == [("quest", "sparse-framework", None), ("fake-shadow:quest", "fake-shadow", None)]
+    assert rows == [("quest", registry.BUILTIN, None), ("fake-shadow:quest", "fake-shadow", None)]
     schema = config_schema()
     assert {"quest", "fake-shadow:quest"} <= set(schema["properties"]["algorithm"]["enum"])
     assert "extra_quest" in schema["$defs"] and "extra_fake-shadow:quest" in schema["$defs"]
     # the built-ins' reference (docs/config.md) does not depend on what else is installed
-    assert "fake-shadow:quest" not in config_schema("sparse-framework")["properties"]["algorithm"]["enum"]
+    assert "fake-shadow:quest" not in config_schema(registry.BUILTIN)["properties"]["algorithm"]["enum"]
 
 
 # -- wrong kind of object -----------------------------------------------------------------

@@ -43,7 +43,7 @@ from .base import AttentionBackend, module_missing
 # our option -> the decode function's keyword for it
 LIBRARY_KEYWORDS = {"softcap": "softcap", "sinks": "learnable_sink"}
 
-INSTALL = 'pip install "sparse-framework[flash-attn]"'
+INSTALL = 'pip install -e ".[flash-attn]" (in a checkout of the repository)'
 
 
 def _import(name: str) -> Any:

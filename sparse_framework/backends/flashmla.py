@@ -48,8 +48,8 @@ INSTALL = (
     "`git clone https://github.com/deepseek-ai/FlashMLA.git flash-mla && cd flash-mla && "
     "git submodule update --init --recursive && pip install -v .` (a release that still has the "
     "V3.2 FP8 sparse decode: SGLang's fork says upstream dropped it, with SM90, on 2026-09-30); "
-    "or `pip install 'sparse-framework[flashmla]'`, SGLang's prebuilt wheel `sgl-flash-mla` of it "
-    "(needs torch >= 2.14.1 and CUDA 13.1+)"
+    "or `pip install -e \".[flashmla]\"` (in a checkout of the repository): SGLang's prebuilt wheel "
+    "`sgl-flash-mla` of it (needs torch >= 2.14.1 and CUDA 13.1+)"
 )
 
 

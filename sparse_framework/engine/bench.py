@@ -21,6 +21,7 @@ Every figure is computed from this run; nothing is carried over from elsewhere.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -335,13 +336,38 @@ def store_traffic(llm: LLM) -> dict[str, float | int | None]:
             "h2d_bytes": sum(s["bytes_in"] for s in stats)}
 
 
+class TokenProgress:
+    """The work an engine has done since this was made, in tokens: prompt tokens prefilled
+    plus rows decoded, read from its step log (each call adds the steps run since the last).
+    A bar of finished requests stands at 0/N through a long prefill; this one moves with every
+    chunk. `total(prompt_lens, output_lens)`: the same count for requests run to the end (the
+    last prefill chunk samples the first output token, so a request decodes max_tokens - 1)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.seen = engine.steps
+        self.done = 0
+
+    def __call__(self) -> int:
+        new, self.seen = self.engine.steps - self.seen, self.engine.steps
+        log = self.engine.step_log
+        self.done += sum(rows + prefill for rows, prefill, *_ in itertools.islice(reversed(log), min(new, len(log))))
+        return self.done
+
+    @staticmethod
+    def total(prompt_lens: Sequence[int], output_lens: Sequence[int]) -> int:
+        return sum(prompt_lens) + sum(max(0, n - 1) for n in output_lens)
+
+
 def run_benchmark(llm: LLM, spec: BenchSpec, plan: EngineMemoryPlan | None = None, *,
                   work: Workload | None = None, on_step: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Run `spec` through `llm`'s engine (built with max_num_seqs = the concurrency) and return
     the figures (module docstring). The memory-bound maximum is the engine's own plan when it
     was built with gpu_memory_utilization, else `plan` (`memory_plan`, made before the engine;
     None: no bound). `work`: spec's requests when the caller has drawn them already (None:
-    drawn here). Raises ConfigError if any request failed."""
+    drawn here). `on_step(done, total)` after each step, in tokens (`TokenProgress`: prompt
+    tokens prefilled + tokens decoded), for a progress bar that moves during a long prefill.
+    Raises ConfigError if any request failed."""
     engine = llm.engine
     plan = engine.memory_plan or plan
     device = engine.device
@@ -351,6 +377,7 @@ def run_benchmark(llm: LLM, spec: BenchSpec, plan: EngineMemoryPlan | None = Non
                           f"max_model_len is {engine.max_model_len}; raise --max-model-len")
     records = _observe_plans(llm)
     _observe_experts(llm, records)
+    progress, total = TokenProgress(engine), TokenProgress.total(work.input_lens, work.output_lens)
     params = [SamplingParams(max_tokens=o, temperature=0.0, ignore_eos=True) for o in work.output_lens]
     arrival_of: dict[str, float] = {}
     outs = []
@@ -368,7 +395,7 @@ def run_benchmark(llm: LLM, spec: BenchSpec, plan: EngineMemoryPlan | None = Non
             continue
         outs.extend(engine.step())
         if on_step is not None:
-            on_step(len(outs), spec.num_prompts)
+            on_step(min(progress(), total), total)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elapsed = time.perf_counter() - start
@@ -452,31 +479,49 @@ def gib_or_dash(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:,.2f}"
 
 
+def on_gpu(result: dict[str, Any]) -> bool:
+    """Whether a run's device is a GPU, the only kind the HBM floor and the matmul peak (an
+    H100's) describe: a CPU run is never compared with them."""
+    return str(result.get("device", "cpu")).startswith("cuda")
+
+
 def bench_tables(results: Sequence[dict[str, Any]], title: str) -> list[Table]:
-    """Two tables of one row per run, each within 100 columns: throughput and latency, then
-    prefill, the store's traffic and memory."""
+    """Two tables of one row per run, readable from 80 columns up (`FitTable`: the least
+    important columns go first): throughput and latency, then prefill, the store's traffic and
+    memory. The decode floor and the % of peak are an H100's figures: "n/a" for a run on the
+    CPU, whose caption says so."""
+    gpu = all(on_gpu(r) for r in results)
+    floor = ("floor: its HBM floor (weights + the K/V and representations it reads, at 3.0 TB/s)" if gpu else
+             "floor: n/a on the CPU (the floors are for a GPU's HBM, 3.0 TB/s on an H100)")
     first = new_table(title, (
         "conc: admitted (most running at once) / asked; max: the memory-bound maximum (the engine's memory "
         "plan at this max_model_len; bound by the device or the host). tok/s: output tokens per second; TTFT, TPOT "
-        "in ms; step: median decode step (ms) with the most requests decoding and no prefill, floor: its HBM "
-        "floor (weights + the K/V and representations it reads, at 3.0 TB/s)"), tight=True)
-    for col in ("in", "conc", "max", "tok/s", "TTFT p50", "p99", "TPOT p50", "p99", "step", "floor", "preempt"):
-        first.add_column(col, justify="right", no_wrap=True)
+        f"in ms; step: median decode step (ms) with the most requests decoding and no prefill, {floor}"),
+        tight=True, drop=("TTFT p99", "TPOT p99", "preempt", "floor"))
+    for col in ("in", "conc", "max", "tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "step", "floor",
+                "preempt"):
+        first.add_column(col, justify="right", no_wrap=col != "max")
+    peak = ("% of the 790 TFLOP/s bf16 peak (an H100's)" if gpu else
+            "% peak: n/a on the CPU (the peak is an H100's 790 TFLOP/s)")
     second = new_table("prefill, store traffic and memory", (
-        "prefill: FLOPs of the prompts over the wall time of the steps with prefill, % of the 790 TFLOP/s bf16 "
-        "peak; hit: device-buffer hit rate; H2D: host->device bytes (GB) and their rate over the decode steps; "
-        "memory in GiB: peak GPU allocated, device pools, host pool ('-': none or not CUDA)"), tight=True)
-    for col in ("in", "conc", "prefill TF/s", "% peak", "hit", "H2D GB", "GB/s", "GPU peak", "dev pools", "host"):
+        f"prefill: FLOPs of the prompts over the wall time of the steps with prefill, {peak}; hit: device-buffer "
+        "hit rate; H2D: host->device bytes (GB) and their rate over the decode steps; memory in GiB: peak GPU "
+        "allocated, device pools, host pool ('-': none or not CUDA)"),
+        tight=True, drop=("H2D GB/s", "host", "dev pools", "% peak"))
+    for col in ("in", "conc", "prefill TF/s", "% peak", "hit", "H2D GB", "H2D GB/s", "GPU peak", "dev pools", "host"):
         second.add_column(col, justify="right", no_wrap=True)
     for r in results:
         length = f"{r['input_len']:,}"
         conc = f"{r['admitted_concurrency']}/{r['concurrency']}"
         bound = "-" if r["memory_bound_max"] is None else f"{r['memory_bound_max']} {r['memory_bound']}"
+        here = on_gpu(r)
         first.add_row(length, conc, bound, fmt_or_dash(r["output_tokens_per_s"]), fmt_or_dash(r["ttft_p50_ms"], ",.0f"),
                       fmt_or_dash(r["ttft_p99_ms"], ",.0f"), fmt_or_dash(r["tpot_p50_ms"]), fmt_or_dash(r["tpot_p99_ms"]),
-                      fmt_or_dash(r["decode_step_ms"]), fmt_or_dash(r["decode_step_floor_ms"]), str(r["preemptions"]))
+                      fmt_or_dash(r["decode_step_ms"]),
+                      fmt_or_dash(r["decode_step_floor_ms"]) if here else "n/a", str(r["preemptions"]))
         tf = r["prefill_tflops"]
-        second.add_row(length, conc, fmt_or_dash(tf, ",.3g"), fmt_or_dash(None if tf is None else 100 * tf / r["peak_tflops"]),
+        share = (fmt_or_dash(None if tf is None else 100 * tf / r["peak_tflops"]) if here else "n/a")
+        second.add_row(length, conc, fmt_or_dash(tf, ",.3g"), share,
                        fmt_or_dash(r["hit_rate"], ".1%"), fmt_or_dash(None if r["h2d_bytes"] is None else r["h2d_bytes"] / 1e9, ",.2f"),
                        fmt_or_dash(r["h2d_gb_per_s"], ",.2f"), gib_or_dash(r["peak_gpu_bytes"]), gib_or_dash(r["device_pool_bytes"]),
                        gib_or_dash(r["host_pool_bytes"]))

@@ -23,15 +23,16 @@ from ..common.errors import ConfigError
 from ..cli_tables import new_table
 from ..config import load_config
 from .engine import KV_CACHE_DTYPES, RequestOutput
-from .bench import LENGTH_DISTRIBUTIONS, BenchSpec, bench_tables, draw_workload, memory_plan, reset_peak_memory, run_benchmark
-from .llm import LLM
+from .bench import (LENGTH_DISTRIBUTIONS, BenchSpec, TokenProgress, bench_tables, draw_workload, memory_plan,
+                    reset_peak_memory, run_benchmark)
+from .llm import LLM, REFERENCE_MAX_MODEL_LEN
 from .memory import HOST_MEMORY_FRACTION
 from .models import ModelConfig, load_model, load_reference, random_model
 from .models.catalog import CATALOG, default_model, resolve_model
 from .prefill_attention import CHOICES as PREFILL_CHOICES
 from .sampling import SamplingParams
 
-DEMO_MAX_MODEL_LEN = 8192  # the reference model was trained to 8K
+DEMO_MAX_MODEL_LEN = REFERENCE_MAX_MODEL_LEN  # LLM(None)'s default too (engine/llm.py says why)
 DEMO_CONFIG = {"algorithm": "quest", "top_k": 256, "min_sparse_prompt_len": 1024, "extra": {"dense_first_layers": 0}}
 # the text demo on a real model: exact top-k over the keys at 1/8 of 4K (docs/ruler_gpu.md: it keeps
 # dense's accuracy on SmolLM2 where Quest's page bounds lose it)
@@ -329,15 +330,25 @@ def run_generate(args: argparse.Namespace, console: Console) -> int:
         prompts, expected = text_demo_prompts(checkpoint, llm.tokenizer)
     if model is not None and not args.no_chat:
         prompts = [chat_prompt(llm.tokenizer, p) for p in prompts]
-    with _progress(console, not args.no_progress, "generating") as bar:
-        task = bar.add_task("generate", total=len(prompts))
-        outs = llm.generate(prompts, params, on_step=lambda done, total: bar.update(task, completed=done))
+    with _progress(console, not args.no_progress, "generating: prompt + output tokens") as bar:
+        total = TokenProgress.total([_prompt_len(llm, p) for p in prompts], [params.max_tokens] * len(prompts))
+        task, tokens = bar.add_task("generate", total=total), TokenProgress(llm.engine)
+        outs = llm.generate(prompts, params, on_step=lambda done, n: bar.update(task, completed=min(tokens(), total)))
     _print_outputs(console, outs, expected)
     _summary(console, llm)
     if args.json:
         Path(args.json).write_text(json.dumps([o.as_dict() for o in outs], indent=1))
         console.print(f"outputs written to {args.json}")
     return 0
+
+
+def _prompt_len(llm: LLM, prompt: Any) -> int:
+    """Tokens of a prompt, for the progress bar's total (0 for one that does not tokenize:
+    `generate` reports it as that request's error)."""
+    try:
+        return len(llm.encode(prompt))
+    except (ConfigError, ValueError, TypeError):
+        return 0
 
 
 def chat_prompt(tokenizer: Any, prompt: Any) -> Any:
@@ -365,14 +376,36 @@ def text_demo_prompts(checkpoint: Path, tokenizer: Any) -> tuple[list[tuple[str,
     return prompts, answers
 
 
-def _read_prompts(path: str) -> list[str]:
+def prompt_text(path: str) -> str:
+    """The text of --prompts PATH (or stdin for "-"): UTF-8, a byte-order mark allowed. A
+    binary file, or UTF-16 text (Windows editors save it so), is a ConfigError that says which
+    and how to fix it, not a UnicodeDecodeError's traceback."""
     if path == "-":
-        lines = sys.stdin.read().splitlines()
+        stream = getattr(sys.stdin, "buffer", None)
+        raw: bytes | str = stream.read() if stream is not None else sys.stdin.read()
     else:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"--prompts {path}: no such file" + (" (it is a directory)" if p.is_dir() else ""))
-        lines = p.read_text().splitlines()
+        raw = p.read_bytes()
+    if isinstance(raw, str):  # a text stream without bytes under it (already decoded)
+        return raw
+    where = "--prompts - (stdin)" if path == "-" else f"--prompts {path}"
+    fix = "give UTF-8 text, one prompt per line (or a .jsonl file)"
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ConfigError(f"{where}: it is UTF-16 text; {fix}, e.g. converted by iconv -f UTF-16 -t UTF-8")
+    if b"\x00" in raw:
+        raise ConfigError(f"{where}: not text (it holds NUL bytes: binary data, or UTF-16 without a "
+                          f"byte-order mark); {fix}")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                          f"{fix}") from None
+
+
+def _read_prompts(path: str) -> list[str]:
+    lines = prompt_text(path).splitlines()
     if path.endswith(".jsonl"):
         prompts = []
         for i, line in enumerate(lines, 1):
@@ -478,8 +511,8 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
     llm = LLM.from_model(model, config, max_num_seqs=spec.running, max_num_batched_tokens=tokens,
                          max_model_len=max_model_len, decode_graphs=args.decode_graphs, cuda_graphs=args.cuda_graphs,
                          **_kernel_options(args), **memory)
-    with _progress(console, not args.no_progress, "benchmark") as bar:
-        task = bar.add_task("bench", total=spec.num_prompts)
+    with _progress(console, not args.no_progress, "benchmark: prompt + output tokens") as bar:
+        task = bar.add_task("bench", total=TokenProgress.total(work.input_lens, work.output_lens))
         result = run_benchmark(llm, spec, plan, work=work, on_step=lambda done, total: bar.update(task, completed=done))
     result["command"] = " ".join(["sparse-framework", *sys.argv[1:]])
     result["model"] = args.model or args.random or "reference"

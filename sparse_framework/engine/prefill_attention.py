@@ -41,7 +41,7 @@ from ..common.transfer import to_device
 from .staging import chunk_attention
 
 CHOICES = ("auto", "flash_attn", "sdpa")
-INSTALL = 'pip install "sparse-framework[flash-attn]"'
+INSTALL = 'pip install -e ".[flash-attn]" (in a checkout of the repository)'
 _LIBRARIES = (("flash-attn 4", "flash_attn.cute"), ("flash-attn 3", "flash_attn_interface"),
               ("flash-attn 2", "flash_attn"))
 

@@ -34,7 +34,7 @@ def make_plots(records: list[CellRecord], directory: Path) -> list[Path]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise SparseFrameworkError("--plots needs matplotlib: pip install 'sparse-framework[eval]'") from exc
+        raise SparseFrameworkError('--plots needs matplotlib: pip install -e ".[eval]" (in a checkout of the repository)') from exc
     directory.mkdir(parents=True, exist_ok=True)
     ok = _ok(records)
     written = []

@@ -16,7 +16,6 @@ from typing import Any
 from rich import box
 from rich.console import Console, Group
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
 from rich.text import Text
 
 from ..common.errors import ConfigError
@@ -190,10 +189,17 @@ def budget_label(r: CellRecord) -> str:
         return str(r.top_k)
 
 
+# the metrics a narrow terminal leaves out first (costs before quality; --json and the page keep them)
+DROP_FIRST = ("moved_kib_per_token", "hit_rate", "ms_per_token", "kl", "device_kv_fraction", "needle_hit_rate")
+
+
 def results_table(records: Iterable[CellRecord], title: str = "") -> Group:
-    """The sweep for a 100-column terminal: a table per workload (a row per cell: context,
-    algorithm, budget, then the metrics that workload measures), failed cells listed below with
+    """The sweep, readable from an 80-column terminal up: a table per workload (a row per cell:
+    context, algorithm, budget, then the metrics that workload measures; where they do not fit,
+    the metrics of DROP_FIRST go first, named under the table), failed cells listed below with
     their whole error, and a note when a cell never attended sparsely."""
+    from ..cli_tables import FitTable  # here: the CLI's tables import the engine, not needed above
+
     records = list(records)
     parts: list[Any] = [Text(title, style="bold")] if title else []
     ok = [r for r in records if r.status == "ok"]
@@ -202,18 +208,22 @@ def results_table(records: Iterable[CellRecord], title: str = "") -> Group:
                       key=lambda r: (r.context, r.top_k is not None, series_name(r), r.top_k or 0))
         shown = [(k, h, f) for k, h, f in COLUMNS if any(r.metrics.get(k) is not None for r in rows)]
         # one space between columns and headings on two lines: 12 columns fit in 100
-        table = Table(title=workload, box=box.SIMPLE_HEAD, padding=0, pad_edge=False, title_justify="left")
-        for heading in ("context", "algorithm", "budget"):
-            table.add_column(heading, justify="right" if heading == "context" else "left", overflow="fold")
+        drop = [h for key in DROP_FIRST for k, h, _ in shown if k == key]
+        table = FitTable(title=workload, box=box.SIMPLE_HEAD, padding=0, pad_edge=False, title_justify="left",
+                         drop=drop)
+        for heading in ("context", "algorithm", "budget"):  # names and budgets ("1/16 (256)") may wrap at spaces
+            table.add_column(heading, justify="right" if heading == "context" else "left", no_wrap=heading == "context")
         for _, heading, _ in shown:
-            table.add_column(heading, justify="right", overflow="fold")
+            table.add_column(heading, justify="right", no_wrap=True)
         last = None
         for r in rows:
             if last is not None and r.context != last:
                 table.add_section()
             cells = [fmt(r.metrics.get(k), f, k) for k, _, f in shown]
             style = "yellow" if r.metrics.get("sparse_fraction") == 0 else ""
-            table.add_row("" if r.context == last else str(r.context), series_name(r), budget_label(r), *cells, style=style)
+            # Text: "dsa [triton]" as a str would be read as markup and lose its backend
+            table.add_row("" if r.context == last else str(r.context), Text(series_name(r)), budget_label(r), *cells,
+                          style=style)
             last = r.context
         parts.append(table)
     if any(r.metrics.get("sparse_fraction") == 0 for r in ok):

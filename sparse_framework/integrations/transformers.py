@@ -127,7 +127,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without transformers
     raise ImportError(
         "sparse_framework.integrations.transformers needs transformers: "
-        "pip install 'sparse-framework[transformers]'"
+        'pip install -e ".[transformers]" (in a checkout of the repository)'
     ) from exc
 
 NAME = "sparse_framework"

@@ -44,7 +44,7 @@ def _transformers() -> Any:
         import transformers
     except ImportError as exc:
         raise SparseFrameworkError(
-            "the reference model is a transformers model: pip install 'sparse-framework[eval]'"
+            'the reference model is a transformers model: pip install -e ".[eval]" (in a checkout of the repository)'
         ) from exc
     return transformers
 
