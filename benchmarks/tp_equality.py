@@ -71,7 +71,7 @@ def tiny_runs(ctx: parallel.TPContext | None, device: torch.device) -> dict[str,
             engine.add_request(f"r{i}", prompt, SamplingParams(**p))
         outs = engine.run_to_completion()
         hits = engine.prefix_cache.stats.hit_tokens if engine.prefix_cache is not None else 0
-        out[name] = {"tokens": {o.rid: o.token_ids for o in outs}, "finish": {o.rid: o.finish_reason for o in outs},
+        out[name] = {"tokens": {o.request_id: o.token_ids for o in outs}, "finish": {o.request_id: o.finish_reason for o in outs},
                      "preemptions": engine.scheduler.num_preemptions, "prefix_hit_tokens": hits}
     return out
 
@@ -96,7 +96,7 @@ def big_runs(ctx: parallel.TPContext | None, device: torch.device, args: argpars
             engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=args.output_len, temperature=0.0))
         start = time.perf_counter()
         outs = engine.run_to_completion()
-        out[label] = {"tokens": {o.rid: o.token_ids for o in outs}, "seconds": time.perf_counter() - start}
+        out[label] = {"tokens": {o.request_id: o.token_ids for o in outs}, "seconds": time.perf_counter() - start}
         del engine
         gc.collect()
         torch.cuda.empty_cache()
