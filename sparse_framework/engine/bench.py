@@ -401,7 +401,7 @@ def run_benchmark(llm: LLM, spec: BenchSpec, plan: EngineMemoryPlan | None = Non
     elapsed = time.perf_counter() - start
     failed = [o for o in outs if o.finish_reason == "error"]
     if failed:
-        raise ConfigError(f"{len(failed)} request(s) failed, e.g. {failed[0].rid}: {failed[0].error}")
+        raise ConfigError(f"{len(failed)} request(s) failed, e.g. {failed[0].request_id}: {failed[0].error}")
     log = engine.step_log
     if len(log) != len(records):
         raise RuntimeError(f"the engine logged {len(log)} steps for {len(records)} plans")
@@ -422,7 +422,7 @@ def run_benchmark(llm: LLM, spec: BenchSpec, plan: EngineMemoryPlan | None = Non
     decode_steps = sum(1 for entry in log if entry[0])
     traffic = store_traffic(llm)
 
-    ttft = [o.first_token_time - arrival_of[o.rid] for o in outs if o.first_token_time is not None]
+    ttft = [o.first_token_time - arrival_of[o.request_id] for o in outs if o.first_token_time is not None]
     tpot = [o.tpot for o in outs if o.tpot is not None]
     tokens = sum(len(o.token_ids) for o in outs)
     coord = engine.runner.coord
