@@ -20,6 +20,7 @@ decode step of the measured rows does them, timed alone (CUDA events, median of 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -133,6 +134,13 @@ def main() -> int:
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))
     if ctx is not None:
+        # the engine (its CUDA graphs hold captured NCCL all-reduces) goes before the group: on
+        # four H100s ranks that tore the group down with it alive hung after writing their JSON,
+        # while tp_equality.py, which drops its engines first, exited cleanly (not yet re-run)
+        del llm, model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         parallel.destroy_tp()
         parallel.exit_rank(0)  # skips NCCL's teardown, which hung the ranks after their work was done
     return 0
