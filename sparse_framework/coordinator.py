@@ -27,7 +27,6 @@ batch composition and replayed by `attention_begin` (decode_graphs.py says how a
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from os import PathLike
 from typing import Any
@@ -44,8 +43,9 @@ from .dense_fallback import SHORT_PROMPT, DenseTally
 from .footprint import check_footprint, reraise_allocation_error
 from .step_order import StepOrder
 from .kv_store.hierarchical import HierarchicalKVStore
-from .common.softmax import softcap_and_sink_softmax
+from .causal_prefill import causal_prefill
 from .common.layout import KVLayout
+from .coordinator_inputs import check_model_inputs, check_qkv, input_dtypes, query_tail_rows
 
 
 REQUESTED_DENSE = "requested dense (sparse=False)"  # dense_report's reason for a request that asked
@@ -159,7 +159,7 @@ class SparseCoordinator:
         self.retracted: set[str] = set()
         self.steps = StepOrder(layout.num_layers)  # the open step, checked hook by hook
         # q/k/v dtypes attention_begin takes (`_check_inputs`; None: any, an fp8 store quantises)
-        self._input_dtypes = None if layout.is_fp8 else frozenset((layout.dtype, torch.float32))
+        self._input_dtypes = input_dtypes(layout)
         # requests and decode layer-steps that attended densely, and why (`dense_report`)
         self.dense_tally = DenseTally()
         self._options: dict[int, AttentionOptions] = {}  # layers with softcap / sinks (set_attention_options)
@@ -489,7 +489,7 @@ class SparseCoordinator:
                                  f"{q.shape[0]}: the tail form of q is for attention_begin only")
             options = self.attention_options(layer)
             options.check_heads(q.shape[1])
-            return _causal_prefill(q, metadata.k_cache, metadata.v_cache, metadata.plan, options=options)
+            return causal_prefill(q, metadata.k_cache, metadata.v_cache, metadata.plan, options=options)
         if metadata.output is not None:
             return metadata.output
         return self._run_backend(q, metadata, self.attention_options(layer))
@@ -571,73 +571,13 @@ class SparseCoordinator:
         return Selection(indices, lengths, chosen.page_size), all_slots
 
     def _check_model_inputs(self, tokens: int, inputs: Inputs | None, prefill: bool) -> Inputs:
-        """The algorithm's declared extra inputs of this phase, each [tokens, *shape]; inputs
-        it declares for the other phase only are accepted (and checked) too."""
-        algo = self.algorithm
-        want = algo.prefill_inputs if prefill else algo.decode_inputs
-        known = {**algo.prefill_inputs, **algo.decode_inputs}
-        given = dict(inputs or {})
-        name = self.config.algorithm
-        unknown = sorted(set(given) - set(known))
-        if unknown:
-            allowed = ", ".join(known) or "none"
-            raise ValueError(f"algorithm {name!r} takes no input(s) {unknown}; it takes: {allowed}")
-        missing = [n for n in want if n not in given]
-        if missing:
-            shapes = ", ".join(f"{n} [tokens, {', '.join(map(str, want[n]))}]" for n in missing)
-            raise ValueError(f"algorithm {name!r} needs the model input(s) {shapes}; pass them as inputs={{...}}")
-        for n, t in given.items():
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (tokens, *known[n]):
-                got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                shape = ", ".join(map(str, (tokens, *known[n])))
-                raise ValueError(f"input {n!r} of algorithm {name!r} must be [{shape}], got {got}")
-            if t.device.type != self._device_type:
-                raise ValueError(f"input {n!r} is on {t.device}, the KV layout on {self.layout.device}")
-        return given
+        return check_model_inputs(self.algorithm, self.config.algorithm, tokens, inputs, prefill, self.layout)
 
     def _check_inputs(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, batch: Batch) -> None:
-        lay = self.layout  # the layer and the step were checked by self.steps
-        tokens = sum(batch.query_lens)
-        want_kv = (tokens, lay.num_kv_heads, lay.head_dim)
-        if lay.is_mla:
-            if tuple(k.shape) != want_kv or v is not None:
-                raise ValueError(
-                    f"an MLA layout takes the latent as k {list(want_kv)} and v=None "
-                    f"(V is its first {lay.v_head_dim} dims), got k {list(k.shape)}"
-                )
-        elif v is None or tuple(k.shape) != want_kv or tuple(v.shape) != want_kv:
-            got = "None" if v is None else list(v.shape)
-            raise ValueError(f"k and v must be {list(want_kv)}, got {list(k.shape)} and {got}")
-        # dtype compares only (no cost to speak of). The layout's dtype is taken, and float32
-        # (a model computing in float32 over a narrower cache: cast down as it is stored); an
-        # fp8 layout's store quantises whatever it is given. Anything else — bfloat16 rows
-        # into a float32 layout (KVLayout's default dtype, not the model's), float16 into
-        # bfloat16 — was cast silently: a layout built for another model dtype
-        ok = self._input_dtypes
-        if ok is not None and not (q.dtype in ok and k.dtype in ok and (v is None or v.dtype in ok)):
-            got = f"q {q.dtype}, k {k.dtype}" + ("" if v is None else f", v {v.dtype}")
-            raise ValueError(
-                f"layer {layer}: the KV layout's dtype is {lay.dtype} but got {got}; q, k and v must be in the "
-                f"layout's dtype (or float32, cast down as stored): build the layout with the model's dtype "
-                f"(KVLayout(dtype=...), ModelConfig.kv_layout(dtype, ...)) or cast q, k and v to {lay.dtype}")
-        tail = self._query_tail_rows(batch)
-        rows_ok = q.dim() == 3 and (q.shape[0] == tokens or (tail is not None and q.shape[0] == sum(tail)))
-        if not rows_ok or q.shape[2] != lay.head_dim or q.shape[1] % lay.num_kv_heads:
-            also = "" if tail is None else (
-                f" (or, at prefill, only each prompt's last {self.algorithm.prefill_query_rows} queries: "
-                f"{sum(tail)} rows, all that the algorithm's build reads)")
-            raise ValueError(
-                f"q must be [{tokens}, num_q_heads, {lay.head_dim}]{also} with num_q_heads a multiple of "
-                f"{lay.num_kv_heads} KV heads, got {list(q.shape)}"
-            )
+        check_qkv(self.layout, layer, q, k, v, batch, self._input_dtypes, self.algorithm.prefill_query_rows)
 
     def _query_tail_rows(self, batch: Batch) -> list[int] | None:
-        """At prefill, the rows per request of q's tail form: the last `prefill_query_rows`
-        queries of each prompt, all an algorithm that declares it reads (None: no tail form)."""
-        rows = self.algorithm.prefill_query_rows
-        if not batch.is_prefill or rows is None or rows == 0:
-            return None
-        return [min(rows, n) for n in batch.query_lens]
+        return query_tail_rows(batch, self.algorithm.prefill_query_rows)
 
 
 def _retract_advice(request: Request, exc: CapacityError, host_slots: int, store: str) -> str:
@@ -668,33 +608,3 @@ def _dense_selection(batch: Batch, heads: int, page_size: int) -> Selection:
     lens = batch.seq_lens.view(-1, 1)
     indices = torch.where(pos < lens, pos, -1).unsqueeze(1).expand(-1, heads, -1).contiguous()
     return Selection(indices, lens.expand(-1, heads).contiguous(), page_size)
-
-
-def _causal_prefill(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int], chunk: int = 256,
-    options: AttentionOptions = DEFAULT,
-) -> torch.Tensor:
-    """Dense causal attention per request over packed rows, float32 accumulation; queries in
-    chunks so that memory stays at [q_heads, chunk, prompt_len]. `options`: the layer's
-    softcap / sinks, as `common.softmax.softcap_and_sink_softmax` applies them."""
-    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-    group = q.shape[1] // k.shape[1]
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    offset = 0
-    for n in lens:
-        ks = k[offset : offset + n].float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
-        vs = v[offset : offset + n].float().repeat_interleave(group, dim=1).transpose(0, 1)
-        for start in range(0, n, chunk):
-            stop = min(start + chunk, n)
-            qs = q[offset + start : offset + stop].float().transpose(0, 1)  # [Hq, c, D]
-            scores = (qs @ ks[:, :stop].transpose(1, 2)) * scale
-            rows = torch.arange(start, stop, device=q.device).unsqueeze(1)
-            future = torch.arange(stop, device=q.device).unsqueeze(0) > rows
-            if options.is_default:
-                probs = scores.masked_fill(future, float("-inf")).softmax(-1)
-            else:
-                sinks = None if options.sinks is None else options.sinks.view(-1, 1).expand(-1, stop - start)
-                probs = softcap_and_sink_softmax(scores, future, options.softcap, sinks)
-            out[offset + start : offset + stop] = (probs @ vs[:, :stop]).transpose(0, 1).to(q.dtype)
-        offset += n
-    return out
