@@ -135,6 +135,10 @@ def _parser() -> argparse.ArgumentParser:
     eng.add_argument("--max-num-seqs", type=int, default=256, help="upper bound on request rows (default 256)")
     eng.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
                      help="weights and KV dtype (default bfloat16)")
+    eng.add_argument("--cuda-graphs", action="store_true",
+                     help="reserve what the engine's captured whole-step graphs take (as `bench --cuda-graphs`)")
+    eng.add_argument("--decode-graphs", action="store_true",
+                     help="reserve what the coordinator's per-layer decode graphs take")
     eng.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                      help="plan one rank of N (default 1): its weight shard (embeddings and head whole), its "
                           "num_kv_heads / N, 1/N of the host budget; admitted requests are the same on every rank")
@@ -288,6 +292,7 @@ def _engine_plan(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             gpu_memory_utilization=args.gpu_memory_utilization, device_total_bytes=int(args.gpu_memory_gib * 2**30),
             host_memory_bytes=host, prefix_caching=args.enable_prefix_caching,
+            cuda_graphs=args.cuda_graphs, decode_graphs=args.decode_graphs,
         )
         console.print(p.describe(), highlight=False)
         p.check()  # not one request fits: the engine's own error

@@ -185,6 +185,21 @@ def test_plan_engine_for_one_rank_of_a_tensor_parallel_group(tmp_path, capsys) -
     assert "tensor_parallel_size=3 must divide" in " ".join(capsys.readouterr().out.split())
 
 
+def test_plan_engine_reserves_the_captured_graphs_when_asked(tmp_path, capsys) -> None:
+    """--cuda-graphs / --decode-graphs plan as an engine built with them: the graphs' estimated
+    pools leave the store less room (engine/memory.py `graph_bytes`)."""
+    rows = {}
+    for flags in ((), ("--decode-graphs",), ("--cuda-graphs",)):
+        out = tmp_path / f"plan{len(rows)}.json"
+        assert main(["plan", "--engine", "--host-memory-gib", "400", "--context", "16384", "--max-num-seqs", "64",
+                     *flags, "--json", str(out)]) == 0
+        (rows[flags],) = json.loads(out.read_text())
+    assert "captured graphs" in capsys.readouterr().out
+    plain, layer, step = rows[()], rows[("--decode-graphs",)], rows[("--cuda-graphs",)]
+    assert plain["graph_bytes"] == 0 < layer["graph_bytes"] < step["graph_bytes"]
+    assert plain["device_budget_bytes"] - step["device_budget_bytes"] == step["graph_bytes"]
+
+
 def test_plan_engine_with_the_prefix_cache_shows_its_host_copies(capsys, tmp_path) -> None:
     """DeepSeek-V3.2 mini: with --enable-prefix-caching each request row's host bytes grow by
     its tokens' indexer keys (6 layers x 128 x 2 bytes per token), printed as their own line."""

@@ -192,7 +192,7 @@ def test_bench_bound_equals_plan_engine(monkeypatch, tmp_path) -> None:
     r, (p,) = json.loads(path.read_text()), json.loads(planned.read_text())
     assert r["max_model_len"] == 132 and r["memory_bound_max"] == p["max_requests"] >= 1
     assert r["memory_bound"] == p["limited_by"]
-    assert r["memory_plan"] == {k: v for k, v in p.items() if k not in ("model", "config")}
+    assert r["memory_plan"] == {k: v for k, v in p.items() if k not in ("model", "config", "tensor_parallel_size")}
 
 
 # -- DeepSeek-V3.2 (MLA + indexer + MoE) -------------------------------------------------------

@@ -158,6 +158,27 @@ def test_engine_admits_exactly_the_planned_number_of_requests(model, bound) -> N
     assert engine.scheduler.num_preemptions == 0  # the rows hold their requests to full length
 
 
+def test_captured_graphs_are_reserved_and_take_rows_where_the_device_binds(model) -> None:
+    """cuda_graphs / decode_graphs reserve the graphs' pools (memory.graph_bytes, sized for
+    max_num_seqs rows): a term of its own, subtracted from the device budget, in describe() and
+    as_dict(); on a device with room for exactly 3 rows without graphs, fewer fit with them."""
+    total = total_for(model, 3)
+    off = plan_for(model, device_total_bytes=total)
+    on = plan_for(model, device_total_bytes=total, cuda_graphs=True)
+    layers = plan_for(model, device_total_bytes=total, decode_graphs=True)
+    assert off.graph_bytes == 0 < layers.graph_bytes < on.graph_bytes
+    assert on.device_budget_bytes == off.device_budget_bytes - on.graph_bytes
+    assert on.requests_by_device < off.requests_by_device == 3 and on.num_seqs < off.num_seqs
+    # whole steps add the LM head's peak (hidden rows, logits in bf16/f32 alike here: float32)
+    # and the float32 logits buffer every step graph writes, for the 8 rows of max_num_seqs
+    rows, vocab, hidden = 8, TINY.vocab_size, TINY.hidden_size
+    assert on.graph_bytes - layers.graph_bytes >= rows * hidden * 4 + rows * vocab * 8 + rows * vocab * 4
+    assert plan_for(model, device_total_bytes=total, cuda_graphs=True, max_num_seqs=16).graph_bytes > on.graph_bytes
+    assert "captured graphs" in on.describe() and "captured graphs" not in off.describe()
+    assert on.as_dict()["graph_bytes"] == on.graph_bytes and off.as_dict()["graph_bytes"] == 0
+    assert all(len(line) <= 100 for line in on.describe().splitlines())
+
+
 def test_no_room_for_one_request_is_one_clear_error(model) -> None:
     config = EngineConfig(max_model_len=MAX_LEN, gpu_memory_utilization=U, device_memory_bytes=total_for(model, 0.5),
                           host_memory_bytes=2**40)

@@ -245,13 +245,15 @@ def decode_floor_bytes(llm: LLM, rows: Sequence[tuple[int, int]],
 def memory_plan(model: torch.nn.Module, sparse_config: SparseConfig, device: str | torch.device, *,
                 max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int,
                 gpu_memory_utilization: float | None = None, device_memory_bytes: int | None = None,
-                host_memory_bytes: int | None = None, kv_cache_dtype: str = "auto") -> EngineMemoryPlan | None:
+                host_memory_bytes: int | None = None, kv_cache_dtype: str = "auto", cuda_graphs: bool = False,
+                decode_graphs: bool = False) -> EngineMemoryPlan | None:
     """The engine's memory plan (`memory.plan_for`) for an engine of these settings built with
     `gpu_memory_utilization` (None: DEFAULT_GPU_MEMORY_UTILIZATION): the memory-bound maximum of
     a run whose own engine was sized without one. Call it before building that engine (on CUDA
     the plan measures the free memory, which the engine's pools would take). None on a device
     with no memory of its own to measure and no `device_memory_bytes` (the CPU): no bound.
-    kv_cache_dtype: the engine's (EngineConfig.kv_cache_dtype: "fp8" plans FlashMLA's rows)."""
+    kv_cache_dtype: the engine's (EngineConfig.kv_cache_dtype: "fp8" plans FlashMLA's rows);
+    cuda_graphs / decode_graphs: the engine's, whose captured graphs the plan reserves."""
     device = torch.device(device)
     if device.type != "cuda" and device_memory_bytes is None:
         return None
@@ -263,7 +265,8 @@ def memory_plan(model: torch.nn.Module, sparse_config: SparseConfig, device: str
                     max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                     max_num_seqs=max_num_seqs, dtype=dtype,
                     gpu_memory_utilization=gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
-                    device_memory_bytes=device_memory_bytes, host_memory_bytes=host_memory_bytes)
+                    device_memory_bytes=device_memory_bytes, host_memory_bytes=host_memory_bytes,
+                    cuda_graphs=cuda_graphs, decode_graphs=decode_graphs)
 
 
 # -- a run -------------------------------------------------------------------------------------

@@ -258,6 +258,9 @@ def engine_arguments(p: argparse.ArgumentParser, default_model_text: str) -> Non
     p.add_argument("--device-memory-gib", type=float, help="the device memory the plan takes its fraction of, GiB, "
                    "with --gpu-memory-utilization; bench: also of its memory-bound maximum (default: the CUDA "
                    "device's; the CPU has none of its own: give it there)")
+    p.add_argument("--no-warm-up", action="store_true",
+                   help="skip the start-up warm-up (on by default on CUDA with --cuda-graphs or --decode-graphs: "
+                   "every batch size's decode step compiled and captured before the first request)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="the KV store's rows: auto (the model's dtype; the default) or fp8 (MLA models with a "
                    "512 + 64 latent: FlashMLA's 656-byte FP8 rows on the device and the host; the backend must read "
@@ -266,11 +269,12 @@ def engine_arguments(p: argparse.ArgumentParser, default_model_text: str) -> Non
 
 def _kernel_options(args: argparse.Namespace) -> dict[str, Any]:
     """EngineConfig's kernel and loop choices from --prefill-attention, --kv-cache-dtype, --fused-ops,
-    --async-scheduling, --enable-prefix-caching."""
+    --async-scheduling, --enable-prefix-caching, --no-warm-up."""
     switch = {"auto": None, "on": True, "off": False}
     return {"prefill_attention": args.prefill_attention, "kv_cache_dtype": args.kv_cache_dtype,
             "fused_ops": switch[args.fused_ops], "async_scheduling": switch[args.async_scheduling],
-            "enable_prefix_caching": bool(getattr(args, "enable_prefix_caching", False))}
+            "enable_prefix_caching": bool(getattr(args, "enable_prefix_caching", False)),
+            "warm_up": False if getattr(args, "no_warm_up", False) else None}
 
 
 def engine_options(args: argparse.Namespace, max_model_len: int | None) -> dict[str, Any]:
@@ -448,11 +452,11 @@ def _print_outputs(console: Console, outs: list[RequestOutput], expected: list[l
         elif expected:
             want = expected[i][: len(o.token_ids)]
             extra = [f"{sum(a == b for a, b in zip(o.token_ids, want))}/{len(want)}"]
-        table.add_row(o.rid, str(len(o.prompt_token_ids)), str(len(o.token_ids)), o.finish_reason, ms(o.ttft), ms(o.tpot), *extra)
+        table.add_row(o.request_id, str(len(o.prompt_token_ids)), str(len(o.token_ids)), o.finish_reason, ms(o.ttft), ms(o.tpot), *extra)
     console.print(table)
     for o in outs:
         text = o.error if o.error else (o.text if o.text is not None else " ".join(map(str, o.token_ids)))
-        console.print(f"[bold]{o.rid}[/bold] ({o.finish_reason}): {text}", highlight=False)
+        console.print(f"[bold]{o.request_id}[/bold] ({o.finish_reason}): {text}", highlight=False)
     if expected and isinstance(expected[0], str):
         console.print("passkey: whether the answer holds the number hidden in the prompt (" + ", ".join(expected) + ")")
     elif expected:
@@ -505,7 +509,8 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
     if args.gpu_memory_utilization is None:  # the engine sizes by max_num_seqs; the bound is its plan at 0.9
         plan = memory_plan(model, config, args.device, max_model_len=max_model_len, max_num_batched_tokens=tokens,
                            max_num_seqs=spec.running, device_memory_bytes=memory["device_memory_bytes"],
-                           host_memory_bytes=memory["host_memory_bytes"], kv_cache_dtype=args.kv_cache_dtype)
+                           host_memory_bytes=memory["host_memory_bytes"], kv_cache_dtype=args.kv_cache_dtype,
+                           cuda_graphs=args.cuda_graphs, decode_graphs=args.decode_graphs)
         memory = {}
     reset_peak_memory(args.device)
     llm = LLM.from_model(model, config, max_num_seqs=spec.running, max_num_batched_tokens=tokens,

@@ -59,6 +59,7 @@ from .runner import PrefillChunk as RunnerChunk
 from .sampling import Sampler, SamplingParams, finished
 from .scheduler import FinishReason, Scheduler, Sequence, StepPlan
 from .token_ids import token_ids
+from .warm_up import WarmUpProgress, WarmUpReport, warm_up, warm_up_enabled
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,11 @@ class EngineConfig:
     656-byte FP8 rows, quantising the model's latents as it writes them, on the device and the
     host; `kv_store_dtype` maps it). enable_prefix_caching: reuse the K/V of cached prompt
     prefixes from the store's host pool (engine/prefix_cache.py; outputs are those of the cache
-    off, `Engine.prefix_cache.stats` counts the prefill tokens saved).
+    off, `Engine.prefix_cache.stats` counts the prefill tokens saved). warm_up: whether the
+    engine's owner (LLM, `serve`, generate, bench) runs `Engine.warm_up` before the first
+    request — every batch bucket's decode step compiled and captured (engine/warm_up.py);
+    None: on for a CUDA device with cuda_graphs or decode_graphs; True also forces it on the
+    CPU (eager steps only). The engine itself never runs it unasked.
 
     Memory (engine/memory.py, docs/engine.md "Memory"): gpu_memory_utilization (0 < u <= 1)
     sizes the pools from that fraction of the device's memory less the weights, one step's
@@ -121,6 +126,7 @@ class EngineConfig:
     device_memory_bytes: int | None = None
     tensor_parallel_size: int = 1
     kv_cache_dtype: str = "auto"
+    warm_up: bool | None = None
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
@@ -134,6 +140,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"EngineConfig.{name} must be None or >= 1, got {value}")
+        if self.warm_up not in (None, True, False):
+            raise ConfigError(f"EngineConfig.warm_up must be None, True or False, got {self.warm_up!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"EngineConfig.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                               f"got {self.kv_cache_dtype!r}")
@@ -286,6 +294,7 @@ class Engine:
                 gpu_memory_utilization=config.gpu_memory_utilization, device_memory_bytes=config.device_memory_bytes,
                 host_memory_bytes=host_bytes, max_prefill_chunk=config.max_prefill_chunk,
                 staging_tokens=config.staging_tokens, dtype=dtype, prefix_caching=config.enable_prefix_caching,
+                cuda_graphs=config.cuda_graphs, decode_graphs=config.decode_graphs,
             )
             log.info("%s", plan.describe())
             rows, device_tokens, host_tokens = plan.num_seqs, plan.device_capacity_tokens, plan.host_capacity_tokens
@@ -348,6 +357,22 @@ class Engine:
         # STEP_LOG_LIMIT steps only, so that a server's engine does not grow it forever
         self.step_log: deque[tuple[int, int, int, float]] = deque(maxlen=STEP_LOG_LIMIT)
         self._steps = 0
+        self.warm_up_report: WarmUpReport | None = None  # set by warm_up()
+
+    # -- warm start (engine/warm_up.py) ---------------------------------------------------------
+    @property
+    def wants_warm_up(self) -> bool:
+        """Whether EngineConfig.warm_up asks the owner to call `warm_up` before the first
+        request (None: a CUDA device with cuda_graphs or decode_graphs)."""
+        return warm_up_enabled(self.config, self.device)
+
+    def warm_up(self, progress: WarmUpProgress | None = None) -> WarmUpReport:
+        """Compile and capture every batch bucket's decode step over dummy requests, leaving
+        no request, page, cache entry or logged step behind (engine/warm_up.py); kept as
+        `warm_up_report` (with the graphs' measured bytes on CUDA). `progress(done, total,
+        label)` before each bucket and at the end. Only before the first request."""
+        self.warm_up_report = warm_up(self, progress)
+        return self.warm_up_report
 
     # -- tensor parallelism --------------------------------------------------------------------
     @staticmethod

@@ -20,6 +20,13 @@ it was trained to, and a memory plan the CPU holds at the default max_num_seqs (
 MiB of KV), where its max_position_embeddings (65536) would take 8x that. Other models default
 to their max_position_embeddings.
 
+Warm start: where `EngineConfig.warm_up` asks for it (None: a CUDA device with cuda_graphs or
+decode_graphs; `warm_up=False` turns it off), the constructor runs `Engine.warm_up` — every
+batch bucket's decode step compiled and captured, with a progress bar on stderr or the given
+`warm_up_progress(done, total, label)` — so that no first request pays for it.
+`defer_warm_up=True` leaves it to the caller (the server runs it on its engine thread, /health
+answering 503 meanwhile).
+
 `generate` holds a lock: calls from several threads run one after another (the engine serves
 one caller at a time), each with its own outputs. On any exception in it — Ctrl-C included —
 its requests still running are aborted (their pages freed) before the exception goes on, so
@@ -46,6 +53,7 @@ from .token_ids import token_ids
 from .models import EngineModel, load_model, load_reference
 from .models.catalog import resolve_model
 from .sampling import SamplingParams
+from .warm_up import WarmUpProgress, progress_bar
 
 DEFAULT_SPARSE = {"algorithm": "quest"}
 REFERENCE_MAX_MODEL_LEN = 8192  # the reference model's default max_model_len (module docstring)
@@ -104,6 +112,8 @@ class LLM:
         dtype: torch.dtype | str | None = None,
         device: str | torch.device = "cpu",
         tokenizer: Any | None = None,
+        warm_up_progress: WarmUpProgress | None = None,
+        defer_warm_up: bool = False,
         **engine_options: Any,
     ) -> None:
         if model is None:
@@ -116,16 +126,29 @@ class LLM:
             loaded = load_model(model, dtype, device)
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
         self._setup(loaded, tokenizer, sparse_config, engine_options)
+        self._warm_up(warm_up_progress, defer_warm_up)
 
     @classmethod
     def from_model(
         cls, model: EngineModel, sparse_config: SparseConfig | dict[str, Any] | str | None = None, *,
-        tokenizer: Any | None = None, **engine_options: Any,
+        tokenizer: Any | None = None, warm_up_progress: WarmUpProgress | None = None, defer_warm_up: bool = False,
+        **engine_options: Any,
     ) -> LLM:
         """An LLM over a model already built (e.g. `random_model` for benchmarks)."""
         llm = cls.__new__(cls)
         llm._setup(model, tokenizer, sparse_config, engine_options)
+        llm._warm_up(warm_up_progress, defer_warm_up)
         return llm
+
+    def _warm_up(self, progress: WarmUpProgress | None, defer: bool) -> None:
+        """The engine's warm-up where its config asks for it, unless deferred (module docstring)."""
+        if defer or not self.engine.wants_warm_up:
+            return
+        if progress is not None:
+            self.engine.warm_up(progress)
+            return
+        with progress_bar() as bar:
+            self.engine.warm_up(bar)
 
     def _setup(self, model: EngineModel, tokenizer: Any | None, sparse_config: Any, engine_options: dict[str, Any]) -> None:
         self.model, self.tokenizer = model, tokenizer

@@ -5,6 +5,7 @@ model needs to run; the engine does the same for the SparseCoordinator's pools:
 
     device budget = gpu_memory_utilization x total device memory
                     - weights - activations of one step - prefill staging
+                    - captured decode graphs (cuda_graphs / decode_graphs: `graph_bytes`)
                     - memory already taken by others (CUDA context, other processes)
     requests by device = device budget // device bytes of one request row
     requests by host   = host budget // host bytes of one request row
@@ -39,6 +40,12 @@ a prefill chunk expands its whole staged prefix per head). They do not depend on
 the device type, so `sparse-framework plan --engine` and an engine on the GPU agree; on the CPU
 the math SDPA also materialises the chunk's scores, which the estimate leaves out (the CPU
 runs the tiny test models).
+
+Graphs are estimated too (`graph_bytes`, docs/engine.md "Warm start"): captured graphs draw
+from memory pools of their own that eager steps cannot reuse, so they are a term beside the
+activations, not inside them. Every whole-step capture shares one pool (step_graphs.py), which
+grows to the largest capture's peak: a decode-only step of max_num_seqs rows (the largest
+batch bucket the warm-up captures), plus the float32 logits buffer the graphs write into.
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # `plan --engine`'s and the benchmarks' fr
 HOST_MEMORY_FRACTION = 0.8  # of MemAvailable, when no host_memory_bytes is given
 SAMPLER_BYTES_PER_LOGIT = 64  # a full sort of int64 keys and the float32 scratch of top-k/top-p
 SELECTION_BYTES_PER_UNIT = 8  # a decode row's float32 score and int32 index per selection unit
+LAYER_GRAPHS_PER_LAYER = 4  # the coordinator's per-layer decode graphs kept (its max_graphs default)
 
 
 @dataclass(frozen=True)
@@ -99,6 +107,7 @@ class EngineMemoryPlan:
     device_pool_bytes: int
     host_pool_bytes: int
     prefix_cache_host_bytes: int = 0  # what a prefix cache keeps beside the host pool (its limit)
+    graph_bytes: int = 0  # captured decode graphs' memory pools (an estimate: `graph_bytes`); 0 without graphs
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -114,7 +123,8 @@ class EngineMemoryPlan:
         budget = self.device_budget_bytes
         left = f"leaves {_gib(budget)}" if budget >= 0 else f"leaves nothing ({_gib(-budget)} short)"
         advice = ("Raise gpu_memory_utilization (at most 1) or host_memory_bytes, or lower max_model_len or "
-                  "max_num_batched_tokens")
+                  "max_num_batched_tokens" + (" (or max_num_seqs: the captured graphs are sized for it)"
+                                              if self.graph_bytes else ""))
         if self.weight_bytes >= self.gpu_memory_utilization * self.device_total_bytes:
             advice = (f"The weights alone need more than the {_gib(self.gpu_memory_utilization * self.device_total_bytes)} "
                       "the plan may use: a device with more memory, or tensor_parallel_size > 1")
@@ -122,7 +132,8 @@ class EngineMemoryPlan:
             f"no request of max_model_len={self.max_model_len} fits: gpu_memory_utilization="
             f"{self.gpu_memory_utilization:g} of {_gib(self.device_total_bytes)} device memory {left} "
             f"for the store after the weights ({_gib(self.weight_bytes)}), "
-            f"activations ({_gib(self.activation_bytes)}), prefill staging ({_gib(self.staging_bytes)}) and memory "
+            f"activations ({_gib(self.activation_bytes)}), prefill staging ({_gib(self.staging_bytes)}), "
+            f"captured graphs ({_gib(self.graph_bytes)}) and memory "
             f"in use by others ({_gib(self.device_other_bytes)}); one request needs "
             f"{_gib(self.device_bytes_per_request)} of device pools{host}. {advice}"
         )
@@ -144,6 +155,8 @@ class EngineMemoryPlan:
             f" = {_gib(int(self.gpu_memory_utilization * self.device_total_bytes))}",
             f"          - weights {_gib(self.weight_bytes)} - activations {_gib(self.activation_bytes)}"
             f" - others {_gib(self.device_other_bytes)}",
+            *([f"          - captured graphs {_gib(self.graph_bytes)} (estimated: the largest decode bucket)"]
+              if self.graph_bytes else []),
             f"          - prefill staging {_gib(self.staging_bytes)} ({self.staging_tokens:,} tokens)"
             f" = {_gib(self.device_budget_bytes)} for the store",
             f"          / {_gib(self.device_bytes_per_request)} per request = {self.requests_by_device}",
@@ -190,6 +203,45 @@ def activation_bytes(
     logits = t * h * itemsize + logits_rows * model.vocab_size * (itemsize + 4 + SAMPLER_BYTES_PER_LOGIT)
     handover = 3 * max_model_len * model.num_kv_heads * model.head_dim * itemsize
     return layer, logits, handover
+
+
+def graph_bytes(
+    model: ModelConfig, layout: KVLayout, itemsize: int, *, rows: int, selection_units: int, selected_tokens: int,
+    streams: int, cuda_graphs: bool, decode_graphs: bool,
+) -> int:
+    """Device bytes captured decode graphs keep (an estimate; 0 with neither switch on).
+
+    Whole decode steps (cuda_graphs, engine/step_graphs.py): every capture draws from one
+    memory pool shared by all of them (a capture reuses what the captures before it freed), so
+    the pool grows to the largest capture's peak, a decode-only step of `rows` rows (the
+    largest batch bucket: max_num_seqs; the warm-up captures it first). That peak is taken
+    from `activation_bytes` for `rows` tokens with no prefill chunk (no chunk mask, no MLA
+    prefix expanded): one layer's working set, or the LM head's (the hidden rows, the logits
+    in the model's dtype and in float32), whichever is larger. Beside the pool: the one
+    float32 [rows, vocab] buffer every step graph writes its logits into.
+
+    Per-layer decode graphs (decode_graphs, and cuda_graphs too, whose steps with prefill
+    chunks run their decode rows through them; decode_graphs.py): one more shared pool, at
+    most one layer's working set, and each graph kept (LAYER_GRAPHS_PER_LAYER per layer)
+    keeps its attention output, [rows, heads, head_dim], and its metadata: per row and stream
+    the selection's `selected_tokens` slots and the adaptor's plan over them (int32 each).
+
+    Assumptions (what a GPU run must check against `Engine.warm_up_report`): a captured step
+    frees each layer's temporaries before the next layer's, as an eager step does, so the
+    pool peaks at one layer as the activations do; kernels' own workspaces (cuBLAS, Triton
+    scratch) and the graphs' small per-capture tensors (inputs, host-write offsets) are not
+    counted, nor an algorithm's decode scratch beyond its selection scores."""
+    if not (cuda_graphs or decode_graphs):
+        return 0
+    # a decode-only step: no prefill chunk, so no chunk mask and (MLA) no expanded prefix
+    layer, _, _ = activation_bytes(model, itemsize, tokens=rows, logits_rows=rows, chunk_tokens=0, max_model_len=0,
+                                   selection_units=selection_units)
+    kept = rows * (model.num_heads * layout.head_dim * itemsize + streams * selected_tokens * 2 * 4)
+    total = layer + LAYER_GRAPHS_PER_LAYER * layout.num_layers * kept
+    if cuda_graphs:
+        head = rows * model.hidden_size * itemsize + rows * model.vocab_size * (itemsize + 4)
+        total += max(layer, head) + rows * model.vocab_size * 4
+    return total
 
 
 def mla_attention_bytes(
@@ -273,6 +325,8 @@ def plan_engine_memory(
     staging_tokens: int | None = None,
     dtype: torch.dtype | None = None,
     prefix_caching: bool = False,
+    cuda_graphs: bool = False,
+    decode_graphs: bool = False,
 ) -> EngineMemoryPlan:
     """The engine's pools for a model, its KV layout and a sparse config (module docstring).
 
@@ -283,8 +337,10 @@ def plan_engine_memory(
     EngineConfig's. dtype: the model's (activations, prefill staging and the sliding ring; None:
     the layout's, bfloat16 for an fp8 one, whose rows only the store keeps). prefix_caching: the
     ring keeps a page beyond the window, and each request row's host bytes include what the
-    cache keeps outside the host pool (`prefix_cache_host_bytes`). Not one request fitting is not
-    an error here: `EngineMemoryPlan.check`."""
+    cache keeps outside the host pool (`prefix_cache_host_bytes`). cuda_graphs / decode_graphs:
+    the captured graphs' pools are reserved (`graph_bytes`, sized for max_num_seqs rows: the
+    row count the plan is choosing cannot size them). Not one request fitting is not an error
+    here: `EngineMemoryPlan.check`."""
     tokens = max(max_num_batched_tokens, max_num_seqs)  # the scheduler's step never exceeds this
     rows_sampled = min(max_num_seqs, tokens)
     chunk = min(max_prefill_chunk or tokens, tokens, max_model_len)
@@ -303,7 +359,11 @@ def plan_engine_memory(
     staging = staged * PrefillStaging.bytes_per_token(compute, index_dim) + _query_tail_bytes(config, model, compute, staged)
     other = 0 if device_free_bytes is None else max(0, device_total_bytes - device_free_bytes - weight_bytes)
     activations = max(layer, logits, handover)
-    budget = int(gpu_memory_utilization * device_total_bytes) - weight_bytes - activations - staging - other
+    graphs = graph_bytes(model, compute, itemsize, rows=max_num_seqs,
+                         selection_units=streams * cdiv(max_model_len, unit),
+                         selected_tokens=min(algo.max_selected_tokens(config), max_model_len), streams=streams,
+                         cuda_graphs=cuda_graphs, decode_graphs=decode_graphs)
+    budget = int(gpu_memory_utilization * device_total_bytes) - weight_bytes - activations - staging - other - graphs
     per_device, per_host = request_bytes(config, layout, max_model_len)
     per_device += model.sliding_ring_bytes(  # sliding layers' ring row
         compute_dtype, max_model_len, config.page_size if prefix_caching else 0)
@@ -328,7 +388,7 @@ def plan_engine_memory(
         limited_by="device" if by_host is None or by_device <= by_host else "host", num_seqs=rows,
         device_capacity_tokens=device_tokens, host_capacity_tokens=host_tokens,
         device_pool_bytes=rows * per_device, host_pool_bytes=rows * pool_per_host,
-        prefix_cache_host_bytes=rows * side if pool_per_host else 0,
+        prefix_cache_host_bytes=rows * side if pool_per_host else 0, graph_bytes=graphs,
     )
 
 
@@ -370,7 +430,8 @@ def plan_for(
     and before the pools are allocated, so that free memory counts neither twice). `settings`
     are plan_engine_memory's EngineConfig arguments (max_model_len, max_num_batched_tokens,
     max_num_seqs, gpu_memory_utilization, host_memory_bytes, max_prefill_chunk,
-    staging_tokens, dtype, prefix_caching); the Engine calls this with its own."""
+    staging_tokens, dtype, prefix_caching, cuda_graphs, decode_graphs); the Engine calls this
+    with its own."""
     total, free = device_memory(torch.device(device), device_memory_bytes)
     return plan_engine_memory(model, layout, config, weight_bytes=weight_bytes_of(parameters),
                               device_total_bytes=total, device_free_bytes=free, **settings)  # type: ignore[arg-type]

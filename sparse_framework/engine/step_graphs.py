@@ -15,6 +15,16 @@ device→host writes, queued in Python during the capture, are queued again afte
 (`SparseCoordinator.step_replayed`). A key seen for the first time runs eagerly (warm-up:
 compilation and lazily allocated buffers stay outside any capture), the second time it is
 captured. A failed capture is an error naming the switch (the step cannot be completed).
+`Engine.warm_up` (engine/warm_up.py) runs those two sightings for every batch size before the
+first request, largest first.
+
+Memory: every capture draws from one pool (`torch.cuda.graph(..., pool=...)`, as vLLM's do), so
+the graphs together take about the largest capture's peak instead of one peak each; capturing
+the largest batch first lets the smaller captures reuse its blocks. Sharing is safe because
+nothing a graph leaves in the pool is read after another graph's replay: the logits are
+written into one buffer outside the pool (`_output`; copied out right after the replay), and
+the store's host-write offsets are consumed by `forward_end` of the same step, in stream
+order, before any later replay. The memory plan reserves the pool (memory.py `graph_bytes`).
 """
 
 from __future__ import annotations
@@ -34,20 +44,28 @@ class _Step:
     token_ids: torch.Tensor | None = None
     positions: torch.Tensor | None = None
     rows: torch.Tensor | None = None  # every input the graph reads must outlive it
-    logits: torch.Tensor | None = None
+    logits: torch.Tensor | None = None  # a view of the logits buffer every graph shares (`_output`)
     host_writes: list | None = None
 
 
-class StepGraphs:
-    """Captured decode steps of one runner, least recently used dropped past `max_graphs`."""
+EXTRA_GRAPHS = 16  # graphs kept beyond one per batch size (other context widths, dense rows)
 
-    def __init__(self, coordinator: Any, max_graphs: int = 16) -> None:
+
+class StepGraphs:
+    """Captured decode steps of one runner, least recently used dropped past `max_graphs`
+    (None: one per batch size of the coordinator's rows, twice — all-sparse and all-dense
+    rows, which the warm-up captures — plus EXTRA_GRAPHS for later context widths)."""
+
+    def __init__(self, coordinator: Any, max_graphs: int | None = None) -> None:
         if coordinator.graphs is None:
             raise ValueError("whole-step graphs need the coordinator's decode_graphs=True (static step tensors)")
         self.coord = coordinator
-        self.max_graphs = max_graphs
+        self.rows = int(getattr(coordinator.store, "max_requests", 1))
+        self.max_graphs = max_graphs if max_graphs is not None else 2 * self.rows + EXTRA_GRAPHS
         self._steps: OrderedDict[tuple, _Step] = OrderedDict()
         self._seen: set[tuple] = set()
+        self._pool: Any = None  # the captures' shared memory pool (made at the first capture)
+        self._logits: torch.Tensor | None = None  # [rows, vocab] float32: every graph's output
         self.eager = self.captures = self.replays = 0
 
     def run(
@@ -73,12 +91,17 @@ class StepGraphs:
         step.graph.replay()
         self.replays += 1
         self.coord.step_replayed(batch, step.host_writes)
-        return step.logits.clone()
+        return step.logits.clone()  # before any other graph's replay (module docstring)
 
     def _eager(self, forward: Callable[..., torch.Tensor], token_ids: torch.Tensor, positions: torch.Tensor,
                rows: torch.Tensor) -> torch.Tensor:
         self.eager += 1
-        return forward(token_ids, positions, rows)
+        logits = forward(token_ids, positions, rows)
+        buffer = self._logits
+        if buffer is None or buffer.shape[0] < logits.shape[0] or buffer.shape[1:] != logits.shape[1:] \
+                or buffer.dtype != logits.dtype:  # (graphs captured before keep a view of the old one)
+            self._logits = logits.new_empty((max(self.rows, logits.shape[0]), *logits.shape[1:]))
+        return logits
 
     def _capture(self, key: tuple, forward: Callable[..., torch.Tensor], token_ids: torch.Tensor,
                  positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -86,14 +109,20 @@ class StepGraphs:
         reads its own copies of the inputs, kept with it."""
         ids, pos, rows = token_ids.clone(), positions.clone(), rows.clone()
         store, graphs = self.coord.store, self.coord.graphs
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         mark = store.pending_mark()
         graph = torch.cuda.CUDAGraph()
         graphs.inline = True
+        out: torch.Tensor | None = None
         try:
-            # a private memory pool per graph: graphs of a shared pool may only be replayed in
-            # the order they were captured, and compositions come and go in any order
-            with torch.cuda.graph(graph):
+            # one pool for every capture: what a graph leaves there is consumed before any
+            # other graph replays (module docstring), so the order of replays does not matter
+            with torch.cuda.graph(graph, pool=self._pool):
                 logits = forward(ids, pos, rows)
+                out = self._output(logits)
+                out.copy_(logits)
+            del logits  # its blocks go back to the pool for the next capture
         except Exception as exc:  # a kernel that synchronises with the host, say
             # the capture's hooks ran but no kernel did: this step cannot be completed (the
             # runner abandons it); the shape stays eager from then on
@@ -106,11 +135,23 @@ class StepGraphs:
         finally:
             graphs.inline = False
         host_writes = store.take_pending(mark)
+        assert out is not None
         self.captures += 1
-        self._steps[key] = _Step(graph, ids, pos, rows, logits, host_writes)
+        self._steps[key] = _Step(graph, ids, pos, rows, out, host_writes)
         while len(self._steps) > self.max_graphs:
             self._steps.popitem(last=False)
         graph.replay()  # this step's work: the capture only recorded it
         self.replays += 1
         store.queue_pending(host_writes)
-        return logits.clone()
+        return out.clone()
+
+    def _output(self, logits: torch.Tensor) -> torch.Tensor:
+        """Where a graph writes its logits: the first rows of the buffer `_eager` made (one
+        float32 [rows, vocab] for every graph, outside the pool, so that no graph keeps logits
+        of its own in the pool; under capture an allocation would land in the pool)."""
+        buffer = self._logits
+        if buffer is None or buffer.shape[0] < logits.shape[0] or buffer.shape[1:] != logits.shape[1:] \
+                or buffer.dtype != logits.dtype:
+            raise RuntimeError("cuda_graphs: no logits buffer for this step (a key is captured only after an "
+                               "eager run of it, which makes the buffer)")
+        return buffer[: logits.shape[0]]

@@ -161,7 +161,11 @@ async def health(request: Request) -> Response:
     if loop.broken is not None:
         return JSONResponse({"status": "broken", "reason": loop.broken}, 503)
     if not loop.ready.is_set():
-        return JSONResponse({"status": "starting"}, 503)
+        body: dict[str, Any] = {"status": "starting"}
+        if loop.warm_up_progress is not None:  # the engine warm-up's bucket, while it runs
+            done, total, label = loop.warm_up_progress
+            body["warm_up"] = {"done": done, "total": total, "label": label}
+        return JSONResponse(body, 503)
     return JSONResponse({"status": "ok"})
 
 

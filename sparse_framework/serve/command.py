@@ -23,7 +23,8 @@ from ..engine.llm import LLM
 SERVE_HELP = """\
 An OpenAI-compatible HTTP server over one engine (docs/serve.md): POST /v1/completions and
 /v1/chat/completions (stream: true for server-sent events, one chunk per token), GET /v1/models,
-/health (200 once warmed up) and /metrics (Prometheus).
+/health (200 once warmed up: on CUDA with --cuda-graphs or --decode-graphs every batch size's
+decode step is compiled and captured first, --no-warm-up skips that) and /metrics (Prometheus).
 
   sparse-framework serve                                  # smollm2-135m-instruct if installed
   sparse-framework serve --model reference --port 8000    # the toy model: prompts are token ids
@@ -79,9 +80,11 @@ def run(args: argparse.Namespace) -> int:
 def build_llm(model: str | None, config: Any = None, *, device: str = "cpu", dtype: str | None = None,
               **engine_options: Any) -> tuple[LLM, str]:
     """The LLM `generate` would build for --model (None: its default; "reference": the toy)
-    and its name in the API."""
+    and its name in the API. Its engine is not warmed up yet: the server's loop does that on its
+    own thread (/health answers 503 meanwhile)."""
     name, checkpoint, sparse, max_model_len = engine_command.model_setup(model, config, engine_options.pop("max_model_len", None))
-    llm = LLM(checkpoint, sparse, dtype=dtype, device=device, max_model_len=max_model_len, **engine_options)
+    llm = LLM(checkpoint, sparse, dtype=dtype, device=device, max_model_len=max_model_len, defer_warm_up=True,
+              **engine_options)
     served = REFERENCE_NAME if name is None else (name if not Path(name).exists() else Path(name).name)
     return llm, served
 
@@ -111,7 +114,7 @@ def serve(model: str | None = None, config: Any = None, *, llm: LLM | None = Non
     name = served_model_name or name
     engine = llm.engine
     metrics = ServerMetrics(name)
-    loop = EngineLoop(engine, on_finished=metrics.observe)
+    loop = EngineLoop(engine, on_finished=metrics.observe, warm_up_bar=True)
     metrics.attach(loop)
     max_model_len = engine.scheduler.max_model_len or engine.model_config.max_position_embeddings
     state = ServerState(llm, name, loop, metrics, max_waiting, max_model_len)

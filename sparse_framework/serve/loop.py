@@ -16,6 +16,12 @@ with finish_reason "error" and the reason (Engine._fail_step; the server answers
 frees their pages and serves on; requests the step did not touch (waiting, preempted) go on.
 Only an exception out of `Engine.step()` itself (tensor parallelism, or a bug) marks the server
 broken: every request is aborted and it answers 503 until restarted.
+
+Start-up runs on the loop thread before `ready` is set (so /health answers 503 until then):
+the engine's warm-up where its config asks for it and it has not run yet (`Engine.warm_up`:
+every batch bucket's decode step compiled and captured; its progress is in `warm_up_progress`
+for /health, in the log, and in a progress bar with `warm_up_bar`), then one short request
+through the whole path.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Any
 
 from ..engine.engine import PENDING, STEP_FAILED, Engine, RequestOutput
 from ..engine.sampling import SamplingParams
+from ..engine.warm_up import bar_text, progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +84,16 @@ class EngineLoop:
     """One background thread stepping `engine`; thread-safe `submit`, `abort` and `snapshot`.
 
     on_finished(output): called on the loop thread for each request's engine output (the
-    app's Prometheus counters), the warm-up request excepted."""
+    app's Prometheus counters), the warm-up request excepted. warm_up_bar: draw the engine
+    warm-up's progress bar on stderr (the `serve` command)."""
 
-    def __init__(self, engine: Engine, on_finished: Callable[[RequestOutput], None] | None = None) -> None:
+    def __init__(self, engine: Engine, on_finished: Callable[[RequestOutput], None] | None = None, *,
+                 warm_up_bar: bool = False) -> None:
         self.engine = engine
         self._on_finished = on_finished
+        self._warm_up_bar = warm_up_bar
+        # (done, total, label) of the engine warm-up while it runs (read by /health)
+        self.warm_up_progress: tuple[int, int, str] | None = None
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -144,8 +156,18 @@ class EngineLoop:
                 self._publish(force_stats=True)
 
     def _warm_up(self) -> None:
-        """One short greedy request through the whole path (prefill, decode, sampling), so that
-        /health says ready only once a step has run; it counts in no metric."""
+        """The engine's warm-up (module docstring), then one short greedy request through the
+        whole path (prefill, decode, sampling), so that /health says ready only once a step has
+        run; it counts in no metric."""
+        engine = self.engine
+        if engine.wants_warm_up and engine.warm_up_report is None:
+            with progress_bar(self._warm_up_bar) as bar:
+                def progress(done: int, total: int, label: str) -> None:
+                    self.warm_up_progress = (done, total, label)
+                    log.info("%s", bar_text(done, total, label))
+                    bar(done, total, label)
+
+                engine.warm_up(progress)
         rid = "warm-up"
         self.engine.add_request(rid, [0, 1], SamplingParams(max_tokens=2, temperature=0.0))
         for _ in range(64):  # bounded: a 2-token prompt and 2 tokens take a few steps
