@@ -19,6 +19,7 @@ import torch
 from .common.layout import KVLayout
 from .config import SparseConfig, dense_layer_set
 from .kv_store.device_pools import buffer_pages, row_share_pages
+from .kv_store.fp8_host import host_bytes_per_token_per_layer
 
 PRESETS: dict[str, KVLayout] = {
     "llama-3-8b": KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16),
@@ -85,7 +86,7 @@ def plan_capacity(
     resident = layout.num_layers * full * per_layer
     buffer_kv = sparse_layers * share * per_layer + dense_layers * full * per_layer
     device = buffer_kv + maps + representation
-    host = layout.num_layers * full * per_layer
+    host = layout.num_layers * full * host_bytes_per_token_per_layer(layout, config.host_kv_dtype)  # fp8: ~half
     by_device, by_host = gpu_bytes // device, host_bytes // host
     return CapacityPlan(
         context_len=context_len,

@@ -21,7 +21,7 @@ from rich.table import Column, Table
 from rich.text import Text
 
 from . import registry
-from .dense_fallback import DENSE_LAYER, DENSE_REQUEST
+from .dense_fallback import COST_POLICY, DENSE_LAYER, DENSE_REQUEST
 from .engine.loop import RequestResult
 from .capacity import CapacityPlan
 
@@ -134,13 +134,21 @@ def new_table(title: str, caption: str | None = None, tight: bool = False, drop:
 
 def mode_label(r: RequestResult) -> str:
     """How a request decoded: "sparse", "sparse, 2/32 layers dense", "dense: prompt < 2048",
-    or "dense: every layer dense"."""
+    "dense: cost policy" (sparse_policy "cost" judged dense cheaper at admission), or "dense:
+    every layer dense"."""
     if r.dense_reason is not None:
+        if _cost_policy(r):
+            return "dense: cost policy"
         return f"dense: prompt < {r.config.get('min_sparse_prompt_len', '?')}"
     dense = len(r.dense_layers)
     if r.num_layers and dense >= r.num_layers:
         return "dense: every layer dense"
     return f"sparse, {dense}/{r.num_layers} layers dense" if dense else "sparse"
+
+
+def _cost_policy(r: RequestResult) -> bool:
+    """Whether the run's config decides dense by the cost model (min_sparse_prompt_len unused)."""
+    return r.config.get("sparse_policy") == "cost"
 
 
 def run_table(results: list[RequestResult]) -> Table:
@@ -180,9 +188,15 @@ def _batch_caption(results: list[RequestResult]) -> str:
         f"dense decode layer-steps: {dense} of {steps}"
         + (" (" + ", ".join(f"{k} {v}" for k, v in sorted(by_reason.items())) + ")" if by_reason else ""),
     ]
-    if by_reason.get(DENSE_REQUEST):
+    if by_reason.get(DENSE_REQUEST) and _cost_policy(r):
+        lines.append(f"  {DENSE_REQUEST}: the cost policy (sparse_policy \"cost\") found dense cheaper at "
+                     "admission: decoded densely")
+    elif by_reason.get(DENSE_REQUEST):
         lines.append(f"  {DENSE_REQUEST}: prompt shorter than min_sparse_prompt_len "
                      f"({r.config.get('min_sparse_prompt_len')}): decoded densely")
+    if by_reason.get(COST_POLICY):
+        lines.append(f"  {COST_POLICY}: requests or decode steps the cost model found cheaper dense "
+                     "(docs/engine.md, 'Sparse only when it pays')")
     if by_reason.get(DENSE_LAYER):
         lines.append(f"  {DENSE_LAYER}: layers {r.dense_layers} attend densely (config dense_layers "
                      "and the algorithm's own, e.g. Quest's extra.dense_first_layers)")

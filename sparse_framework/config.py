@@ -16,7 +16,9 @@ from os import PathLike
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_serializer, model_validator,
+)
 
 from . import registry
 from .common.errors import ConfigError, PluginError
@@ -25,6 +27,12 @@ if TYPE_CHECKING:
     from .adaptors.base import BackendAdaptor
     from .algorithms.base import SparseAlgorithm
     from .backends.base import AttentionBackend
+
+# the cost policy's constants (sparse_policy.py): fitted by benchmarks/sparse_policy_fit.py on the
+# committed H100 measurements (benchmarks/results/sparse_policy_fit.json; docs/engine.md)
+HBM_TB_S = 3.0  # the H100's measured copy ceiling (DESIGN.md)
+OVERHEAD_US = 27.9  # µs per sparse layer-step at batch 1
+OVERHEAD_GROWTH_US = 1.1  # µs more per further request selecting in the same step
 
 
 class SparseConfig(BaseModel):
@@ -53,10 +61,38 @@ class SparseConfig(BaseModel):
     sink_tokens: int = Field(16, ge=0, description="first tokens of every sequence, always selected")
     recent_tokens: int = Field(64, ge=0, description="last tokens of every sequence, always selected")
     min_sparse_prompt_len: int = Field(
-        2048, ge=0, description="prompts shorter than this decode densely"
+        2048, ge=0, description="prompts shorter than this decode densely (sparse_policy 'always')"
+    )
+    sparse_policy: Literal["always", "cost"] = Field(
+        "always",
+        description="always: sparse wherever min_sparse_prompt_len allows; cost: sparse only where the cost "
+        "model says it reads less than dense, min_sparse_prompt_len not consulted: per request at admission "
+        "(hierarchical store: a dense one stays whole on the device), per decode step for the resident "
+        "store (docs/engine.md, 'Sparse only when it pays')",
+    )
+    policy_hbm_tb_s: float = Field(
+        HBM_TB_S, gt=0, description="cost policy: HBM bandwidth, TB/s, at which a step's K/V and "
+        "representation bytes are read (the H100's measured 3.0)",
+    )
+    policy_overhead_us: float = Field(
+        OVERHEAD_US, ge=0, description="cost policy: fixed µs of one sparse layer-step at batch 1 (scoring, "
+        "top-k, residency, launches); fitted on H100 measurements (benchmarks/sparse_policy_fit.py)",
+    )
+    policy_overhead_growth_us: float = Field(
+        OVERHEAD_GROWTH_US, ge=0, description="cost policy: µs the sparse layer-step's overhead grows "
+        "per further request selecting in the same step (fitted as policy_overhead_us)",
     )
     dense_layers: list[int] = Field(
         default_factory=list, description="layer indices that always attend densely"
+    )
+    host_kv_dtype: Literal["auto", "fp8_e4m3"] = Field(
+        "auto",
+        description="dtype of the hierarchical store's host tier. auto: the layout's (the device buffer's); "
+        "fp8_e4m3: K and V rows as float8_e4m3fn with a power-of-two scale per token and KV head "
+        "(absmax / 448, one exponent byte), dequantised to the layout's dtype when copied into the device "
+        "buffer: about half the host bytes of bf16 (head_dim 128: 0.504x), so about twice the requests the "
+        "host bounds; attention reads the fp8 round trip of every token that came back from the host. MHA/GQA "
+        "layouts in a non-fp8 dtype only (refused: the resident store, MLA and fp8 layouts)",
     )
     extra: dict[str, Any] = Field(
         default_factory=dict, description="the algorithm's own options (see its schema)"
@@ -72,6 +108,25 @@ class SparseConfig(BaseModel):
         if len(set(layers)) != len(layers):
             raise ValueError(f"layer indices must be unique, got {layers}")
         return sorted(layers)
+
+    @field_validator("host_kv_dtype")
+    @classmethod
+    def _host_tier(cls, host_kv_dtype: str, info: Any) -> str:
+        # the resident store has no host tier to shrink (the layout's checks are the store's)
+        if host_kv_dtype != "auto" and info.data.get("store") == "resident":
+            raise ValueError("the resident store keeps no host tier; use store 'hierarchical' or host_kv_dtype 'auto'")
+        return host_kv_dtype
+
+    @model_serializer(mode="wrap")
+    def _drop_default_host_dtype(self, handler: Any) -> dict[str, Any]:
+        # stored results key each cell by its dumped config (eval/experiment.py): the default
+        # leaves the dump as it was before the field existed, so those keys stay valid
+        data = handler(self)
+        if isinstance(data, dict):
+            for name, default in _DUMPED_ONLY_IF_SET.items():
+                if name in data and data[name] == default:
+                    del data[name]
+        return data
 
     @field_validator("page_size")
     @classmethod
@@ -171,6 +226,13 @@ class SparseConfig(BaseModel):
         assert self._extra_model is not None  # set by the validator; never None after construction
         return self._extra_model
 
+
+# fields added after results were stored keyed by the dumped config (eval/experiment.py): left
+# out of the dump at their defaults, so that those keys stay valid
+_DUMPED_ONLY_IF_SET: dict[str, Any] = {
+    "host_kv_dtype": "auto", "sparse_policy": "always", "policy_hbm_tb_s": HBM_TB_S,
+    "policy_overhead_us": OVERHEAD_US, "policy_overhead_growth_us": OVERHEAD_GROWTH_US,
+}
 
 MAX_CONTEXT_TOKENS = 2**31 - 1  # positions and selections are int32: no context is longer
 

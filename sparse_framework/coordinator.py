@@ -39,16 +39,14 @@ from .common.batch import Batch, Request, Selection
 from .config import SparseConfig, dense_layer_set, load_config
 from .decode_graphs import DecodeGraphs, signature
 from .common.errors import CapacityError, ConfigError, LimitError
-from .dense_fallback import SHORT_PROMPT, DenseTally
+from .dense_fallback import REQUESTED_DENSE as REQUESTED_DENSE, DenseTally  # the name stays importable here
 from .footprint import check_footprint, reraise_allocation_error
 from .step_order import StepOrder
 from .kv_store.hierarchical import HierarchicalKVStore
 from .causal_prefill import causal_prefill
 from .common.layout import KVLayout
 from .coordinator_inputs import check_model_inputs, check_qkv, input_dtypes, query_tail_rows
-
-
-REQUESTED_DENSE = "requested dense (sparse=False)"  # dense_report's reason for a request that asked
+from .sparse_policy import SparsePolicy
 
 
 @dataclass
@@ -151,6 +149,7 @@ class SparseCoordinator:
             host_capacity_tokens=host_capacity_tokens,
             min_sparse_prompt_len=cfg.min_sparse_prompt_len,
             resident_only=cfg.store == "resident",
+            host_kv_dtype=cfg.host_kv_dtype,
         )
         self.max_seq_len = max_seq_len
         self._heads = layout.num_kv_heads if self.algorithm.per_kv_head else 1
@@ -162,6 +161,8 @@ class SparseCoordinator:
         self._input_dtypes = input_dtypes(layout)
         # requests and decode layer-steps that attended densely, and why (`dense_report`)
         self.dense_tally = DenseTally()
+        self.policy = SparsePolicy(self.config, layout, max_requests=max_requests, max_seq_len=max_seq_len)
+        self._step_dense = False  # forward_begin: the policy made this step's selecting requests dense
         self._options: dict[int, AttentionOptions] = {}  # layers with softcap / sinks (set_attention_options)
         self.graphs: DecodeGraphs | None = None
         if decode_graphs:
@@ -202,14 +203,13 @@ class SparseCoordinator:
         return self.store.pool_stats()
 
     # -- request lifecycle ------------------------------------------------------------------
-    def decodes_densely(self, prompt_len: int, sparse: bool | None = None) -> bool:
+    def decodes_densely(self, prompt_len: int, sparse: bool | None = None, batch: int | None = None) -> bool:
         """Whether a request decodes densely (every token, every layer): `sparse` when the
         request says (False: dense; True: sparse even for a short prompt — every algorithm
-        selects within whatever context there is), else the config's rule, prompts shorter
-        than min_sparse_prompt_len. The one rule: an engine's budget asks it before admission."""
-        if sparse is None:
-            return prompt_len < self.config.min_sparse_prompt_len
-        return not sparse
+        selects within whatever context there is), else the config's rule (sparse_policy.py:
+        prompt < min_sparse_prompt_len, or the cost model for a request joining a batch of
+        `batch`, default the active requests + 1). An engine's budget asks it before admission."""
+        return self.policy.decodes_densely(prompt_len, sparse, batch, active=len(self.requests))[0]
 
     def on_request_begin(
         self, request: Request, cached_pages: torch.Tensor | None = None, *, sparse: bool | None = None
@@ -237,7 +237,7 @@ class SparseCoordinator:
             )
         request.slot = self._free_slots.pop()
         request.seq_len = 0
-        request.dense = self.decodes_densely(request.prompt_len, sparse)
+        request.dense, why = self.policy.decodes_densely(request.prompt_len, sparse, active=len(self.requests))
         cached = 0 if cached_pages is None else cached_pages.numel() * self.store.page_size
         if cached >= request.prompt_len:
             self._free_slots.append(request.slot)
@@ -252,7 +252,8 @@ class SparseCoordinator:
             request.slot = -1
             raise
         self.requests[request.rid] = request
-        self.dense_tally.admit(request.dense, SHORT_PROMPT if sparse is None else REQUESTED_DENSE)
+        self.policy.admitted(request, sparse, why)
+        self.dense_tally.admit(request.dense, why)
 
     def can_grow(self, requests: list[Request]) -> bool:
         """Whether a decode step of these active requests would find room for its new tokens
@@ -308,6 +309,7 @@ class SparseCoordinator:
             finally:
                 self._free_slots.append(request.slot)
                 request.slot = -1
+                self.policy.release(request)
 
     # -- step -----------------------------------------------------------------------------
     def forward_begin(self, batch: Batch) -> None:
@@ -336,8 +338,11 @@ class SparseCoordinator:
             if not batch.is_prefill:
                 self.store.grow(batch)  # all or nothing; pages kept on a later error are reused
             batch.prepare(self.layout.device)
+            self._step_dense = self.policy.step_dense(batch)
             if self.graphs is not None and not batch.is_prefill:
                 batch.composition = self.graphs.bind(batch)
+                if self.policy.per_step:  # a graph of the step's choice: the selection is in it or not
+                    batch.composition += (self._step_dense,)
             self.store.begin_step(batch)
         except BaseException:
             for r, n in zip(batch.requests, before):
@@ -350,11 +355,12 @@ class SparseCoordinator:
         """How much of the decoding so far fell back to dense attention, and why (counts since
         the coordinator was built; see dense_fallback.py): requests, dense requests by
         reason, decode layer-steps (request x layer x step), the dense ones by reason, the
-        dense layers and the prompt length below which a request decodes densely."""
+        dense layers, min_sparse_prompt_len and the sparse policy (`SparsePolicy.describe`)."""
         return {
             **self.dense_tally.as_dict(),
             "dense_layers": sorted(self.dense_layers),
             "min_sparse_prompt_len": self.config.min_sparse_prompt_len,
+            "sparse_policy": self.policy.describe(),
         }
 
     def forward_end(self, batch: Batch) -> None:
@@ -366,8 +372,8 @@ class SparseCoordinator:
         batch.pending.clear()
         self.steps.closed()
         if not batch.is_prefill:  # counted once the step is complete (an aborted one is not)
-            dense_requests = len(batch) - batch.num_sparse
-            self.dense_tally.decode_step(len(batch), dense_requests, self.layout.num_layers, len(self.dense_layers))
+            other, by_policy = self.policy.dense_in_step(batch, self._step_dense)
+            self.dense_tally.decode_step(len(batch), other, self.layout.num_layers, len(self.dense_layers), by_policy)
 
     def step_replayed(self, batch: Batch, host_writes: list) -> None:
         """An engine replayed this decode step's layers from a CUDA graph it captured around
@@ -544,9 +550,10 @@ class SparseCoordinator:
         self, layer: int, q: torch.Tensor, batch: Batch, inputs: Inputs
     ) -> tuple[Selection, torch.Tensor]:
         """Selection and device slots for every row: the algorithm's choice, made resident,
-        for sparse requests in sparse layers; every token for the others."""
+        for sparse requests in sparse layers; every token for the others (and for all in a
+        step the cost policy made dense: the representations are still appended)."""
         sub = batch.sparse_batch
-        if layer in self.dense_layers or sub is None:
+        if layer in self.dense_layers or sub is None or self._step_dense:
             everything = _dense_selection(batch, self._heads, self.store.page_size)
             return everything, self.store.resident_slots(layer, batch, everything)
         step_inputs = {name: _rows(batch, t) for name, t in inputs.items()}

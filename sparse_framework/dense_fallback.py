@@ -21,6 +21,10 @@ from typing import Any
 SHORT_PROMPT = "short prompt"  # prompt_len < min_sparse_prompt_len: the whole request is dense
 DENSE_LAYER = "dense layer"  # config.dense_layers or the algorithm's own (e.g. Quest's first layers)
 DENSE_REQUEST = "dense request"  # a sparse layer, but the request is dense (short prompt)
+REQUESTED_DENSE = "requested dense (sparse=False)"  # the request asked (SamplingParams.sparse)
+# sparse_policy "cost": a request admitted dense, or a (resident) decode step attended densely,
+# because the cost model found dense cheaper there
+COST_POLICY = "cost policy"
 NO_CACHE = "no cache (use_cache=False)"  # transformers: a forward without a SparseCache
 
 
@@ -39,14 +43,21 @@ class DenseTally:
         if dense:
             self.dense_requests[reason] += 1
 
-    def decode_step(self, num_requests: int, num_dense_requests: int, num_layers: int, num_dense_layers: int) -> None:
+    def decode_step(
+        self, num_requests: int, num_dense_requests: int, num_layers: int, num_dense_layers: int, cost_policy: int = 0
+    ) -> None:
         """One decode step of a batch: every request through every layer. A dense layer counts
-        as "dense layer" for every request; a dense request's other layers as "dense request"."""
+        as "dense layer" for every request; a dense request's other layers as "dense request";
+        `cost_policy` requests (not among `num_dense_requests`) that attended densely because of
+        the cost policy, in this step or since admission, count their other layers as "cost
+        policy" (so that its share is visible apart from the static rule's)."""
         self.layer_steps += num_requests * num_layers
         if num_dense_layers:
             self.dense_layer_steps[DENSE_LAYER] += num_requests * num_dense_layers
         if num_dense_requests and num_layers > num_dense_layers:
             self.dense_layer_steps[DENSE_REQUEST] += num_dense_requests * (num_layers - num_dense_layers)
+        if cost_policy and num_layers > num_dense_layers:
+            self.dense_layer_steps[COST_POLICY] += cost_policy * (num_layers - num_dense_layers)
 
     def dense_steps(self, reason: str, layer_steps: int) -> None:
         """Layer-steps that ran densely outside the coordinator (e.g. transformers' sdpa)."""

@@ -7,7 +7,8 @@ killed. `check_footprint` estimates the bytes of every pool before anything is a
 raises one CapacityError that lists them and names the settings that size them.
 
 The estimates follow the store's and the algorithms' sizing rules (the device pools' own
-arithmetic in kv_store/device_pools.py; host_pool.py, slot_maps.py, `SparseAlgorithm.representation_bytes_per_token`); they are a
+arithmetic in kv_store/device_pools.py; host_pool.py and fp8_host.py (the host rows' bytes), slot_maps.py,
+`SparseAlgorithm.representation_bytes_per_token`); they are a
 guard against sizes that cannot fit, not an exact account (`sparse-framework plan` is that).
 """
 
@@ -25,6 +26,7 @@ from .common.errors import CapacityError
 from .common.layout import KVLayout
 from .config import SparseConfig, dense_layer_set
 from .kv_store.device_pools import size_device_pools
+from .kv_store.fp8_host import check_host_kv_dtype, host_bytes_per_token_per_layer
 from .kv_store.pinned import meminfo_bytes
 
 
@@ -74,9 +76,10 @@ def coordinator_parts(
     p = config.page_size
     L = layout.num_layers
     dev = _device_name(layout.device)
-    per_layer = layout.bytes_per_token_per_layer
     max_pages = cdiv(max_seq_len, p)
     resident = config.store == "resident"
+    check_host_kv_dtype(config.host_kv_dtype, layout, resident=resident)  # refused before anything is allocated
+    host_per_layer = host_bytes_per_token_per_layer(layout, config.host_kv_dtype)  # fp8 host rows: about half
     pools = size_device_pools(
         num_layers=L, dense_layers=dense_layer_set(config, L), page_size=p,
         device_buffer_tokens=config.device_buffer_tokens, min_sparse_prompt_len=config.min_sparse_prompt_len,
@@ -92,7 +95,7 @@ def coordinator_parts(
     return [
         *(Part(f"device KV pool ({pool.kind})", dev, pool.bytes(layout), f"{rows} (or device_capacity_tokens)")
           for pool in pools),
-        Part("host KV pool", "cpu", L * host_tokens * per_layer, f"{rows} (or host_capacity_tokens)", host=True),
+        Part("host KV pool", "cpu", L * host_tokens * host_per_layer, f"{rows} (or host_capacity_tokens)", host=True),
         Part(
             f"algorithm {config.algorithm!r} representations", dev,
             int(algo.representation_bytes_per_token(layout, config) * L * max_requests * max_pages * p), rows,

@@ -96,6 +96,19 @@ def test_run_table_fits_100_columns_and_reports_dense_fallbacks(console, tmp_pat
     assert [r["sparse_fraction"] for r in results] == [0.0, 0.5]
 
 
+def test_run_table_names_the_cost_policy_as_the_reason(console) -> None:
+    # sparse_policy "cost" without a fixed overhead: the 40-token prompt is below the break-even
+    # (dense, decided at admission), the 300-token one above it; min_sparse_prompt_len unused
+    cfg = {**json.loads(CFG), "min_sparse_prompt_len": 0, "sparse_policy": "cost", "policy_overhead_us": 0.0,
+           "policy_overhead_growth_us": 0.0}
+    assert cli.main(["run", "--config", json.dumps(cfg), "--contexts", "40,300", "--steps", "2",
+                     "--no-progress"]) == 0
+    text = console.export_text()
+    check_readable(text)
+    assert "dense: cost policy" in text and "dense: prompt <" not in text and "sparse, 1/2 layers dense" in text
+    assert "the cost policy" in text and "min_sparse_prompt_len" not in text
+
+
 def test_plan_table_fits_and_labels_every_row(console) -> None:
     assert cli.main(["plan", "--context", "16384,1048576"]) == 0
     text = console.export_text()

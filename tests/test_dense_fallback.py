@@ -10,7 +10,7 @@ import torch
 
 from sparse_framework import Batch, KVLayout, Request
 from sparse_framework.coordinator import SparseCoordinator
-from sparse_framework.dense_fallback import DENSE_LAYER, DENSE_REQUEST, SHORT_PROMPT, DenseTally
+from sparse_framework.dense_fallback import COST_POLICY, DENSE_LAYER, DENSE_REQUEST, SHORT_PROMPT, DenseTally
 from sparse_framework.eval.experiment import load_experiment
 from sparse_framework.eval.sweep import run_sweep
 
@@ -81,6 +81,16 @@ def test_tally_adds_and_summarises() -> None:
     assert total.summary() == ("1 of 1 requests dense (short prompt: 1); 10 of 13 decode layer-steps dense "
                                "(dense layer: 2, dense request: 3, no cache (use_cache=False): 5)")
     assert DenseTally().sparse_fraction is None
+
+
+def test_tally_counts_the_cost_policy_apart() -> None:
+    tally = DenseTally()
+    tally.admit(True, COST_POLICY)
+    # 3 requests x 4 layers, one dense layer: 1 dense for another reason, 2 by the cost policy
+    tally.decode_step(3, 1, 4, 1, cost_policy=2)
+    assert tally.as_dict()["dense_requests"] == {COST_POLICY: 1}
+    assert tally.as_dict()["dense_layer_steps"] == {DENSE_LAYER: 3, DENSE_REQUEST: 3, COST_POLICY: 6}
+    assert tally.sparse_layer_steps == 0 and "cost policy: 6" in tally.summary()
 
 
 def test_eval_marks_a_cell_that_never_went_sparse(tmp_path) -> None:

@@ -428,3 +428,23 @@ def test_capacity_errors_speak_the_engines_terms(model) -> None:
     text = str(err.value)
     assert "leaves nothing (" in text and "short)" in text and "-" not in text.split("leaves")[1].split("for the store")[0]
     assert "The weights alone need more than" in text
+
+
+def test_fp8_host_rows_about_double_the_host_bound_rows() -> None:
+    """The engine's plan at Llama-3-8B's shape, 32K, 128 GiB of host: host_kv_dtype fp8_e4m3
+    counts (head_dim + 1) / (2 head_dim) of bf16's host bytes per request row, so the host
+    admits 1.98x the rows (the device's rows do not change)."""
+    model = ModelConfig.from_hf(RANDOM_MODELS["llama-3-8b"])
+    layout = model.kv_layout(torch.bfloat16, max_model_len=32768)
+    args = dict(weight_bytes=model.num_parameters() * 2, max_model_len=32768, max_num_batched_tokens=8192,
+                max_num_seqs=256, gpu_memory_utilization=0.9, device_total_bytes=80 * 2**30,
+                host_memory_bytes=128 * 2**30)
+    cfg = {"top_k": 2048, "extra": {"dense_first_layers": 0}}
+    bf16 = plan_engine_memory(model, layout, load_config(cfg), **args)
+    fp8 = plan_engine_memory(model, layout, load_config({**cfg, "host_kv_dtype": "fp8_e4m3"}), **args)
+    assert fp8.host_bytes_per_request * 256 == bf16.host_bytes_per_request * 129
+    assert fp8.device_bytes_per_request == bf16.device_bytes_per_request
+    assert (bf16.requests_by_host, fp8.requests_by_host) == (32, 63)
+    assert bf16.limited_by == "host" and fp8.max_requests == min(fp8.requests_by_device, 63) > 1.5 * bf16.max_requests
+    assert "per request (fp8_e4m3 rows) = 63" in fp8.describe() and "rows)" not in bf16.describe()
+    assert all(len(line) <= 100 for line in fp8.describe().splitlines())

@@ -92,3 +92,18 @@ def test_the_plan_counts_the_device_pool_bytes_the_store_allocates(config) -> No
     device = sum(p["bytes"] for p in coord.memory_stats() if p["kind"] != "host")
     plan = plan_capacity(layout, GiB, GiB, context, cfg)
     assert plan.buffer_kv_bytes * max_requests == device
+
+
+def test_fp8_host_rows_about_double_the_host_bound_requests() -> None:
+    """host_kv_dtype fp8_e4m3: the host keeps (128 + 1) bytes per KV head row (e4m3 values and
+    the scale's exponent byte) against 256 in bf16, so where the host bounds, 1.98x the
+    requests; the device side is unchanged."""
+    layout = PRESETS["llama-3-8b"]
+    cfg = {"top_k": 2048, "device_buffer_tokens": 2144, "extra": {"dense_first_layers": 0}}
+    bf16 = plan_capacity(layout, 60 * GiB, 128 * GiB, 32768, load_config(cfg))
+    fp8 = plan_capacity(layout, 60 * GiB, 128 * GiB, 32768, load_config({**cfg, "host_kv_dtype": "fp8_e4m3"}))
+    assert bf16.hierarchical_host_bytes == 32 * 32768 * 2 * 8 * 128 * 2
+    assert fp8.hierarchical_host_bytes == 32 * 32768 * 2 * 8 * 129
+    assert bf16.limited_by == fp8.limited_by == "host"
+    assert fp8.hierarchical_device_bytes == bf16.hierarchical_device_bytes
+    assert (bf16.hierarchical_requests, fp8.hierarchical_requests) == (32, 63)  # 128 GiB / 4 GiB, / 2.02 GiB

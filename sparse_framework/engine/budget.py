@@ -20,8 +20,11 @@ length crosses a page boundary, in `forward_begin`). This module bridges the two
   request alone with finish_reason "error" (the engine logs a warning for such a
   configuration when it is built; give host_capacity_tokens to preempt instead);
 - a request's mode, dense or sparse, is the coordinator's rule (`decodes_densely`) with the
-  request's own `SamplingParams.sparse` (None: by prompt length), asked before admission since
+  request's own `SamplingParams.sparse` (None: the config's rule), asked before admission since
   it decides whether the request keeps its K/V on the host and what it needs on the device;
+  under the cost policy of a hierarchical store (sparse_policy.py) a request whose whole life
+  would not fit the device pools if kept dense goes to the host tier (`_sparse`), so that the
+  policy never makes a request that `never_fits` let in unservable;
 - a sequence preempted while still prefilling has no K/V in the store yet: its coordinator
   request and staging are dropped (its host promise stays) and it is admitted again, from
   token 0, when it resumes.
@@ -119,7 +122,7 @@ class RunnerBudget:
         if host_pages and self._life_pages(seq) > host_pages:
             return (f"its {life} tokens of K/V exceed the host pool ({host_pages * self.page} tokens); "
                     "raise host_capacity_tokens or lower max_tokens")
-        dense_mode = self.runner.coord.decodes_densely(prompt, _sparse(seq))
+        dense_mode = self.runner.coord.decodes_densely(prompt, self._sparse(seq))
         for pool in self.store.pools:
             whole = pool.kind in (DENSE_LAYERS, RESIDENT) or dense_mode
             need = life if whole else self.store.buffer_tokens
@@ -145,7 +148,7 @@ class RunnerBudget:
         # already); one that does not (dense mode, the resident store) only copies them into its
         # staging and, if preempted, copies its whole context to new host pages: promised it all
         adopts = self.store.keeps_host_for(seq.num_prompt_tokens, self.runner.coord.decodes_densely(
-            seq.num_prompt_tokens, _sparse(seq)))
+            seq.num_prompt_tokens, self._sparse(seq)))
         need = self._life_pages(seq) - (cached // self.page if adopts else 0)
         if self.store.host_alloc.num_pages and not self._host_room(need):
             self._drop_match(seq)
@@ -170,7 +173,7 @@ class RunnerBudget:
         """Admit `seq` in the runner (with its cached prefix) unless that takes room the
         plan's decode rows were granted (their growth is checked before admissions are made);
         the prefix lock is dropped when it fails."""
-        if not self.runner.admit(seq.rid, seq.num_prompt_tokens, pages, _sparse(seq)):
+        if not self.runner.admit(seq.rid, seq.num_prompt_tokens, pages, self._sparse(seq)):
             self._drop_match(seq)
             return False
         if not self.runner.can_grow(self._granted):
@@ -261,6 +264,19 @@ class RunnerBudget:
                 self._dropped.discard(seq.rid)
                 if self._trial == seq.rid:
                     self._trial = None
+
+    def _sparse(self, seq: Sequence) -> bool | None:
+        """The request's own choice (`_sparse`), else None (the coordinator's rule) — but True
+        (the host tier) under the cost policy of a hierarchical store when, kept dense, its
+        whole life (prompt + max_tokens) would not fit a sparse layers' pool even alone: the
+        policy keeps a request dense only where it can be served so."""
+        own = _sparse(seq)
+        if own is not None or not self.runner.coord.policy.decides_at_admission:
+            return own
+        life = cdiv(seq.max_total_tokens - 1, self.page) * self.page
+        if any(life > pool.slots for pool in self.store.pools if pool.kind not in (DENSE_LAYERS, RESIDENT)):
+            return True
+        return None
 
     def _take_trial(self, seq: Sequence) -> None:
         if self._trial != seq.rid:

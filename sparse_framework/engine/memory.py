@@ -108,6 +108,7 @@ class EngineMemoryPlan:
     host_pool_bytes: int
     prefix_cache_host_bytes: int = 0  # what a prefix cache keeps beside the host pool (its limit)
     graph_bytes: int = 0  # captured decode graphs' memory pools (an estimate: `graph_bytes`); 0 without graphs
+    host_kv_dtype: str = "auto"  # the host tier's rows (SparseConfig.host_kv_dtype): fp8_e4m3 counts ~half the bytes
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -143,8 +144,9 @@ class EngineMemoryPlan:
         if self.requests_by_host is None:
             host = "no host pool (resident store): the host does not bound"
         else:
+            rows = "" if self.host_kv_dtype == "auto" else f" ({self.host_kv_dtype} rows)"
             host = (f"{_gib(self.host_budget_bytes)} ({self.host_budget_source}) / "
-                    f"{_gib(self.host_bytes_per_request)} per request = {self.requests_by_host}")
+                    f"{_gib(self.host_bytes_per_request)} per request{rows} = {self.requests_by_host}")
         bound = "max_num_seqs" if self.num_seqs < self.max_requests else self.limited_by
         host_tokens = "-" if self.host_capacity_tokens is None else f"{self.host_capacity_tokens:,}"
         device_tokens = "-" if self.device_capacity_tokens is None else f"{self.device_capacity_tokens:,}"
@@ -389,6 +391,7 @@ def plan_engine_memory(
         device_capacity_tokens=device_tokens, host_capacity_tokens=host_tokens,
         device_pool_bytes=rows * per_device, host_pool_bytes=rows * pool_per_host,
         prefix_cache_host_bytes=rows * side if pool_per_host else 0, graph_bytes=graphs,
+        host_kv_dtype=config.host_kv_dtype,
     )
 
 

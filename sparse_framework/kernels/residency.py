@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .fp8_host import decode_e4m3
 
 
 @triton.jit
@@ -159,10 +160,15 @@ def copy_missing_kernel(
     ROW: tl.constexpr,
     COLS: tl.constexpr,
     PDL: tl.constexpr,
+    HROW: tl.constexpr,  # host elements of a stream's row: ROW, or its fp8 bytes with FP8_HOST
+    FP8_HOST: tl.constexpr = False,  # host rows of HEAD_DIM e4m3 bytes + a scale byte per head
+    HEAD_DIM: tl.constexpr = 1,
 ):
     """A fixed grid walks the streams' to-do lists as one: the k-th missed row overall is
     found from the prefix sums of the per-stream counts (one vector load per program, so
-    nothing to do costs one load per program)."""
+    nothing to do costs one load per program). FP8_HOST (kv_store/fp8_host.py): the host
+    rows are fp8 with a scale byte after each head's HEAD_DIM values, dequantised to the
+    device's dtype on the way (kernels/fp8_host.py `decode_e4m3`)."""
     pdl.wait(PDL)
     si = tl.arange(0, BLOCK_S)
     count = tl.load(n_todo_ptr + si, mask=si < NS, other=0)
@@ -180,14 +186,25 @@ def copy_missing_kernel(
         r = tl.load(rows_ptr + b)
         hrow = tl.load(host_table_ptr + r * TP_HOST + t // P).to(tl.int64) * P + t % P
         if HEAD_MAJOR:
-            src = HOST_BASE + (hrow * HK + h) * ROW
+            src = HOST_BASE + (hrow * HK + h) * HROW
             dst = DEV_BASE + (h * DEV_SLOTS + slot) * ROW
         else:
-            src = HOST_BASE + hrow * ROW
+            src = HOST_BASE + hrow * HROW
             dst = DEV_BASE + slot * ROW
         for start in range(0, ROW, COLS):
             cols = start + tl.arange(0, COLS)
             m = cols < ROW
-            tl.store(dev0 + dst + cols, tl.load(host0 + src + cols, mask=m), mask=m)
-            if TWO:
-                tl.store(dev1 + dst + cols, tl.load(host1 + src + cols, mask=m), mask=m)
+            if FP8_HOST:  # device column c: head c // HEAD_DIM, its value c % HEAD_DIM, then its scale
+                head = src + (cols // HEAD_DIM) * (HEAD_DIM + 1)
+                byte = head + cols % HEAD_DIM
+                value = decode_e4m3(tl.load(host0 + byte, mask=m, other=0),
+                                    tl.load(host0 + head + HEAD_DIM, mask=m, other=0))
+                tl.store(dev0 + dst + cols, value.to(dev0.dtype.element_ty), mask=m)
+                if TWO:
+                    value = decode_e4m3(tl.load(host1 + byte, mask=m, other=0),
+                                        tl.load(host1 + head + HEAD_DIM, mask=m, other=0))
+                    tl.store(dev1 + dst + cols, value.to(dev1.dtype.element_ty), mask=m)
+            else:
+                tl.store(dev0 + dst + cols, tl.load(host0 + src + cols, mask=m), mask=m)
+                if TWO:
+                    tl.store(dev1 + dst + cols, tl.load(host1 + src + cols, mask=m), mask=m)

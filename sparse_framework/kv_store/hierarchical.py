@@ -32,8 +32,9 @@ from ..common.batch import Batch, Request, Selection
 from ..common.errors import CapacityError
 from ..common.transfer import tensor_to_device
 from .base import KVStore
-from .copy import copy_rows, put_rows, write_token_rows
+from .copy import put_rows, write_token_rows
 from ..common.flashmla_format import pack_flashmla_fp8
+from .fp8_host import check_host_kv_dtype, is_fp8_host
 from .host_pool import HostPool
 from ..common.arith import cdiv, pow2
 from ..common.layout import KVLayout, resolve_impl
@@ -70,6 +71,7 @@ class HierarchicalKVStore(KVStore):
         pin_memory: bool | None = None,
         resident_only: bool = False,
         impl: str = "auto",
+        host_kv_dtype: str = "auto",
     ) -> None:
         if page_size % unit:
             raise ValueError(f"unit ({unit}) must divide page_size ({page_size})")
@@ -118,9 +120,13 @@ class HierarchicalKVStore(KVStore):
         else:
             host_rule = f"host_capacity_tokens {host_capacity_tokens}"
         pin = dev.type == "cuda" if pin_memory is None else pin_memory
+        # host_kv_dtype "fp8_e4m3": fp8 host rows, dequantised on the way in (fp8_host.py)
+        check_host_kv_dtype(host_kv_dtype, layout, resident=resident_only)
+        self.host_kv_dtype = host_kv_dtype
         self.host_pool = HostPool(
             layout, page_size=page_size, max_requests=max_requests, max_pages=self.max_pages,
             capacity_tokens=host_capacity_tokens, pin=pin, device=dev, head_major=per_kv_head, rule=host_rule,
+            fp8=is_fp8_host(host_kv_dtype),
         )
         self.host, self.host_slots = self.host_pool.tensors, self.host_pool.host_slots
         self.host_alloc, self.host_table = self.host_pool.host_alloc, self.host_pool.host_table
@@ -174,7 +180,12 @@ class HierarchicalKVStore(KVStore):
     @property
     def row_elems(self) -> int:
         """Storage elements of one stream's row (one KV head, or all heads) in one tensor."""
-        return self.layout.stored_head_dim * (1 if self.head_major else self.layout.num_kv_heads)
+        return self.layout.stored_head_dim * self.row_heads
+
+    @property
+    def row_heads(self) -> int:
+        """KV heads in one stream's row: one (head-major), or all."""
+        return 1 if self.head_major else self.layout.num_kv_heads
 
     def _keeps_host(self, request: Request) -> bool:
         """Sparse requests keep every token on the host; resident-only ones do not."""
@@ -335,10 +346,10 @@ class HierarchicalKVStore(KVStore):
         layers = torch.arange(self.layout.num_layers, device=self.device).view(-1, 1)
         src = self.host_pool.offsets(layers, rows.view(1, -1)).flatten()
         for d, h in zip(dst, self.host):
-            if d.dtype != h.dtype or d.shape[0] != self.layout.num_layers or start + m > d.shape[1]:
+            if d.dtype != self.layout.storage_dtype or d.shape[0] != self.layout.num_layers or start + m > d.shape[1]:
                 raise ValueError(f"load_pages: {m} rows from {start} do not fit {tuple(d.shape)} {d.dtype}")
             dst_off = ((layers * d.shape[1] + start + torch.arange(m, device=self.device)) * elems).flatten()
-            copy_rows(h, d, src, dst_off, elems)
+            self.host_pool.read_rows(h, d, src, dst_off, self.layout.num_kv_heads)
 
     def export_pages(self, request: Request, first_page: int, num_pages: int) -> torch.Tensor:
         """Copy the request's device K/V of pages first_page..first_page+num_pages-1 (every
@@ -360,7 +371,7 @@ class HierarchicalKVStore(KVStore):
                 src = self._dev_off(layer, slots, h).flatten()
                 dst = self.host_pool.offsets(layer, host_rows, h).flatten()
                 for dev_buf, host_buf in zip(self._pool[layer].tensors, self.host):
-                    copy_rows(dev_buf, host_buf, src, dst, self.row_elems)
+                    self.host_pool.write_rows(dev_buf, host_buf, src, dst, self.row_heads)
         return ids
 
     def _growth_error(self, starting: list[Request]) -> CapacityError | None:
@@ -441,7 +452,7 @@ class HierarchicalKVStore(KVStore):
             for buf, x in zip(self.host, rows):
                 src = x.contiguous()
                 src_off = torch.arange(c, n, device=src.device) * self.layout.stored_row_elems
-                copy_rows(src, buf, src_off, host_off, self.layout.stored_row_elems)
+                self.host_pool.write_rows(src, buf, src_off, host_off, self.layout.num_kv_heads)
         if self.mode(request, layer) == _RESIDENT:
             self._write_dev(layer, self._phys(layer, sid, positions)[0], rows)
         else:
@@ -560,7 +571,7 @@ class HierarchicalKVStore(KVStore):
         with torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext():
             for pool, src_off, dst_off in groups:
                 for dev_buf, host_buf in zip(pool.tensors, self.host):
-                    copy_rows(dev_buf, host_buf, src_off, dst_off, self.row_elems)
+                    self.host_pool.write_rows(dev_buf, host_buf, src_off, dst_off, self.row_heads)
         if self._side is None:
             return
         for _, src_off, dst_off in groups:
@@ -652,15 +663,16 @@ class HierarchicalKVStore(KVStore):
         pool = self._pool[layer]
         dev = pool.tensors
         two = len(dev) == 2
-        per_layer = self.layout.stored_row_elems
+        hp = self.host_pool  # host rows: the device's, or fp8 ones the kernel dequantises (FP8_HOST)
         launch(copy_missing_kernel, (COPY_PROGRAMS,),
             todo, n_todo, idx, slots, batch.slot_ids, self.host_table,
             host[0], dev[0], host[1] if two else host[0], dev[1] if two else dev[0],
             s, w, self.page_size, self.host_table.shape[-1],
-            layer * self.host_slots * per_layer, pool.layer_offset(layer),
+            layer * self.host_slots * hp.row_elems, pool.layer_offset(layer),
             pool.slots, self.layout.num_kv_heads, b * s, BLOCK_S=pow2(b * s),
             HEAD_MAJOR=self.head_major, TWO=two, ROW=self.row_elems, COLS=min(COPY_COLS, pow2(self.row_elems)),
-            PDL=use_pdl, num_warps=COPY_WARPS, launch_pdl=use_pdl,
+            PDL=use_pdl, HROW=hp.head_width * self.row_heads, FP8_HOST=hp.fp8, HEAD_DIM=self.layout.head_dim,
+            num_warps=COPY_WARPS, launch_pdl=use_pdl,
         )
         if start is not None:
             self._stop_timer(layer, start)
@@ -708,7 +720,7 @@ class HierarchicalKVStore(KVStore):
         src = torch.where(dst >= 0, src, -1).flatten()
         dst = dst.flatten()
         for dev_buf, host_buf in zip(self._pool[layer].tensors, self.host):
-            copy_rows(host_buf, dev_buf, src, dst, self.row_elems)
+            self.host_pool.read_rows(host_buf, dev_buf, src, dst, self.row_heads)
         self.rows_in[layer] += (src >= 0).sum()
 
     def _timer(self) -> object:
@@ -741,7 +753,7 @@ class HierarchicalKVStore(KVStore):
                     src = self._dev_off(layer, slots, h).flatten()
                     dst = self.host_pool.offsets(layer, host_rows, h).flatten()
                     for dev_buf, host_buf in zip(self._pool[layer].tensors, self.host):
-                        copy_rows(dev_buf, host_buf, src, dst, self.row_elems)
+                        self.host_pool.write_rows(dev_buf, host_buf, src, dst, self.row_heads)
         self._free_device(request)
         self.maps.reset(request.slot)
         self._retracted.add(request.slot)
@@ -785,7 +797,8 @@ class HierarchicalKVStore(KVStore):
         """A request's rows in logical order, [seq_len, kv_heads, dim] per stored tensor
         (K, V; or the latent) as stored (fp8 as bytes; an fp8 MLA latent as its packed
         656-byte rows, which `unpack_flashmla_fp8` turns back into latents): from the device
-        for a resident (request, layer), else from the host. Synchronises; for tests and
+        for a resident (request, layer), else from the host (fp8 host rows dequantised to the
+        layout's dtype: what a swap-in would bring back). Synchronises; for tests and
         debugging."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -793,7 +806,7 @@ class HierarchicalKVStore(KVStore):
         tokens = torch.arange(request.seq_len, device=self.device).unsqueeze(0)
         if self.mode(request, layer) == _BUFFERED or request.slot in self._retracted:
             rows = self.host_pool.rows(sid, tokens)[0].cpu()
-            return [buf[layer][rows] for buf in self.host]
+            return [self.host_pool.decode(buf[layer][rows]) for buf in self.host]
         slots = self._phys(layer, sid, tokens)[0]
         if self.head_major:
             return [buf[:, slots].transpose(0, 1) for buf in self.layer_buffers(layer)]
@@ -817,7 +830,7 @@ class HierarchicalKVStore(KVStore):
         """Per pool (the device pools, then the host pool): kind, layers, tokens per layer,
         bytes, tokens and bytes used now (summed over layers), and how it was sized."""
         host = self.host_pool
-        per_token = self.layout.bytes_per_token_per_layer * self.layout.num_layers
+        per_token = host.bytes_per_token_per_layer * self.layout.num_layers
         return [pool.stats() for pool in self.pools] + [{
             "kind": "host",
             "layers": self.layout.num_layers,
@@ -834,7 +847,8 @@ class HierarchicalKVStore(KVStore):
             end.synchronize()
             self._swap_seconds[layer] += start.elapsed_time(end) / 1000
         self._swap_events.clear()
-        row_bytes = self.row_elems * self.layout.element_size * self.layout.tensors_per_token
+        # bytes that crossed between the tiers, as the host stores them (fp8 host rows: fewer)
+        row_bytes = self.host_pool.bytes_per_token_per_layer * self.row_heads // self.layout.num_kv_heads
         return [
             {
                 "layer": layer,

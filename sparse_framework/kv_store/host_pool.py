@@ -15,6 +15,8 @@ from ..common.batch import Request
 from ..common.layout import KVLayout
 from ..common.transfer import tensor_to_device
 from ..common.arith import cdiv
+from .copy import copy_rows
+from .fp8_host import copy_from_host, copy_to_host, dequantize_rows, head_bytes
 from .pages import PageAllocator, allocate_pool, paged_slots_rows
 
 
@@ -22,7 +24,9 @@ class HostPool:
     """K/V (or latent) rows token-major, [layers, slots, kv_heads, dim] per stored tensor,
     pinned on CUDA machines so that kernels read and write them directly; handed out in pages
     of `page_size` tokens, one page table row per request. dim is the stored width: 656 bytes
-    for an fp8 MLA latent, the same packed row as on the device, so swap-ins only move bytes."""
+    for an fp8 MLA latent, the same packed row as on the device, so swap-ins only move bytes;
+    with `fp8` (host_kv_dtype "fp8_e4m3", fp8_host.py) head_dim + 1 bytes, quantised by
+    `write_rows` and dequantised by `read_rows`, the only ways rows enter and leave."""
 
     def __init__(
         self,
@@ -36,16 +40,21 @@ class HostPool:
         device: torch.device,
         head_major: bool = False,
         rule: str = "",
+        fp8: bool = False,
     ) -> None:
         self.layout = layout
+        self.fp8 = fp8
+        # stored elements of one KV head's row, and their dtype
+        self.head_width = head_bytes(layout) if fp8 else layout.stored_head_dim
+        self.dtype = torch.uint8 if fp8 else layout.storage_dtype
         self.page_size = page_size
         self.device = device
         self.rule = rule  # how capacity_tokens was chosen, in words (stats, logs)
         pages = cdiv(capacity_tokens, page_size)
         self.host_slots = pages * page_size
-        shape = (layout.num_layers, self.host_slots, layout.num_kv_heads, layout.stored_head_dim)
+        shape = (layout.num_layers, self.host_slots, layout.num_kv_heads, self.head_width)
         self.tensors = [
-            allocate_pool(shape, layout.storage_dtype, torch.device("cpu"), "host KV pool", "host_capacity_tokens", pin)
+            allocate_pool(shape, self.dtype, torch.device("cpu"), "host KV pool", "host_capacity_tokens", pin)
             for _ in range(layout.tensors_per_token)
         ]
         self.host_alloc = PageAllocator(pages, "host KV pool")
@@ -119,8 +128,40 @@ class HostPool:
         """Host slots of logical tokens. slot_ids: [B]; tokens: [B, ...]; -1 kept."""
         return paged_slots_rows(self.host_table, slot_ids, tokens, self.page_size)
 
+    @property
+    def row_elems(self) -> int:
+        """Stored elements of one token's row over all KV heads in one tensor, one layer."""
+        return self.layout.num_kv_heads * self.head_width
+
+    @property
+    def bytes_per_token_per_layer(self) -> int:
+        return len(self.tensors) * self.row_elems * self.tensors[0].element_size()
+
+    def write_rows(self, src: torch.Tensor, dst: torch.Tensor, src_off: torch.Tensor, dst_off: torch.Tensor,
+                   heads: int) -> None:
+        """Rows of `heads` KV heads in the device format (the layout's stored rows) at element
+        offsets src_off of `src` into host tensor `dst` at offsets dst_off (`offsets`),
+        quantised on the way with `fp8`. -1 offsets skip."""
+        if self.fp8:
+            copy_to_host(src, dst, src_off, dst_off, heads, self.layout.head_dim)
+        else:
+            copy_rows(src, dst, src_off, dst_off, heads * self.head_width)
+
+    def read_rows(self, src: torch.Tensor, dst: torch.Tensor, src_off: torch.Tensor, dst_off: torch.Tensor,
+                  heads: int) -> None:
+        """`write_rows` back: host rows of `heads` KV heads into device-format rows of `dst`,
+        dequantised to dst's dtype with `fp8`."""
+        if self.fp8:
+            copy_from_host(src, dst, src_off, dst_off, heads, self.layout.head_dim)
+        else:
+            copy_rows(src, dst, src_off, dst_off, heads * self.head_width)
+
+    def decode(self, rows: torch.Tensor) -> torch.Tensor:
+        """Host rows [..., kv_heads, width] as the device stores them (dequantised with fp8)."""
+        return dequantize_rows(rows, self.layout.dtype) if self.fp8 else rows
+
     def offsets(self, layer: int, rows: torch.Tensor, head: torch.Tensor | int = 0) -> torch.Tensor:
-        hk, d = self.layout.num_kv_heads, self.layout.stored_head_dim
+        hk, d = self.layout.num_kv_heads, self.head_width
         if self.head_major:
             off = ((layer * self.host_slots + rows) * hk + head) * d
         else:

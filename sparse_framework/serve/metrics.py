@@ -3,7 +3,10 @@
 Nothing is measured twice: gauges and totals are read from the loop's `Snapshot` of the
 engine (scheduler queues, preemptions, steps, the store's pools and hit counters, the prefix
 cache's stats) when Prometheus scrapes, and the per-request figures (tokens, TTFT, TPOT,
-finish reasons) are the engine's `RequestOutput`s, observed once as each request ends.
+finish reasons) are the engine's `RequestOutput`s, observed once as each request ends. The
+decode layer-steps and what the cost policy (sparse_policy.py) made dense are the coordinator's
+`dense_tally` counts, read as they stand (plain integers: a scrape between two steps' updates
+sees one or the other).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..dense_fallback import COST_POLICY
 from ..engine.engine import RequestOutput
 from .loop import EngineLoop
 
@@ -106,7 +110,26 @@ class _EngineCollector(Collector):
             lookups = snap.buffer_hits + snap.buffer_misses
             yield gauge("device_buffer_hit_rate", "Hits / (hits + misses) since start (0 before any lookup)",
                         snap.buffer_hits / lookups if lookups else 0.0)
+        yield from self._dense_counts()
         if snap.prefix_hit_tokens is not None and snap.prefix_prompt_tokens is not None:
             yield total("prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", snap.prefix_hit_tokens)
             yield total("prefix_cache_prompt_tokens", "Prompt tokens looked up in the prefix cache",
                         snap.prefix_prompt_tokens)
+
+    def _dense_counts(self) -> Iterator[Metric]:
+        """Decode layer-steps, and the requests and layer-steps the cost policy decided dense (0
+        under sparse_policy "always"). Single look-ups only: the loop thread may add a reason
+        to the tally's Counters during a scrape, which iterating them would trip over."""
+        tally = self.loop.engine.runner.coord.dense_tally
+        policy_requests = tally.dense_requests.get(COST_POLICY, 0)
+        policy_steps = tally.dense_layer_steps.get(COST_POLICY, 0)
+        for name, doc, value in (
+            ("decode_layer_steps", "Decode layer-steps (request x layer x step) run", tally.layer_steps),
+            ("cost_policy_dense_requests", "Requests the cost policy admitted dense (sparse_policy 'cost')",
+             policy_requests),
+            ("cost_policy_dense_layer_steps", "Decode layer-steps the cost policy made dense (at admission or "
+             "per step; sparse_policy 'cost')", policy_steps),
+        ):
+            c = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["model"])
+            c.add_metric([self.model], float(value))
+            yield c

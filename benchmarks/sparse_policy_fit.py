@@ -1,0 +1,188 @@
+"""Fit the cost policy's constants (sparse_framework/sparse_policy.py) from the committed H100
+measurements, print the fit and write benchmarks/results/sparse_policy_fit.json.
+
+The policy charges a sparse layer-step its bytes at HBM bandwidth plus a fixed overhead
+o(b) = o1 + g·(b − 1) µs for a batch of b requests that select (scoring and top-k launches,
+residency, adaptor, the glue around them). What that overhead is, per source:
+
+  decode_layer_h100.json   one layer's whole sparse decode (write, select, slots, adapt, attend)
+                           replayed from a CUDA graph, L2 flushed, beside its byte floor and the
+                           best dense kernel beside its own floor: overhead = (graph − sparse
+                           floor) − max(0, dense − dense floor), Quest, 8 KV heads x 128 (the
+                           Llama-3-8B layer), Triton backend, 32K and 128K, batch 1 / 8 / 64.
+                           THE FIT: the 32K cells (the context nearest the break-evens; at 128K
+                           the top-k over 8K pages per request adds a cost that grows with the
+                           context, which the two-constant model does not have), least squares.
+  engine_sweep_*_h100.json whole engine steps (Llama-3-8B shape, whole-step graphs): per pair of
+                           dense and Quest-resident cells of the same context and rows,
+                           ((quest step − floor) − (dense step − floor)) / sparse layers (30:
+                           Quest's first 2 are dense). A difference of two ~10-30 ms steps spread
+                           over 30 layers: noisy (±10 µs); shown as a check, and fitted apart.
+                           The current sweeps (fused, async) only; the first sweep predates the
+                           fused kernels.
+  selection_h100.json      the scoring + top-k alone (graph) beside the representation's bytes,
+  tune_sparse_decode_h100  the attention kernel alone beside its selected rows' bytes: the two
+                           largest parts of the layer's overhead, shown as a breakdown.
+
+No measurement exists below 16K context, and none of a whole engine step at batch 1 below 128K:
+the break-evens (~24K at batch 1) are extrapolated from these (docs/engine.md, "Sparse only
+when it pays", names the H100 run that would measure them).
+
+    python benchmarks/sparse_policy_fit.py               # print, write the JSON
+    python benchmarks/sparse_policy_fit.py --no-write
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+OUT = RESULTS / "sparse_policy_fit.json"
+HBM_TB_S = 3.0  # the H100's measured copy ceiling (DESIGN.md), every floor's bandwidth
+ENGINE_SWEEPS = ("engine_sweep_fused_h100.json", "engine_sweep_async_h100.json")
+LLAMA3_8B_LAYERS = 32  # benchmarks/engine_sweep.py --random llama-3-8b
+FIT_CONTEXT = 32768
+
+
+def least_squares(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(o1, g) minimising Σ (o1 + g·(b − 1) − o)² over (b, o) points."""
+    n = len(points)
+    xs = [b - 1 for b, _ in points]
+    ys = [o for _, o in points]
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    g = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - g * mx, g
+
+
+def layer_points() -> list[dict[str, Any]]:
+    """Per-layer overhead of the whole sparse decode of one layer (decode_layer_h100.json)."""
+    data = json.loads((RESULTS / "decode_layer_h100.json").read_text())
+    rows = []
+    for r in data["results"]:
+        if (r["shape"], r["algorithm"], r["backend"]) != ("mha", "quest", "triton") or not r.get("step_graph_us"):
+            continue
+        sparse_excess = r["step_graph_us"] - r["sparse_floor_us"]
+        dense_excess = max(0.0, r["dense_best_us"] - r["dense_floor_us"])
+        rows.append({"source": "decode_layer_h100.json", "context": r["context"], "batch": r["batch"],
+                     "sparse_excess_us": sparse_excess, "dense_excess_us": dense_excess,
+                     "overhead_us": sparse_excess - dense_excess})
+    return rows
+
+
+def engine_points() -> list[dict[str, Any]]:
+    """Per sparse layer-step overhead implied by dense vs Quest-resident engine steps."""
+    rows = []
+    for name in ENGINE_SWEEPS:
+        cells = {}
+        for r in json.loads((RESULTS / name).read_text()):
+            if not r.get("error") and r.get("decode_step_ms") is not None:
+                cells[(r["length"], r["decode_step_rows"], r["config_name"])] = r
+        for (length, batch, config), quest in sorted(cells.items()):
+            dense = cells.get((length, batch, "dense"))
+            if config != "quest-resident" or dense is None:
+                continue
+            first_dense = quest["config"].get("extra", {}).get("dense_first_layers", 2)
+            sparse_layers = LLAMA3_8B_LAYERS - first_dense
+            q_excess = quest["decode_step_ms"] - quest["decode_step_floor_ms"]
+            d_excess = dense["decode_step_ms"] - dense["decode_step_floor_ms"]
+            rows.append({"source": name, "context": length, "batch": batch,
+                         "quest_step_ms": quest["decode_step_ms"], "quest_floor_ms": quest["decode_step_floor_ms"],
+                         "dense_step_ms": dense["decode_step_ms"], "dense_floor_ms": dense["decode_step_floor_ms"],
+                         "sparse_layers": sparse_layers,
+                         "overhead_us": 1000 * (q_excess - d_excess) / sparse_layers})
+    return rows
+
+
+def breakdown() -> list[dict[str, Any]]:
+    """Scoring + top-k (selection_h100.json) and attention (tune_sparse_decode_h100.json) of
+    Quest beside their byte floors: where a layer's overhead goes."""
+    rows = []
+    sel = json.loads((RESULTS / "selection_h100.json").read_text())
+    for r in sel["results"]:
+        if r["algorithm"] == "quest" and r["impl"] == "triton":
+            floor = r["bytes"] / (HBM_TB_S * 1e6)
+            rows.append({"part": "score + top-k (graph)", "source": "selection_h100.json", "context": r["context"],
+                         "batch": r["batch"], "us": r["score_topk_graph_us"], "floor_us": floor,
+                         "excess_us": r["score_topk_graph_us"] - floor})
+    tune = json.loads((RESULTS / "tune_sparse_decode_h100.json").read_text())
+    cell = tune["cells"].get("mha:quest")
+    if cell:
+        rows.append({"part": "attention over the selection (graph)", "source": "tune_sparse_decode_h100.json",
+                     "context": 131072, "batch": 8, "us": cell["default_us"], "floor_us": cell["floor_us"],
+                     "excess_us": cell["default_us"] - cell["floor_us"]})
+    return rows
+
+
+def break_evens(o1: float, g: float) -> dict[str, Any]:
+    """Break-even contexts the constants imply for Llama-3-8B (8 KV heads x 128, bf16), Quest
+    top_k 2048, page 16, sink 16, recent 64, at batch 1 / 8 / 32."""
+    import torch
+
+    from sparse_framework import KVLayout
+    from sparse_framework.config import load_config
+    from sparse_framework.sparse_policy import CostModel
+
+    config = load_config({"algorithm": "quest", "top_k": 2048, "page_size": 16, "sink_tokens": 16,
+                          "recent_tokens": 64, "sparse_policy": "cost", "policy_hbm_tb_s": HBM_TB_S,
+                          "policy_overhead_us": o1, "policy_overhead_growth_us": g})
+    model = CostModel.for_config(config, KVLayout(1, 8, 128, torch.bfloat16))
+    return {"shape": "Llama-3-8B layer: 8 KV heads x 128, bf16; Quest top_k 2048, page 16, sink 16, recent 64",
+            "kv_bytes_per_token": model.kv_bytes_per_token,
+            "representation_bytes_per_token": model.representation_bytes_per_token,
+            "selected_tokens": model.selected_tokens,
+            "by_batch": {str(b): model.break_even(b) for b in (1, 8, 32)}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    layer, engine, parts = layer_points(), engine_points(), breakdown()
+    fit_points = [(p["batch"], p["overhead_us"]) for p in layer if p["context"] == FIT_CONTEXT]
+    o1, g = least_squares(fit_points)
+    e1, eg = least_squares([(p["batch"], p["overhead_us"]) for p in engine])
+    print(f"per-layer sparse overhead beyond dense's, µs (o1 + g·(b-1) fitted on the {FIT_CONTEXT} cells)")
+    print(f"{'source':32} {'context':>8} {'batch':>5} {'measured':>9} {'model':>7}")
+    for p in layer + engine:
+        model = o1 + g * (p["batch"] - 1)
+        print(f"{p['source']:32} {p['context']:>8} {p['batch']:>5} {p['overhead_us']:9.1f} {model:7.1f}")
+    print(f"fit (decode_layer, {FIT_CONTEXT}): o1 = {o1:.1f} µs, g = {g:.2f} µs per extra request")
+    print(f"engine-step estimates alone:   o1 = {e1:.1f} µs, g = {eg:.2f} µs per extra request (noisy)")
+    print("where it goes (Quest, graph replays):")
+    for p in parts:
+        print(f"  {p['part']:38} {p['context']:>7} x {p['batch']:<3} {p['us']:7.1f} µs, floor {p['floor_us']:6.1f}, "
+              f"excess {p['excess_us']:6.1f}")
+    even = break_evens(round(o1, 1), round(g, 2))
+    print("break-even contexts (" + even["shape"] + "): "
+          + ", ".join(f"batch {b}: {c}" for b, c in even["by_batch"].items()))
+    result = {
+        "command": "python benchmarks/sparse_policy_fit.py",
+        "model": "overhead per sparse layer-step of a batch of b selecting requests: o1 + g * (b - 1) µs",
+        "hbm_tb_s": HBM_TB_S,
+        "overhead_us": round(o1, 1),
+        "overhead_growth_us": round(g, 2),
+        "fit": {"source": "decode_layer_h100.json", "context": FIT_CONTEXT, "points": fit_points,
+                "o1": o1, "g": g},
+        "engine_fit": {"sources": list(ENGINE_SWEEPS), "o1": e1, "g": eg},
+        "layer_points": layer,
+        "engine_points": engine,
+        "breakdown": parts,
+        "break_even": even,
+        "not_measured": "no H100 measurement below 16K context, and no whole engine step at batch 1 below 128K: "
+                        "the break-evens are extrapolated (docs/engine.md, 'Sparse only when it pays')",
+    }
+    if not args.no_write:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"written to {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
