@@ -276,6 +276,8 @@ def _engine_plan(args: argparse.Namespace) -> int:
         raise SparseFrameworkError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization:g}")
     if args.max_num_batched_tokens < 1 or args.max_num_seqs < 1:
         raise SparseFrameworkError("--max-num-batched-tokens and --max-num-seqs must be >= 1")
+    if args.tensor_parallel_size < 1:
+        raise SparseFrameworkError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
     from .engine.models.tensor_parallel import local_config
 
     model = local_config(ModelConfig.from_hf(models[args.model]), args.tensor_parallel_size)  # one rank's

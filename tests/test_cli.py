@@ -222,6 +222,7 @@ def test_plan_engine_with_the_prefix_cache_shows_its_host_copies(capsys, tmp_pat
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
         (["--gpu-memory-gib", "0"], "--gpu-memory-gib and --host-memory-gib must be > 0"),
         (["--gpu-memory-gib", "16"], "no request of max_model_len=16384 fits"),
+        (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1, got 0"),
     ],
 )
 def test_plan_engine_bad_input(args, message, capsys) -> None:
