@@ -37,6 +37,30 @@ def _as_kernel_arg(t: torch.Tensor) -> torch.Tensor | _HostPointer:
     return _HostPointer(t)
 
 
+def uses_triton(src: torch.Tensor, dst: torch.Tensor, src_off: torch.Tensor, dst_off: torch.Tensor, impl: str,
+                what: str) -> bool:
+    """The checks every offset-driven row copy makes (`copy_rows`, fp8_host's quantising and
+    dequantising copies), and which path runs: the Triton kernel (True) when `impl` asks for
+    it or, with "auto", when a tensor is on CUDA; else the torch index copy. `what` names the
+    caller in the messages."""
+    if not (src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError(f"{what}: src and dst must be contiguous")
+    if src_off.shape != dst_off.shape:
+        raise ValueError(f"{what}: offset shapes differ: {tuple(src_off.shape)} vs {tuple(dst_off.shape)}")
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"{what}: impl must be auto, torch or triton, got {impl!r}")
+    on_gpu = src.is_cuda or dst.is_cuda
+    if impl == "triton" and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"{what}: the Triton kernel needs a CUDA tensor or TRITON_INTERPRET=1")
+    return not (impl == "torch" or (impl == "auto" and not on_gpu))
+
+
+def span_index(off: torch.Tensor, live: torch.Tensor, width: int) -> torch.Tensor:
+    """Flat indices of the `width` consecutive elements at each live offset (the torch path's
+    gather/scatter index of a row copy): [live rows x width], on the offsets' device."""
+    return (off[live].unsqueeze(1) + torch.arange(width, device=off.device)).reshape(-1)
+
+
 def copy_rows(
     src: torch.Tensor,
     dst: torch.Tensor,
@@ -55,21 +79,10 @@ def copy_rows(
     """
     if src.dtype != dst.dtype:
         raise TypeError(f"copy_rows: src is {src.dtype}, dst is {dst.dtype}")
-    if not (src.is_contiguous() and dst.is_contiguous()):
-        raise ValueError("copy_rows: src and dst must be contiguous")
-    if src_off.shape != dst_off.shape:
-        raise ValueError(f"copy_rows: offset shapes differ: {tuple(src_off.shape)} vs {tuple(dst_off.shape)}")
-    if impl not in ("auto", "torch", "triton"):
-        raise ValueError(f"copy_rows: impl must be auto, torch or triton, got {impl!r}")
-    on_gpu = src.is_cuda or dst.is_cuda
-    if impl == "triton" and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("copy_rows: the Triton kernel needs a CUDA tensor or TRITON_INTERPRET=1")
-    if impl == "torch" or (impl == "auto" and not on_gpu):
+    if not uses_triton(src, dst, src_off, dst_off, impl, "copy_rows"):
         live = (src_off >= 0) & (dst_off >= 0)
-        cols = torch.arange(row, device=src_off.device)
-        s = (src_off[live].unsqueeze(1) + cols).reshape(-1)
-        d = (dst_off[live].unsqueeze(1) + cols).reshape(-1)
-        dst.view(-1)[d.to(dst.device)] = src.view(-1)[s.to(src.device)].to(dst.device)
+        d = span_index(dst_off, live, row)
+        dst.view(-1)[d.to(dst.device)] = src.view(-1)[span_index(src_off, live, row).to(src.device)].to(dst.device)
         return
     from ..kernels.copy_rows import copy_rows_kernel
     from ..kernels.launch import launch

@@ -42,12 +42,12 @@ resident store, which keeps no host tier to shrink (`check_host_kv_dtype`).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ..common.arith import pow2
 from ..common.errors import ConfigError
 from ..common.layout import KVLayout
+from .copy import _as_kernel_arg, span_index, uses_triton
 
 HOST_KV_DTYPES = ("auto", "fp8_e4m3")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -135,31 +135,12 @@ def dequantize_rows(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 # -- row copies between the tiers -------------------------------------------------------------
-def _impl(impl: str, src: torch.Tensor, dst: torch.Tensor) -> str:
-    if impl not in ("auto", "torch", "triton"):
-        raise ValueError(f"impl must be auto, torch or triton, got {impl!r}")
-    on_gpu = src.is_cuda or dst.is_cuda
-    if impl == "triton" and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("fp8 host copy: the Triton kernel needs a CUDA tensor or TRITON_INTERPRET=1")
-    return "torch" if impl == "torch" or (impl == "auto" and not on_gpu) else "triton"
-
-
 def _launch(kernel: object, src: torch.Tensor, dst: torch.Tensor, src_off: torch.Tensor, dst_off: torch.Tensor,
             heads: int, head_dim: int) -> None:
-    from ..common.arith import pow2
-    from .copy import _as_kernel_arg
-
     n = src_off.numel()
     if n:
         kernel[(n, heads)](_as_kernel_arg(src), _as_kernel_arg(dst), src_off, dst_off, n,  # type: ignore[index]
                            D=head_dim, DP=pow2(head_dim))
-
-
-def _check(src: torch.Tensor, dst: torch.Tensor, src_off: torch.Tensor, dst_off: torch.Tensor, what: str) -> None:
-    if not (src.is_contiguous() and dst.is_contiguous()):
-        raise ValueError(f"{what}: src and dst must be contiguous")
-    if src_off.shape != dst_off.shape:
-        raise ValueError(f"{what}: offset shapes differ: {tuple(src_off.shape)} vs {tuple(dst_off.shape)}")
 
 
 def copy_to_host(
@@ -170,19 +151,17 @@ def copy_to_host(
     `heads` x `head_dim` values at element offset src_off[i] of `src` (a float tensor: the
     device buffer, or prefill rows) become `heads` host rows of head_dim + 1 bytes at byte
     offset dst_off[i] of `dst` (uint8, the host pool). Offsets: int64 [N] on the launching device."""
-    _check(src, dst, src_off, dst_off, "copy_to_host")
     if dst.dtype != torch.uint8 or not src.dtype.is_floating_point:
         raise TypeError(f"copy_to_host: float rows into uint8 host rows, got {src.dtype} -> {dst.dtype}")
-    if _impl(impl, src, dst) == "triton":
+    if uses_triton(src, dst, src_off, dst_off, impl, "copy_to_host"):
         from ..kernels.fp8_host import quant_rows_kernel
 
         _launch(quant_rows_kernel, src, dst, src_off, dst_off, heads, head_dim)
         return
     live = (src_off >= 0) & (dst_off >= 0)
-    s = (src_off[live].unsqueeze(1) + torch.arange(heads * head_dim, device=src_off.device)).reshape(-1)
+    s = span_index(src_off, live, heads * head_dim)
     rows = src.view(-1)[s.to(src.device)].view(-1, heads, head_dim)
-    width = heads * (head_dim + SCALE_BYTES)
-    d = (dst_off[live].unsqueeze(1) + torch.arange(width, device=dst_off.device)).reshape(-1)
+    d = span_index(dst_off, live, heads * (head_dim + SCALE_BYTES))
     dst.view(-1)[d.to(dst.device)] = quantize_rows(rows).reshape(-1).to(dst.device)
 
 
@@ -193,17 +172,15 @@ def copy_from_host(
     """Dequantising `copy_rows`, the inverse of `copy_to_host`: `heads` host rows at byte
     offset src_off[i] of `src` (uint8) become heads x head_dim values of dst's dtype at
     element offset dst_off[i] of `dst`."""
-    _check(src, dst, src_off, dst_off, "copy_from_host")
     if src.dtype != torch.uint8 or not dst.dtype.is_floating_point:
         raise TypeError(f"copy_from_host: uint8 host rows into float rows, got {src.dtype} -> {dst.dtype}")
-    if _impl(impl, src, dst) == "triton":
+    if uses_triton(src, dst, src_off, dst_off, impl, "copy_from_host"):
         from ..kernels.fp8_host import dequant_rows_kernel
 
         _launch(dequant_rows_kernel, src, dst, src_off, dst_off, heads, head_dim)
         return
     live = (src_off >= 0) & (dst_off >= 0)
-    width = heads * (head_dim + SCALE_BYTES)
-    s = (src_off[live].unsqueeze(1) + torch.arange(width, device=src_off.device)).reshape(-1)
+    s = span_index(src_off, live, heads * (head_dim + SCALE_BYTES))
     packed = src.view(-1)[s.to(src.device)].view(-1, heads, head_dim + SCALE_BYTES).to(dst.device)
-    d = (dst_off[live].unsqueeze(1) + torch.arange(heads * head_dim, device=dst_off.device)).reshape(-1)
+    d = span_index(dst_off, live, heads * head_dim)
     dst.view(-1)[d.to(dst.device)] = dequantize_rows(packed, dst.dtype).reshape(-1)
