@@ -51,28 +51,17 @@ def tiny_runs(ctx: parallel.TPContext | None, device: torch.device) -> dict[str,
     import test_engine_parallel as cpu  # the scenario table of the CPU tests
 
     tp = ctx.world_size if ctx is not None else 1
+    shard = ctx.shard if ctx is not None else None
     out: dict[str, Any] = {}
-    for name, (config, sparse, options, lens, params) in cpu.SCENARIOS.items():
+    for name, (config, *_) in cpu.SCENARIOS.items():
         raw = {**cpu.TINY, **TINY4}
         if config.attention_bias:
             raw.update(attention_bias=True, mlp_bias=True)
         cfg = ModelConfig.from_hf(raw)
-        model = random_model(cfg, torch.float32, device, seed=3, tp=ctx.shard if ctx is not None else None)
-        with torch.no_grad():  # x10 as the CPU test does: every layer moves the greedy tokens
-            for pname, param in model.named_parameters():
-                if not pname.endswith("norm.weight"):
-                    param.mul_(10.0)
-        engine = Engine(model, cfg, sparse, EngineConfig(**{"max_num_seqs": 4, "max_model_len": 128,
-                                                            "tensor_parallel_size": tp, **options}))
-        prompts = cpu._prompts(lens, seed=len(name))
-        if name.startswith("prefix_cache"):
-            prompts = [cpu._prompts([36], seed=1)[0] + p for p in prompts]
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            engine.add_request(f"r{i}", prompt, SamplingParams(**p))
-        outs = engine.run_to_completion()
-        hits = engine.prefix_cache.stats.hit_tokens if engine.prefix_cache is not None else 0
-        out[name] = {"tokens": {o.request_id: o.token_ids for o in outs}, "finish": {o.request_id: o.finish_reason for o in outs},
-                     "preemptions": engine.scheduler.num_preemptions, "prefix_hit_tokens": hits}
+        got, (preemptions, hits) = cpu._run(cpu._model(cfg, shard, device), name, tp, model_config=cfg)
+        out[name] = {"tokens": {rid: tokens for rid, (tokens, _) in got.items()},
+                     "finish": {rid: reason for rid, (_, reason) in got.items()},
+                     "preemptions": preemptions, "prefix_hit_tokens": hits}
     return out
 
 

@@ -78,11 +78,12 @@ SCENARIOS: dict[str, tuple[ModelConfig, dict, dict, list[int], list[dict]]] = {
 }
 
 
-def _model(config: ModelConfig, shard: TPShard | None = None) -> Any:
+def _model(config: ModelConfig, shard: TPShard | None = None, device: Any = "cpu") -> Any:
     """random_model's weights x 10 (std 0.2): at its std 0.02 a tiny model's logits hardly
     depend on its layers (the embedding dominates the residual), so a broken all-reduce could
-    pass; scaled, every layer moves the greedy tokens. Scaling the shards scales the whole."""
-    model = random_model(config, torch.float32, "cpu", seed=3, tp=shard)
+    pass; scaled, every layer moves the greedy tokens. Scaling the shards scales the whole.
+    (benchmarks/tp_equality.py builds its GPU models here too.)"""
+    model = random_model(config, torch.float32, device, seed=3, tp=shard)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if not name.endswith("norm.weight"):
@@ -90,12 +91,14 @@ def _model(config: ModelConfig, shard: TPShard | None = None) -> Any:
     return model
 
 
-def _run(model: Any, name: str, tp: int, sparse: dict | None = None,
+def _run(model: Any, name: str, tp: int, sparse: dict | None = None, model_config: ModelConfig | None = None,
          **change: Any) -> tuple[dict[str, tuple[list[int], str]], tuple[int, int]]:
-    """Scenario `name` (its sparse config replaced by `sparse` if given, EngineConfig arguments
-    by `change`): tokens and finish reason per request, and (preemptions, prefix-cache hit
-    tokens). A "prefix_cache" scenario's prompts share a 36-token prefix."""
+    """Scenario `name` (its sparse config replaced by `sparse` if given, its model config by
+    `model_config`, EngineConfig arguments by `change`): tokens and finish reason per request,
+    and (preemptions, prefix-cache hit tokens). A "prefix_cache" scenario's prompts share a
+    36-token prefix."""
     config, own, options, lens, params = SCENARIOS[name]
+    config = model_config or config
     sparse = sparse or own
     engine = Engine(model, config, sparse, EngineConfig(**{"max_num_seqs": 4, "max_model_len": 128,
                                                            "tensor_parallel_size": tp, **options, **change}))
