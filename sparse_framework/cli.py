@@ -22,7 +22,7 @@ from .engine.workload import WorkloadConfig
 from .engine.workload import DTYPES as LAYOUT_DTYPES
 from .common.errors import CapacityError, SparseFrameworkError, closest
 from .engine import command as engine_command
-from .engine.memory import HOST_MEMORY_FRACTION, plan_engine_memory
+from .engine.memory import HOST_MEMORY_FRACTION, host_budget, plan_engine_memory
 from .engine.models import ModelConfig
 from .eval import command as eval_command
 from .serve import command as serve_command
@@ -284,8 +284,8 @@ def _engine_plan(args: argparse.Namespace) -> int:
     dtype = LAYOUT_DTYPES[args.dtype]
     config = load_config(args.config) if args.config else load_config(PLAN_DEFAULT)
     host = None if args.host_memory_gib is None else int(args.host_memory_gib * 2**30)
-    if host is not None:
-        host //= args.tensor_parallel_size  # as the engine splits it (Engine: host budget // world size)
+    if args.tensor_parallel_size > 1:  # the ranks share the host: each plans with 1/N, as the Engine does
+        host = host_budget(host)[0] // args.tensor_parallel_size
     plans = []
     for context in _int_list(args.context, "--context"):
         layout = model.kv_layout(dtype, max_model_len=context)  # the store's layers: full attention at this context

@@ -161,7 +161,7 @@ def test_plan_engine_llama_3_8b_on_an_h100(capsys) -> None:
     assert "weights 14.96 GiB" in printed  # 8.03 B parameters in bfloat16
 
 
-def test_plan_engine_for_one_rank_of_a_tensor_parallel_group(tmp_path, capsys) -> None:
+def test_plan_engine_for_one_rank_of_a_tensor_parallel_group(tmp_path, capsys, monkeypatch) -> None:
     """--tensor-parallel-size N plans one rank as the engine does under TP: the rank's weight
     shard (embeddings and head whole), num_kv_heads / N per request, 1/N of the host budget."""
     from sparse_framework.engine.command import RANDOM_MODELS
@@ -181,6 +181,13 @@ def test_plan_engine_for_one_rank_of_a_tensor_parallel_group(tmp_path, capsys) -
     assert rows[4]["host_bytes_per_request"] == rows[1]["host_bytes_per_request"] // 4
     assert rows[4]["host_budget_bytes"] == 400 * 2**30 // 4 == rows[1]["host_budget_bytes"] // 4
     assert rows[4]["max_requests"] > rows[1]["max_requests"] and rows[4]["tensor_parallel_size"] == 4
+    # without --host-memory-gib the default budget (a share of this host's memory) is split too
+    from sparse_framework.engine import memory
+
+    monkeypatch.setattr(memory, "meminfo_bytes", lambda key: 64 * 2**30)  # a fixed MemAvailable
+    out = tmp_path / "default.json"
+    assert main(["plan", "--engine", "--context", "32768", "--tensor-parallel-size", "4", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())[0]["host_budget_bytes"] == int(memory.HOST_MEMORY_FRACTION * 64 * 2**30) // 4
     assert main(["plan", "--engine", "--host-memory-gib", "64", "--tensor-parallel-size", "3"]) == 2
     assert "tensor_parallel_size=3 must divide" in " ".join(capsys.readouterr().out.split())
 
