@@ -197,3 +197,27 @@ def test_the_command_prints_tables_and_writes_json(server: Server, tmp_path: Pat
     assert max(len(line) for line in text.splitlines()) <= 100
     report = json.loads(out.read_text())
     assert [(r["completed"], r["output_tokens"], r["input_tokens"]) for r in report["runs"]] == [(4, 10, 14)] * 2
+
+
+def test_a_random_shape_is_served_and_benchmarked_in_token_ids(tmp_path: Path) -> None:
+    """`serve --random SHAPE` (the H100 rate sweep's 8B shape, here `tiny`): its name is the
+    model's, bench-serve builds id prompts over the shape's vocabulary by that name, and every
+    request of the sweep comes back whole."""
+    from test_serve import Server
+
+    s = Server(["-m", "sparse_framework.cli", "serve", "--random", "tiny", "--port", "{port}", "--max-num-seqs", "4",
+                "--max-model-len", "256", "--config", '{"algorithm": "quest", "top_k": 32, "min_sparse_prompt_len": 0}'])
+    try:
+        spec = ServeBenchSpec(s.url, rates=(math.inf,), num_prompts=4, input_len=96, output_len=6, prompt_format="ids")
+        report = benchmark(spec)
+        assert report["model"] == "tiny" and report["tokenizer"] == "tiny"
+        run = report["runs"][0]
+        assert (run["completed"], run["failed"], run["output_tokens"]) == (4, 0, 24)
+        assert max(max(r.prompt) for r in synthetic_requests(spec, load_tokenizer_for("tiny"))) < 512  # tiny's vocabulary
+    finally:
+        assert s.stop() == 0
+
+
+def test_serve_refuses_a_model_and_a_random_shape_together(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--model", "reference", "--random", "tiny"]) != 0
+    assert "give --model or --random, not both" in capsys.readouterr().out

@@ -202,8 +202,7 @@ def add_parsers(sub: Any) -> None:
     b = sub.add_parser("bench", help="offline throughput and latency of the engine (tokens/s, TTFT, TPOT)",
                        description=BENCH_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     _common(b, "the reference model")
-    b.add_argument("--random", choices=sorted(RANDOM_MODELS), metavar="SHAPE",
-                   help="random weights of this shape instead of --model: " + ", ".join(sorted(RANDOM_MODELS)))
+    random_argument(b)
     b.add_argument("--num-prompts", type=int, default=8, help="requests (default 8)")
     b.add_argument("--input-len", type=int, default=2048, help="prompt tokens each (default 2048)")
     b.add_argument("--output-len", type=int, default=32, help="generated tokens each (default 32)")
@@ -215,6 +214,24 @@ def add_parsers(sub: Any) -> None:
     b.add_argument("--range-ratio", type=float, default=0.0, help="R of the length distributions, in [0, 1) (default 0)")
     b.add_argument("--request-rate", type=float, help="Poisson arrivals per second (default: all queued at once)")
     b.add_argument("--seed", type=int, default=0, help="seed of the lengths, arrivals and prompts (default 0)")
+
+
+def random_argument(p: argparse.ArgumentParser) -> None:
+    """--random SHAPE (bench, serve): random weights of a named shape instead of --model, for
+    speed at a real model's size where no checkpoint is at hand; prompts are token ids."""
+    p.add_argument("--random", choices=sorted(RANDOM_MODELS), metavar="SHAPE",
+                   help="random weights of this shape instead of --model (prompts are token ids): "
+                   + ", ".join(sorted(RANDOM_MODELS)))
+
+
+def random_setup(shape: str, config: Any, device: str, dtype: str | None, kv_cache_dtype: str = "auto"
+                 ) -> tuple[Any, Any]:
+    """The random-weight model `--random SHAPE` runs and its sparse config (`config` as given,
+    else the shape's own preset, else the demo's Quest)."""
+    preset = random_model_config(shape, device, kv_cache_dtype)
+    sparse = load_config(config) if config else load_config(preset or DEMO_CONFIG)
+    dtype = dtype or ("bfloat16" if torch.device(device).type == "cuda" else "float32")
+    return random_model(ModelConfig.from_hf(RANDOM_MODELS[shape]), dtype, device), sparse
 
 
 def _common(p: argparse.ArgumentParser, default_model_text: str) -> None:
@@ -492,13 +509,10 @@ def run_bench(args: argparse.Namespace, console: Console) -> int:
                      input_len_dist=args.input_len_dist, output_len_dist=args.output_len_dist or args.input_len_dist,
                      range_ratio=args.range_ratio, request_rate=args.request_rate, concurrency=args.concurrency,
                      seed=args.seed)
-    preset = random_model_config(args.random, args.device, args.kv_cache_dtype) if args.random else None
-    config = load_config(args.config) if args.config else load_config(preset or DEMO_CONFIG)
     if args.random:
-        model_config = ModelConfig.from_hf(RANDOM_MODELS[args.random])
-        dtype = args.dtype or ("bfloat16" if torch.device(args.device).type == "cuda" else "float32")
-        model = random_model(model_config, dtype, args.device)
+        model, config = random_setup(args.random, args.config, args.device, args.dtype, args.kv_cache_dtype)
     else:
+        config = load_config(args.config) if args.config else load_config(DEMO_CONFIG)
         name = chosen_model(args.model) if args.model is not None else None  # bench's default: the reference model
         model = load_reference(args.dtype, args.device) if name is None else load_model(resolve_model(name), args.dtype, args.device)
     vocab = model.config.vocab_size

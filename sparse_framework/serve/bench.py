@@ -189,10 +189,10 @@ def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
 
 
 def load_tokenizer_for(name: str) -> Any:
-    """The tokenizer the server uses for model `name`: `reference` (the toy's id tokenizer:
-    text of space-separated ids), a catalog name (converted on first use) or a checkpoint
-    directory (its tokenizer files)."""
-    from ..engine.command import REFERENCE
+    """The tokenizer the server uses for model `name`: `reference` or a `--random` shape (an id
+    tokenizer: text of space-separated ids), a catalog name (converted on first use) or a
+    checkpoint directory (its tokenizer files)."""
+    from ..engine.command import RANDOM_MODELS, REFERENCE
     from ..engine.llm import IdTokenizer, load_tokenizer
     from ..engine.models.catalog import resolve_model
 
@@ -200,6 +200,8 @@ def load_tokenizer_for(name: str) -> Any:
         from ..engine.models.loader import reference_config
 
         return IdTokenizer(reference_config().vocab_size)
+    if name in RANDOM_MODELS:  # `serve --random SHAPE`: token ids over the shape's vocabulary
+        return IdTokenizer(RANDOM_MODELS[name]["vocab_size"])
     try:
         tokenizer = load_tokenizer(resolve_model(name))
     except SparseFrameworkError as exc:

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..common.errors import ConfigError
 from ..engine import command as engine_command
-from ..engine.llm import LLM
+from ..engine.llm import LLM, IdTokenizer
 
 SERVE_HELP = """\
 An OpenAI-compatible HTTP server over one engine (docs/serve.md): POST /v1/completions and
@@ -50,6 +50,7 @@ def add_parser(sub: Any) -> None:
                        "streaming, metrics)", description=SERVE_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     engine_command.engine_arguments(s, engine_command.DEFAULT_MODEL_TEXT)
+    engine_command.random_argument(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     s.add_argument("--served-model-name", metavar="NAME",
@@ -70,7 +71,10 @@ def run(args: argparse.Namespace) -> int:
 
     engine_command.check_positive(args, "max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_waiting")
     engine_command.check_device(args.device)
-    return serve(model=args.model, config=args.config, device=args.device, dtype=args.dtype, host=args.host,
+    if args.model and args.random:
+        raise ConfigError("give --model or --random, not both")
+    return serve(model=args.model, random=args.random, config=args.config, device=args.device, dtype=args.dtype,
+                 host=args.host,
                  port=args.port, served_model_name=args.served_model_name,
                  api_key=args.api_key or os.environ.get("SPARSE_FRAMEWORK_API_KEY"), max_waiting=args.max_waiting,
                  drain_timeout=args.drain_timeout, log_level=args.log_level,
@@ -78,10 +82,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def build_llm(model: str | None, config: Any = None, *, device: str = "cpu", dtype: str | None = None,
-              **engine_options: Any) -> tuple[LLM, str]:
-    """The LLM `generate` would build for --model (None: its default; "reference": the toy)
-    and its name in the API. Its engine is not warmed up yet: the server's loop does that on its
-    own thread (/health answers 503 meanwhile)."""
+              random: str | None = None, **engine_options: Any) -> tuple[LLM, str]:
+    """The LLM `generate` would build for --model (None: its default; "reference": the toy), or
+    `bench --random SHAPE`'s random-weight model (its prompts and outputs are token ids, as text
+    "1 17 300" or id lists), and its name in the API. Its engine is not warmed up yet: the
+    server's loop does that on its own thread (/health answers 503 meanwhile)."""
+    if random is not None:
+        loaded, sparse = engine_command.random_setup(random, config, device, dtype,
+                                                     engine_options.get("kv_cache_dtype", "auto"))
+        llm = LLM.from_model(loaded, sparse, tokenizer=IdTokenizer(loaded.config.vocab_size), defer_warm_up=True,
+                             **engine_options)
+        return llm, random
     name, checkpoint, sparse, max_model_len = engine_command.model_setup(model, config, engine_options.pop("max_model_len", None))
     llm = LLM(checkpoint, sparse, dtype=dtype, device=device, max_model_len=max_model_len, defer_warm_up=True,
               **engine_options)
@@ -92,9 +103,10 @@ def build_llm(model: str | None, config: Any = None, *, device: str = "cpu", dty
 def serve(model: str | None = None, config: Any = None, *, llm: LLM | None = None, host: str = "127.0.0.1",
           port: int = 8000, served_model_name: str | None = None, api_key: str | None = None,
           max_waiting: int = 256, drain_timeout: float = 30.0, log_level: str = "info", device: str = "cpu",
-          dtype: str | None = None, **engine_options: Any) -> int:
-    """Serve `llm` (or the model `generate --model` would load, with `config` and the
-    EngineConfig `engine_options`) until SIGTERM or Ctrl-C; 0 after a clean shutdown."""
+          dtype: str | None = None, random: str | None = None, **engine_options: Any) -> int:
+    """Serve `llm` (or the model `generate --model` would load, or random weights of shape
+    `random`, with `config` and the EngineConfig `engine_options`) until SIGTERM or Ctrl-C; 0
+    after a clean shutdown."""
     try:
         import uvicorn
 
@@ -108,7 +120,7 @@ def serve(model: str | None = None, config: Any = None, *, llm: LLM | None = Non
     if max_waiting < 1:
         raise ConfigError(f"--max-waiting must be >= 1, got {max_waiting}")
     if llm is None:
-        llm, name = build_llm(model, config, device=device, dtype=dtype, **engine_options)
+        llm, name = build_llm(model, config, device=device, dtype=dtype, random=random, **engine_options)
     else:
         name = model or REFERENCE_NAME
     name = served_model_name or name
