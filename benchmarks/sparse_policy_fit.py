@@ -24,9 +24,11 @@ residency, adaptor, the glue around them). What that overhead is, per source:
   tune_sparse_decode_h100  the attention kernel alone beside its selected rows' bytes: the two
                            largest parts of the layer's overhead, shown as a breakdown.
 
-No measurement exists below 16K context, and none of a whole engine step at batch 1 below 128K:
-the break-evens (~24K at batch 1) are extrapolated from these (docs/engine.md, "Sparse only
-when it pays", names the H100 run that would measure them).
+  decode_layer_short_h100  the same layer measurement at 1K-32K x batch 1-32 (benchmarks/
+                           policy_gpu_runs.sh): THE CHECK of the break-evens. Per batch, the
+                           contexts where the layer's sparse decode (graph) was slower and faster
+                           than the best dense kernel bracket the measured break-even; the
+                           model's must fall inside (printed, and in the JSON's "check").
 
     python benchmarks/sparse_policy_fit.py               # print, write the JSON
     python benchmarks/sparse_policy_fit.py --no-write
@@ -119,6 +121,28 @@ def breakdown() -> list[dict[str, Any]]:
     return rows
 
 
+SHORT = "decode_layer_short_h100.json"
+CHECK_BATCHES = (1, 2, 4, 8, 16, 32)
+
+
+def measured_brackets() -> dict[int, dict[str, Any]]:
+    """Per batch, from decode_layer_short_h100.json: the longest context at which one layer's
+    sparse decode (graph replay) was slower than the best dense kernel, and the shortest at
+    which it was faster — the measured break-even lies between."""
+    data = json.loads((RESULTS / SHORT).read_text())
+    by_batch: dict[int, dict[str, Any]] = {}
+    for r in sorted(data["results"], key=lambda r: r["context"]):
+        if (r["shape"], r["algorithm"], r["backend"]) != ("mha", "quest", "triton") or not r.get("step_graph_us"):
+            continue
+        cell = by_batch.setdefault(r["batch"], {"dense_faster_at": None, "sparse_faster_at": None, "cells": []})
+        cell["cells"].append({"context": r["context"], "sparse_us": r["step_graph_us"], "dense_us": r["dense_best_us"]})
+        if r["step_graph_us"] >= r["dense_best_us"]:
+            cell["dense_faster_at"] = r["context"]
+        elif cell["sparse_faster_at"] is None:
+            cell["sparse_faster_at"] = r["context"]
+    return by_batch
+
+
 def break_evens(o1: float, g: float) -> dict[str, Any]:
     """Break-even contexts the constants imply for Llama-3-8B (8 KV heads x 128, bf16), Quest
     top_k 2048, page 16, sink 16, recent 64, at batch 1 / 8 / 32."""
@@ -136,7 +160,7 @@ def break_evens(o1: float, g: float) -> dict[str, Any]:
             "kv_bytes_per_token": model.kv_bytes_per_token,
             "representation_bytes_per_token": model.representation_bytes_per_token,
             "selected_tokens": model.selected_tokens,
-            "by_batch": {str(b): model.break_even(b) for b in (1, 8, 32)}}
+            "by_batch": {str(b): model.break_even(b) for b in CHECK_BATCHES}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,6 +186,17 @@ def main(argv: list[str] | None = None) -> int:
     even = break_evens(round(o1, 1), round(g, 2))
     print("break-even contexts (" + even["shape"] + "): "
           + ", ".join(f"batch {b}: {c}" for b, c in even["by_batch"].items()))
+    check = []
+    print(f"check against {SHORT} (one layer, graph replays): the measured break-even lies between")
+    print(f"{'batch':>5} {'dense faster at':>15} {'sparse faster at':>16} {'model':>7}  inside")
+    for batch, cell in sorted(measured_brackets().items()):
+        model = even["by_batch"].get(str(batch))
+        lo, hi = cell["dense_faster_at"], cell["sparse_faster_at"]
+        inside = model is not None and (lo is None or model >= lo) and (hi is None or model <= hi)
+        check.append({"batch": batch, "dense_faster_up_to": lo, "sparse_faster_from": hi, "model": model,
+                      "inside": inside, "cells": cell["cells"]})
+        print(f"{batch:>5} {lo or '-':>15} {hi or '-':>16} {model if model is not None else '-':>7}  "
+              f"{'yes' if inside else 'NO'}")
     result = {
         "command": "python benchmarks/sparse_policy_fit.py",
         "model": "overhead per sparse layer-step of a batch of b selecting requests: o1 + g * (b - 1) µs",
@@ -175,8 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine_points": engine,
         "breakdown": parts,
         "break_even": even,
-        "not_measured": "no H100 measurement below 16K context, and no whole engine step at batch 1 below 128K: "
-                        "the break-evens are extrapolated (docs/engine.md, 'Sparse only when it pays')",
+        "check": {"source": SHORT, "by_batch": check},
     }
     if not args.no_write:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
