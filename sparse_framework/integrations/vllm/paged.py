@@ -6,7 +6,8 @@ an algorithm's representation lives per physical block (a side tensor indexed by
 and is written whenever vLLM writes K into a block. Blocks that vLLM's prefix cache shares
 between requests share their representation too, at no cost.
 
-    write(state, slot_mapping, keys)            every K write (prefill and decode)
+    write(state, slot_mapping, keys)            every K write (prefill and decode), no host sync
+    decode_rows(query_start_loc, seq_lens, ...) once per step: which rows decode sparsely
     select(state, q, block_table, seq_lens)     decode: a Selection of logical tokens, whole
                                                 blocks, per request and KV head
     folded_page_table(selection, block_table)   the Selection as a block table over the KV
@@ -23,7 +24,7 @@ object as everywhere else, with defaults for what vLLM decides (page = block, re
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
@@ -95,8 +96,10 @@ def load_vllm_config(source: str | dict[str, Any], block_size: int | None = None
 @dataclass
 class BlockBounds:
     """Quest's page bounds per physical block of one layer: the element-wise min and max key
-    of the tokens written to each block, [num_blocks, num_kv_heads, head_dim] in the key dtype
-    (+inf / -inf for blocks never written)."""
+    of the tokens written to each block, [num_blocks + 1, num_kv_heads, head_dim] in the key
+    dtype (+inf / -inf for blocks never written). The extra last row is a sink for padding
+    slots and for blocks not restarted by a write, so that `write` needs no boolean indexing
+    (a host sync per layer on the GPU); no block table points at it."""
 
     page_min: torch.Tensor
     page_max: torch.Tensor
@@ -104,7 +107,7 @@ class BlockBounds:
 
     @property
     def num_blocks(self) -> int:
-        return self.page_min.shape[0]
+        return self.page_min.shape[0] - 1
 
 
 class PagedQuest:
@@ -135,7 +138,7 @@ class PagedQuest:
         """Empty bounds for a KV cache of `num_blocks` blocks (fp8 caches: bounds in bfloat16)."""
         if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
             dtype = torch.bfloat16
-        shape = (num_blocks, num_kv_heads, head_dim)
+        shape = (num_blocks + 1, num_kv_heads, head_dim)  # + the sink row
         return BlockBounds(
             page_min=torch.full(shape, float("inf"), dtype=dtype, device=device),
             page_max=torch.full(shape, float("-inf"), dtype=dtype, device=device),
@@ -146,20 +149,24 @@ class PagedQuest:
         """Fold keys [T, Hkv, D] written at physical slots `slot_mapping` (int [>= T'], slot =
         block * block_size + offset; negative = padding, skipped; rows past T' ignored) into
         their blocks' bounds. A write at offset 0 starts the block afresh: vLLM fills a block
-        from offset 0, so a reused block id forgets what it held before."""
+        from offset 0, so a reused block id forgets what it held before.
+
+        No host sync (it runs for every layer of every step): padding slots and blocks that
+        are not restarted are routed to the sink row instead of being filtered out."""
         n = min(slot_mapping.shape[0], keys.shape[0])
+        if n == 0:
+            return
+        sink = state.num_blocks
         slots = slot_mapping[:n].to(device=state.page_min.device, dtype=torch.long)
         keep = slots >= 0
-        slots, keys = slots[keep], keys[:n][keep].to(state.page_min.dtype)
-        if slots.numel() == 0:
-            return
-        blocks = slots // state.block_size
-        fresh = blocks[slots % state.block_size == 0]
-        state.page_min[fresh] = float("inf")
-        state.page_max[fresh] = float("-inf")
-        index = blocks.view(-1, 1, 1).expand_as(keys)
-        state.page_min.scatter_reduce_(0, index, keys, "amin", include_self=True)
-        state.page_max.scatter_reduce_(0, index, keys, "amax", include_self=True)
+        blocks = torch.where(keep, slots.div(state.block_size, rounding_mode="floor"), sink)
+        restart = torch.where(keep & (slots % state.block_size == 0), blocks, sink)
+        state.page_min.index_fill_(0, restart, float("inf"))
+        state.page_max.index_fill_(0, restart, float("-inf"))
+        index = blocks.view(-1, 1, 1).expand(n, *keys.shape[1:])
+        rows = keys[:n].to(state.page_min.dtype)
+        state.page_min.scatter_reduce_(0, index, rows, "amin", include_self=True)
+        state.page_max.scatter_reduce_(0, index, rows, "amax", include_self=True)
 
     def score(
         self, state: BlockBounds, q: torch.Tensor, block_table: torch.Tensor, n_blocks: int
@@ -175,13 +182,20 @@ class PagedQuest:
         return scores(q, lo, hi, rows, n_blocks, self.options.gqa_reduce, self.options.range_weight)
 
     def select(
-        self, state: BlockBounds, q: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor
+        self,
+        state: BlockBounds,
+        q: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seq_len: int | None = None,
     ) -> Selection:
         """Logical tokens to attend to: int32 indices [B, Hkv, W] in whole blocks, ascending,
         -1 padded, with lengths [B, Hkv]. seq_lens int [B] counts the new token (already
-        written). Host sync: the longest sequence sizes the scores."""
-        max_len = int(seq_lens.max())
-        n_blocks = -(-max_len // self.unit)
+        written). max_seq_len: an upper bound of seq_lens known on the host (a larger one only
+        scores more blocks, the selection is the same); None reads it from seq_lens, a host
+        sync."""
+        max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+        n_blocks = min(-(-max_len // self.unit), block_table.shape[1])
         scores = self.score(state, q, block_table, n_blocks)
         return topk_selection(
             scores,
@@ -215,6 +229,59 @@ def sparse_layers(config: SparseConfig, num_layers: int) -> frozenset[int]:
     """Model layers that decode sparsely: all but `dense_layers` and the algorithm's own
     (Quest: `dense_first_layers`)."""
     return frozenset(range(num_layers)) - dense_layer_set(config, num_layers)
+
+
+@dataclass
+class DecodeRows:
+    """One step's rows that may decode sparsely, planned once per step on the host.
+
+    rows: int64 [n] request rows (one query token, context >= `min_sparse_prompt_len`) and
+    tokens: int64 [n] their query tokens, both on the device; count n; decode_rows: every
+    row with one query token; max_seq_len: an upper bound of those rows' contexts (sizes
+    the scores without a host sync)."""
+
+    rows: torch.Tensor
+    tokens: torch.Tensor
+    count: int
+    decode_rows: int
+    max_seq_len: int
+
+
+def decode_rows(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor | None,
+    min_len: int,
+    device: torch.device | str,
+    max_seq_len: int | None = None,
+) -> DecodeRows:
+    """Plan which rows decode sparsely from host tensors: query_start_loc int [R + 1] (CPU),
+    seq_lens int [>= R] (CPU; None when not known on the host: every one-token row is
+    taken, which needs min_len <= 1, and max_seq_len bounds them). The row and token indices
+    are copied to `device` once per step, not per layer."""
+    starts = query_start_loc.to("cpu", torch.long)
+    num_reqs = starts.shape[0] - 1
+    one_token = starts[1:] - starts[:-1] == 1
+    decode = int(one_token.sum())
+    if seq_lens is None:
+        if min_len > 1 or max_seq_len is None:
+            raise ValueError("decode_rows: without seq_lens on the host, min_len must be <= 1 and max_seq_len given")
+        take = one_token
+        bound = max_seq_len
+    else:
+        lens = seq_lens[:num_reqs].to("cpu", torch.long)
+        take = one_token & (lens >= max(min_len, 1))
+        bound = int(lens[take].max()) if bool(take.any()) else 0
+    rows = take.nonzero().view(-1)
+    tokens = starts[:-1][rows]
+    if torch.device(device).type == "cuda":  # pinned, so that the copies do not wait for the device
+        rows, tokens = rows.pin_memory(), tokens.pin_memory()
+    return DecodeRows(
+        rows=rows.to(device, non_blocking=True),
+        tokens=tokens.to(device, non_blocking=True),
+        count=int(rows.numel()),
+        decode_rows=decode,
+        max_seq_len=bound,
+    )
 
 
 def folded_page_table(
@@ -275,7 +342,11 @@ class VllmStats:
     vLLM's forward attended first;
     sparse_rows / dense_rows: decode rows attended sparsely / densely (prefill rows are not
     counted); selected_tokens / context_tokens: over sparse rows and KV heads, the tokens
-    attended and the tokens in context; kv_writes: tokens folded into representations."""
+    attended and the tokens in context; kv_writes: tokens folded into representations (slots
+    passed to the write, padding included).
+
+    selected_tokens and context_tokens are summed on the device (`add_device`) and read when
+    the counters are (`as_dict`): counting them per layer would be a host sync each."""
 
     forward_calls: int = 0
     sparse_calls: int = 0
@@ -286,13 +357,29 @@ class VllmStats:
     selected_tokens: int = 0
     context_tokens: int = 0
     kv_writes: int = 0
+    _device: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def add_device(self, name: str, value: torch.Tensor) -> None:
+        """Add a 0-d integer tensor to counter `name` without reading it back."""
+        total = self._device.get(name)
+        self._device[name] = value.to(torch.long) if total is None else total + value
 
     def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+        out = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+        for name, total in self._device.items():
+            out[name] += int(total)
+        return out
 
     def reset(self) -> None:
         for name in self.as_dict():
             setattr(self, name, 0)
+        self._device.clear()
 
 
 STATS = VllmStats()
+"""This process's counters."""
+
+DIAGNOSTICS: dict[str, Any] = {}
+"""What the backend found at its first sparse decode in this process (backend and impl class,
+KV-cache shape, strides and dtype, how the cache was folded, the kernel): for a first run on a
+new platform, where a wrong assumption shows here before it shows in the tokens."""
