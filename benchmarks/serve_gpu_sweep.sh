@@ -62,11 +62,11 @@ sweep() {  # sweep NAME INPUT_LEN OUTPUT_LEN NUM_PROMPTS RATES CONFIG MODEL_ARGS
 
 case ${1:-} in
     8b16k)
-        [[ -n ${SKIP_DENSE:-} ]] || sweep serve_8b_16k_dense 16384 256 24 "0.5 1 2 inf" "$DENSE" --random llama-3-8b
-        sweep serve_8b_16k_quest 16384 256 24 "0.5 1 2 inf" "$QUEST" --random llama-3-8b ;;
+        [[ -n ${SKIP_DENSE:-} ]] || sweep serve_8b_16k_dense 16384 256 24 "0.5 1 inf" "$DENSE" --random llama-3-8b
+        sweep serve_8b_16k_quest 16384 256 24 "0.5 1 inf" "$QUEST" --random llama-3-8b ;;
     8b32k)
-        [[ -n ${SKIP_DENSE:-} ]] || sweep serve_8b_32k_dense 32768 256 16 "0.25 0.5 inf" "$DENSE" --random llama-3-8b
-        sweep serve_8b_32k_quest 32768 256 16 "0.25 0.5 inf" "$QUEST" --random llama-3-8b ;;
+        [[ -n ${SKIP_DENSE:-} ]] || sweep serve_8b_32k_dense 32768 256 12 "0.25 0.5 inf" "$DENSE" --random llama-3-8b
+        sweep serve_8b_32k_quest 32768 256 12 "0.25 0.5 inf" "$QUEST" --random llama-3-8b ;;
     smollm2)
         sweep serve_smollm2_4k_dense 4096 256 64 "2 4 8 inf" "$DENSE" --model smollm2-135m-instruct
         sweep serve_smollm2_4k_dsa 4096 256 64 "2 4 8 inf" "$SMOL_SPARSE" --model smollm2-135m-instruct ;;
