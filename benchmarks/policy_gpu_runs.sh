@@ -22,15 +22,8 @@ POLICY='{"algorithm": "quest", "backend": "triton", "store": "resident", "sparse
 HIER='{"algorithm": "quest", "backend": "triton", "store": "hierarchical", "top_k": 2048}'
 HIER_FP8='{"algorithm": "quest", "backend": "triton", "store": "hierarchical", "top_k": 2048, "host_kv_dtype": "fp8_e4m3"}'
 
-run() {  # run NAME LIMIT_S COMMAND...: the command's output in $OUT/NAME.log, one status line here
-    local name=$1 limit=$2
-    shift 2
-    local start=$SECONDS
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-    local rc=$?
-    echo "$name: rc=$rc in $((SECONDS - start)) s"
-    [[ $rc == 0 ]] || tail -n 5 "$OUT/$name.log" | sed 's/^/    /'
-}
+# shellcheck source=benchmarks/run_logged.sh
+source benchmarks/run_logged.sh  # run NAME LIMIT_S COMMAND...
 
 bench() {  # bench NAME LIMIT_S CONFIG bench arguments...
     local name=$1 limit=$2 config=$3

@@ -14,15 +14,8 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 DENSE='{"algorithm": "quest", "backend": "triton", "store": "resident", "min_sparse_prompt_len": 1000000000}'
 
-run() {  # run NAME LIMIT_S COMMAND...: the command's output in $OUT/NAME.log, one status line here
-    local name=$1 limit=$2
-    shift 2
-    local start=$SECONDS
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-    local rc=$?
-    echo "$name: rc=$rc in $((SECONDS - start)) s"
-    [[ $rc == 0 ]] || tail -n 5 "$OUT/$name.log" | sed 's/^/    /'
-}
+# shellcheck source=benchmarks/run_logged.sh
+source benchmarks/run_logged.sh  # run NAME LIMIT_S COMMAND...
 
 bench() {  # bench NAME NPROC LIMIT_S tp_bench.py arguments...
     local name=$1 n=$2 limit=$3
