@@ -250,7 +250,15 @@ def test_the_defaults_are_the_committed_fit_and_the_fit_reproduces() -> None:
     assert (round(o1, 1), round(g, 2)) == (OVERHEAD_US, OVERHEAD_GROWTH_US)
     points = [(p["batch"], p["overhead_us"]) for p in script.layer_points() if p["context"] == script.FIT_CONTEXT]
     assert points == [tuple(p) for p in fit["fit"]["points"]]  # from the committed measurements
-    assert fit["break_even"]["by_batch"] == {"1": 24084, "8": 5764, "32": 3801}
+    assert fit["break_even"]["by_batch"] == {"1": 24084, "2": 13616, "4": 8381, "8": 5764, "16": 4455, "32": 3801}
+    # the H100 check below 16K (decode_layer_short_h100.json): brackets recomputed from the file
+    brackets = script.measured_brackets()
+    for row in fit["check"]["by_batch"]:
+        cell = brackets[row["batch"]]
+        assert (cell["dense_faster_at"], cell["sparse_faster_at"]) == (row["dense_faster_up_to"], row["sparse_faster_from"])
+        lo, hi = row["dense_faster_up_to"], row["sparse_faster_from"]
+        assert row["inside"] == ((lo is None or row["model"] >= lo) and (hi is None or row["model"] <= hi))
+    assert [r["batch"] for r in fit["check"]["by_batch"] if not r["inside"]] == [4]  # as docs/engine.md says
 
 
 @pytest.mark.parametrize("field,value", [("policy_hbm_tb_s", 0), ("policy_overhead_us", -1),
