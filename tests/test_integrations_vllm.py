@@ -382,9 +382,20 @@ def test_register_overrides_cpu_attn_only_with_the_variable(monkeypatch: pytest.
 
 
 def vllm_026() -> None:
-    vllm = pytest.importorskip("vllm")
+    """Skip unless vLLM 0.26's sources are importable; .ci/run's stage that puts them there sets
+    SPARSE_FRAMEWORK_REQUIRE_VLLM_026=1, which makes a skip a failure (so it cannot pass empty)."""
+    required = os.environ.get("SPARSE_FRAMEWORK_REQUIRE_VLLM_026") == "1"
+    try:
+        import vllm
+    except ImportError as exc:
+        if required:
+            pytest.fail(f"SPARSE_FRAMEWORK_REQUIRE_VLLM_026=1 but vllm does not import: {exc}")
+        pytest.skip("vllm is not installed")
     if not vllm.__version__.startswith("0.26."):
-        pytest.skip(f"the CUDA backend is checked against vLLM 0.26's sources (this is vLLM {vllm.__version__})")
+        reason = f"the CUDA backend is checked against vLLM 0.26's sources (this is vLLM {vllm.__version__})"
+        if required:
+            pytest.fail(reason)
+        pytest.skip(reason)
 
 
 def test_cuda_backend_declarations_on_vllm_026() -> None:
