@@ -214,6 +214,11 @@ def test_a_random_shape_is_served_and_benchmarked_in_token_ids(tmp_path: Path) -
         run = report["runs"][0]
         assert (run["completed"], run["failed"], run["output_tokens"]) == (4, 0, 24)
         assert max(max(r.prompt) for r in synthetic_requests(spec, load_tokenizer_for("tiny"))) < 512  # tiny's vocabulary
+        text = s.client().completions  # words are no token ids: a 400 that names what the server runs
+        import openai
+
+        with pytest.raises(openai.BadRequestError, match=r"--random tiny \(random weights\) takes prompts of token ids"):
+            text.create(model="tiny", prompt="hello there", max_tokens=2)
     finally:
         assert s.stop() == 0
 

@@ -65,15 +65,16 @@ class IdTokenizer:
 
     eos_token_id = None
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, model: str = "the reference model") -> None:
         self.vocab_size = vocab_size
+        self.model = model  # named in the error for text that is not token ids
 
     def encode(self, text: str) -> list[int]:
         try:
             return [int(t) for t in text.split()]
         except ValueError:
             raise ConfigError(
-                "the reference model takes prompts of token ids separated by spaces (e.g. '1 17 300'), "
+                f"{self.model} takes prompts of token ids separated by spaces (e.g. '1 17 300'), "
                 f"got {text[:40]!r}; give --model a checkpoint directory for text prompts"
             ) from None
 

@@ -90,8 +90,8 @@ def build_llm(model: str | None, config: Any = None, *, device: str = "cpu", dty
     if random is not None:
         loaded, sparse = engine_command.random_setup(random, config, device, dtype,
                                                      engine_options.get("kv_cache_dtype", "auto"))
-        llm = LLM.from_model(loaded, sparse, tokenizer=IdTokenizer(loaded.config.vocab_size), defer_warm_up=True,
-                             **engine_options)
+        tokenizer = IdTokenizer(loaded.config.vocab_size, f"--random {random} (random weights)")
+        llm = LLM.from_model(loaded, sparse, tokenizer=tokenizer, defer_warm_up=True, **engine_options)
         return llm, random
     name, checkpoint, sparse, max_model_len = engine_command.model_setup(model, config, engine_options.pop("max_model_len", None))
     llm = LLM(checkpoint, sparse, dtype=dtype, device=device, max_model_len=max_model_len, defer_warm_up=True,
