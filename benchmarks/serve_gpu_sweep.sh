@@ -8,6 +8,7 @@
 #   bash benchmarks/serve_gpu_sweep.sh 8b16k      # Llama-3-8B shape (random weights), 16K prompts
 #   bash benchmarks/serve_gpu_sweep.sh 8b32k      # the same at 32K
 #   bash benchmarks/serve_gpu_sweep.sh smollm2    # SmolLM2-135M-Instruct (converted), 4K prompts
+#   SKIP_DENSE=1 bash ...                         # the sparse configuration only (a call cut short)
 #
 # Both configurations size their pools with --gpu-memory-utilization 0.9 (the engine admits by
 # its memory plan: the server's log prints it) and replay decode steps from CUDA graphs captured
