@@ -109,3 +109,14 @@ def load_benchmark(name: str):  # type: ignore[no-untyped-def]
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def run_batch(engine, batch: list[list[int]], params, prefix: str = "r") -> dict[str, list[int]]:  # type: ignore[no-untyped-def]
+    """Add every prompt of `batch` to `engine` as `{prefix}{i}` with `params`, run them all to
+    completion and return each request's tokens; every request must have run to its length
+    (a failed one is reported with its error)."""
+    for i, p in enumerate(batch):
+        engine.add_request(f"{prefix}{i}", p, params)
+    outs = engine.run_to_completion()
+    assert all(o.finish_reason == "length" for o in outs), [(o.request_id, o.error) for o in outs]
+    return {o.request_id: o.token_ids for o in outs}

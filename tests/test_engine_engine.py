@@ -14,6 +14,7 @@ from sparse_framework import ConfigError
 from sparse_framework.engine.engine import PENDING, Engine, EngineConfig
 from sparse_framework.engine.models import load_model
 from sparse_framework.engine.sampling import SamplingParams
+from helpers import run_batch
 
 VOCAB = 96
 TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -45,11 +46,7 @@ def engine_for(path, sparse: dict, **config) -> Engine:
 
 
 def run(engine: Engine, batch: list[list[int]], params: SamplingParams = GREEDY) -> dict[str, list[int]]:
-    for i, p in enumerate(batch):
-        engine.add_request(f"r{i}", p, params)
-    outs = engine.run_to_completion()
-    assert all(o.finish_reason == "length" for o in outs), [(o.request_id, o.error) for o in outs]
-    return {o.request_id: o.token_ids for o in outs}
+    return run_batch(engine, batch, params)
 
 
 def hf_greedy(model, prompt: list[int], new: int) -> list[int]:

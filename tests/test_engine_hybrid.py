@@ -19,6 +19,7 @@ from sparse_framework.engine.memory import plan_for
 from sparse_framework.engine.models import causal_attention, load_model
 from sparse_framework.engine.sampling import SamplingParams
 from sparse_framework.engine.staging import chunk_attention
+from helpers import run_batch
 
 VOCAB = 96
 WINDOW = 8
@@ -94,11 +95,7 @@ def engine_for(path, sparse: dict, **config) -> Engine:
 
 
 def run(engine: Engine, batch: list[list[int]], params: SamplingParams = GREEDY) -> dict[str, list[int]]:
-    for i, p in enumerate(batch):
-        engine.add_request(f"r{i}", p, params)
-    outs = engine.run_to_completion()
-    assert all(o.finish_reason == "length" for o in outs), [(o.request_id, o.error) for o in outs]
-    return {o.request_id: o.token_ids for o in outs}
+    return run_batch(engine, batch, params)
 
 
 @pytest.mark.parametrize("sparse", list(SPARSE))

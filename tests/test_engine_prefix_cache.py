@@ -20,6 +20,7 @@ from sparse_framework.common.batch import Request
 from sparse_framework.engine.engine import Engine, EngineConfig
 from sparse_framework.engine.models import load_model
 from sparse_framework.engine.sampling import SamplingParams
+from helpers import run_batch
 
 VOCAB = 96
 TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -88,11 +89,7 @@ def poison_staging(engine: Engine) -> None:
 
 
 def together(engine: Engine, batch: list[list[int]], params: SamplingParams = GREEDY) -> dict[str, list[int]]:
-    for i, p in enumerate(batch):
-        engine.add_request(f"r{i}", p, params)
-    outs = engine.run_to_completion()
-    assert all(o.finish_reason == "length" for o in outs), [(o.request_id, o.error) for o in outs]
-    return {o.request_id: o.token_ids for o in outs}
+    return run_batch(engine, batch, params)
 
 
 def assert_empty_after_clear(engine: Engine) -> None:

@@ -29,6 +29,7 @@ from test_engine_prefix_cache import (
 from sparse_framework.engine.command import RANDOM_MODELS
 from sparse_framework.engine.engine import Engine, EngineConfig
 from sparse_framework.engine.models import ModelConfig, random_model
+from helpers import run_batch
 
 CONFIG = ModelConfig.from_hf({**RANDOM_MODELS["deepseek-v3.2-tiny"], "vocab_size": 96})
 DSA = {"algorithm": "dsa", "top_k": 16, "page_size": 4, "sink_tokens": 0, "recent_tokens": 0,
@@ -128,11 +129,7 @@ def test_arriving_together_with_eviction_under_a_small_host_pool() -> None:
     settings = {"max_num_seqs": 2, "host_capacity_tokens": 160}
 
     def together(engine: Engine) -> dict[str, list[int]]:
-        for i, p in enumerate(batch):
-            engine.add_request(f"r{i}", p, GREEDY)
-        outs = engine.run_to_completion()
-        assert all(o.finish_reason == "length" for o in outs), [(o.request_id, o.error) for o in outs]
-        return {o.request_id: o.token_ids for o in outs}
+        return run_batch(engine, batch, GREEDY)
 
     off = together(engine_for(sparse, False, **settings))
     engine = engine_for(sparse, True, **settings)

@@ -20,6 +20,7 @@ from sparse_framework.engine.engine import Engine, EngineConfig
 from sparse_framework.engine.models import ModelConfig, random_model
 from sparse_framework.engine.sampling import SamplingParams
 from sparse_framework.engine.warm_up import bar_text, buckets
+from helpers import run_batch
 
 TINY = ModelConfig.from_hf(RANDOM_MODELS["tiny"])
 QUEST = {"algorithm": "quest", "top_k": 8, "page_size": 4, "sink_tokens": 4, "recent_tokens": 4,
@@ -61,11 +62,7 @@ def prompts(lens: tuple[int, ...] = (10, 30, 45, 70, 18), seed: int = 0) -> list
 
 
 def run(engine: Engine, batch: list[list[int]], prefix: str = "r") -> dict[str, list[int]]:
-    for i, p in enumerate(batch):
-        engine.add_request(f"{prefix}{i}", p, GREEDY)
-    outs = engine.run_to_completion()
-    assert all(o.finish_reason == "length" for o in outs), [(o.request_id, o.error) for o in outs]
-    return {o.request_id: o.token_ids for o in outs}
+    return run_batch(engine, batch, GREEDY, prefix)
 
 
 def state(engine: Engine) -> dict:
