@@ -100,10 +100,13 @@ class SparseDecodeMixin:
         return None
 
     def _decode_rows(self, md: Any) -> DecodeRows:
+        """This step's sparse decode rows from the backend's metadata (each backend's own: the
+        CPU and CUDA backends keep them differently)."""
         raise NotImplementedError
 
     def _attend(self, layer: Any, q: torch.Tensor, kv_cache: torch.Tensor, metadata: FlashAttentionMetadata) -> torch.Tensor:
-        """Attention of q [n, Hq, D] over the folded table `metadata`: [n, Hq, D]."""
+        """Attention of q [n, Hq, D] over the folded table `metadata`: [n, Hq, D] (each
+        backend's own: vLLM's CPU kernel, or FlashAttention's varlen kernel)."""
         raise NotImplementedError
 
     # -- shared -------------------------------------------------------------------------------
