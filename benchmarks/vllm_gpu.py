@@ -1,8 +1,8 @@
 """vLLM 0.26 on the H100: vLLM dense against vLLM with sparse_framework's plugin (issue 31).
 
-WRITTEN, NOT YET RUN: nothing here has run on a GPU (docs/vllm.md). Install vLLM 0.26 from the
-carried bundle first (benchmarks/vllm_gpu_bundle.sh here, benchmarks/vllm_gpu_install.sh
-there), then, in the checkout:
+Ran on one H100 (docs/vllm.md, "What the H100 showed"). Install vLLM 0.26 from the carried
+bundle first (benchmarks/vllm_gpu_bundle.sh here, benchmarks/vllm_gpu_install.sh there), then,
+in the checkout:
 
     export PYTHONPATH=/tmp/vllm_site:$PWD HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
     python benchmarks/vllm_gpu.py equality --model DIR --out vllm_equality_h100.json
@@ -19,9 +19,11 @@ there), then, in the checkout:
   vLLM dense). Where tokens differ the first differing position and the largest logprob gap
   before it say whether it is rounding.
 - `perf`: the Llama-3-8B shape with dummy weights (config.json written here), token-id
-  prompts of 16K and 32K, batches 8 and 32: vLLM dense (its default graphs, and piecewise as
-  the plugin runs) against the plugin (Quest, top_k 2048, page = block 16, sink 16, recent 64,
-  the first two layers dense: the engine's own 8B setting, docs/engine.md). TPOT = (time of a
+  prompts of 16K and 32K, batches 8 and 32: vLLM dense (its default graphs; `dense-piecewise`:
+  attention eager between piecewise graphs) against the plugin (Quest, top_k 2048, page =
+  block 16, sink 16, recent 64, the first two layers dense: the engine's own 8B setting,
+  docs/engine.md), with vLLM's default graphs (`quest`: decode batches in full graphs, the
+  plugin's static path captured) or piecewise ones (`quest-piecewise`: attention eager). TPOT = (time of a
   generate of N+1 tokens - time of one of 1 token) / N after a warm run (prefix caching keeps
   the prompts cached between runs when they fit), median of --repeats; the HBM floor of a step
   = (weights + KV bytes read) / 3.0 TB/s.
@@ -356,7 +358,8 @@ def perf(args: argparse.Namespace, runner: Runner) -> dict[str, Any]:
     configs = {
         "dense": (None, {}),
         "dense-piecewise": (None, {"compilation_config": {"cudagraph_mode": "PIECEWISE"}}),
-        "quest": (quest, {}),
+        "quest": (quest, {}),  # full graphs for decode batches (the plugin's static path)
+        "quest-piecewise": (quest, {"compilation_config": {"cudagraph_mode": "PIECEWISE"}}),  # attention eager
     }
     out: dict[str, Any] = {"cells": [], "configs": {}, "hbm_tb_s": HBM_TB_S, "weights_bytes": WEIGHTS_8B}
     for name in args.configs.split(","):
@@ -464,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     pf.add_argument("--model-dir", default="/tmp/llama3_8b_dummy", help="where config.json is written")
     pf.add_argument("--contexts", default="16384,32768")
     pf.add_argument("--batches", default="8,32")
-    pf.add_argument("--configs", default="dense,dense-piecewise,quest")
+    pf.add_argument("--configs", default="dense,quest,quest-piecewise",
+                    help="comma list: dense, dense-piecewise, quest, quest-piecewise")
     pf.add_argument("--top-k", type=int, default=2048)
     pf.add_argument("--output-len", type=int, default=64)
     pf.add_argument("--repeats", type=int, default=3)

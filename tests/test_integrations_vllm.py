@@ -257,6 +257,64 @@ def test_select_with_a_host_bound_of_the_lengths_selects_the_same() -> None:
     assert torch.equal(exact.indices, bound.indices) and torch.equal(exact.lengths, bound.lengths)
 
 
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lens=st.lists(st.integers(1, 400), min_size=1, max_size=4),
+    hkv=st.sampled_from([1, 2]),
+    bs=st.sampled_from([8, 16]),
+    top_k=st.sampled_from([16, 48, 96]),
+    min_len=st.sampled_from([0, 1, 64, 200, 10_000]),
+    padding=st.integers(0, 2),
+    seed=st.integers(0, 50),
+)
+def test_static_selection_equals_the_planned_one_and_short_rows_are_dense(
+    lens, hkv, bs, top_k, min_len, padding, seed
+) -> None:
+    """select_static (full CUDA graphs: every block of the table scored, no host bound, rows
+    below min_sparse_prompt_len kept whole) selects what select does for the rows the host
+    plan takes, every token of the shorter rows, and nothing for padding rows (length 0)."""
+    config = load_vllm_config({**BASE, "top_k": top_k, "sink_tokens": 8, "recent_tokens": 16,
+                               "min_sparse_prompt_len": min_len}, block_size=bs)
+    algo = paged_algorithm(config)
+    num_blocks = sum(-(-n // bs) for n in lens) + 5
+    q, keys, values, table, k_cache, v_cache = paged_case(lens, hkv, 2, 16, bs, num_blocks, seed=seed)
+    state = fill(algo, lens, keys, values, table, k_cache, v_cache, bs, chunk=29)
+    # a graph's batch: `padding` rows of length 0 after the real ones, the table wider than needed
+    table = torch.cat([table, torch.zeros(padding, table.shape[1], dtype=table.dtype)])
+    table = torch.cat([table, torch.zeros(table.shape[0], 3, dtype=table.dtype)], dim=1)
+    q = torch.cat([q, torch.randn(padding, *q.shape[1:])])
+    seq_lens = torch.tensor(lens + [0] * padding, dtype=torch.int32)
+    static = algo.select_static(state, q, table, seq_lens, min_len)
+    for i, n in enumerate(lens + [0] * padding):
+        got = static.indices[i, :, : int(static.lengths[i].max())]
+        if n == 0:
+            assert int(static.lengths[i].max()) == 0
+        elif n < max(min_len, 1):  # dense: every token
+            assert bool((static.lengths[i] == n).all()) and torch.equal(got, torch.arange(n, dtype=got.dtype).expand_as(got))
+        else:
+            planned = algo.select(state, q[i : i + 1], table[i : i + 1], seq_lens[i : i + 1])
+            assert torch.equal(static.lengths[i], planned.lengths[0])
+            width = int(planned.lengths.max())
+            assert torch.equal(static.indices[i, :, :width], planned.indices[0, :, :width])
+
+
+def test_device_counters_accumulate_in_place_across_resets() -> None:
+    """A full CUDA graph that captured a counter's addition replays it into the same tensor:
+    the counters must be added to in place and `reset` must zero that tensor, not replace it."""
+    from sparse_framework.integrations.vllm.paged import VllmStats
+
+    stats = VllmStats()
+    stats.add_device("sparse_rows", torch.tensor(3), "cpu")
+    held = stats._device["sparse_rows"]
+    stats.add_device("sparse_rows", 2, "cpu")
+    stats.forward_calls += 4
+    assert stats.as_dict()["sparse_rows"] == 5 and stats.as_dict()["forward_calls"] == 4
+    stats.reset()
+    assert stats.as_dict()["sparse_rows"] == 0 and stats.as_dict()["forward_calls"] == 0
+    held.add_(7)  # what a replay of a captured addition does
+    assert stats.as_dict()["sparse_rows"] == 7
+
+
 def test_decode_rows_plans_one_token_rows_long_enough() -> None:
     starts = torch.tensor([0, 1, 5, 6, 7, 8])  # query lengths 1, 4, 1, 1, 1
     lens = torch.tensor([10, 100, 3, 50, 0, 99])  # (a row past the requests is ignored)
@@ -412,13 +470,19 @@ def test_cuda_backend_declarations_on_vllm_026() -> None:
     assert backend.get_impl_cls() is SparseFlashAttentionImpl and backend.get_name() == "FLASH_ATTN"
     assert backend.get_required_kv_cache_layout() == "HND"
     assert backend.get_kv_cache_shape(10, 16, 3, 64) == (10, 3, 16, 128)
-    assert backend.get_builder_cls().get_cudagraph_support(None, None) == AttentionCGSupport.NEVER
-    # vLLM's default graphs, FULL_AND_PIECEWISE, become PIECEWISE: attention and the KV write
-    # run eagerly between the graphs, as splitting ops
-    cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
-    cc.set_splitting_ops_for_v1(all2all_backend="naive")
-    assert {"vllm::unified_attention_with_output", "vllm::unified_kv_cache_update"} <= set(cc.splitting_ops)
-    assert cc.resolve_cudagraph_mode_and_sizes(AttentionCGSupport.NEVER, "FLASH_ATTN") == CUDAGraphMode.PIECEWISE
+    support = backend.get_builder_cls().get_cudagraph_support(None, None)
+    assert support == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    # vLLM's default graphs, FULL_AND_PIECEWISE, stay: decode batches replay full graphs (the
+    # plugin's static path captured in them), mixed ones piecewise graphs with attention and
+    # the KV write eager between them, as splitting ops; FULL becomes FULL_AND_PIECEWISE
+    for asked, resolved in ((CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_AND_PIECEWISE),
+                            (CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_DECODE_ONLY),
+                            (CUDAGraphMode.FULL, CUDAGraphMode.FULL_AND_PIECEWISE),
+                            (CUDAGraphMode.PIECEWISE, CUDAGraphMode.PIECEWISE)):
+        cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=asked)
+        cc.set_splitting_ops_for_v1(all2all_backend="naive")
+        assert {"vllm::unified_attention_with_output", "vllm::unified_kv_cache_update"} <= set(cc.splitting_ops)
+        assert cc.resolve_cudagraph_mode_and_sizes(support, "FLASH_ATTN") == resolved
 
 
 def test_cuda_register_overrides_flash_attn_on_vllm_026(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -444,11 +508,16 @@ def test_cuda_register_overrides_flash_attn_on_vllm_026(monkeypatch: pytest.Monk
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
-@pytest.mark.parametrize("mixed", [False, True])
-def test_cuda_impl_decodes_over_the_selection_on_vllm_026(monkeypatch: pytest.MonkeyPatch, layout: str, mixed: bool) -> None:
+@pytest.mark.parametrize("mixed, full_graphs", [(False, False), (True, False), (False, True), (True, True)])
+def test_cuda_impl_decodes_over_the_selection_on_vllm_026(
+    monkeypatch: pytest.MonkeyPatch, layout: str, mixed: bool, full_graphs: bool
+) -> None:
     """SparseFlashAttentionImpl as vLLM 0.26 drives it (its own do_kv_cache_update and forward,
     the builder's step plan), with vLLM's CUDA ops replaced by torch: the cache write by a
-    scatter, the dense kernel by a marker, flash_attn_varlen_func by `reference_call`."""
+    scatter, the dense kernel by a marker, flash_attn_varlen_func by `reference_call`.
+    full_graphs: the builder's plan when vLLM captures full graphs (static for a uniform
+    decode batch; a mixed one is still planned on the host); min_sparse_prompt_len 50 makes
+    the 37-token row dense."""
     vllm_026()
     import vllm.v1.attention.backends.flash_attn as fa
     from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -457,7 +526,8 @@ def test_cuda_impl_decodes_over_the_selection_on_vllm_026(monkeypatch: pytest.Mo
     from sparse_framework.integrations.vllm.paged import DIAGNOSTICS
 
     hq, hkv, d, bs, lens = 6, 2, 32, 16, [100, 37, 64]
-    config = load_vllm_config({**BASE, "top_k": 32, "sink_tokens": 4, "recent_tokens": 8}, block_size=bs)
+    config = load_vllm_config({**BASE, "top_k": 32, "sink_tokens": 4, "recent_tokens": 8,
+                               "min_sparse_prompt_len": 50 if full_graphs else 0}, block_size=bs)
 
     def write(key, value, key_cache, value_cache, slots, *args) -> None:  # reshape_and_cache_flash
         keep = slots >= 0
@@ -509,7 +579,10 @@ def test_cuda_impl_decodes_over_the_selection_on_vllm_026(monkeypatch: pytest.Mo
         seq_lens=seq_lens, block_table=table, slot_mapping=slot_mapping, use_cascade=False, common_prefix_len=0,
         cu_prefix_query_lens=None, prefix_kv_lens=None, suffix_kv_lens=None,
     )
-    setattr(md, backend_cuda.PLAN_ATTR, backend_cuda.plan_step(common, config.min_sparse_prompt_len, torch.device("cpu")))
+    md.max_num_splits = 32 if full_graphs else 0
+    plan = backend_cuda.plan_step(common, config.min_sparse_prompt_len, torch.device("cpu"), full_graphs=full_graphs)
+    assert plan.static == (full_graphs and not mixed)
+    setattr(md, backend_cuda.PLAN_ATTR, plan)
     query = torch.randn(int(starts[-1]), hq, d, generator=torch.Generator().manual_seed(1))
     for (i, _), first in zip(new, starts[:-1].tolist()):
         query[first + q_lens[i] - 1] = q[i]  # the last query token of each row is its decode token
@@ -518,7 +591,7 @@ def test_cuda_impl_decodes_over_the_selection_on_vllm_026(monkeypatch: pytest.Mo
     DIAGNOSTICS.clear()
     impl.forward(layer, query, key, value, kv_cache, md, output)
 
-    rows = [0, 2] if mixed else [0, 1, 2]
+    rows = [0, 2] if mixed or full_graphs else [0, 1, 2]  # sparse rows (37 < min_sparse_prompt_len 50)
     selection = impl.algorithm.select(impl.state, q[rows], table[rows], seq_lens[rows])
     want = reference_attention(q[rows], [keys[i] for i in rows], [values[i] for i in rows], selection, 1 / math.sqrt(d))
     got = output[starts[rows].long()]
@@ -526,9 +599,15 @@ def test_cuda_impl_decodes_over_the_selection_on_vllm_026(monkeypatch: pytest.Mo
     assert bool((selection.lengths < seq_lens[rows].view(-1, 1)).any()), "the budget must leave blocks out"
     if mixed:  # vLLM's kernel attended the prefill chunk, the plugin replaced only the decode rows
         assert bool((output[1:6] == 7.0).all())
+        assert kernel_calls[-1]["num_splits"] == md.max_num_splits
+    elif full_graphs:  # the static path attended the short row too, over every one of its tokens
+        short = dense_attention(q[1:2], [keys[1]], [values[1]], 1 / math.sqrt(d))
+        torch.testing.assert_close(output[1:2].double(), short, atol=1e-5, rtol=1e-5)
+        assert kernel_calls[-1]["num_splits"] == 32 and kernel_calls[-1]["max_seqlen_k"] % bs == 0
     assert len(kernel_calls) == (1 if layout == "HND" else hkv)
     counters = stats()
     assert counters["sparse_rows"] == len(rows) and counters["mixed_calls"] == int(mixed)
+    assert counters["dense_rows"] == (1 if full_graphs and not mixed else 0)
     assert 0 < counters["selected_tokens"] < counters["context_tokens"] == int(seq_lens[rows].sum()) * hkv
     assert diagnostics()["head_major"] == (layout == "HND")
 

@@ -93,6 +93,32 @@ def quest_scores_torch(
     return _reduce(terms.sum(-1), reduce)  # [B, Hkv, G, P] -> [B, Hkv, P]
 
 
+def _check_paged(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, block_table: torch.Tensor,
+                 n_pages: int) -> None:
+    if page_min.dim() != 3 or page_max.shape != page_min.shape:
+        raise ValueError(f"quest_paged_scores: page_min/page_max must be [num_blocks, Hkv, D]; got "
+                         f"{tuple(page_min.shape)}, {tuple(page_max.shape)}")
+    if block_table.dim() != 2 or block_table.shape[0] != q.shape[0]:
+        raise ValueError(f"quest_paged_scores: block_table must be [B = {q.shape[0]}, >= n_pages]; got "
+                         f"{tuple(block_table.shape)}")
+    if not 0 <= n_pages <= block_table.shape[1]:
+        raise ValueError(f"quest_paged_scores: n_pages ({n_pages}) must be in [0, {block_table.shape[1]}]")
+
+
+def quest_paged_scores_torch(
+    q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, block_table: torch.Tensor,
+    n_pages: int, reduce: str = "max", range_weight: float = 1.0,
+) -> torch.Tensor:
+    """q [B, Hq, D]; page_min/page_max [num_blocks, Hkv, D]; block_table int [B, >= n_pages]
+    -> float32 [B, Hkv, n_pages]: `quest_scores` of the gathered bounds."""
+    _check_paged(q, page_min, page_max, block_table, n_pages)
+    table = block_table[:, :n_pages].long().clamp(0, page_min.shape[0] - 1)
+    lo = page_min[table].transpose(1, 2)  # [B, Hkv, n_pages, D]
+    hi = page_max[table].transpose(1, 2)
+    rows = torch.arange(q.shape[0], device=q.device)
+    return quest_scores_torch(q, lo, hi, rows, n_pages, reduce, range_weight)
+
+
 def _pq_table(q, codebooks, codes, slot_ids, n, reduce, fold=False):  # type: ignore[no-untyped-def]
     """Checks; the q·centroid table float32 [B, Hkv, G, M, K] (G = 1 with `fold`: the group's
     queries summed or averaged first, which "sum" and "mean" allow as they are linear in q)."""

@@ -94,7 +94,9 @@ class SparseCPUAttentionImpl(SparseDecodeMixin, CPUAttentionBackendImpl):
         min_len = self.config.min_sparse_prompt_len if self.config is not None else 0
         return decode_rows(md.query_start_loc, md.seq_lens, min_len, md.seq_lens.device)
 
-    def _attend(self, layer: Any, q: torch.Tensor, kv_cache: torch.Tensor, metadata: FlashAttentionMetadata) -> torch.Tensor:
+    def _attend(
+        self, layer: Any, q: torch.Tensor, kv_cache: torch.Tensor, metadata: FlashAttentionMetadata, md: Any
+    ) -> torch.Tensor:
         if not kv_cache.is_contiguous():
             raise RuntimeError(
                 "sparse_framework's vLLM backend folds the KV heads of a contiguous per-layer CPU cache "

@@ -23,12 +23,16 @@ What the subclasses change, and why:
   falls back to one call per KV head over strided views (`fa_layout.per_head_kv`).
 - metadata builder: vLLM's, plus the step's sparse rows planned on the host once per step
   (`paged.decode_rows`, from `query_start_loc_cpu` and the CPU bound of the lengths), so that
-  a layer's forward makes no host sync; and `AttentionCGSupport.NEVER`: the selection has
-  host-side shapes, so no CUDA graph may capture attention. vLLM 0.26 then lowers its default
-  `FULL_AND_PIECEWISE` to `PIECEWISE` (with a warning, `resolve_cudagraph_mode_and_sizes`):
-  everything but attention and the KV-cache write is replayed from piecewise graphs, and both
-  of those (splitting ops of the default compilation) run eagerly, through this code. A
-  `cudagraph_mode` FULL or FULL_DECODE_ONLY asked for explicitly is refused by vLLM.
+  a layer's forward makes no host sync; and `AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE`:
+  when vLLM captures full graphs (its default `FULL_AND_PIECEWISE`), a batch of one-token
+  decodes is planned `static` (every row, shapes from the block table alone:
+  `PagedQuest.select_static`), so the selection, the page-table rewrite and the FlashAttention
+  call are captured in vLLM's decode graph and replayed with the rest of the model. Mixed
+  batches (prefill chunks) run vLLM's piecewise graphs with attention eager, through the
+  host plan. `cudagraph_mode` PIECEWISE (or `enforce_eager`) keeps every step eager in the
+  attention: the plugin's first H100 run, 4x slower than vLLM dense at 16K x 8, was that.
+  The FlashAttention call takes vLLM's own split count (`max_num_splits`: fixed when graphs
+  are on, as vLLM's own decode).
 - impl: `FlashAttentionImpl` with the mixin; layers with a sliding window, ALiBi, sinks, an fp8
   KV cache, decode context parallelism, or (per step) dynamic causality, PrefixLM ranges or
   R-SWA stay vLLM's.
@@ -62,11 +66,17 @@ PLAN_ATTR = "sparse_decode_rows"
 """The attribute of a FlashAttentionMetadata that holds the builder's `DecodeRows`."""
 
 
-def plan_step(common: CommonAttentionMetadata, min_len: int, device: torch.device) -> DecodeRows:
+def plan_step(
+    common: CommonAttentionMetadata, min_len: int, device: torch.device, *, full_graphs: bool = False
+) -> DecodeRows:
     """This step's sparse rows from vLLM's common metadata, on the host: query_start_loc_cpu
     always; the lengths from `seq_lens_cpu_upper_bound` (exact for one-token rows), else, when
     `min_sparse_prompt_len` needs them, one copy of seq_lens (a host sync per step, not per
-    layer)."""
+    layer). full_graphs (vLLM captures full graphs): a uniform single-token decode batch is
+    planned static instead, every row, no host work (a step of the captured shape, replayed;
+    one beyond the captured sizes, eager, selects the same)."""
+    if full_graphs and common.max_query_len == 1:
+        return DecodeRows.uniform(common.num_reqs)
     lens = getattr(common, "seq_lens_cpu_upper_bound", None)
     if lens is None and min_len > 1:
         lens = common.seq_lens.cpu()
@@ -74,14 +84,14 @@ def plan_step(common: CommonAttentionMetadata, min_len: int, device: torch.devic
 
 
 class SparseFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
-    """vLLM's FlashAttention metadata with the step's sparse rows (`PLAN_ATTR`); never captured
-    in a CUDA graph (module docstring)."""
+    """vLLM's FlashAttention metadata with the step's sparse rows (`PLAN_ATTR`); full CUDA
+    graphs for uniform single-token decode batches only (module docstring)."""
 
-    _cudagraph_support = AttentionCGSupport.NEVER
+    _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
-        return AttentionCGSupport.NEVER
+        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -89,7 +99,8 @@ class SparseFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
         md = super().build(common_prefix_len, common_attn_metadata, fast_build)
         config = plugin_config()
         min_len = config.min_sparse_prompt_len if config is not None else 0
-        setattr(md, PLAN_ATTR, plan_step(common_attn_metadata, min_len, self.device))
+        full_graphs = bool(getattr(self, "use_full_cuda_graph", False))  # vLLM's FA builder sets it
+        setattr(md, PLAN_ATTR, plan_step(common_attn_metadata, min_len, self.device, full_graphs=full_graphs))
         return md
 
 
@@ -138,9 +149,13 @@ class SparseFlashAttentionImpl(SparseDecodeMixin, FlashAttentionImpl):
             raise RuntimeError("vLLM's flash_attn_varlen_func is not available on this platform (fa_utils)")
         return func
 
-    def _attend(self, layer: Any, q: torch.Tensor, kv_cache: torch.Tensor, metadata: PageTable) -> torch.Tensor:
+    def _attend(
+        self, layer: Any, q: torch.Tensor, kv_cache: torch.Tensor, metadata: PageTable, md: FlashAttentionMetadata
+    ) -> torch.Tensor:
         varlen = self._varlen_func()
-        num_splits = 1 if envs.VLLM_BATCH_INVARIANT else 0  # as vLLM's own calls (0: FA's heuristics)
+        # as vLLM's own calls: its builder's bound (fixed under full graphs, 1 when batch
+        # invariant, 0 = FlashAttention's heuristics otherwise)
+        num_splits = 1 if envs.VLLM_BATCH_INVARIANT else getattr(md, "max_num_splits", 0)
 
         def run(call: FlashDecodeCall) -> torch.Tensor:
             return varlen(

@@ -30,11 +30,13 @@ from typing import Any, ClassVar
 import torch
 
 from ...adaptors.flash_attention import FlashAttentionAdaptor, FlashAttentionMetadata
-from ...algorithms.base import _max_units, scoring_kernel, topk_selection
+from ...algorithms.base import _max_units, topk_selection
 from ...backends.torch_ref import TorchRefBackend
 from ...common.batch import Selection
 from ...common.errors import ConfigError
+from ...common.layout import resolve_impl
 from ...config import MAX_CONTEXT_TOKENS, SparseConfig, dense_layer_set, load_config, read_json_object
+from ...kernels.reference_scores import quest_paged_scores_torch
 
 CONFIG_ENV = "SPARSE_FRAMEWORK_VLLM_CONFIG"
 """The environment variable that enables the plugin and holds its config: a JSON object or
@@ -173,13 +175,15 @@ class PagedQuest:
     ) -> torch.Tensor:
         """float32 [B, Hkv, n_blocks]: Quest's bound of each logical block of each request.
         q [B, Hq, D]; block_table int [B, >= n_blocks] (entries past a request's blocks are
-        read, clamped into range, and ignored by the top-k)."""
-        table = block_table[:, :n_blocks].long().clamp(0, state.num_blocks - 1)
-        lo = state.page_min[table].transpose(1, 2)  # [B, Hkv, n, D]
-        hi = state.page_max[table].transpose(1, 2)
-        rows = torch.arange(q.shape[0], device=q.device)
-        scores = scoring_kernel("quest_scores", self.impl, q.device)
-        return scores(q, lo, hi, rows, n_blocks, self.options.gqa_reduce, self.options.range_weight)
+        read, clamped into range, and ignored by the top-k). On CUDA one Triton kernel reads
+        the bounds through the table (`kernels/paged_scores.py`), no gathered copy."""
+        args = (q, state.page_min, state.page_max, block_table, n_blocks, self.options.gqa_reduce,
+                self.options.range_weight)
+        if resolve_impl(self.impl, q.device) == "triton":
+            from ...kernels.paged_scores import quest_paged_scores_triton
+
+            return quest_paged_scores_triton(*args)
+        return quest_paged_scores_torch(*args)
 
     def select(
         self,
@@ -197,6 +201,30 @@ class PagedQuest:
         max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
         n_blocks = min(-(-max_len // self.unit), block_table.shape[1])
         scores = self.score(state, q, block_table, n_blocks)
+        return self._top(scores, seq_lens, self.width_units, None)
+
+    def select_static(
+        self, state: BlockBounds, q: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, min_len: int
+    ) -> Selection:
+        """`select` for every row of a uniform decode batch with shapes fixed by the block
+        table alone, as a full CUDA graph needs (no host bound of the lengths, no host-planned
+        rows): every block of the table is scored (a wider score leaves the selection
+        unchanged) and a row shorter than `min_len` (`min_sparse_prompt_len`) keeps all its
+        blocks, the dense answer, which the selection width makes room for. Rows of length 0
+        (a graph's padding) select nothing."""
+        n_blocks = block_table.shape[1]
+        scores = self.score(state, q, block_table, n_blocks)
+        width = self.width_units
+        tail_start = None
+        if min_len > 1:
+            width = min(max(width, -(-min_len // self.unit)), n_blocks)
+            lens = seq_lens.long()
+            tail_start = torch.where(lens < min_len, torch.zeros_like(lens), lens)
+        return self._top(scores, seq_lens, width, tail_start)
+
+    def _top(
+        self, scores: torch.Tensor, seq_lens: torch.Tensor, width_units: int, tail_start: torch.Tensor | None
+    ) -> Selection:
         return topk_selection(
             scores,
             seq_lens,
@@ -204,9 +232,10 @@ class PagedQuest:
             budget_units=self.budget_units,
             sink_tokens=self.config.sink_tokens,
             recent_tokens=self.config.recent_tokens,
-            width_units=self.width_units,
-            impl="torch" if q.device.type == "cpu" else self.impl,
+            width_units=width_units,
+            impl="torch" if scores.device.type == "cpu" else self.impl,
             newest_forced=self.newest_forced,
+            tail_start=tail_start,
         )
 
 
@@ -238,13 +267,24 @@ class DecodeRows:
     rows: int64 [n] request rows (one query token, context >= `min_sparse_prompt_len`) and
     tokens: int64 [n] their query tokens, both on the device; count n; decode_rows: every
     row with one query token; max_seq_len: an upper bound of those rows' contexts (sizes
-    the scores without a host sync)."""
+    the scores without a host sync).
 
-    rows: torch.Tensor
-    tokens: torch.Tensor
+    static: a uniform decode batch (one query token per row) whose rows are all taken, in
+    order, with shapes from the metadata alone (`PagedQuest.select_static`): what a full CUDA
+    graph can capture and replay. rows and tokens are then None, count = decode_rows = the
+    batch's rows and max_seq_len unused (0)."""
+
+    rows: torch.Tensor | None
+    tokens: torch.Tensor | None
     count: int
     decode_rows: int
     max_seq_len: int
+    static: bool = False
+
+    @classmethod
+    def uniform(cls, num_reqs: int) -> "DecodeRows":
+        """Every row of a uniform single-token decode batch, for the static path."""
+        return cls(rows=None, tokens=None, count=num_reqs, decode_rows=num_reqs, max_seq_len=0, static=True)
 
 
 def decode_rows(
@@ -345,8 +385,12 @@ class VllmStats:
     attended and the tokens in context; kv_writes: tokens folded into representations (slots
     passed to the write, padding included).
 
-    selected_tokens and context_tokens are summed on the device (`add_device`) and read when
-    the counters are (`as_dict`): counting them per layer would be a host sync each."""
+    sparse_rows, dense_rows, selected_tokens, context_tokens and kv_writes are summed on the
+    device (`add_device`), in place, and read when the counters are (`as_dict`): counting
+    them per layer would be a host sync each, and a full CUDA graph that captured the
+    additions repeats them at every replay. The call counters (forward_calls, sparse_calls,
+    dense_calls, mixed_calls) are counted on the host: Python calls, which a graph's replay
+    does not make (they count eager calls and captures only)."""
 
     forward_calls: int = 0
     sparse_calls: int = 0
@@ -359,10 +403,14 @@ class VllmStats:
     kv_writes: int = 0
     _device: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
-    def add_device(self, name: str, value: torch.Tensor) -> None:
-        """Add a 0-d integer tensor to counter `name` without reading it back."""
+    def add_device(self, name: str, value: torch.Tensor | int, device: torch.device | str) -> None:
+        """Add a 0-d integer tensor (or an int) to counter `name` on `device`, in place,
+        without reading it back. The counter's tensor lives as long as the process (`reset`
+        zeroes it), so that a CUDA graph that captured the addition keeps counting."""
         total = self._device.get(name)
-        self._device[name] = value.to(torch.long) if total is None else total + value
+        if total is None:
+            total = self._device[name] = torch.zeros((), dtype=torch.long, device=device)
+        total.add_(value)
 
     def as_dict(self) -> dict[str, int]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
@@ -371,9 +419,11 @@ class VllmStats:
         return out
 
     def reset(self) -> None:
-        for name in self.as_dict():
-            setattr(self, name, 0)
-        self._device.clear()
+        for f in fields(self):
+            if not f.name.startswith("_"):
+                setattr(self, f.name, 0)
+        for total in self._device.values():
+            total.zero_()
 
 
 STATS = VllmStats()

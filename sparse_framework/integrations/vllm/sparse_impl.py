@@ -11,7 +11,10 @@
                       cache folded to one KV head per page, attend with the backend's kernel
                       (`_attend`). Everything else goes to vLLM's own forward unchanged; in a
                       step that mixes both, vLLM's forward runs for all rows first and the
-                      sparse rows' outputs are then replaced.
+                      sparse rows' outputs are then replaced. A uniform decode batch planned
+                      `static` (the CUDA builder, when vLLM captures full graphs) takes every
+                      row with shapes fixed by the metadata (`PagedQuest.select_static`), so
+                      that the whole sparse decode is captured in vLLM's decode graph.
 
 A backend supplies `_attend` (its kernel over the folded table), `_decode_rows` (the step's
 rows, `paged.DecodeRows`), `_backend_dense_reason` (what makes a layer dense for good) and
@@ -104,9 +107,12 @@ class SparseDecodeMixin:
         CPU and CUDA backends keep them differently)."""
         raise NotImplementedError
 
-    def _attend(self, layer: Any, q: torch.Tensor, kv_cache: torch.Tensor, metadata: FlashAttentionMetadata) -> torch.Tensor:
+    def _attend(
+        self, layer: Any, q: torch.Tensor, kv_cache: torch.Tensor, metadata: FlashAttentionMetadata, md: Any
+    ) -> torch.Tensor:
         """Attention of q [n, Hq, D] over the folded table `metadata`: [n, Hq, D] (each
-        backend's own: vLLM's CPU kernel, or FlashAttention's varlen kernel)."""
+        backend's own: vLLM's CPU kernel, or FlashAttention's varlen kernel). md: vLLM's
+        metadata of the step (for the kernel's own settings, e.g. FlashAttention's splits)."""
         raise NotImplementedError
 
     # -- shared -------------------------------------------------------------------------------
@@ -157,7 +163,7 @@ class SparseDecodeMixin:
         assert self.algorithm is not None
         state = self._state_for(kv_cache, key.dtype)
         self.algorithm.write(state, slot_mapping, key)
-        STATS.kv_writes += min(slot_mapping.shape[0], key.shape[0])
+        STATS.add_device("kv_writes", min(slot_mapping.shape[0], key.shape[0]), kv_cache.device)
 
     def forward(
         self,
@@ -178,13 +184,15 @@ class SparseDecodeMixin:
         plan = self._decode_rows(attn_metadata)  # planned once per step (the GPU builder) or cheap (CPU)
         if plan.count == 0 or not self._sparse_step(layer, attn_metadata, kv_cache):
             STATS.dense_calls += 1
-            STATS.dense_rows += plan.decode_rows
+            STATS.add_device("dense_rows", plan.decode_rows, kv_cache.device)
             return super().forward(*dense)  # type: ignore[misc]
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if capturing and not plan.static:
             raise RuntimeError(
-                "sparse_framework's vLLM backend is being captured in a CUDA graph: its selection has host-side "
-                "shapes. Its metadata builder declares AttentionCGSupport.NEVER, so vLLM should run attention "
-                "eagerly between piecewise graphs; use cudagraph_mode PIECEWISE (or NONE / enforce_eager=True)"
+                "sparse_framework's vLLM backend is being captured in a CUDA graph for a batch that is not a uniform "
+                "single-token decode: only those have a selection of fixed shapes. Its metadata builder declares "
+                "AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE; use cudagraph_mode FULL_AND_PIECEWISE (vLLM's "
+                "default), FULL_DECODE_ONLY, PIECEWISE or NONE"
             )
         num_reqs = attn_metadata.seq_lens.shape[0]
         if plan.count < num_reqs:  # prefill or dense rows too: vLLM attends all, sparse rows replaced below
@@ -192,13 +200,16 @@ class SparseDecodeMixin:
             STATS.mixed_calls += 1
         assert self.config is not None
         if STATS.sparse_calls == 0:
-            logger.info("sparse_framework: first sparse decode (%s, %s, top_k %d, page = block of %d)",
-                        layer.layer_name, self.config.algorithm, self.config.top_k, self.config.page_size)
+            logger.info("sparse_framework: first sparse decode (%s, %s, top_k %d, page = block of %d%s)",
+                        layer.layer_name, self.config.algorithm, self.config.top_k, self.config.page_size,
+                        ", static shapes for full CUDA graphs" if plan.static else "")
         STATS.sparse_calls += 1
-        STATS.sparse_rows += plan.count
-        STATS.dense_rows += plan.decode_rows - plan.count
-        out = self._sparse_decode(layer, query[plan.tokens], kv_cache, attn_metadata, plan)
-        output.index_copy_(0, plan.tokens, out.to(output.dtype))
+        if plan.static:  # every row, in order (one query token each): shapes from the metadata alone
+            out = self._sparse_decode(layer, query[: plan.count], kv_cache, attn_metadata, plan)
+            output[: plan.count].copy_(out.to(output.dtype))
+        else:
+            out = self._sparse_decode(layer, query[plan.tokens], kv_cache, attn_metadata, plan)
+            output.index_copy_(0, plan.tokens, out.to(output.dtype))
         return output
 
     def _sparse_step(self, layer: Any, md: Any, kv_cache: torch.Tensor) -> bool:
@@ -210,16 +221,29 @@ class SparseDecodeMixin:
     def _sparse_decode(
         self, layer: Any, q: torch.Tensor, kv_cache: torch.Tensor, md: Any, plan: DecodeRows
     ) -> torch.Tensor:
-        assert self.algorithm is not None and self.state is not None
-        block_table = md.block_table[plan.rows]
-        seq_lens = md.seq_lens[plan.rows]
-        selection = self.algorithm.select(self.state, q, block_table, seq_lens, max_seq_len=plan.max_seq_len)
+        assert self.algorithm is not None and self.state is not None and self.config is not None
+        device = kv_cache.device
+        if plan.static:
+            block_table, seq_lens = md.block_table[: plan.count], md.seq_lens[: plan.count]
+            min_len = self.config.min_sparse_prompt_len
+            selection = self.algorithm.select_static(self.state, q, block_table, seq_lens, min_len)
+            sparse = seq_lens >= max(min_len, 1)  # rows below min_len got all their blocks (dense)
+            STATS.add_device("sparse_rows", sparse.sum(), device)
+            STATS.add_device("dense_rows", ((seq_lens > 0) & ~sparse).sum(), device)
+            counted = sparse.view(-1, 1)
+        else:
+            block_table, seq_lens = md.block_table[plan.rows], md.seq_lens[plan.rows]
+            selection = self.algorithm.select(self.state, q, block_table, seq_lens, max_seq_len=plan.max_seq_len)
+            STATS.add_device("sparse_rows", plan.count, device)
+            STATS.add_device("dense_rows", plan.decode_rows - plan.count, device)
+            counted = torch.ones_like(seq_lens, dtype=torch.bool).view(-1, 1)
         metadata = folded_page_table(selection, block_table, self.num_kv_heads, self.state.block_size)
-        STATS.add_device("selected_tokens", selection.lengths.sum() * (self.num_kv_heads // selection.lengths.shape[1]))
-        STATS.add_device("context_tokens", seq_lens.sum() * self.num_kv_heads)
+        per_row = self.num_kv_heads // selection.lengths.shape[1]
+        STATS.add_device("selected_tokens", (selection.lengths * counted).sum() * per_row, device)
+        STATS.add_device("context_tokens", (seq_lens.view(-1, 1) * counted).sum() * self.num_kv_heads, device)
         if "impl" not in DIAGNOSTICS:
             DIAGNOSTICS.update(self._diagnostics(kv_cache))
-        return self._attend(layer, q, kv_cache, metadata)
+        return self._attend(layer, q, kv_cache, metadata, md)
 
     def _diagnostics(self, kv_cache: torch.Tensor) -> dict[str, Any]:
         """What the first sparse decode found (`paged.DIAGNOSTICS`)."""

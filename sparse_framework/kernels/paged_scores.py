@@ -1,0 +1,94 @@
+"""Quest's page bounds scored through a block table: the vLLM plugin's scoring pass.
+
+Inside vLLM a page is one KV block and the bounds live per physical block
+([num_blocks + 1, Hkv, D], `integrations/vllm/paged.py`), so request b's logical page p is
+block `block_table[b, p]`. Gathering the bounds into [B, Hkv, n_pages, D] first (what the
+torch twin does) writes and reads them again, twice the bytes of the scoring itself, and
+under a full CUDA graph that gather's buffer spans every block of the table at every captured
+batch size. The Triton kernel reads each bound once, through the table: one program per
+(request, KV head, run of pages), the scores of `quest_scores` (same formula, reductions and
+`range_weight`), float32 [B, Hkv, n_pages]. The torch twin, `quest_paged_scores_torch`, is
+in `reference_scores.py` (it runs without Triton).
+
+Table entries are clamped into [0, num_blocks) (a table row past a request's blocks holds
+whatever vLLM left there; the top-k ignores those pages by length).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference_scores import REDUCTIONS, _check_paged, _check_quest, quest_paged_scores_torch
+from .scoring import QUEST_TILE, QUEST_WARPS, _launchable, _pow2
+
+__all__ = ["quest_paged_scores_torch", "quest_paged_scores_triton"]
+
+
+@triton.jit
+def quest_paged_scores_kernel(
+    q_ptr, lo_ptr, hi_ptr, table_ptr, out_ptr,
+    n_pages, num_blocks, D, shrink,  # shrink = (1 - range_weight) / 2
+    s_qb, s_qh, s_qd,
+    s_tb, s_tp,
+    s_pb, s_ph, s_pd,  # page_min and page_max share strides
+    HKV: tl.constexpr, G: tl.constexpr, REDUCE: tl.constexpr, SHRINK: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    d = tl.arange(0, BLOCK_D)
+    on = p < n_pages
+    block = tl.load(table_ptr + b.to(tl.int64) * s_tb + p * s_tp, mask=on, other=0).to(tl.int64)
+    block = tl.minimum(tl.maximum(block, 0), num_blocks - 1)
+    live = on[:, None] & (d[None, :] < D)
+    off = block[:, None] * s_pb + j * s_ph + d[None, :] * s_pd
+    lo = tl.load(lo_ptr + off, mask=live, other=0.0).to(tl.float32)
+    hi = tl.load(hi_ptr + off, mask=live, other=0.0).to(tl.float32)
+    if REDUCE == 0:
+        acc = tl.full([BLOCK_P], float("-inf"), tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_P], tl.float32)
+    for g in tl.static_range(G):
+        q = tl.load(q_ptr + b * s_qb + (j * G + g) * s_qh + d * s_qd, mask=d < D, other=0.0).to(tl.float32)
+        terms = tl.maximum(q[None, :] * lo, q[None, :] * hi)
+        if SHRINK:
+            terms = terms - shrink * (tl.abs(q)[None, :] * (hi - lo))
+        bound = tl.sum(terms, axis=1)
+        if REDUCE == 0:
+            acc = tl.maximum(acc, bound)
+        else:
+            acc += bound
+    if REDUCE == 2:
+        acc = acc / G
+    tl.store(out_ptr + (b * HKV + j) * n_pages + p, acc, mask=on)
+
+
+def quest_paged_scores_triton(
+    q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, block_table: torch.Tensor,
+    n_pages: int, reduce: str = "max", range_weight: float = 1.0,
+) -> torch.Tensor:
+    """Triton version of `quest_paged_scores_torch` (same arguments and result)."""
+    _check_paged(q, page_min, page_max, block_table, n_pages)
+    # the shared checks of quest_scores, on a view with the paged bounds' head and dim
+    view = page_min.unsqueeze(2)
+    b, hkv, g, d = _check_quest(q, view, view, torch.arange(q.shape[0], device=q.device), min(n_pages, 1),
+                                reduce, range_weight)
+    _launchable(q, page_min, page_max, block_table)
+    if page_min.stride() != page_max.stride():
+        raise ValueError("quest_paged_scores: page_min and page_max must have the same strides")
+    out = torch.empty(b, hkv, n_pages, dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out
+    block_d = _pow2(d)
+    block_p = max(1, min(_pow2(n_pages), QUEST_TILE // block_d))
+    grid = (b, hkv, triton.cdiv(n_pages, block_p))
+    quest_paged_scores_kernel[grid](
+        q, page_min, page_max, block_table, out, n_pages, page_min.shape[0], d, (1.0 - range_weight) / 2,
+        *q.stride(), *block_table.stride(), *page_min.stride(),
+        HKV=hkv, G=g, REDUCE=REDUCTIONS[reduce], SHRINK=range_weight != 1.0, BLOCK_P=block_p, BLOCK_D=block_d,
+        num_warps=QUEST_WARPS,
+    )
+    return out
