@@ -313,6 +313,11 @@ def test_device_counters_accumulate_in_place_across_resets() -> None:
     assert stats.as_dict()["sparse_rows"] == 0 and stats.as_dict()["forward_calls"] == 0
     held.add_(7)  # what a replay of a captured addition does
     assert stats.as_dict()["sparse_rows"] == 7
+    # made inside vLLM's forward (inference mode), reset from the caller's code outside it
+    with torch.inference_mode():
+        stats.add_device("kv_writes", 5, "cpu")
+    stats.reset()
+    assert stats.as_dict()["kv_writes"] == 0
 
 
 def test_decode_rows_plans_one_token_rows_long_enough() -> None:

@@ -422,8 +422,9 @@ class VllmStats:
         for f in fields(self):
             if not f.name.startswith("_"):
                 setattr(self, f.name, 0)
-        for total in self._device.values():
-            total.zero_()
+        with torch.inference_mode():  # the counters were made inside vLLM's forward: inference tensors
+            for total in self._device.values():
+                total.zero_()
 
 
 STATS = VllmStats()
