@@ -723,3 +723,44 @@ def test_vllm_small_budget_selects_and_prefix_caching_agrees(smollm2: str) -> No
         assert stats["sparse_rows"] > 0 and stats["selected_tokens"] < stats["context_tokens"]
         assert stats["mixed_calls"] > 0
     assert on["stats"]["kv_writes"] < off["stats"]["kv_writes"]  # the cached prefix was not written again
+
+
+RUN_TP = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+from sparse_framework.integrations.vllm import WORKER_EXTENSION
+args = json.loads(sys.argv[1])
+llm = LLM(model=args["model"], dtype="float32", enforce_eager=True, max_model_len=2048, block_size=32, max_num_seqs=4,
+          seed=0, kv_cache_memory_bytes=128 * 2**20, tensor_parallel_size=args["tp"], worker_extension_cls=WORKER_EXTENSION)
+params = SamplingParams(temperature=0, max_tokens=args["max_tokens"], ignore_eos=True)
+tokens = [list(o.outputs[0].token_ids) for o in llm.generate(args["prompts"], params, use_tqdm=False)]
+print("RESULT " + json.dumps({"tokens": tokens, "ranks": llm.collective_rpc("sparse_framework_report")}))
+"""
+
+
+def test_vllm_tensor_parallel_ranks_select_over_their_kv_heads(smollm2: str) -> None:
+    """SmolLM2 (9 query heads, 3 KV heads) with tensor parallelism 3 on vLLM's CPU backend:
+    each rank holds one KV head and selects over it alone; the tokens equal TP 1's at the same
+    small budget, and the ranks' selections add up to TP 1's (per-KV-head selection shards
+    as it is). The ranks' counters come back through the plugin's worker extension."""
+    config = {**BASE, "top_k": 64, "sink_tokens": 16, "recent_tokens": 32}
+    env = {k: v for k, v in os.environ.items() if k != CONFIG_ENV}
+    # vLLM's CPU workers bind their threads to NUMA nodes, one per rank; a 2-core CI machine has one
+    env.update({CONFIG_ENV: json.dumps(config), "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
+    runs = {}
+    for tp in (1, 3):
+        args = {"model": smollm2, "prompts": [SHORT[0], LONG], "max_tokens": 8, "tp": tp}
+        done = subprocess.run([sys.executable, "-c", RUN_TP, json.dumps(args)], env=env, capture_output=True,
+                              text=True, timeout=900)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        assert done.returncode == 0 and lines, done.stderr[-4000:]
+        runs[tp] = json.loads(lines[-1].removeprefix("RESULT "))
+    assert runs[3]["tokens"] == runs[1]["tokens"]
+    ranks, whole = runs[3]["ranks"], runs[1]["ranks"][0]
+    assert len(ranks) == 3 and {r["diagnostics"]["num_kv_heads"] for r in ranks} == {1}
+    assert whole["diagnostics"]["num_kv_heads"] == 3
+    for r in ranks:
+        assert r["stats"]["sparse_rows"] == whole["stats"]["sparse_rows"] > 0
+    assert sum(r["stats"]["selected_tokens"] for r in ranks) == whole["stats"]["selected_tokens"]
+    assert sum(r["stats"]["context_tokens"] for r in ranks) == whole["stats"]["context_tokens"]
+    assert whole["stats"]["selected_tokens"] < whole["stats"]["context_tokens"]

@@ -41,13 +41,17 @@ What runs where (`sparse_impl.py`, docs/vllm.md)
     are not used (vLLM's kernel attends; nothing is swapped).
   - Algorithms: those with a per-block representation (`paged.PAGED_ALGORITHMS`: Quest).
     Others are refused by name when the config is parsed.
-  - CUDA graphs: the CUDA builder declares AttentionCGSupport.NEVER, so vLLM runs attention
-    eagerly between piecewise graphs (its default FULL_AND_PIECEWISE becomes PIECEWISE).
-    No tensor parallelism tested (docs/vllm.md).
+  - CUDA graphs: the CUDA builder declares AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE:
+    decode batches replay vLLM's full graphs with the plugin's decode captured in them (a
+    static path), mixed batches run piecewise graphs with attention eager (docs/vllm.md).
+  - Tensor parallelism: each rank selects over its own KV heads (tested with TP 3 on vLLM's
+    CPU backend: the same tokens as TP 1, each rank a third of the selection).
 
 Counters of what the backend did in this process: `stats()`; what it found at its first sparse
 decode (impl class, cache shape and strides, fold): `diagnostics()`. Both live in the worker's
-process: run vLLM in-process with VLLM_ENABLE_V1_MULTIPROCESSING=0 to read them from the caller.
+process: run vLLM in-process with VLLM_ENABLE_V1_MULTIPROCESSING=0 to read them from the
+caller, or start it with `worker_extension_cls=WORKER_EXTENSION` and ask every rank with
+`llm.collective_rpc("sparse_framework_report")`.
 """
 
 from __future__ import annotations
@@ -66,8 +70,8 @@ CUDA_TESTED_VERSIONS = ("0.26.",)
 # a child of vLLM's logger, so that its lines appear with vLLM's own (process name, time)
 logger = logging.getLogger("vllm.plugins.sparse_framework")
 
-__all__ = ["BACKEND_CLASS", "CONFIG_ENV", "CPU_BACKEND_CLASS", "CUDA_BACKEND_CLASS", "register", "stats",
-           "reset_stats", "diagnostics"]
+__all__ = ["BACKEND_CLASS", "CONFIG_ENV", "CPU_BACKEND_CLASS", "CUDA_BACKEND_CLASS", "WORKER_EXTENSION",
+           "WorkerReport", "register", "stats", "reset_stats", "diagnostics"]
 
 
 def register() -> None:
@@ -121,3 +125,24 @@ def diagnostics() -> dict[str, Any]:
     """What the backend found at its first sparse decode in this process (`paged.DIAGNOSTICS`):
     empty until one happened."""
     return dict(DIAGNOSTICS)
+
+
+WORKER_EXTENSION = "sparse_framework.integrations.vllm.WorkerReport"
+"""Pass as vLLM's `worker_extension_cls` to read every worker's counters from the caller."""
+
+
+class WorkerReport:
+    """A vLLM worker extension (`LLM(..., worker_extension_cls=WORKER_EXTENSION)`): with tensor
+    parallelism (or vLLM's multiprocess engine) the counters live in each rank's worker, which
+    `llm.collective_rpc("sparse_framework_report")` asks, one dict per rank: {"rank", "stats",
+    "diagnostics"}. `llm.collective_rpc("sparse_framework_reset")` zeroes them. Methods of a
+    named class need no pickled callables (vLLM refuses those unless told
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1)."""
+
+    rank: int
+
+    def sparse_framework_report(self) -> dict[str, Any]:
+        return {"rank": getattr(self, "rank", None), "stats": stats(), "diagnostics": diagnostics()}
+
+    def sparse_framework_reset(self) -> None:
+        reset_stats()
