@@ -237,6 +237,15 @@ def test_plan_engine_bad_input(args, message, capsys) -> None:
     assert message in " ".join(capsys.readouterr().out.split())
 
 
+def test_plan_engine_on_a_device_too_small_prints_no_negative_size(capsys) -> None:
+    """The plan printed before the error says how far short the device is, never a negative
+    store size (`plan --engine --gpu-memory-gib 0.1` printed "= -19.02 GiB for the store")."""
+    assert main(["plan", "--engine", "--gpu-memory-gib", "0.1", "--host-memory-gib", "64"]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert "GiB short, nothing for the store" in out and "-1" not in out.replace("- ", "")
+    assert "The weights alone need more than" in out
+
+
 # -- the distribution's name (PyPI's `sparse-framework` is someone else's project) -------------
 ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
 

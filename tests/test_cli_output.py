@@ -5,6 +5,9 @@ prints the defaults `run` uses; `--version`; `plugins` says whether each backend
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import re
 from collections import Counter
 from pathlib import Path
@@ -369,3 +372,20 @@ def test_bench_tables_are_whole_at_80_columns() -> None:
     for figure in ("131,072", "48/64", "12,345.6", "123,456", "45.6", "40.1", "457", "98.7%", "75.00"):
         assert figure in text, figure
     assert dropped <= {"TTFT p99", "TPOT p99", "preempt", "floor", "H2D GB/s", "host", "dev pools", "% peak"}
+
+
+@pytest.mark.parametrize("gib", ["80", "0.1"])
+def test_plan_engine_is_whole_at_80_columns(gib: str) -> None:
+    """`plan --engine` (the memory plan, and the error when nothing fits) in an 80-column
+    terminal: no line longer, no word or number split across lines."""
+    env = {**os.environ, "COLUMNS": "80"}
+    done = subprocess.run([sys.executable, "-m", "sparse_framework.cli", "plan", "--engine", "--gpu-memory-gib", gib,
+                           "--host-memory-gib", "64"], capture_output=True, text=True, env=env, timeout=120)
+    lines = (done.stdout + done.stderr).splitlines()
+    assert lines and max(len(line.rstrip()) for line in lines) <= 80, lines
+    words = (done.stdout + done.stderr).split()
+    assert "16,384," in words and "…" not in done.stdout + done.stderr
+    for word in words:  # a number cut at a line end would leave a fragment such as "19." or ".02"
+        assert not re.fullmatch(r"\d+\.|\.\d+", word), (word, lines)
+    if gib == "0.1":
+        assert "short," in words and "nothing" in words

@@ -160,7 +160,8 @@ class EngineMemoryPlan:
             *([f"          - captured graphs {_gib(self.graph_bytes)} (estimated: the largest decode bucket)"]
               if self.graph_bytes else []),
             f"          - prefill staging {_gib(self.staging_bytes)} ({self.staging_tokens:,} tokens)"
-            f" = {_gib(self.device_budget_bytes)} for the store",
+            + (f" = {_gib(self.device_budget_bytes)} for the store" if self.device_budget_bytes >= 0
+               else f": {_gib(-self.device_budget_bytes)} short, nothing for the store"),
             f"          / {_gib(self.device_bytes_per_request)} per request = {self.requests_by_device}",
             f"  host    {host}",
             f"  requests: memory-bound maximum {self.max_requests} ({self.limited_by}), max_num_seqs "
