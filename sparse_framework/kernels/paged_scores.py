@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .reference_scores import REDUCTIONS, _check_paged, _check_quest, quest_paged_scores_torch
-from .scoring import QUEST_TILE, QUEST_WARPS, _launchable, _pow2
+from .scoring import QUEST_TILE, QUEST_WARPS, _launchable, _pow2, quest_group_bound
 
 __all__ = ["quest_paged_scores_torch", "quest_paged_scores_triton"]
 
@@ -47,22 +47,8 @@ def quest_paged_scores_kernel(
     off = block[:, None] * s_pb + j * s_ph + d[None, :] * s_pd
     lo = tl.load(lo_ptr + off, mask=live, other=0.0).to(tl.float32)
     hi = tl.load(hi_ptr + off, mask=live, other=0.0).to(tl.float32)
-    if REDUCE == 0:
-        acc = tl.full([BLOCK_P], float("-inf"), tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_P], tl.float32)
-    for g in tl.static_range(G):
-        q = tl.load(q_ptr + b * s_qb + (j * G + g) * s_qh + d * s_qd, mask=d < D, other=0.0).to(tl.float32)
-        terms = tl.maximum(q[None, :] * lo, q[None, :] * hi)
-        if SHRINK:
-            terms = terms - shrink * (tl.abs(q)[None, :] * (hi - lo))
-        bound = tl.sum(terms, axis=1)
-        if REDUCE == 0:
-            acc = tl.maximum(acc, bound)
-        else:
-            acc += bound
-    if REDUCE == 2:
-        acc = acc / G
+    acc = quest_group_bound(q_ptr + b * s_qb + j * G * s_qh, s_qh, s_qd, lo, hi, d, D, shrink,
+                            G=G, REDUCE=REDUCE, SHRINK=SHRINK, BLOCK_P=BLOCK_P)
     tl.store(out_ptr + (b * HKV + j) * n_pages + p, acc, mask=on)
 
 

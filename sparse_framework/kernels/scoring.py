@@ -162,6 +162,33 @@ def _dot(a, b, MODE: tl.constexpr):
 
 # -- Quest -------------------------------------------------------------------------------------
 @triton.jit
+def quest_group_bound(
+    q_ptr, s_qh, s_qd, lo, hi, d, D, shrink,
+    G: tl.constexpr, REDUCE: tl.constexpr, SHRINK: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """[BLOCK_P] float32: the bounds lo/hi [BLOCK_P, BLOCK_D] (float32) scored by the G query
+    heads at q_ptr (head stride s_qh, dim stride s_qd), reduced over the group (0 max, 1 sum,
+    2 mean). Shared by the slot-indexed and the block-table (paged_scores.py) kernels."""
+    if REDUCE == 0:
+        acc = tl.full([BLOCK_P], float("-inf"), tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_P], tl.float32)
+    for g in tl.static_range(G):
+        q = tl.load(q_ptr + g * s_qh + d * s_qd, mask=d < D, other=0.0).to(tl.float32)
+        terms = tl.maximum(q[None, :] * lo, q[None, :] * hi)
+        if SHRINK:
+            terms = terms - shrink * (tl.abs(q)[None, :] * (hi - lo))
+        bound = tl.sum(terms, axis=1)
+        if REDUCE == 0:
+            acc = tl.maximum(acc, bound)
+        else:
+            acc += bound
+    if REDUCE == 2:
+        acc = acc / G
+    return acc
+
+
+@triton.jit
 def quest_scores_kernel(
     q_ptr, lo_ptr, hi_ptr, slot_ptr, out_ptr,
     n_pages, D, shrink,  # shrink = (1 - range_weight) / 2
@@ -180,22 +207,8 @@ def quest_scores_kernel(
     off = slot * s_pr + j * s_ph + p[:, None].to(tl.int64) * s_pp + d[None, :] * s_pd
     lo = tl.load(lo_ptr + off, mask=live, other=0.0).to(tl.float32)
     hi = tl.load(hi_ptr + off, mask=live, other=0.0).to(tl.float32)
-    if REDUCE == 0:
-        acc = tl.full([BLOCK_P], float("-inf"), tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_P], tl.float32)
-    for g in tl.static_range(G):
-        q = tl.load(q_ptr + b * s_qb + (j * G + g) * s_qh + d * s_qd, mask=d < D, other=0.0).to(tl.float32)
-        terms = tl.maximum(q[None, :] * lo, q[None, :] * hi)
-        if SHRINK:
-            terms = terms - shrink * (tl.abs(q)[None, :] * (hi - lo))
-        bound = tl.sum(terms, axis=1)
-        if REDUCE == 0:
-            acc = tl.maximum(acc, bound)
-        else:
-            acc += bound
-    if REDUCE == 2:
-        acc = acc / G
+    acc = quest_group_bound(q_ptr + b * s_qb + j * G * s_qh, s_qh, s_qd, lo, hi, d, D, shrink,
+                            G=G, REDUCE=REDUCE, SHRINK=SHRINK, BLOCK_P=BLOCK_P)
     tl.store(out_ptr + (b * HKV + j) * n_pages + p, acc, mask=p < n_pages)
 
 
