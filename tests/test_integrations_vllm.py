@@ -74,6 +74,7 @@ def test_config_from_a_file(tmp_path: Path) -> None:
         ('{"algorithm": "quest", "store": "hierarchical"}', "`store`"),
         ('{"algorithm": "quest", "page_size": 16}', "`page_size`"),
         ('{"algorithm": "snapkv"}', "`algorithm`"),
+        ('{"algorithm": "dsa"}', "`extra.source` = 'indexer'"),
         ('{"algorithm": "no-such-algorithm"}', "algorithm"),
         ('{"algorithm": "quest", "extra": {"gqa_reduce": "median"}}', "extra.gqa_reduce"),
         ('{"algorithm": "quest", "top_k": 64', "not valid JSON"),
@@ -296,6 +297,73 @@ def test_static_selection_equals_the_planned_one_and_short_rows_are_dense(
             assert torch.equal(static.lengths[i], planned.lengths[0])
             width = int(planned.lengths.max())
             assert torch.equal(static.indices[i, :, :width], planned.indices[0, :, :width])
+
+
+def block_mass_f64(q, keys, lens, bs):  # type: ignore[no-untyped-def]
+    """float64 [B, Hkv, n_blocks]: per KV head, its group's softmax mass (q·k / √D over the
+    tokens before the newest) summed over each logical block's tokens."""
+    b, hq, d = q.shape
+    hkv = keys[0].shape[1]
+    g = hq // hkv
+    n_blocks = max(-(-n // bs) for n in lens)
+    out = torch.zeros(b, hkv, n_blocks, dtype=torch.float64)
+    for i, n in enumerate(lens):
+        for h in range(hkv):
+            k = keys[i][: n - 1, h].double()
+            for head in range(h * g, (h + 1) * g):
+                probs = torch.softmax(k @ q[i, head].double() / math.sqrt(d), dim=0)
+                for t in range(n - 1):
+                    out[i, h, t // bs] += probs[t]
+    return out
+
+
+@pytest.mark.parametrize("lens, hkv, group, bs, top_k", [([300, 45, 200], 3, 2, 16, 64), ([513, 97], 1, 4, 32, 96)])
+def test_dsa_keys_ranks_blocks_by_their_keys_attention_mass(lens, hkv, group, bs, top_k) -> None:
+    """DSA over the real keys inside vLLM (`paged_keys.PagedKeyMass`): the keys copied per
+    physical slot (shuffled blocks that first held another request's keys, prefill chunks,
+    padding slots), each block scored by the float64 mass of its tokens, the top blocks kept
+    beside the forced ones; the static (full-graph) path selects the same; a covering budget
+    is dense attention."""
+    d = 16
+    config = load_vllm_config({**BASE, "algorithm": "dsa", "top_k": top_k, "sink_tokens": bs, "recent_tokens": bs,
+                               "extra": {"source": "keys"}}, block_size=bs)
+    algo = paged_algorithm(config)
+    assert type(algo).__name__ == "PagedKeyMass" and algo.budget_units == top_k // bs
+    num_blocks = sum(-(-n // bs) for n in lens) + 5
+    q, keys, values, table, k_cache, v_cache = paged_case(lens, hkv, group, d, bs, num_blocks, seed=3)
+    state = fill(algo, lens, keys, values, table, k_cache, v_cache, bs, chunk=37)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    n_blocks = max(-(-n // bs) for n in lens)
+    want = block_mass_f64(q, keys, lens, bs)
+    got = algo.score(state, q, table, n_blocks, seq_lens)
+    if hkv == 1:
+        assert got.shape == (len(lens), 1, n_blocks)
+    for i, n in enumerate(lens):  # blocks past a request's length are never ranked (valid mask)
+        used = -(-n // bs)
+        torch.testing.assert_close(got[i, :, :used].double(), want[i, :, :used], atol=1e-5, rtol=1e-4)
+    selection = algo.select(state, q, table, seq_lens)
+    selection.validate(seq_lens)
+    static = algo.select_static(state, q, table, seq_lens, 0)
+    assert torch.equal(static.lengths, selection.lengths)
+    for i, n in enumerate(lens):
+        last = (n - 1) // bs
+        forced = {u for u in range(last + 1) if u * bs < bs or u >= (n - bs) // bs or u == last}
+        for h in range(selection.indices.shape[1]):
+            kept = {int(t) // bs for t in selection.indices[i, h, : selection.lengths[i, h]]}
+            assert torch.equal(static.indices[i, h, : static.lengths[i, h]], selection.indices[i, h, : selection.lengths[i, h]])
+            free = [u for u in range(last + 1) if u not in forced]
+            chosen = [u for u in free if u in kept]
+            assert len(chosen) == min(top_k // bs, len(free))
+            if chosen and len(chosen) < len(free):  # every kept block outranks every one left out
+                assert min(want[i, h, u] for u in chosen) >= max(want[i, h, u] for u in free if u not in kept) - 1e-9
+    covering = load_vllm_config({**BASE, "algorithm": "dsa", "top_k": n_blocks * bs, "extra": {"source": "keys"}},
+                                block_size=bs)
+    whole = paged_algorithm(covering).select(state, q, table, seq_lens)
+    assert torch.equal(whole.lengths, seq_lens.view(-1, 1).expand_as(whole.lengths))
+    metadata = folded_page_table(whole, table, hkv, bs)
+    scale = 1 / math.sqrt(d)
+    attended = attend_reference(q, k_cache, v_cache, metadata, scale=scale)
+    torch.testing.assert_close(attended.double(), dense_attention(q, keys, values, scale), atol=2e-6, rtol=1e-5)
 
 
 def test_device_counters_accumulate_in_place_across_resets() -> None:
@@ -723,6 +791,21 @@ def test_vllm_small_budget_selects_and_prefix_caching_agrees(smollm2: str) -> No
         assert stats["sparse_rows"] > 0 and stats["selected_tokens"] < stats["context_tokens"]
         assert stats["mixed_calls"] > 0
     assert on["stats"]["kv_writes"] < off["stats"]["kv_writes"]  # the cached prefix was not written again
+
+
+def test_vllm_dsa_over_the_keys_runs_inside_vllm(smollm2: str) -> None:
+    """The second algorithm inside vLLM: DSA over the real keys (blocks ranked by their keys'
+    attention mass). At a covering budget the tokens equal vLLM dense's with every token
+    selected in all 30 layers (DSA keeps none dense); at top_k 64 it selects fewer."""
+    batches = [SHORT, [LONG]]
+    dsa = {**BASE, "algorithm": "dsa", "extra": {"source": "keys"}}
+    dense = generate(smollm2, None, batches, 12)
+    full = generate(smollm2, {**dsa, "top_k": 2048}, batches, 12)
+    small = generate(smollm2, {**dsa, "top_k": 64, "sink_tokens": 16, "recent_tokens": 32}, batches, 12)
+    assert full["tokens"] == dense["tokens"]
+    assert full["stats"]["sparse_rows"] == 30 * 11 * 3 and full["stats"]["dense_rows"] == 0
+    assert full["stats"]["selected_tokens"] == full["stats"]["context_tokens"] > 0
+    assert 0 < small["stats"]["selected_tokens"] < small["stats"]["context_tokens"]
 
 
 RUN_TP = r"""

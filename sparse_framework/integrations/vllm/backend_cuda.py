@@ -26,7 +26,7 @@ What the subclasses change, and why:
   a layer's forward makes no host sync; and `AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE`:
   when vLLM captures full graphs (its default `FULL_AND_PIECEWISE`), a batch of one-token
   decodes is planned `static` (every row, shapes from the block table alone:
-  `PagedQuest.select_static`), so the selection, the page-table rewrite and the FlashAttention
+  `PagedAlgorithm.select_static`), so the selection, the page-table rewrite and the FlashAttention
   call are captured in vLLM's decode graph and replayed with the rest of the model. Mixed
   batches (prefill chunks) run vLLM's piecewise graphs with attention eager, through the
   host plan. `cudagraph_mode` PIECEWISE (or `enforce_eager`) keeps every step eager in the

@@ -87,38 +87,69 @@ def load_vllm_config(source: str | dict[str, Any], block_size: int | None = None
         config = load_config(data)
     except ConfigError as exc:
         raise ConfigError(f"{CONFIG_ENV}: {exc}") from None
-    if config.algorithm_class not in PAGED_ALGORITHMS:
+    if paged_algorithm_class(config) is None:
+        what = (f"`extra.source` = {config.extra_config.source!r} (the model's indexer)" if config.algorithm == "dsa"
+                else f"`algorithm` = {config.algorithm!r}")
         raise ConfigError(
-            f"{CONFIG_ENV}: `algorithm` = {config.algorithm!r} has no per-block (paged) representation for vLLM yet; "
-            f"supported inside vLLM: {', '.join(sorted(PAGED_NAMES))}"
+            f"{CONFIG_ENV}: {what} has no per-block (paged) representation for vLLM yet; "
+            f"supported inside vLLM: {'; '.join(PAGED_NAMES)}"
         )
     return config
 
 
 @dataclass
-class BlockBounds:
-    """Quest's page bounds per physical block of one layer: the element-wise min and max key
-    of the tokens written to each block, [num_blocks + 1, num_kv_heads, head_dim] in the key
-    dtype (+inf / -inf for blocks never written). The extra last row is a sink for padding
-    slots and for blocks not restarted by a write, so that `write` needs no boolean indexing
-    (a host sync per layer on the GPU); no block table points at it."""
+class PagedState:
+    """One layer's per-block representation. Every tensor has num_blocks + 1 rows: the extra
+    last row is a sink for padding slots (and, for Quest, blocks not restarted by a write), so
+    that `write` needs no boolean indexing (a host sync per layer on the GPU); no block table
+    points at it."""
+
+    block_size: int
+
+    @property
+    def num_blocks(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def dtype(self) -> torch.dtype:
+        raise NotImplementedError
+
+
+@dataclass
+class BlockBounds(PagedState):
+    """Quest's page bounds per physical block: the element-wise min and max key of the tokens
+    written to each block, [num_blocks + 1, num_kv_heads, head_dim] in the key dtype (+inf /
+    -inf for blocks never written)."""
 
     page_min: torch.Tensor
     page_max: torch.Tensor
-    block_size: int
 
     @property
     def num_blocks(self) -> int:
         return self.page_min.shape[0] - 1
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.page_min.dtype
 
-class PagedQuest:
-    """Quest (algorithms/quest.py) with page = vLLM block and its bounds kept per physical block.
 
-    The selection equals `Quest`'s over the same logical sequence: the same bounds (min and max
-    are exact, whichever order the keys come in), the same scoring kernel and options
-    (`gqa_reduce`, `range_weight`, `min_pages`, `newest_in_top_k`, `impl`) and the same
-    top-k with the sink, recent and newest pages forced in (`topk_selection`)."""
+def _block_rows(slot_mapping: torch.Tensor, n: int, block_size: int, sink: int, device: torch.device) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(blocks, offsets, kept) of the first n physical slots: padding slots (< 0) go to block
+    `sink`, offset 0, without a host sync."""
+    slots = slot_mapping[:n].to(device=device, dtype=torch.long)
+    keep = slots >= 0
+    blocks = torch.where(keep, slots.div(block_size, rounding_mode="floor"), sink)
+    offsets = torch.where(keep, slots % block_size, 0)
+    return blocks, offsets, keep
+
+
+class PagedAlgorithm:
+    """An algorithm inside vLLM: a representation per physical KV block (`new_state`, filled by
+    `write` at every K write), scores per logical block of each request (`score`), and the
+    framework's top-k over them with the sink, recent and newest blocks forced in (`select`;
+    `select_static` for full CUDA graphs). A selection page is one vLLM block, whatever the
+    algorithm's own granularity."""
 
     granularity: ClassVar[str] = "page"
     per_kv_head: ClassVar[bool] = True
@@ -126,68 +157,39 @@ class PagedQuest:
     def __init__(self, config: SparseConfig) -> None:
         self.config = config
         self.options = config.extra_config
-        algo = config.algorithm_class
         self.unit = config.page_size
-        self.budget_units = algo.budget_units(config)
+        self.budget_units = self.blocks_of_budget(config)
         self.width_units = _max_units(config, self.unit, self.budget_units)
         # as Quest.__init__ and ScoringAlgorithm.top_units set them
         self.newest_forced = (not self.options.newest_in_top_k) or config.recent_tokens >= 1
         self.impl = self.options.impl
 
+    @classmethod
+    def blocks_of_budget(cls, config: SparseConfig) -> int:
+        """Blocks the top-k keeps besides the forced ones: top_k // block."""
+        return config.top_k // config.page_size
+
     def new_state(
         self, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
-    ) -> BlockBounds:
-        """Empty bounds for a KV cache of `num_blocks` blocks (fp8 caches: bounds in bfloat16)."""
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
-            dtype = torch.bfloat16
-        shape = (num_blocks + 1, num_kv_heads, head_dim)  # + the sink row
-        return BlockBounds(
-            page_min=torch.full(shape, float("inf"), dtype=dtype, device=device),
-            page_max=torch.full(shape, float("-inf"), dtype=dtype, device=device),
-            block_size=self.unit,
-        )
+    ) -> PagedState:
+        raise NotImplementedError
 
-    def write(self, state: BlockBounds, slot_mapping: torch.Tensor, keys: torch.Tensor) -> None:
-        """Fold keys [T, Hkv, D] written at physical slots `slot_mapping` (int [>= T'], slot =
-        block * block_size + offset; negative = padding, skipped; rows past T' ignored) into
-        their blocks' bounds. A write at offset 0 starts the block afresh: vLLM fills a block
-        from offset 0, so a reused block id forgets what it held before.
+    def write(self, state: Any, slot_mapping: torch.Tensor, keys: torch.Tensor) -> None:
+        """Fold keys [T, Hkv, D] written at physical slots `slot_mapping` into `state`."""
+        raise NotImplementedError
 
-        No host sync (it runs for every layer of every step): padding slots and blocks that
-        are not restarted are routed to the sink row instead of being filtered out."""
-        n = min(slot_mapping.shape[0], keys.shape[0])
-        if n == 0:
-            return
-        sink = state.num_blocks
-        slots = slot_mapping[:n].to(device=state.page_min.device, dtype=torch.long)
-        keep = slots >= 0
-        blocks = torch.where(keep, slots.div(state.block_size, rounding_mode="floor"), sink)
-        restart = torch.where(keep & (slots % state.block_size == 0), blocks, sink)
-        state.page_min.index_fill_(0, restart, float("inf"))
-        state.page_max.index_fill_(0, restart, float("-inf"))
-        index = blocks.view(-1, 1, 1).expand(n, *keys.shape[1:])
-        rows = keys[:n].to(state.page_min.dtype)
-        state.page_min.scatter_reduce_(0, index, rows, "amin", include_self=True)
-        state.page_max.scatter_reduce_(0, index, rows, "amax", include_self=True)
+    def score(self, state: Any, q: torch.Tensor, block_table: torch.Tensor, n_blocks: int) -> torch.Tensor:
+        """float32 [B, Hkv or 1, n_blocks]: each logical block's score for each request."""
+        raise NotImplementedError
 
-    def score(
-        self, state: BlockBounds, q: torch.Tensor, block_table: torch.Tensor, n_blocks: int
-    ) -> torch.Tensor:
-        """float32 [B, Hkv, n_blocks]: Quest's bound of each logical block of each request.
-        q [B, Hq, D]; block_table int [B, >= n_blocks] (entries past a request's blocks are
-        read, clamped into range, and ignored by the top-k). On CUDA one Triton kernel reads
-        the bounds through the table (`kernels/paged_scores.py`), no gathered copy."""
-        args = (q, state.page_min, state.page_max, block_table, n_blocks, self.options.gqa_reduce,
-                self.options.range_weight)
-        if resolve_impl(self.impl, q.device) == "triton":
-            from ...kernels.paged_scores import quest_paged_scores_triton
-
-            return quest_paged_scores_triton(*args)
-        return quest_paged_scores_torch(*args)
+    def _scores(self, state: Any, q: torch.Tensor, block_table: torch.Tensor, n_blocks: int,
+                seq_lens: torch.Tensor) -> torch.Tensor:
+        """What select scores with: `score`, unless the algorithm needs the lengths too."""
+        return self.score(state, q, block_table, n_blocks)
 
     def select(
         self,
-        state: BlockBounds,
+        state: Any,
         q: torch.Tensor,
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
@@ -200,11 +202,11 @@ class PagedQuest:
         sync."""
         max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
         n_blocks = min(-(-max_len // self.unit), block_table.shape[1])
-        scores = self.score(state, q, block_table, n_blocks)
+        scores = self._scores(state, q, block_table, n_blocks, seq_lens)
         return self._top(scores, seq_lens, self.width_units, None)
 
     def select_static(
-        self, state: BlockBounds, q: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, min_len: int
+        self, state: Any, q: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, min_len: int
     ) -> Selection:
         """`select` for every row of a uniform decode batch with shapes fixed by the block
         table alone, as a full CUDA graph needs (no host bound of the lengths, no host-planned
@@ -213,7 +215,7 @@ class PagedQuest:
         blocks, the dense answer, which the selection width makes room for. Rows of length 0
         (a graph's padding) select nothing."""
         n_blocks = block_table.shape[1]
-        scores = self.score(state, q, block_table, n_blocks)
+        scores = self._scores(state, q, block_table, n_blocks, seq_lens)
         width = self.width_units
         tail_start = None
         if min_len > 1:
@@ -239,19 +241,94 @@ class PagedQuest:
         )
 
 
-def _paged_algorithms() -> dict[type, type[PagedQuest]]:
+class PagedQuest(PagedAlgorithm):
+    """Quest (algorithms/quest.py) with page = vLLM block and its bounds kept per physical block.
+
+    The selection equals `Quest`'s over the same logical sequence: the same bounds (min and max
+    are exact, whichever order the keys come in), the same scoring kernel and options
+    (`gqa_reduce`, `range_weight`, `min_pages`, `newest_in_top_k`, `impl`) and the same
+    top-k with the sink, recent and newest pages forced in (`topk_selection`)."""
+
+    @classmethod
+    def blocks_of_budget(cls, config: SparseConfig) -> int:
+        return config.algorithm_class.budget_units(config)  # Quest's (min_pages)
+
+    def new_state(
+        self, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
+    ) -> BlockBounds:
+        """Empty bounds for a KV cache of `num_blocks` blocks (fp8 caches: bounds in bfloat16)."""
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            dtype = torch.bfloat16
+        shape = (num_blocks + 1, num_kv_heads, head_dim)  # + the sink row
+        return BlockBounds(
+            block_size=self.unit,
+            page_min=torch.full(shape, float("inf"), dtype=dtype, device=device),
+            page_max=torch.full(shape, float("-inf"), dtype=dtype, device=device),
+        )
+
+    def write(self, state: BlockBounds, slot_mapping: torch.Tensor, keys: torch.Tensor) -> None:
+        """Fold keys [T, Hkv, D] written at physical slots `slot_mapping` (int [>= T'], slot =
+        block * block_size + offset; negative = padding, skipped; rows past T' ignored) into
+        their blocks' bounds. A write at offset 0 starts the block afresh: vLLM fills a block
+        from offset 0, so a reused block id forgets what it held before.
+
+        No host sync (it runs for every layer of every step): padding slots and blocks that
+        are not restarted are routed to the sink row instead of being filtered out."""
+        n = min(slot_mapping.shape[0], keys.shape[0])
+        if n == 0:
+            return
+        sink = state.num_blocks
+        blocks, offsets, keep = _block_rows(slot_mapping, n, state.block_size, sink, state.page_min.device)
+        restart = torch.where(keep & (offsets == 0), blocks, sink)
+        state.page_min.index_fill_(0, restart, float("inf"))
+        state.page_max.index_fill_(0, restart, float("-inf"))
+        index = blocks.view(-1, 1, 1).expand(n, *keys.shape[1:])
+        rows = keys[:n].to(state.page_min.dtype)
+        state.page_min.scatter_reduce_(0, index, rows, "amin", include_self=True)
+        state.page_max.scatter_reduce_(0, index, rows, "amax", include_self=True)
+
+    def score(
+        self, state: BlockBounds, q: torch.Tensor, block_table: torch.Tensor, n_blocks: int
+    ) -> torch.Tensor:
+        """float32 [B, Hkv, n_blocks]: Quest's bound of each logical block of each request.
+        q [B, Hq, D]; block_table int [B, >= n_blocks] (entries past a request's blocks are
+        read, clamped into range, and ignored by the top-k). On CUDA one Triton kernel reads
+        the bounds through the table (`kernels/paged_scores.py`), no gathered copy."""
+        args = (q, state.page_min, state.page_max, block_table, n_blocks, self.options.gqa_reduce,
+                self.options.range_weight)
+        if resolve_impl(self.impl, q.device) == "triton":
+            from ...kernels.paged_scores import quest_paged_scores_triton
+
+            return quest_paged_scores_triton(*args)
+        return quest_paged_scores_torch(*args)
+
+
+PAGED_NAMES = ("quest", "dsa with extra.source \"keys\"")
+"""The algorithms that run inside vLLM (`paged_algorithm_class`)."""
+
+
+def paged_algorithm_class(config: SparseConfig) -> type[PagedAlgorithm] | None:
+    """The paged implementation of the config's algorithm, None if it has none: Quest's bounds
+    (`PagedQuest`), DSA over the real keys (`paged_keys.PagedKeyMass`, blocks ranked by the
+    attention mass of their keys). DSA with the model's indexer needs the indexer's keys,
+    which vLLM's dense models do not have."""
+    from ...algorithms.dsa import DSA
     from ...algorithms.quest import Quest
 
-    return {Quest: PagedQuest}
+    if config.algorithm_class is Quest:
+        return PagedQuest
+    if config.algorithm_class is DSA and config.extra_config.source == "keys":
+        from .paged_keys import PagedKeyMass
+
+        return PagedKeyMass
+    return None
 
 
-PAGED_ALGORITHMS = _paged_algorithms()
-PAGED_NAMES = ("quest",)
-
-
-def paged_algorithm(config: SparseConfig) -> PagedQuest:
+def paged_algorithm(config: SparseConfig) -> PagedAlgorithm:
     """The paged implementation of the config's algorithm (checked by `load_vllm_config`)."""
-    return PAGED_ALGORITHMS[config.algorithm_class](config)
+    cls = paged_algorithm_class(config)
+    assert cls is not None, config.algorithm
+    return cls(config)
 
 
 def sparse_layers(config: SparseConfig, num_layers: int) -> frozenset[int]:
@@ -270,7 +347,7 @@ class DecodeRows:
     the scores without a host sync).
 
     static: a uniform decode batch (one query token per row) whose rows are all taken, in
-    order, with shapes from the metadata alone (`PagedQuest.select_static`): what a full CUDA
+    order, with shapes from the metadata alone (`PagedAlgorithm.select_static`): what a full CUDA
     graph can capture and replay. rows and tokens are then None, count = decode_rows = the
     batch's rows and max_seq_len unused (0)."""
 

@@ -5,7 +5,7 @@
 `super()` is vLLM's impl. Per layer and step:
 
   do_kv_cache_update  vLLM's own cache write, then the K rows folded into the layer's
-                      per-block representation (`PagedQuest.write`, no host sync).
+                      per-block representation (`PagedAlgorithm.write`, no host sync).
   forward             decode rows (one query token, context >= `min_sparse_prompt_len`) of a
                       sparse layer: select blocks per KV head, rewrite the block table for the
                       cache folded to one KV head per page, attend with the backend's kernel
@@ -13,7 +13,7 @@
                       step that mixes both, vLLM's forward runs for all rows first and the
                       sparse rows' outputs are then replaced. A uniform decode batch planned
                       `static` (the CUDA builder, when vLLM captures full graphs) takes every
-                      row with shapes fixed by the metadata (`PagedQuest.select_static`), so
+                      row with shapes fixed by the metadata (`PagedAlgorithm.select_static`), so
                       that the whole sparse decode is captured in vLLM's decode graph.
 
 A backend supplies `_attend` (its kernel over the folded table), `_decode_rows` (the step's
@@ -38,9 +38,9 @@ from .paged import (
     CONFIG_ENV,
     DIAGNOSTICS,
     STATS,
-    BlockBounds,
+    PagedAlgorithm,
+    PagedState,
     DecodeRows,
-    PagedQuest,
     config_source,
     folded_page_table,
     load_vllm_config,
@@ -86,8 +86,8 @@ class SparseDecodeMixin:
         cache's own block size is checked on the first write (`_state_for`)."""
         self.config = config
         self.num_layers = num_layers
-        self.algorithm: PagedQuest | None = None if config is None else paged_algorithm(config)
-        self.state: BlockBounds | None = None
+        self.algorithm: PagedAlgorithm | None = None if config is None else paged_algorithm(config)
+        self.state: PagedState | None = None
         self._cache_key: tuple[int, tuple[int, ...]] | None = None
         self._sparse: bool | None = None  # decided on the first call, when the layer name is known
         self.dense_reason = self._dense_reason()
@@ -135,7 +135,7 @@ class SparseDecodeMixin:
                 self._sparse = index in sparse_layers(self.config, self.num_layers)
         return self._sparse
 
-    def _state_for(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> BlockBounds:
+    def _state_for(self, kv_cache: torch.Tensor, dtype: torch.dtype) -> PagedState:
         nb, hk, bs = kv_cache.shape[:3]
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape))
         if self.state is None or self._cache_key != key:
@@ -258,7 +258,8 @@ class SparseDecodeMixin:
             "num_kv_heads": self.num_kv_heads,
             "num_heads": self.num_heads,
             "head_size": self.head_size,
-            "bounds_dtype": str(self.state.page_min.dtype),
+            "algorithm": type(self.algorithm).__name__,
+            "representation_dtype": str(self.state.dtype),
             "top_k": self.config.top_k,
             "sparse_layers": len(sparse_layers(self.config, self.num_layers)),
             "num_layers": self.num_layers,
