@@ -1,6 +1,7 @@
 """Plugin discovery through `importlib.metadata` entry points.
 
-Three groups — algorithms, adaptors, backends. Built-ins are registered by this project's own
+Four groups — algorithms, adaptors, backends, and the algorithms' twins inside vLLM (`vllm`:
+a `PagedAlgorithm` registered under its algorithm's name). Built-ins are registered by this project's own
 pyproject.toml exactly as a third party registers its own. Entry points are read lazily and a
 plugin's module is imported only when the plugin is asked for, so one broken plugin cannot
 break the others: its import error is reported, by name, when (and only when) it is requested
@@ -21,6 +22,7 @@ GROUPS: dict[str, str] = {
     "algorithm": "sparse_framework.algorithms",
     "adaptor": "sparse_framework.adaptors",
     "backend": "sparse_framework.backends",
+    "vllm": "sparse_framework.vllm",
 }
 
 
@@ -91,6 +93,10 @@ def _base_class(kind: str) -> type:
         from .adaptors.base import BackendAdaptor
 
         return BackendAdaptor
+    if kind == "vllm":  # torch only: no vLLM import
+        from .integrations.vllm.paged import PagedAlgorithm
+
+        return PagedAlgorithm
     from .backends.base import AttentionBackend
 
     return AttentionBackend

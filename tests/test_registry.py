@@ -138,6 +138,41 @@ def test_refresh_picks_up_a_plugin_installed_at_run_time(tmp_path, monkeypatch):
     assert registry.load("algorithm", "late_quest") is Quest
 
 
+# -- an algorithm's twin inside vLLM --------------------------------------------------------
+MY_QUEST = """\
+from sparse_framework.algorithms.quest import Quest
+from sparse_framework.integrations.vllm.paged import PagedQuest
+class MyQuest(Quest):
+    pass
+class MyPagedQuest(PagedQuest):
+    pass
+"""
+
+
+def test_a_third_party_algorithm_runs_inside_vllm_through_the_twin_it_registers(tmp_path, monkeypatch):
+    """The vLLM plugin finds an algorithm's twin (`sparse_framework.vllm` group) by the
+    algorithm's name: without one the config is refused naming the algorithm and the ones
+    that have a twin; with one the plugin builds it."""
+    from sparse_framework.integrations.vllm.paged import load_vllm_config, paged_algorithm
+
+    config = {"algorithm": "myquest", "min_sparse_prompt_len": 0, "top_k": 64}
+    make_dist(tmp_path / "a", "fake-myquest", {ALGO_GROUP: {"myquest": "fake_myquest:MyQuest"}},
+              {"fake_myquest": MY_QUEST})
+    install_fake(monkeypatch, tmp_path / "a")
+    assert registry.names("vllm") == ["dsa", "quest"]
+    with pytest.raises(ConfigError, match=r"`algorithm` = 'myquest' has no twin inside vLLM.*dsa, quest"):
+        load_vllm_config(config, block_size=16)
+    make_dist(tmp_path / "b", "fake-myquest-vllm", {"sparse_framework.vllm": {"myquest": "fake_myquest:MyPagedQuest"}})
+    install_fake(monkeypatch, tmp_path / "b")
+    algo = paged_algorithm(load_vllm_config(config, block_size=16))
+    assert type(algo).__name__ == "MyPagedQuest" and algo.budget_units == 4
+    # a twin must be a PagedAlgorithm
+    make_dist(tmp_path / "c", "fake-bad-twin", {"sparse_framework.vllm": {"badtwin": "fake_myquest:MyQuest"}})
+    install_fake(monkeypatch, tmp_path / "c")
+    with pytest.raises(PluginError, match="not a subclass of PagedAlgorithm"):
+        registry.load("vllm", "badtwin")
+
+
 # -- a broken plugin ----------------------------------------------------------------------
 BROKEN_SOURCE = """\
 from pathlib import Path

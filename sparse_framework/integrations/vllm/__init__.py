@@ -39,9 +39,10 @@ What runs where (`sparse_impl.py`, docs/vllm.md)
     the host (the framework's hierarchical store) would need vLLM's KV-cache manager patched;
     `"store": "hierarchical"` is refused. `backend`, `adaptor` and `device_buffer_tokens`
     are not used (vLLM's kernel attends; nothing is swapped).
-  - Algorithms: those with a per-block representation (`paged.paged_algorithm_class`: Quest,
-    and DSA over the real keys at block granularity, an accuracy oracle: `paged_keys.py`).
-    Others are refused by name when the config is parsed.
+  - Algorithms: those with a twin inside vLLM, a `paged.PagedAlgorithm` registered under the
+    algorithm's name in the entry-point group `sparse_framework.vllm` (built in: Quest, and DSA
+    over the real keys at block granularity, an accuracy oracle: `paged_keys.py`). Others are
+    refused by name when the config is parsed.
   - CUDA graphs: the CUDA builder declares AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE:
     decode batches replay vLLM's full graphs with the plugin's decode captured in them (a
     static path), mixed batches run piecewise graphs with attention eager (docs/vllm.md).

@@ -88,11 +88,16 @@ def load_vllm_config(source: str | dict[str, Any], block_size: int | None = None
     except ConfigError as exc:
         raise ConfigError(f"{CONFIG_ENV}: {exc}") from None
     if paged_algorithm_class(config) is None:
-        what = (f"`extra.source` = {config.extra_config.source!r} (the model's indexer)" if config.algorithm == "dsa"
-                else f"`algorithm` = {config.algorithm!r}")
+        from ... import registry
+        from ...common.errors import PluginError
+
+        try:
+            reason = registry.load("vllm", config.algorithm).refuses(config)
+        except PluginError:
+            reason = None
         raise ConfigError(
-            f"{CONFIG_ENV}: {what} has no per-block (paged) representation for vLLM yet; "
-            f"supported inside vLLM: {'; '.join(PAGED_NAMES)}"
+            f"{CONFIG_ENV}: {reason or f'`algorithm` = {config.algorithm!r} has no twin inside vLLM'}; algorithms "
+            f"with one (entry-point group sparse_framework.vllm): {', '.join(paged_names())}"
         )
     return config
 
@@ -163,6 +168,11 @@ class PagedAlgorithm:
         # as Quest.__init__ and ScoringAlgorithm.top_units set them
         self.newest_forced = (not self.options.newest_in_top_k) or config.recent_tokens >= 1
         self.impl = self.options.impl
+
+    @classmethod
+    def refuses(cls, config: SparseConfig) -> str | None:
+        """Why this twin cannot run this config of its algorithm (naming the field), or None."""
+        return None
 
     @classmethod
     def blocks_of_budget(cls, config: SparseConfig) -> int:
@@ -303,25 +313,26 @@ class PagedQuest(PagedAlgorithm):
         return quest_paged_scores_torch(*args)
 
 
-PAGED_NAMES = ("quest", "dsa with extra.source \"keys\"")
-"""The algorithms that run inside vLLM (`paged_algorithm_class`)."""
-
-
 def paged_algorithm_class(config: SparseConfig) -> type[PagedAlgorithm] | None:
-    """The paged implementation of the config's algorithm, None if it has none: Quest's bounds
-    (`PagedQuest`), DSA over the real keys (`paged_keys.PagedKeyMass`, blocks ranked by the
-    attention mass of their keys). DSA with the model's indexer needs the indexer's keys,
-    which vLLM's dense models do not have."""
-    from ...algorithms.dsa import DSA
-    from ...algorithms.quest import Quest
+    """The config's algorithm's twin inside vLLM, registered under the algorithm's name in the
+    `sparse_framework.vllm` entry-point group (`registry`: a third party registers its own
+    beside its algorithm), if it takes this config (`PagedAlgorithm.refuses`); None otherwise.
+    Built in: Quest's bounds (`PagedQuest`) and DSA over the real keys (`paged_keys.PagedKeyMass`)."""
+    from ... import registry
+    from ...common.errors import PluginError
 
-    if config.algorithm_class is Quest:
-        return PagedQuest
-    if config.algorithm_class is DSA and config.extra_config.source == "keys":
-        from .paged_keys import PagedKeyMass
+    try:
+        cls = registry.load("vllm", config.algorithm)
+    except PluginError:
+        return None
+    return None if cls.refuses(config) else cls
 
-        return PagedKeyMass
-    return None
+
+def paged_names() -> list[str]:
+    """The algorithms that have a twin inside vLLM (for error messages)."""
+    from ... import registry
+
+    return registry.names("vllm")
 
 
 def paged_algorithm(config: SparseConfig) -> PagedAlgorithm:

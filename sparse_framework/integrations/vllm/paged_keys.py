@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ...algorithms.base import group_probabilities
+from ...config import SparseConfig
 from .paged import PagedAlgorithm, PagedState, _block_rows
 
 
@@ -45,6 +46,13 @@ class BlockKeys(PagedState):
 class PagedKeyMass(PagedAlgorithm):
     """`dsa` with source "keys" at block granularity (module docstring). Per KV head when the
     layer has several (each group's own mass), as `DSA` selects per KV head then."""
+
+    @classmethod
+    def refuses(cls, config: SparseConfig) -> str | None:
+        if config.extra_config.source != "keys":
+            return (f"`extra.source` = {config.extra_config.source!r} needs the model's indexer keys; inside vLLM "
+                    "only \"keys\" (DSA over the real keys)")
+        return None
 
     def new_state(
         self, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
