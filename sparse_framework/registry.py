@@ -84,6 +84,21 @@ def qualified(ep: EntryPoint) -> str:
     return f"{_dist_name(ep)}:{ep.name}"
 
 
+# kinds whose base class lives above the registry (importing it would make a circle): checked by
+# its qualified name in the plugin's MRO instead
+BASE_BY_NAME = {"vllm": "sparse_framework.integrations.vllm.paged.PagedAlgorithm"}
+
+
+def _is_plugin(kind: str, obj: Any) -> tuple[bool, str]:
+    """Whether `obj` is a subclass of the kind's base class, and that base's name."""
+    if kind in BASE_BY_NAME:
+        qualname = BASE_BY_NAME[kind]
+        ok = isinstance(obj, type) and any(f"{c.__module__}.{c.__qualname__}" == qualname for c in obj.__mro__)
+        return ok, qualname.rsplit(".", 1)[1]
+    base = _base_class(kind)
+    return isinstance(obj, type) and issubclass(obj, base), base.__name__
+
+
 def _base_class(kind: str) -> type:
     if kind == "algorithm":
         from .algorithms.base import SparseAlgorithm
@@ -93,10 +108,6 @@ def _base_class(kind: str) -> type:
         from .adaptors.base import BackendAdaptor
 
         return BackendAdaptor
-    if kind == "vllm":  # torch only: no vLLM import
-        from .integrations.vllm.paged import PagedAlgorithm
-
-        return PagedAlgorithm
     from .backends.base import AttentionBackend
 
     return AttentionBackend
@@ -157,11 +168,9 @@ def load(kind: str, name: str) -> Any:
             f"{kind} plugin {name!r} from distribution '{_dist_name(ep)}' ({ep.value}) "
             f"failed to load: {type(exc).__name__}: {exc}"
         ) from exc
-    base = _base_class(kind)
-    if not (isinstance(obj, type) and issubclass(obj, base)):
-        raise PluginError(
-            f"{kind} plugin {name!r} ({ep.value}) is {obj!r}, not a subclass of {base.__name__}"
-        )
+    ok, base = _is_plugin(kind, obj)
+    if not ok:
+        raise PluginError(f"{kind} plugin {name!r} ({ep.value}) is {obj!r}, not a subclass of {base}")
     return obj
 
 
