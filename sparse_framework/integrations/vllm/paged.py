@@ -87,17 +87,11 @@ def load_vllm_config(source: str | dict[str, Any], block_size: int | None = None
         config = load_config(data)
     except ConfigError as exc:
         raise ConfigError(f"{CONFIG_ENV}: {exc}") from None
-    if paged_algorithm_class(config) is None:
-        from ... import registry
-        from ...common.errors import PluginError
-
-        try:
-            reason = registry.load("vllm", config.algorithm).refuses(config)
-        except PluginError:
-            reason = None
+    _, reason = _twin(config)
+    if reason is not None:
         raise ConfigError(
-            f"{CONFIG_ENV}: {reason or f'`algorithm` = {config.algorithm!r} has no twin inside vLLM'}; algorithms "
-            f"with one (entry-point group sparse_framework.vllm): {', '.join(paged_names())}"
+            f"{CONFIG_ENV}: {reason}; algorithms with one (entry-point group sparse_framework.vllm): "
+            f"{', '.join(paged_names())}"
         )
     return config
 
@@ -136,6 +130,11 @@ class BlockBounds(PagedState):
     @property
     def dtype(self) -> torch.dtype:
         return self.page_min.dtype
+
+
+def representation_dtype(key_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a representation keeps keys in: the key dtype, bfloat16 for an fp8 cache."""
+    return key_dtype if key_dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64) else torch.bfloat16
 
 
 def _block_rows(slot_mapping: torch.Tensor, n: int, block_size: int, sink: int, device: torch.device) -> tuple[
@@ -188,14 +187,12 @@ class PagedAlgorithm:
         """Fold keys [T, Hkv, D] written at physical slots `slot_mapping` into `state`."""
         raise NotImplementedError
 
-    def score(self, state: Any, q: torch.Tensor, block_table: torch.Tensor, n_blocks: int) -> torch.Tensor:
-        """float32 [B, Hkv or 1, n_blocks]: each logical block's score for each request."""
+    def score(
+        self, state: Any, q: torch.Tensor, block_table: torch.Tensor, n_blocks: int, seq_lens: torch.Tensor
+    ) -> torch.Tensor:
+        """float32 [B, Hkv or 1, n_blocks]: each logical block's score for each request
+        (seq_lens int [B], for twins whose scores depend on the lengths)."""
         raise NotImplementedError
-
-    def _scores(self, state: Any, q: torch.Tensor, block_table: torch.Tensor, n_blocks: int,
-                seq_lens: torch.Tensor) -> torch.Tensor:
-        """What select scores with: `score`, unless the algorithm needs the lengths too."""
-        return self.score(state, q, block_table, n_blocks)
 
     def select(
         self,
@@ -212,7 +209,7 @@ class PagedAlgorithm:
         sync."""
         max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
         n_blocks = min(-(-max_len // self.unit), block_table.shape[1])
-        scores = self._scores(state, q, block_table, n_blocks, seq_lens)
+        scores = self.score(state, q, block_table, n_blocks, seq_lens)
         return self._top(scores, seq_lens, self.width_units, None)
 
     def select_static(
@@ -225,7 +222,7 @@ class PagedAlgorithm:
         blocks, the dense answer, which the selection width makes room for. Rows of length 0
         (a graph's padding) select nothing."""
         n_blocks = block_table.shape[1]
-        scores = self._scores(state, q, block_table, n_blocks, seq_lens)
+        scores = self.score(state, q, block_table, n_blocks, seq_lens)
         width = self.width_units
         tail_start = None
         if min_len > 1:
@@ -266,9 +263,8 @@ class PagedQuest(PagedAlgorithm):
     def new_state(
         self, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
     ) -> BlockBounds:
-        """Empty bounds for a KV cache of `num_blocks` blocks (fp8 caches: bounds in bfloat16)."""
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
-            dtype = torch.bfloat16
+        """Empty bounds for a KV cache of `num_blocks` blocks."""
+        dtype = representation_dtype(dtype)
         shape = (num_blocks + 1, num_kv_heads, head_dim)  # + the sink row
         return BlockBounds(
             block_size=self.unit,
@@ -298,9 +294,11 @@ class PagedQuest(PagedAlgorithm):
         state.page_max.scatter_reduce_(0, index, rows, "amax", include_self=True)
 
     def score(
-        self, state: BlockBounds, q: torch.Tensor, block_table: torch.Tensor, n_blocks: int
+        self, state: BlockBounds, q: torch.Tensor, block_table: torch.Tensor, n_blocks: int,
+        seq_lens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """float32 [B, Hkv, n_blocks]: Quest's bound of each logical block of each request.
+        """float32 [B, Hkv, n_blocks]: Quest's bound of each logical block of each request
+        (the bounds need no lengths).
         q [B, Hq, D]; block_table int [B, >= n_blocks] (entries past a request's blocks are
         read, clamped into range, and ignored by the top-k). On CUDA one Triton kernel reads
         the bounds through the table (`kernels/paged_scores.py`), no gathered copy."""
@@ -313,19 +311,25 @@ class PagedQuest(PagedAlgorithm):
         return quest_paged_scores_torch(*args)
 
 
-def paged_algorithm_class(config: SparseConfig) -> type[PagedAlgorithm] | None:
-    """The config's algorithm's twin inside vLLM, registered under the algorithm's name in the
-    `sparse_framework.vllm` entry-point group (`registry`: a third party registers its own
-    beside its algorithm), if it takes this config (`PagedAlgorithm.refuses`); None otherwise.
-    Built in: Quest's bounds (`PagedQuest`) and DSA over the real keys (`paged_keys.PagedKeyMass`)."""
+def _twin(config: SparseConfig) -> tuple[type[PagedAlgorithm] | None, str | None]:
+    """(the twin, None), or (None, why not): no twin registered, or it refuses the config."""
     from ... import registry
     from ...common.errors import PluginError
 
     try:
         cls = registry.load("vllm", config.algorithm)
     except PluginError:
-        return None
-    return None if cls.refuses(config) else cls
+        return None, f"`algorithm` = {config.algorithm!r} has no twin inside vLLM"
+    reason = cls.refuses(config)
+    return (None, reason) if reason else (cls, None)
+
+
+def paged_algorithm_class(config: SparseConfig) -> type[PagedAlgorithm] | None:
+    """The config's algorithm's twin inside vLLM, registered under the algorithm's name in the
+    `sparse_framework.vllm` entry-point group (`registry`: a third party registers its own
+    beside its algorithm), if it takes this config (`PagedAlgorithm.refuses`); None otherwise.
+    Built in: Quest's bounds (`PagedQuest`) and DSA over the real keys (`paged_keys.PagedKeyMass`)."""
+    return _twin(config)[0]
 
 
 def paged_names() -> list[str]:

@@ -24,7 +24,7 @@ import torch
 
 from ...algorithms.base import group_probabilities
 from ...config import SparseConfig
-from .paged import PagedAlgorithm, PagedState, _block_rows
+from .paged import PagedAlgorithm, PagedState, _block_rows, representation_dtype
 
 
 @dataclass
@@ -57,9 +57,8 @@ class PagedKeyMass(PagedAlgorithm):
     def new_state(
         self, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
     ) -> BlockKeys:
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
-            dtype = torch.bfloat16
-        keys = torch.zeros(num_blocks + 1, num_kv_heads, self.unit, head_dim, dtype=dtype, device=device)
+        keys = torch.zeros(num_blocks + 1, num_kv_heads, self.unit, head_dim, dtype=representation_dtype(dtype),
+                           device=device)
         return BlockKeys(block_size=self.unit, keys=keys)
 
     def write(self, state: BlockKeys, slot_mapping: torch.Tensor, keys: torch.Tensor) -> None:
@@ -73,12 +72,10 @@ class PagedKeyMass(PagedAlgorithm):
         state.keys[blocks.view(-1, 1), heads.view(1, -1), offsets.view(-1, 1)] = keys[:n].to(state.keys.dtype)
 
     def score(self, state: BlockKeys, q: torch.Tensor, block_table: torch.Tensor, n_blocks: int,
-              seq_lens: torch.Tensor | None = None) -> torch.Tensor:
+              seq_lens: torch.Tensor) -> torch.Tensor:
         """float32 [B, Hkv or 1, n_blocks]: the mass each group puts on each block's tokens
         (softmax of q·k / √D over the tokens before the newest, summed over the group's query
         heads and the block's tokens; padding and later tokens get none)."""
-        if seq_lens is None:
-            raise ValueError("PagedKeyMass.score needs seq_lens (the softmax runs over each request's tokens)")
         b, hq, d = q.shape
         hk, bs = state.keys.shape[1], state.block_size
         table = block_table[:, :n_blocks].long().clamp(0, state.num_blocks - 1)
@@ -87,7 +84,3 @@ class PagedKeyMass(PagedAlgorithm):
         logits = q.float().view(b, hk, hq // hk, d) @ k.transpose(-1, -2)  # [B, Hkv, G, n * bs]
         mass = group_probabilities(logits, seq_lens, d, "sum").view(b, hk, n_blocks, bs).sum(-1)
         return mass if hk > 1 else mass.sum(1, keepdim=True)
-
-    def _scores(self, state: BlockKeys, q: torch.Tensor, block_table: torch.Tensor, n_blocks: int,
-                seq_lens: torch.Tensor) -> torch.Tensor:
-        return self.score(state, q, block_table, n_blocks, seq_lens)

@@ -230,17 +230,20 @@ class SparseDecodeMixin:
             sparse = seq_lens >= max(min_len, 1)  # rows below min_len got all their blocks (dense)
             STATS.add_device("sparse_rows", sparse.sum(), device)
             STATS.add_device("dense_rows", ((seq_lens > 0) & ~sparse).sum(), device)
-            counted = sparse.view(-1, 1)
+            counted: torch.Tensor | None = sparse.view(-1, 1)
         else:
             block_table, seq_lens = md.block_table[plan.rows], md.seq_lens[plan.rows]
             selection = self.algorithm.select(self.state, q, block_table, seq_lens, max_seq_len=plan.max_seq_len)
             STATS.add_device("sparse_rows", plan.count, device)
             STATS.add_device("dense_rows", plan.decode_rows - plan.count, device)
-            counted = torch.ones_like(seq_lens, dtype=torch.bool).view(-1, 1)
+            counted = None  # every planned row is sparse
         metadata = folded_page_table(selection, block_table, self.num_kv_heads, self.state.block_size)
         per_row = self.num_kv_heads // selection.lengths.shape[1]
-        STATS.add_device("selected_tokens", (selection.lengths * counted).sum() * per_row, device)
-        STATS.add_device("context_tokens", (seq_lens.view(-1, 1) * counted).sum() * self.num_kv_heads, device)
+        lengths, contexts = selection.lengths, seq_lens.view(-1, 1)
+        if counted is not None:
+            lengths, contexts = lengths * counted, contexts * counted
+        STATS.add_device("selected_tokens", lengths.sum() * per_row, device)
+        STATS.add_device("context_tokens", contexts.sum() * self.num_kv_heads, device)
         if "impl" not in DIAGNOSTICS:
             DIAGNOSTICS.update(self._diagnostics(kv_cache))
         return self._attend(layer, q, kv_cache, metadata, md)
