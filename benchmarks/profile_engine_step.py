@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="build the next step while the GPU runs this one (default on, the engine's CUDA default)")
     p.add_argument("--sync-debug", action="store_true",
                    help="list where the timed steps synchronise with the GPU (torch's sync debug mode, by source line)")
+    p.add_argument("--json", default=None, help="also write the step times and the kernel table (every kernel) here")
     p.add_argument("--host-profile", action="store_true",
                    help="also cProfile the host side of the profiled steps (functions by own time)")
     args = p.parse_args(argv)
@@ -141,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: e.device_time_total, reverse=True)
     total = sum(e.device_time_total for e in events) / args.steps
-    print(f"decode step: {wall * 1e3:.2f} ms wall, {total / 1e3:.2f} ms of GPU kernels "
+    launches = sum(e.count for e in events) // args.steps
+    print(f"decode step: {wall * 1e3:.2f} ms wall, {total / 1e3:.2f} ms of GPU kernels in {launches} launches "
           f"({args.batch} x {args.context}, {args.config}{', cuda graphs' if args.cuda_graphs else ''})")
     if after is not None:
         hits, misses, bytes_in = (a - b for a, b in zip(after, before))
@@ -151,6 +153,20 @@ def main(argv: list[str] | None = None) -> int:
     for e in events[: args.top]:
         ms = e.device_time_total / args.steps / 1e3
         print(f"{e.key[:60]:<60} {ms:8.3f} {e.count // args.steps:6d} {100 * e.device_time_total / args.steps / total:5.1f}%")
+    if args.json:
+        hits = None if after is None else dict(zip(("hits", "misses", "bytes_in"), (a - b for a, b in zip(after, before))))
+        record = {
+            "config": json.loads(args.config), "shape": args.shape, "batch": args.batch, "context": args.context,
+            "cuda_graphs": args.cuda_graphs, "pdl": args.pdl, "fused_ops": args.fused_ops,
+            "async_scheduling": args.async_scheduling, "device": torch.cuda.get_device_name(),
+            "step_ms_mean": 1e3 * sum(times) / len(times) if times else None,
+            "step_ms_median_call": 1e3 * times[len(times) // 2] if times else None,
+            "profiled_wall_ms": wall * 1e3, "kernel_ms": total / 1e3, "launches_per_step": launches, "buffer": hits,
+            "kernels": [{"name": e.key, "ms_per_step": e.device_time_total / args.steps / 1e3,
+                         "calls_per_step": e.count / args.steps} for e in events],
+        }
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
     return 0
 
 

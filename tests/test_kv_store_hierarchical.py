@@ -387,6 +387,7 @@ for per_head, unit, mla in [(False, 1, False), (True, 1, False), (False, 4, Fals
         assert torch.equal(a.last_used[..., :-1], t.last_used[..., :-1]) and torch.equal(a.counts, t.counts)
         assert all(torch.equal(x, y) for pa, pt in zip(a.pools, t.pools) for x, y in zip(pa.tensors, pt.tensors))
         assert all(torch.equal(x, y) for x, y in zip(a.host, t.host)), ("host", step)
+        assert torch.equal(a.rows_out, t.rows_out) and int(a.rows_out.sum()) == 2 * s * (step + 1), (a.rows_out, t.rows_out, s)
 print("parity ok")
 """
 

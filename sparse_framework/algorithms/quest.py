@@ -117,15 +117,12 @@ class Quest(ScoringAlgorithm):
 
     def append(self, layer: int, batch: Batch, keys: torch.Tensor, *, inputs: Inputs = NO_INPUTS) -> None:
         assert batch.seq_lens is not None and batch.slot_ids is not None
-        pos = batch.seq_lens.long() - 1
-        page = pos // self.config.page_size
-        fresh = (pos % self.config.page_size == 0).view(-1, 1, 1)  # first token of a new page
-        rows = batch.slot_ids
-        keys = keys.to(self.page_min.dtype)
-        cur_min = self.page_min[layer, rows, :, page]  # [B, kv_heads, dim]
-        cur_max = self.page_max[layer, rows, :, page]
-        self.page_min[layer, rows, :, page] = torch.where(fresh, keys, torch.minimum(cur_min, keys))
-        self.page_max[layer, rows, :, page] = torch.where(fresh, keys, torch.maximum(cur_max, keys))
+        if self.topk_impl == "triton":  # one launch instead of 12 ops (kernels/page_bounds.py)
+            from ..kernels.page_bounds import append_page_bounds_triton as append_bounds
+        else:
+            append_bounds = append_page_bounds
+        append_bounds(self.page_min[layer], self.page_max[layer], batch.slot_ids, batch.seq_lens, keys,
+                      self.config.page_size)
 
     def score(
         self, layer: int, queries: torch.Tensor, batch: Batch, *, inputs: Inputs = NO_INPUTS
@@ -137,3 +134,21 @@ class Quest(ScoringAlgorithm):
 
     def release(self, request: Request) -> None:
         """Nothing to free: the pooled rows of `request.slot` are overwritten on reuse."""
+
+
+def append_page_bounds(
+    page_min: torch.Tensor, page_max: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
+    keys: torch.Tensor, page_size: int,
+) -> None:
+    """Each row's new key (keys [batch, kv_heads, dim], at position seq_lens - 1 of state
+    `rows`) into its page's bounds (page_min/page_max [requests, kv_heads, pages, dim], one
+    layer): the key itself on a page's first token, else the element-wise min/max with it.
+    The reference of kernels/page_bounds.py (the torch form, used off CUDA)."""
+    pos = seq_lens.long() - 1
+    page = pos // page_size
+    fresh = (pos % page_size == 0).view(-1, 1, 1)  # first token of a new page
+    keys = keys.to(page_min.dtype)
+    cur_min = page_min[rows, :, page]  # [B, kv_heads, dim]
+    cur_max = page_max[rows, :, page]
+    page_min[rows, :, page] = torch.where(fresh, keys, torch.minimum(cur_min, keys))
+    page_max[rows, :, page] = torch.where(fresh, keys, torch.maximum(cur_max, keys))

@@ -31,7 +31,8 @@ from ..common.arith import cdiv, pow2
 from . import pdl
 from .launch import launch
 
-__all__ = ["paged_slots_rows_triton", "write_token_rows_triton", "page_table_triton"]
+__all__ = ["paged_slots_rows_triton", "write_token_rows_triton", "page_table_triton", "new_token_units_triton",
+           "write_new_rows_triton"]
 
 
 SLOTS_PROGRAMS = 256  # paged_slots_kernel's grid aims at this many programs
@@ -185,3 +186,140 @@ def page_table_triton(
             num_slots // page_size if h > 1 else 0, BLOCK=block, PDL=use_pdl, launch_pdl=use_pdl,
         )
     return table, seqlens
+
+
+# -- a buffered layer's new token: its unit, then its rows and their host-write offsets ---------
+@triton.jit
+def new_token_units_kernel(
+    sel_ptr, lens_ptr, ids_ptr, idx_ptr, rows_out_ptr, lens_out_ptr,
+    S, U: tl.constexpr, BLOCK_U: tl.constexpr, PDL: tl.constexpr,
+):
+    pdl.wait(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    r = tl.load(sel_ptr + b).to(tl.int64)
+    length = tl.load(lens_ptr + r)
+    pos = length.to(tl.int64) - 1
+    tl.store(rows_out_ptr + b, tl.load(ids_ptr + r).to(rows_out_ptr.dtype.element_ty))
+    tl.store(lens_out_ptr + b, length.to(lens_out_ptr.dtype.element_ty))
+    j = tl.arange(0, BLOCK_U)
+    tok = pos // U * U + j
+    tok = tl.where(tok <= pos, tok, -1).to(tl.int32)
+    for s in range(S):
+        tl.store(idx_ptr + (b * S + s) * U + j, tok, mask=j < U)
+
+
+def new_token_units_triton(
+    sel: torch.Tensor, seq_lens: torch.Tensor, slot_ids: torch.Tensor, streams: int, unit: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For batch rows `sel` [n]: the unit of each one's new token (position seq_len - 1) as a
+    one-unit selection int32 [n, streams, unit] (-1 past the token), and the rows' state ids
+    and lengths [n] — the residency kernel's inputs for placing the new tokens, in one launch."""
+    _launchable(sel, seq_lens, slot_ids)
+    n = sel.numel()
+    idx = torch.empty((n, streams, unit), dtype=torch.int32, device=sel.device)
+    rows = torch.empty(n, dtype=slot_ids.dtype, device=sel.device)
+    lens = torch.empty(n, dtype=seq_lens.dtype, device=sel.device)
+    if n:
+        use_pdl = pdl.enabled(sel.device)
+        launch(new_token_units_kernel, (n,), sel, seq_lens, slot_ids, idx, rows, lens, streams,
+               U=unit, BLOCK_U=pow2(unit), PDL=use_pdl, launch_pdl=use_pdl)
+    return idx, rows, lens
+
+
+@triton.jit
+def write_new_rows_kernel(
+    sel_ptr, lens_ptr, ids_ptr, sparse_ptr, slots_ptr, host_table_ptr, dev_off_ptr, host_off_ptr, count_ptr,
+    src0, dst0, src1, dst1,
+    S, H, D, s_slb, s_sls,
+    s_sb, s_sh, s_sd,  # sources [B, H, D] (both share strides)
+    s_dslot, s_dh,  # destination [slots, H, D] or [H, slots, D] of this layer (d contiguous)
+    HP, s_ht, TPH, host_base, host_row, host_head, dev_base, dev_slot, dev_head,
+    PICK_U: tl.constexpr, WRITE: tl.constexpr, TWO: tl.constexpr, HEAD_MAJOR: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl.wait(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1).to(tl.int64)
+    r = tl.load(sel_ptr + b).to(tl.int64)
+    pos = tl.load(lens_ptr + r).to(tl.int64) - 1
+    if PICK_U > 0:  # the slots of the new token's unit: take the token's
+        slot = tl.load(slots_ptr + b * s_slb + s * s_sls + pos % PICK_U).to(tl.int64)
+    else:
+        slot = tl.load(slots_ptr + b * s_slb + s * s_sls).to(tl.int64)
+    if WRITE:
+        if slot >= 0:
+            if HEAD_MAJOR:  # stream s is KV head s
+                h_lo = s
+                h_hi = s + 1
+            else:  # one stream: every head at the one slot
+                h_lo = s * 0
+                h_hi = H + s * 0
+            for h in range(h_lo, h_hi):
+                for d0 in range(0, D, BLOCK_D):
+                    d = d0 + tl.arange(0, BLOCK_D)
+                    m = d < D
+                    src = r * s_sb + h * s_sh + d * s_sd
+                    dst = slot * s_dslot + h * s_dh + d
+                    tl.store(dst0 + dst, tl.load(src0 + src, mask=m), mask=m)
+                    if TWO:
+                        tl.store(dst1 + dst, tl.load(src1 + src, mask=m), mask=m)
+    # the host copy of the token: its host row through the request's host page table, for
+    # requests that keep one (sparse); the device row it is read from
+    state = tl.load(ids_ptr + r).to(tl.int64)
+    page = tl.load(host_table_ptr + state * s_ht + pos // HP, mask=pos // HP < TPH, other=-1).to(tl.int64)
+    keeps = tl.load(sparse_ptr + r) != 0
+    host_row_no = tl.where((page >= 0) & keeps, page * HP + pos % HP, -1)
+    # (host_head and dev_head are 0 unless head-major, where stream s is head s)
+    host = tl.where(host_row_no >= 0, host_base + host_row_no * host_row + s * host_head, -1)
+    dev = tl.where((host >= 0) & (slot >= 0), dev_base + slot * dev_slot + s * dev_head, -1)
+    tl.store(host_off_ptr + b * S + s, host)
+    tl.store(dev_off_ptr + b * S + s, dev)
+    if host >= 0:
+        tl.atomic_add(count_ptr, 1)
+
+
+def write_new_rows_triton(
+    bufs: list[torch.Tensor], data: list[torch.Tensor], sel: torch.Tensor, seq_lens: torch.Tensor,
+    slot_ids: torch.Tensor, sparse_mask: torch.Tensor, slots: torch.Tensor, pick_unit: int,
+    host_table: torch.Tensor, host_page_size: int, host: tuple[int, int, int], dev: tuple[int, int, int],
+    count: torch.Tensor, head_major: bool, write: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This step's token of batch rows `sel` [n] into its device slots, and the offsets of its
+    device→host copy, in one launch (the torch form: `HierarchicalKVStore._write_dev` then
+    `_queue_host_write`).
+
+    slots: [n, S] device slots per stream (S = KV heads in the head-major layout, else 1), or
+    with `pick_unit` u > 0 [n, S, u] slots of the new token's unit, of which position
+    (seq_len - 1) % u is taken. data[i]: [B, H, D] (the whole batch; rows `sel` are read) into
+    bufs[i] (one layer: [slots, H, D], or [H, slots, D] head-major); `write` False computes
+    the offsets only. host = (base, row, head) and dev = (base, slot, head) element strides of
+    the host and device offsets. Returns (device offsets, host offsets) int64 [n, S], -1 where
+    the request keeps no host copy (`sparse_mask` false) or the host page or device slot is
+    missing; `count` [1] grows by the host offsets kept."""
+    _launchable(sel, seq_lens, slot_ids, slots, host_table)
+    if len(bufs) not in (1, 2) or len(data) != len(bufs):
+        raise ValueError(f"write_new_rows: one or two buffers with as many sources, got {len(bufs)} and {len(data)}")
+    if any(x.stride() != data[0].stride() for x in data) or any(b.stride() != bufs[0].stride() for b in bufs):
+        raise ValueError("write_new_rows: K and V (and their buffers) must share strides")
+    if any(b.stride(-1) != 1 for b in bufs) or any(x.dtype != b.dtype for x, b in zip(data, bufs)):
+        raise ValueError("write_new_rows: buffers must be contiguous in the last dim and of the sources' dtype")
+    if pick_unit and slots.stride(-1) != 1:
+        raise ValueError("write_new_rows: a unit's slots must be contiguous")
+    n, s = slots.shape[0], slots.shape[1]
+    dev_off = torch.empty((n, s), dtype=torch.int64, device=sel.device)
+    host_off = torch.empty((n, s), dtype=torch.int64, device=sel.device)
+    if n == 0:
+        return dev_off, host_off
+    _, h, d = data[0].shape
+    s_slot, s_h = (bufs[0].stride(1), bufs[0].stride(0)) if head_major else (bufs[0].stride(0), bufs[0].stride(1))
+    use_pdl = pdl.enabled(sel.device)
+    launch(write_new_rows_kernel, (n, s),
+        sel, seq_lens, slot_ids, sparse_mask, slots, host_table, dev_off, host_off, count,
+        data[0], bufs[0], data[-1], bufs[-1],
+        s, h, d, slots.stride(0), slots.stride(1),
+        *data[0].stride(), s_slot, s_h,
+        host_page_size, host_table.stride(0), host_table.shape[1], *host, *dev,
+        PICK_U=pick_unit, WRITE=write, TWO=len(bufs) == 2, HEAD_MAJOR=head_major, BLOCK_D=min(1024, pow2(d)),
+        PDL=use_pdl, launch_pdl=use_pdl,
+    )
+    return dev_off, host_off

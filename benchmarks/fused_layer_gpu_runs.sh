@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Issue 33's H100 runs for the fused decode layer, one group per device call (10 minutes). Every
+# run has its own time limit and log in $OUT (default ./fused_runs); a failed run is reported and
+# the rest go on. Llama-3-8B shape, random bf16 weights, whole-step CUDA graphs.
+#
+#   bash benchmarks/fused_layer_gpu_runs.sh timeline PATCH
+#       the kernel timeline of a 16K x 8 decode step (profile_engine_step.py: kernels by GPU time,
+#       launches per step), Quest resident and hierarchical, after and before the change that
+#       PATCH holds (`git diff BASE -- sparse_framework/`: reverse-applied for "before", then
+#       applied again)
+#   bash benchmarks/fused_layer_gpu_runs.sh targets
+#       issue 33's step targets with `sparse-framework bench` (256 output tokens, each beside its
+#       floor): dense, Quest resident and Quest hierarchical (8,192-token buffer) at 16K x 8,
+#       Quest resident at 32K x 16 (what fits at once), and the FP8 host tier at 16K x 8
+#   bash benchmarks/fused_layer_gpu_runs.sh capacity
+#       the memory-bound maximum at 32K: 24 requests, dense (resident) vs Quest hierarchical
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-fused_runs}
+mkdir -p "$OUT"
+DENSE='{"algorithm": "quest", "backend": "triton", "store": "resident", "min_sparse_prompt_len": 1000000000}'
+RES='{"algorithm": "quest", "backend": "triton", "store": "resident", "top_k": 2048}'
+HIER='{"algorithm": "quest", "backend": "triton", "store": "hierarchical", "top_k": 2048, "device_buffer_tokens": 8192}'
+HIER_FP8='{"algorithm": "quest", "backend": "triton", "store": "hierarchical", "top_k": 2048, "device_buffer_tokens": 8192, "host_kv_dtype": "fp8_e4m3"}'
+
+# shellcheck source=benchmarks/run_logged.sh
+source benchmarks/run_logged.sh  # run NAME LIMIT_S COMMAND...
+
+bench() {  # bench NAME LIMIT_S CONFIG bench arguments...
+    local name=$1 limit=$2 config=$3
+    shift 3
+    run "$name" "$limit" sparse-framework bench --random llama-3-8b --device cuda --cuda-graphs --no-progress \
+        --config "$config" --json "$OUT/$name.json" --output-len 256 --max-num-batched-tokens 16384 "$@"
+    tail -n 14 "$OUT/$name.log" | cut -c1-100 | sed "s/^/    /"
+}
+
+profile() {  # profile NAME CONFIG
+    run "$1" 150 python3 benchmarks/profile_engine_step.py --config "$2" --batch 8 --context 16384 --cuda-graphs \
+        --top 25 --json "$OUT/$1.json"
+    grep -E "^decode step|hit rate" "$OUT/$1.log" | sed 's/^/    /'
+}
+
+case ${1:-} in
+    timeline)
+        patch=${2:?the patch of the change (git diff BASE -- sparse_framework/)}
+        profile timeline_resident_after "$RES"
+        profile timeline_hier_after "$HIER"
+        patch -p1 -R --quiet <"$patch" || exit 1
+        profile timeline_resident_before "$RES"
+        profile timeline_hier_before "$HIER"
+        patch -p1 --quiet <"$patch" ;;
+    targets)
+        bench dense_16k_x8 120 "$DENSE" --input-len 16384 --num-prompts 8
+        bench quest_resident_16k_x8 120 "$RES" --input-len 16384 --num-prompts 8
+        bench quest_hier_16k_x8 150 "$HIER" --input-len 16384 --num-prompts 8
+        bench quest_hier_fp8_16k_x8 150 "$HIER_FP8" --input-len 16384 --num-prompts 8
+        bench quest_resident_32k_x16 150 "$RES" --input-len 32768 --num-prompts 16 ;;
+    capacity)
+        bench dense_32k_max 280 "$DENSE" --input-len 32768 --num-prompts 24
+        bench quest_hier_32k_max 280 "$HIER" --input-len 32768 --num-prompts 24 ;;
+    *)
+        awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"
+        exit 2 ;;
+esac
