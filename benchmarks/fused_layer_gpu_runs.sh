@@ -12,8 +12,13 @@
 #       issue 33's step targets with `sparse-framework bench` (256 output tokens, each beside its
 #       floor): dense, Quest resident and Quest hierarchical (8,192-token buffer) at 16K x 8,
 #       Quest resident at 32K x 16 (what fits at once), and the FP8 host tier at 16K x 8
+#   bash benchmarks/fused_layer_gpu_runs.sh prefetch
+#       the hierarchical runs again with prefetch "early_query" (the next layer's selection
+#       predicted and swapped in on a side stream): the CUDA prefetch tests, the 16K x 8 timeline
+#       and bench, and the 32K memory-bound maximum
 #   bash benchmarks/fused_layer_gpu_runs.sh capacity
-#       the memory-bound maximum at 32K: 24 requests, dense (resident) vs Quest hierarchical
+#       Quest resident at 32K x 16 again, then the memory-bound maximum at 32K: 24 requests, dense
+#       (resident, admitted by memory) vs Quest hierarchical
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-fused_runs}
@@ -21,6 +26,7 @@ mkdir -p "$OUT"
 DENSE='{"algorithm": "quest", "backend": "triton", "store": "resident", "min_sparse_prompt_len": 1000000000}'
 RES='{"algorithm": "quest", "backend": "triton", "store": "resident", "top_k": 2048}'
 HIER='{"algorithm": "quest", "backend": "triton", "store": "hierarchical", "top_k": 2048, "device_buffer_tokens": 8192}'
+HIER_PF='{"algorithm": "quest", "backend": "triton", "store": "hierarchical", "top_k": 2048, "device_buffer_tokens": 8192, "prefetch": "early_query"}'
 HIER_FP8='{"algorithm": "quest", "backend": "triton", "store": "hierarchical", "top_k": 2048, "device_buffer_tokens": 8192, "host_kv_dtype": "fp8_e4m3"}'
 
 # shellcheck source=benchmarks/run_logged.sh
@@ -54,10 +60,24 @@ case ${1:-} in
         bench quest_resident_16k_x8 120 "$RES" --input-len 16384 --num-prompts 8
         bench quest_hier_16k_x8 150 "$HIER" --input-len 16384 --num-prompts 8
         bench quest_hier_fp8_16k_x8 150 "$HIER_FP8" --input-len 16384 --num-prompts 8
-        bench quest_resident_32k_x16 150 "$RES" --input-len 32768 --num-prompts 16 ;;
+        bench quest_resident_32k_x16 200 "$RES" --input-len 32768 --num-prompts 16 --max-num-seqs 16 \
+            --gpu-memory-utilization 0.9 ;;
+    prefetch)
+        run prefetch_gpu_tests 200 python3 -m pytest -q -m gpu tests/test_engine_prefetch.py
+        tail -n 3 "$OUT/prefetch_gpu_tests.log"
+        profile timeline_hier_prefetch "$HIER_PF"
+        for pf in off on; do  # the same machine without and with it
+            config=$HIER && [[ $pf == on ]] && config=$HIER_PF
+            bench "quest_hier_prefetch_${pf}_16k_x8" 150 "$config" --input-len 16384 --num-prompts 8
+            bench "quest_hier_prefetch_${pf}_32k_max" 240 "$config" --input-len 32768 --num-prompts 24 \
+                --max-num-seqs 24 --gpu-memory-utilization 0.9
+        done ;;
     capacity)
-        bench dense_32k_max 280 "$DENSE" --input-len 32768 --num-prompts 24
-        bench quest_hier_32k_max 280 "$HIER" --input-len 32768 --num-prompts 24 ;;
+        bench quest_resident_32k_x16 200 "$RES" --input-len 32768 --num-prompts 16 --max-num-seqs 16 \
+            --gpu-memory-utilization 0.9
+        bench dense_32k_max 240 "$DENSE" --input-len 32768 --num-prompts 24 --max-num-seqs 24 --gpu-memory-utilization 0.9
+        bench quest_hier_32k_max 240 "$HIER" --input-len 32768 --num-prompts 24 --max-num-seqs 24 \
+            --gpu-memory-utilization 0.9 ;;
     *)
         awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"
         exit 2 ;;

@@ -94,6 +94,14 @@ class SparseConfig(BaseModel):
         "host bounds; attention reads the fp8 round trip of every token that came back from the host. MHA/GQA "
         "layouts in a non-fp8 dtype only (refused: the resident store, MLA and fp8 layouts)",
     )
+    prefetch: Literal["off", "early_query"] = Field(
+        "off",
+        description="hierarchical store: early_query predicts each sparse layer's selection one layer ahead "
+        "(the next layer's query computed from the residual stream entering this layer, scored against the next "
+        "layer's representations) and swaps its missing rows in on a side stream while this layer computes; the "
+        "layer's own selection is unchanged and copies what the prediction missed (docs/engine.md, 'Prefetch'). "
+        "Llama-family models of this engine; algorithms without decode inputs",
+    )
     extra: dict[str, Any] = Field(
         default_factory=dict, description="the algorithm's own options (see its schema)"
     )
@@ -116,6 +124,14 @@ class SparseConfig(BaseModel):
         if host_kv_dtype != "auto" and info.data.get("store") == "resident":
             raise ValueError("the resident store keeps no host tier; use store 'hierarchical' or host_kv_dtype 'auto'")
         return host_kv_dtype
+
+    @field_validator("prefetch")
+    @classmethod
+    def _prefetch_needs_a_host_tier(cls, prefetch: str, info: Any) -> str:
+        if prefetch != "off" and info.data.get("store") == "resident":
+            raise ValueError("the resident store has every token on the device, nothing to prefetch; use store "
+                             "'hierarchical' or prefetch 'off'")
+        return prefetch
 
     @model_serializer(mode="wrap")
     def _drop_default_host_dtype(self, handler: Any) -> dict[str, Any]:
@@ -231,7 +247,7 @@ class SparseConfig(BaseModel):
 # out of the dump at their defaults, so that those keys stay valid
 _DUMPED_ONLY_IF_SET: dict[str, Any] = {
     "host_kv_dtype": "auto", "sparse_policy": "always", "policy_hbm_tb_s": HBM_TB_S,
-    "policy_overhead_us": OVERHEAD_US, "policy_overhead_growth_us": OVERHEAD_GROWTH_US,
+    "policy_overhead_us": OVERHEAD_US, "policy_overhead_growth_us": OVERHEAD_GROWTH_US, "prefetch": "off",
 }
 
 MAX_CONTEXT_TOKENS = 2**31 - 1  # positions and selections are int32: no context is longer

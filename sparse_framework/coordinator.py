@@ -405,6 +405,33 @@ class SparseCoordinator:
         batch.pending.clear()
         self.steps.abandoned(step)
 
+    @property
+    def prefetching(self) -> bool:
+        """Whether `prefetch` does anything: SparseConfig.prefetch on, a hierarchical store, an
+        algorithm that selects without decode inputs, and no per-layer decode graph: eager
+        layers, or a whole step being captured (`graphs.inline`: the prefetch is recorded with
+        the step and replayed with it). A layer graph of its own would wait on a copy recorded
+        outside it."""
+        return (self.config.prefetch != "off" and not self.store.all_resident and not self.algorithm.decode_inputs
+                and (self.graphs is None or self.graphs.inline))
+
+    def prefetch(self, layer: int, q: torch.Tensor, batch: Batch) -> None:
+        """A predicted query of a layer still to run this decode step (q [batch, q_heads, dim],
+        e.g. from the residual stream one layer early: SparseConfig.prefetch "early_query"):
+        select with it and have the store swap the selection's missing rows in ahead of the
+        layer (on a side stream on CUDA). The layer's own `attention_begin` selects with its real
+        query as always; the prefetch changes which rows are already resident, never what is
+        selected or attended. Does nothing unless `prefetching`, for dense layers, steps
+        without sparse rows or steps the cost policy made dense. Refused (HookOrderError)
+        outside a step or for a layer that already began."""
+        self.steps.check_prefetch(layer, batch)
+        sub = batch.sparse_batch
+        if not self.prefetching or layer in self.dense_layers or sub is None or self._step_dense:
+            return
+        with self.steps.work("prefetch", layer):
+            predicted = self.algorithm.select(layer, _rows(batch, q.to(self.layout.dtype)), sub)
+            self.store.prefetch(layer, sub, predicted)
+
     def attention_begin(
         self,
         layer: int,

@@ -107,6 +107,16 @@ class StepOrder:
                 "attention_begin", layer,
             )
 
+    def check_prefetch(self, layer: int, batch: Batch) -> None:
+        """A prefetch for a layer of the open step that has not begun (its selection comes later)."""
+        step = self._open("prefetch", layer, batch)
+        if layer in step.begun:
+            raise HookOrderError(
+                f"prefetch(layer {layer}) after the layer's attention_begin in this step: it predicts a selection "
+                f"still to come; expected {self._next(step)}; {self.order}",
+                "prefetch", layer,
+            )
+
     def check_attention_end(self, layer: int, batch: Batch) -> None:
         step = self._open("attention_end", layer, batch)
         if step.layer == layer:

@@ -306,6 +306,9 @@ class Engine:
                                         f"of max_model_len={max_model_len} (its own error says why)")
             plan.check()
         self.num_seqs = rows
+        if sparse_config.prefetch != "off" and not hasattr(model, "early_query"):
+            raise ConfigError(f"prefetch {sparse_config.prefetch!r}: the model ({type(model).__name__}) computes no "
+                              "early query (engine/models' Llama-family DecoderModel does); use prefetch 'off'")
         supported = getattr(model, "supports_fused_ops", hasattr(model, "use_fused_ops"))
         fused = config.fused_ops if config.fused_ops is not None else self.device.type == "cuda" and supported
         if fused:

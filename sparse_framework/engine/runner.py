@@ -403,6 +403,14 @@ class ModelRunner:
                 offset += n
             return out
 
+        if not prefill and batch is not None and coord.prefetching:
+            def predict(layer: int, q: torch.Tensor) -> None:
+                coord.prefetch(store_of[layer], q if factor is None else q * factor, batch)
+
+            # the model layers whose selection a prefetch can predict (sparse, in the store)
+            predict.layers = frozenset(  # type: ignore[attr-defined]
+                i for i, at in store_of.items() if i not in ring_of and at not in coord.dense_layers)
+            attend.predict = predict  # type: ignore[attr-defined]
         return attend
 
     def _attend_sliding(

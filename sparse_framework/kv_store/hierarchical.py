@@ -149,6 +149,10 @@ class HierarchicalKVStore(KVStore):
         self._swap_events: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, dev off, host off)
         self._side = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
+        # prefetch(): per layer its hits, misses and rows copied; its copies' side stream and events
+        self.prefetch_counts = torch.zeros(L, 3, dtype=torch.int64, device=dev)
+        self._prefetch_side = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
+        self._prefetches: dict[int, tuple[torch.cuda.Event, tuple[torch.Tensor, ...]]] = {}
         self._writes_done: torch.cuda.Event | None = None
         self._retracted: set[int] = set()
         for pool in self.pools:
@@ -481,23 +485,27 @@ class HierarchicalKVStore(KVStore):
             )
             if not self.all_resident and batch.num_sparse:
                 everything = torch.arange(len(batch), device=self.device)
-                self._queue_host_write(layer, batch, everything, slots.view(-1, 1).expand(-1, self.streams))
+                if self.impl == "triton":  # the offsets in one launch
+                    self._write_and_queue(layer, batch, everything, slots.view(-1, 1), 0, data, write=False)
+                else:
+                    self._queue_host_write(layer, batch, everything, slots.view(-1, 1).expand(-1, self.streams))
             return
-        pos = batch.seq_lens.long() - 1
         # a batch with sparse requests in a sparse layer: dense requests stay resident
         assert batch.sparse_rows is not None and batch.dense_rows is not None
         resident = batch.dense_rows if batch.num_sparse < len(batch) else None
         buffered = batch.sparse_rows
+        pos = batch.seq_lens.long() - 1 if resident is not None or self.impl != "triton" else batch.seq_lens
         if resident is not None:
             slots = self._phys(layer, batch.slot_ids[resident], pos[resident].unsqueeze(1))  # [n, 1]
-            self._write_dev(layer, slots[:, 0], [x[resident] for x in data])
-            self._queue_host_write(layer, batch, resident, slots.expand(-1, self.streams))
-        rows, p = batch.slot_ids[buffered], pos[buffered]
+            if self.impl == "triton":
+                self._write_and_queue(layer, batch, resident, slots.expand(-1, self.streams), 0, data)
+            else:
+                self._write_dev(layer, slots[:, 0], [x[resident] for x in data])
+                self._queue_host_write(layer, batch, resident, slots.expand(-1, self.streams))
         if self.impl == "triton":
-            slots = self._place_new_tokens_fused(layer, rows, batch.seq_lens[buffered], p)
-            self._write_dev(layer, slots if self.head_major else slots[:, 0], [x[buffered] for x in data])
-            self._queue_host_write(layer, batch, buffered, slots)
+            self._place_and_write_fused(layer, batch, buffered, data)
             return
+        rows, p = batch.slot_ids[buffered], pos[buffered]
         unit = (p // self.unit).view(-1, 1, 1).expand(-1, self.streams, 1)  # [n, S, 1]
         fresh = (p % self.unit == 0).view(-1, 1, 1).expand(-1, self.streams, 1)
         heads = torch.arange(self.streams, device=self.device).view(1, -1)
@@ -511,19 +519,43 @@ class HierarchicalKVStore(KVStore):
         self._write_dev(layer, slots if self.head_major else slots[:, 0], [x[buffered] for x in data])
         self._queue_host_write(layer, batch, buffered, slots)
 
-    def _place_new_tokens_fused(self, layer: int, rows: torch.Tensor, lens: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        """Device slots [n, S] of the new tokens (positions `p`) of state `rows` (lengths `lens`), in one
-        launch of the residency kernel instead of ~100 torch ops per layer (the torch path
-        below): each stream's "selection" is the unit of its new token, the tokens past it
-        -1. A fresh unit misses and takes a victim exactly as `SlotMaps.victims(..., 1)` picks
-        one (free, then least recently used, never pinned; nothing protected); an existing
-        unit hits and is stamped. Nothing is copied (the unit's earlier tokens are on the
-        device, the new one is written next) and the hit/miss counters are not touched."""
-        u, s, n = self.unit, self.streams, rows.numel()
-        tokens = (p // u * u).view(-1, 1) + torch.arange(u, device=self.device)  # the new token's unit
-        idx = torch.where(tokens <= p.view(-1, 1), tokens, -1).to(torch.int32).view(n, 1, u).expand(n, s, u).contiguous()
+    def _place_and_write_fused(self, layer: int, batch: Batch, sel: torch.Tensor, data: list[torch.Tensor]) -> None:
+        """The new tokens of batch rows `sel` placed in their buffers, written and queued for the
+        host in three launches instead of ~50 torch ops per layer (the torch path of
+        `write_decode`): each stream's "selection" is the unit of its new token (the tokens past
+        it -1), planned by the residency kernel — a fresh unit misses and takes a victim exactly as
+        `SlotMaps.victims(..., 1)` picks one (free, then least recently used, never pinned;
+        nothing protected), an existing unit hits and is stamped; nothing is copied (the unit's
+        earlier tokens are on the device) and the hit/miss counters are not touched — then one
+        kernel writes the rows and the offsets of their host copy."""
+        from ..kernels.decode_slots import new_token_units_triton
+
+        idx, rows, lens = new_token_units_triton(sel, batch.seq_lens, batch.slot_ids, self.streams, self.unit)
         slots, _, _ = self._plan_residency(layer, idx, rows, lens, self._uncounted, block_w=2)
-        return slots.gather(2, (p % u).view(-1, 1, 1).expand(n, s, 1))[..., 0]
+        self._write_and_queue(layer, batch, sel, slots, self.unit, data)
+
+    def _write_and_queue(
+        self, layer: int, batch: Batch, sel: torch.Tensor, slots: torch.Tensor, pick_unit: int,
+        data: list[torch.Tensor], write: bool = True,
+    ) -> None:
+        """`_write_dev` then `_queue_host_write` of rows `sel` in one launch (kernels/decode_slots.py
+        `write_new_rows_triton`; slots [n, S] or, with pick_unit, the new token's unit [n, S, u])."""
+        from ..kernels.decode_slots import write_new_rows_triton
+
+        assert batch.slot_ids is not None and batch.seq_lens is not None and batch.sparse_mask is not None
+        hp, pool = self.host_pool, self._pool[layer]
+        hk, hw, dw = self.layout.num_kv_heads, hp.head_width, self.layout.stored_head_dim
+        major = self.head_major
+        host = (layer * hp.host_slots * hk * hw, hk * hw, hw if major else 0)
+        i = pool.index[layer]
+        dev = (i * hk * pool.slots * dw, dw, pool.slots * dw) if major else (i * pool.slots * hk * dw, hk * dw, 0)
+        if any(x.stride() != data[0].stride() for x in data):
+            data = [x.contiguous() for x in data]
+        dev_off, host_off = write_new_rows_triton(
+            self.layer_buffers(layer), data, sel, batch.seq_lens, batch.slot_ids, batch.sparse_mask, slots,
+            pick_unit, hp.host_table, hp.page_size, host, dev, self.rows_out[layer : layer + 1], major, write,
+        )
+        self._pending.append((layer, dev_off.flatten(), host_off.flatten()))
 
     def _queue_host_write(self, layer: int, batch: Batch, sel: torch.Tensor, slots: torch.Tensor) -> None:
         """Remember the device→host copy of rows `sel`'s new token (device slots [n, S]);
@@ -557,6 +589,7 @@ class HierarchicalKVStore(KVStore):
 
     def end_step(self, batch: Batch) -> None:
         """Start this step's device→host writes (on a side stream on CUDA)."""
+        self._join_prefetch()  # a prefetch whose layer never asked for its rows (the step went dense)
         if not self._pending:
             return
         # one copy per device pool (its offsets address that pool's tensors)
@@ -605,6 +638,7 @@ class HierarchicalKVStore(KVStore):
         assert batch.slot_ids is not None and batch.seq_lens is not None
         if self.all_resident:
             return self.resident_slots(layer, batch, selection)
+        self._join_prefetch(layer)
         if self.impl == "triton":
             return self._ensure_resident_fused(layer, batch, selection)
         u = self.unit
@@ -648,16 +682,26 @@ class HierarchicalKVStore(KVStore):
 
     def _ensure_resident_fused(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
         """`ensure_resident` in two kernel launches (kernels/residency.py)."""
+        idx = selection.indices.contiguous()
+        start = self._timer() if self.timing else None
+        slots, todo, n_todo = self._plan_residency(layer, idx, batch.slot_ids, batch.seq_lens, self.counts[layer],
+                                                   block_w=pow2(-(-idx.shape[-1] // self.unit)))
+        self._copy_missing(layer, idx, slots, todo, n_todo, batch.slot_ids)
+        if start is not None:
+            self._stop_timer(layer, start)
+        return slots
+
+    def _copy_missing(
+        self, layer: int, idx: torch.Tensor, slots: torch.Tensor, todo: torch.Tensor, n_todo: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> None:
+        """One launch of `copy_missing_kernel`: the rows `_plan_residency` found missing, host → device."""
         from ..kernels import pdl
         from ..kernels.launch import launch
         from ..kernels.residency import copy_missing_kernel
         from .copy import _as_kernel_arg
 
-        idx = selection.indices.contiguous()
         b, s, w = idx.shape
-        start = self._timer() if self.timing else None
-        slots, todo, n_todo = self._plan_residency(layer, idx, batch.slot_ids, batch.seq_lens, self.counts[layer],
-                                                   block_w=pow2(-(-w // self.unit)))
         use_pdl = pdl.enabled(idx.device)
         host = [_as_kernel_arg(t) for t in self.host]
         pool = self._pool[layer]
@@ -665,7 +709,7 @@ class HierarchicalKVStore(KVStore):
         two = len(dev) == 2
         hp = self.host_pool  # host rows: the device's, or fp8 ones the kernel dequantises (FP8_HOST)
         launch(copy_missing_kernel, (COPY_PROGRAMS,),
-            todo, n_todo, idx, slots, batch.slot_ids, self.host_table,
+            todo, n_todo, idx, slots, rows, self.host_table,
             host[0], dev[0], host[1] if two else host[0], dev[1] if two else dev[0],
             s, w, self.page_size, self.host_table.shape[-1],
             layer * self.host_slots * hp.row_elems, pool.layer_offset(layer),
@@ -674,9 +718,48 @@ class HierarchicalKVStore(KVStore):
             PDL=use_pdl, HROW=hp.head_width * self.row_heads, FP8_HOST=hp.fp8, HEAD_DIM=self.layout.head_dim,
             num_warps=COPY_WARPS, launch_pdl=use_pdl,
         )
-        if start is not None:
-            self._stop_timer(layer, start)
-        return slots
+
+    # -- prefetch (SparseConfig.prefetch) ---------------------------------------------------------
+    def prefetch(self, layer: int, batch: Batch, selection: Selection) -> None:
+        """Make a predicted selection of a later layer resident ahead of that layer's own
+        `ensure_resident`: the same plan (its hits and misses counted in `prefetch_counts`, not
+        the layer's), its copy on a side stream on CUDA, so that it overlaps the compute queued
+        meanwhile. That layer's `ensure_resident` (or the step's end) waits for the copy first;
+        its own selection then finds the prefetched rows resident and copies what the
+        prediction missed. Nothing else changes: a prefetch only moves rows into the buffer."""
+        assert batch.slot_ids is not None and batch.seq_lens is not None
+        if self.all_resident:
+            return
+        self._join_prefetch(layer)
+        # never the unit of the newest token: `write_decode` places it (a fresh unit must be unmapped
+        # there); selections list whole units in ascending order, so this cuts each one's tail
+        newest = ((batch.seq_lens.long() - 1) // self.unit * self.unit).view(-1, 1, 1)
+        idx = torch.where(selection.indices < newest, selection.indices, -1)
+        selection = Selection(idx, (idx >= 0).sum(-1, dtype=torch.int32), selection.page_size)
+        if self.impl != "triton" or self._prefetch_side is None:  # inline: the plain path, recounted
+            before = self.counts[layer].clone()
+            self.ensure_resident(layer, batch, selection)
+            self.prefetch_counts[layer] += self.counts[layer] - before
+            self.counts[layer].copy_(before)
+            return
+        idx = idx.contiguous()
+        slots, todo, n_todo = self._plan_residency(layer, idx, batch.slot_ids, batch.seq_lens,
+                                                   self.prefetch_counts[layer], block_w=pow2(-(-idx.shape[-1] // self.unit)))
+        side = self._prefetch_side
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._copy_missing(layer, idx, slots, todo, n_todo, batch.slot_ids)
+        done = torch.cuda.Event()
+        done.record(side)
+        # the side stream's inputs stay referenced until the main stream has waited for it
+        self._prefetches[layer] = (done, (idx, slots, todo, n_todo, batch.slot_ids, batch.seq_lens))
+
+    def _join_prefetch(self, layer: int | None = None) -> None:
+        """The main stream waits for the prefetch copy of `layer` (None: of every layer)."""
+        for key in list(self._prefetches) if layer is None else [layer]:
+            pending = self._prefetches.pop(key, None)
+            if pending is not None:
+                torch.cuda.current_stream(self.device).wait_event(pending[0])
 
     def _plan_residency(
         self, layer: int, idx: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, counts: torch.Tensor, *,
@@ -842,7 +925,10 @@ class HierarchicalKVStore(KVStore):
         }]
 
     def stats(self) -> list[dict[str, float]]:
-        """Per layer: hits, misses, rows and bytes moved each way, swap-in time (syncs)."""
+        """Per layer: hits, misses, rows and bytes moved each way, swap-in time (syncs). With
+        prefetch: `misses` are the selected rows the prediction did not bring in (copied on the
+        critical path), `prefetch_rows` those it copied ahead (whether selected or not), and
+        `bytes_in` counts both."""
         for layer, start, end in self._swap_events:
             end.synchronize()
             self._swap_seconds[layer] += start.elapsed_time(end) / 1000
@@ -855,7 +941,8 @@ class HierarchicalKVStore(KVStore):
                 "pool": self._pool[layer].kind,
                 "hits": int(self.hits[layer]),
                 "misses": int(self.misses[layer]),
-                "bytes_in": int(self.rows_in[layer]) * row_bytes,
+                "bytes_in": int(self.rows_in[layer] + self.prefetch_counts[layer, 2]) * row_bytes,
+                "prefetch_rows": int(self.prefetch_counts[layer, 2]),
                 "bytes_out": int(self.rows_out[layer]) * row_bytes,
                 "swap_seconds": self._swap_seconds[layer],
             }
