@@ -5,7 +5,8 @@ One step at a time:
     forward_begin(batch)
       attention_begin(layer, ..., batch) [attend] attention_end(layer, ..., batch)
           once per layer of the layout (dense layers included), layers in any order,
-          one layer open at a time
+          one layer open at a time; prefetch(layer, ..., batch) any number of times before
+          that layer's attention_begin
     forward_end(batch)          or, to abandon the step, abort_step(batch)
 
 Why: every hook changes shared state (lengths, the store's rows and maps, the algorithms'
