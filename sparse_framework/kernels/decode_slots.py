@@ -90,18 +90,6 @@ def paged_slots_rows_triton(
 
 # -- this step's rows into their device slots ---------------------------------------------------
 @triton.jit
-def _copy_row(src0, dst0, src1, dst1, src, dst, D, s_sd, TWO: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One head's row of D elements, K (and V with TWO), from element offset `src` (stride s_sd)
-    to offset `dst` (contiguous)."""
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        m = d < D
-        tl.store(dst0 + dst + d, tl.load(src0 + src + d * s_sd, mask=m), mask=m)
-        if TWO:
-            tl.store(dst1 + dst + d, tl.load(src1 + src + d * s_sd, mask=m), mask=m)
-
-
-@triton.jit
 def write_token_rows_kernel(
     rows_ptr, lens_ptr, table_ptr, slots_ptr,
     src0, dst0, src1, dst1,
@@ -120,7 +108,14 @@ def write_token_rows_kernel(
     if h == 0:
         tl.store(slots_ptr + b, slot)
     if slot >= 0:
-        _copy_row(src0, dst0, src1, dst1, b * s_sb + h * s_sh, slot * s_dslot + h * s_dh, D, s_sd, TWO, BLOCK_D)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            m = d < D
+            src = b * s_sb + h * s_sh + d * s_sd
+            dst = slot * s_dslot + h * s_dh + d
+            tl.store(dst0 + dst, tl.load(src0 + src, mask=m), mask=m)
+            if TWO:
+                tl.store(dst1 + dst, tl.load(src1 + src, mask=m), mask=m)
 
 
 def write_token_rows_triton(
@@ -260,8 +255,14 @@ def write_new_rows_kernel(
                 h_lo = s * 0
                 h_hi = H + s * 0
             for h in range(h_lo, h_hi):
-                _copy_row(src0, dst0, src1, dst1, r * s_sb + h * s_sh, slot * s_dslot + h * s_dh, D, s_sd, TWO,
-                          BLOCK_D)
+                for d0 in range(0, D, BLOCK_D):
+                    d = d0 + tl.arange(0, BLOCK_D)
+                    m = d < D
+                    src = r * s_sb + h * s_sh + d * s_sd
+                    dst = slot * s_dslot + h * s_dh + d
+                    tl.store(dst0 + dst, tl.load(src0 + src, mask=m), mask=m)
+                    if TWO:
+                        tl.store(dst1 + dst, tl.load(src1 + src, mask=m), mask=m)
     # the host copy of the token: its host row through the request's host page table, for
     # requests that keep one (sparse); the device row it is read from
     state = tl.load(ids_ptr + r).to(tl.int64)
