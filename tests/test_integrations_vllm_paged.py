@@ -30,6 +30,18 @@ from sparse_framework.integrations.vllm.paged import (
 # -- config ------------------------------------------------------------------------------------
 
 
+def assert_selects_everything_and_attends_densely(  # type: ignore[no-untyped-def]
+    selection, seq_lens, q, keys, values, table, k_cache, v_cache, bs: int
+) -> None:
+    """A covering budget's selection: every token of every row and KV head, and attention over
+    it through the folded page table equal to float64 dense attention."""
+    assert torch.equal(selection.lengths, seq_lens.view(-1, 1).expand_as(selection.lengths))
+    metadata = folded_page_table(selection, table, k_cache.shape[1], bs)
+    scale = 1 / math.sqrt(q.shape[-1])
+    got = attend_reference(q, k_cache, v_cache, metadata, scale=scale)
+    torch.testing.assert_close(got.double(), dense_attention(q, keys, values, scale), atol=2e-6, rtol=1e-5)
+
+
 def test_config_gets_vllm_defaults() -> None:
     config = load_vllm_config(json.dumps({**BASE, "top_k": 64}), block_size=32)
     assert config.page_size == 32 and config.store == "resident"
@@ -114,12 +126,8 @@ def test_budget_covering_the_context_is_dense(lens, hkv, group, dim, bs, top_k, 
     q, keys, values, table, k_cache, v_cache = paged_case(lens, hkv, group, dim, bs, num_blocks, seed=7)
     state = fill(algo, lens, keys, values, table, k_cache, v_cache, bs, chunk=bs)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    selection = algo.select(state, q, table, seq_lens)
-    assert torch.equal(selection.lengths, seq_lens.view(-1, 1).expand_as(selection.lengths))
-    metadata = folded_page_table(selection, table, hkv, bs)
-    scale = 1 / math.sqrt(dim)
-    got = attend_reference(q, k_cache, v_cache, metadata, scale=scale)
-    torch.testing.assert_close(got.double(), dense_attention(q, keys, values, scale), atol=2e-6, rtol=1e-5)
+    assert_selects_everything_and_attends_densely(algo.select(state, q, table, seq_lens), seq_lens, q, keys, values,
+                                                  table, k_cache, v_cache, bs)
 
 
 def test_a_reused_block_forgets_its_old_keys() -> None:
@@ -245,12 +253,8 @@ def test_dsa_keys_ranks_blocks_by_their_keys_attention_mass(lens, hkv, group, bs
                 assert min(want[i, h, u] for u in chosen) >= max(want[i, h, u] for u in free if u not in kept) - 1e-9
     covering = load_vllm_config({**BASE, "algorithm": "dsa", "top_k": n_blocks * bs, "extra": {"source": "keys"}},
                                 block_size=bs)
-    whole = paged_algorithm(covering).select(state, q, table, seq_lens)
-    assert torch.equal(whole.lengths, seq_lens.view(-1, 1).expand_as(whole.lengths))
-    metadata = folded_page_table(whole, table, hkv, bs)
-    scale = 1 / math.sqrt(d)
-    attended = attend_reference(q, k_cache, v_cache, metadata, scale=scale)
-    torch.testing.assert_close(attended.double(), dense_attention(q, keys, values, scale), atol=2e-6, rtol=1e-5)
+    assert_selects_everything_and_attends_densely(paged_algorithm(covering).select(state, q, table, seq_lens),
+                                                  seq_lens, q, keys, values, table, k_cache, v_cache, bs)
 
 
 def test_device_counters_accumulate_in_place_across_resets() -> None:

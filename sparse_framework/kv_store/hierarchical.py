@@ -494,9 +494,9 @@ class HierarchicalKVStore(KVStore):
         assert batch.sparse_rows is not None and batch.dense_rows is not None
         resident = batch.dense_rows if batch.num_sparse < len(batch) else None
         buffered = batch.sparse_rows
-        pos = batch.seq_lens.long() - 1 if resident is not None or self.impl != "triton" else batch.seq_lens
         if resident is not None:
-            slots = self._phys(layer, batch.slot_ids[resident], pos[resident].unsqueeze(1))  # [n, 1]
+            pos = batch.seq_lens[resident].long() - 1
+            slots = self._phys(layer, batch.slot_ids[resident], pos.unsqueeze(1))  # [n, 1]
             if self.impl == "triton":
                 self._write_and_queue(layer, batch, resident, slots.expand(-1, self.streams), 0, data)
             else:
@@ -505,7 +505,7 @@ class HierarchicalKVStore(KVStore):
         if self.impl == "triton":
             self._place_and_write_fused(layer, batch, buffered, data)
             return
-        rows, p = batch.slot_ids[buffered], pos[buffered]
+        rows, p = batch.slot_ids[buffered], batch.seq_lens[buffered].long() - 1
         unit = (p // self.unit).view(-1, 1, 1).expand(-1, self.streams, 1)  # [n, S, 1]
         fresh = (p % self.unit == 0).view(-1, 1, 1).expand(-1, self.streams, 1)
         heads = torch.arange(self.streams, device=self.device).view(1, -1)
@@ -684,8 +684,7 @@ class HierarchicalKVStore(KVStore):
         """`ensure_resident` in two kernel launches (kernels/residency.py)."""
         idx = selection.indices.contiguous()
         start = self._timer() if self.timing else None
-        slots, todo, n_todo = self._plan_residency(layer, idx, batch.slot_ids, batch.seq_lens, self.counts[layer],
-                                                   block_w=pow2(-(-idx.shape[-1] // self.unit)))
+        slots, todo, n_todo = self._plan_selection(layer, batch, idx, self.counts[layer])
         self._copy_missing(layer, idx, slots, todo, n_todo, batch.slot_ids)
         if start is not None:
             self._stop_timer(layer, start)
@@ -743,8 +742,7 @@ class HierarchicalKVStore(KVStore):
             self.counts[layer].copy_(before)
             return
         idx = idx.contiguous()
-        slots, todo, n_todo = self._plan_residency(layer, idx, batch.slot_ids, batch.seq_lens,
-                                                   self.prefetch_counts[layer], block_w=pow2(-(-idx.shape[-1] // self.unit)))
+        slots, todo, n_todo = self._plan_selection(layer, batch, idx, self.prefetch_counts[layer])
         side = self._prefetch_side
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -760,6 +758,14 @@ class HierarchicalKVStore(KVStore):
             pending = self._prefetches.pop(key, None)
             if pending is not None:
                 torch.cuda.current_stream(self.device).wait_event(pending[0])
+
+    def _plan_selection(
+        self, layer: int, batch: Batch, idx: torch.Tensor, counts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`_plan_residency` of a selection idx [B, S, W] of the batch's rows, counted in `counts`."""
+        assert batch.slot_ids is not None and batch.seq_lens is not None
+        return self._plan_residency(layer, idx, batch.slot_ids, batch.seq_lens, counts,
+                                    block_w=pow2(-(-idx.shape[-1] // self.unit)))
 
     def _plan_residency(
         self, layer: int, idx: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, counts: torch.Tensor, *,
