@@ -86,7 +86,7 @@ def qualified(ep: EntryPoint) -> str:
 
 # kinds whose base class lives above the registry (importing it would make a circle): checked by
 # its qualified name in the plugin's MRO instead
-BASE_BY_NAME = {"vllm": "sparse_framework.integrations.vllm.paged.PagedAlgorithm"}
+BASE_BY_NAME = {"vllm": "sparse_framework.integrations.vllm.paged_base.PagedAlgorithm"}
 
 
 def _is_plugin(kind: str, obj: Any) -> tuple[bool, str]:

@@ -16,6 +16,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -120,6 +121,30 @@ def test_cuda_backend_declarations_on_vllm_026() -> None:
         cc.set_splitting_ops_for_v1(all2all_backend="naive")
         assert {"vllm::unified_attention_with_output", "vllm::unified_kv_cache_update"} <= set(cc.splitting_ops)
         assert cc.resolve_cudagraph_mode_and_sizes(support, "FLASH_ATTN") == resolved
+
+
+def test_cuda_backend_declares_no_full_graphs_for_the_rebuild_bridge_on_vllm_026(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A twin that cannot be captured (`graph_safe` False: the rebuild bridge reads the lengths
+    on the host) makes the builder declare NEVER, and vLLM 0.26 lowers its default
+    FULL_AND_PIECEWISE to PIECEWISE (attention eager); a graph-safe twin keeps full decode graphs."""
+    vllm_026()
+    from vllm.config import CompilationConfig
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from sparse_framework.integrations.vllm.backend_cuda import SparseFlashAttentionBackend
+
+    builder = SparseFlashAttentionBackend.get_builder_cls()
+    monkeypatch.setenv(CONFIG_ENV, json.dumps({**BASE, "algorithm": "pqcache", "top_k": 256}))
+    support = builder.get_cudagraph_support(None, None)
+    assert support == AttentionCGSupport.NEVER
+    cc = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    cc.set_splitting_ops_for_v1(all2all_backend="naive")
+    assert cc.resolve_cudagraph_mode_and_sizes(support, "FLASH_ATTN") == CUDAGraphMode.PIECEWISE
+    monkeypatch.setenv(CONFIG_ENV, json.dumps({**BASE, "top_k": 256}))  # Quest's twin: graph safe
+    assert builder.get_cudagraph_support(None, None) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
 
 def test_cuda_register_overrides_flash_attn_on_vllm_026(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -317,10 +342,15 @@ def smollm2() -> str:
         pytest.skip(f"SmolLM2-135M is not available here: {exc}")
 
 
-def generate(model: str, config: dict | None, batches: list[list[str]], max_tokens: int, **llm) -> dict:
+def generate(model: str, config: dict | None, batches: list[list[str]], max_tokens: int, *,
+             pythonpath: str | None = None, **llm) -> dict:
+    """vLLM's tokens and the plugin's counters from a fresh process (`pythonpath`: a folder put
+    first on its PYTHONPATH, e.g. a fake distribution's)."""
     env = {k: v for k, v in os.environ.items() if k != CONFIG_ENV}
     if config is not None:
         env[CONFIG_ENV] = json.dumps(config)
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
     args = {"model": model, "batches": batches, "max_tokens": max_tokens, "llm": llm}
     done = subprocess.run([sys.executable, "-c", RUN, json.dumps(args)], env=env, capture_output=True, text=True,
                           timeout=600)
@@ -357,19 +387,55 @@ def test_vllm_small_budget_selects_and_prefix_caching_agrees(smollm2: str) -> No
     assert on["stats"]["kv_writes"] < off["stats"]["kv_writes"]  # the cached prefix was not written again
 
 
-def test_vllm_dsa_over_the_keys_runs_inside_vllm(smollm2: str) -> None:
-    """The second algorithm inside vLLM: DSA over the real keys (blocks ranked by their keys'
-    attention mass). At a covering budget the tokens equal vLLM dense's with every token
-    selected in all 30 layers (DSA keeps none dense); at top_k 64 it selects fewer."""
-    batches = [SHORT, [LONG]]
-    dsa = {**BASE, "algorithm": "dsa", "extra": {"source": "keys"}}
-    dense = generate(smollm2, None, batches, 12)
-    full = generate(smollm2, {**dsa, "top_k": 2048}, batches, 12)
-    small = generate(smollm2, {**dsa, "top_k": 64, "sink_tokens": 16, "recent_tokens": 32}, batches, 12)
-    assert full["tokens"] == dense["tokens"]
+BATCHES = [SHORT, [LONG]]
+
+
+@pytest.fixture(scope="module")
+def dense_tokens(smollm2: str) -> list[list[int]]:
+    """vLLM dense's 12 tokens for BATCHES (the plugin's variable unset)."""
+    return generate(smollm2, None, BATCHES, 12)["tokens"]
+
+
+def assert_full_and_small_budgets(full: dict, small: dict, dense_tokens: list[list[int]]) -> None:
+    """An algorithm that keeps no layer dense: at a covering budget vLLM dense's tokens with
+    every token selected in all 30 layers (11 decode steps x 3 requests); at a small budget
+    fewer tokens selected than in context."""
+    assert full["tokens"] == dense_tokens
     assert full["stats"]["sparse_rows"] == 30 * 11 * 3 and full["stats"]["dense_rows"] == 0
     assert full["stats"]["selected_tokens"] == full["stats"]["context_tokens"] > 0
+    assert small["stats"]["sparse_rows"] == 30 * 11 * 3
     assert 0 < small["stats"]["selected_tokens"] < small["stats"]["context_tokens"]
+
+
+def test_vllm_dsa_over_the_keys_runs_inside_vllm(smollm2: str, dense_tokens: list[list[int]]) -> None:
+    """The second algorithm inside vLLM: DSA over the real keys (blocks ranked by their keys'
+    attention mass; DSA keeps no layer dense), at a covering budget and at top_k 64."""
+    dsa = {**BASE, "algorithm": "dsa", "extra": {"source": "keys"}}
+    full = generate(smollm2, {**dsa, "top_k": 2048}, BATCHES, 12)
+    small = generate(smollm2, {**dsa, "top_k": 64, "sink_tokens": 16, "recent_tokens": 32}, BATCHES, 12)
+    assert_full_and_small_budgets(full, small, dense_tokens)
+
+
+def test_vllm_pqcache_runs_through_the_rebuild_bridge(smollm2: str, dense_tokens: list[list[int]]) -> None:
+    """PQCache has no twin: the rebuild bridge (paged_bridge.py) runs the framework's own
+    PQCache, rebuilt from every key of the context at each step, at a covering budget and at
+    top_k 64."""
+    pq = {**BASE, "algorithm": "pqcache"}
+    full = generate(smollm2, {**pq, "top_k": 2048}, BATCHES, 12)
+    small = generate(smollm2, {**pq, "top_k": 64, "sink_tokens": 16, "recent_tokens": 32}, BATCHES, 12)
+    assert_full_and_small_budgets(full, small, dense_tokens)
+
+
+def test_vllm_runs_a_third_party_algorithm_through_the_rebuild_bridge(smollm2: str, tmp_path: Path) -> None:
+    """A third-party ScoringAlgorithm, registered only in `sparse_framework.algorithms` by a
+    fake distribution on vLLM's PYTHONPATH (no twin), decodes sparsely inside vLLM, unchanged."""
+    from test_registry import KEY_DOT, make_dist
+
+    make_dist(tmp_path, "fake-keydot", {"sparse_framework.algorithms": {"keydot": "fake_keydot:KeyDot"}},
+              {"fake_keydot": KEY_DOT})
+    config = {**BASE, "algorithm": "keydot", "top_k": 64, "sink_tokens": 16, "recent_tokens": 32}
+    stats = generate(smollm2, config, BATCHES, 12, pythonpath=str(tmp_path))["stats"]
+    assert stats["sparse_rows"] == 30 * 11 * 3 and 0 < stats["selected_tokens"] < stats["context_tokens"]
 
 
 RUN_TP = r"""

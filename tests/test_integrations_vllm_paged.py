@@ -13,7 +13,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from vllm_cases import BASE, dense_attention, fill, framework_quest_selection, paged_case, reference_attention
+from vllm_cases import (
+    BASE,
+    assert_selects_everything_and_attends_densely,
+    fill,
+    framework_quest_selection,
+    paged_case,
+    reference_attention,
+)
 
 from sparse_framework.common.errors import ConfigError
 from sparse_framework.integrations.vllm.paged import (
@@ -28,18 +35,6 @@ from sparse_framework.integrations.vllm.paged import (
 )
 
 # -- config ------------------------------------------------------------------------------------
-
-
-def assert_selects_everything_and_attends_densely(  # type: ignore[no-untyped-def]
-    selection, seq_lens, q, keys, values, table, k_cache, v_cache, bs: int
-) -> None:
-    """A covering budget's selection: every token of every row and KV head, and attention over
-    it through the folded page table equal to float64 dense attention."""
-    assert torch.equal(selection.lengths, seq_lens.view(-1, 1).expand_as(selection.lengths))
-    metadata = folded_page_table(selection, table, k_cache.shape[1], bs)
-    scale = 1 / math.sqrt(q.shape[-1])
-    got = attend_reference(q, k_cache, v_cache, metadata, scale=scale)
-    torch.testing.assert_close(got.double(), dense_attention(q, keys, values, scale), atol=2e-6, rtol=1e-5)
 
 
 def test_config_gets_vllm_defaults() -> None:

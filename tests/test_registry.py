@@ -151,8 +151,8 @@ class MyPagedQuest(PagedQuest):
 
 def test_a_third_party_algorithm_runs_inside_vllm_through_the_twin_it_registers(tmp_path, monkeypatch):
     """The vLLM plugin finds an algorithm's twin (`sparse_framework.vllm` group) by the
-    algorithm's name: without one the config is refused naming the algorithm and the ones
-    that have a twin; with one the plugin builds it."""
+    algorithm's name: without one the rebuild bridge runs the algorithm; with one the plugin
+    builds the twin."""
     from sparse_framework.integrations.vllm.paged import load_vllm_config, paged_algorithm
 
     config = {"algorithm": "myquest", "min_sparse_prompt_len": 0, "top_k": 64}
@@ -160,8 +160,8 @@ def test_a_third_party_algorithm_runs_inside_vllm_through_the_twin_it_registers(
               {"fake_myquest": MY_QUEST})
     install_fake(monkeypatch, tmp_path / "a")
     assert registry.names("vllm") == ["dsa", "quest"]
-    with pytest.raises(ConfigError, match=r"`algorithm` = 'myquest' has no twin inside vLLM.*dsa, quest"):
-        load_vllm_config(config, block_size=16)
+    # without a twin the rebuild bridge runs it (the next test); a registered twin wins over it
+    assert type(paged_algorithm(load_vllm_config(config, block_size=16))).__name__ == "PagedBridge"
     make_dist(tmp_path / "b", "fake-myquest-vllm", {"sparse_framework.vllm": {"myquest": "fake_myquest:MyPagedQuest"}})
     install_fake(monkeypatch, tmp_path / "b")
     algo = paged_algorithm(load_vllm_config(config, block_size=16))
@@ -171,6 +171,74 @@ def test_a_third_party_algorithm_runs_inside_vllm_through_the_twin_it_registers(
     install_fake(monkeypatch, tmp_path / "c")
     with pytest.raises(PluginError, match="not a subclass of PagedAlgorithm"):
         registry.load("vllm", "badtwin")
+
+
+KEY_DOT = """\
+import torch
+from sparse_framework.algorithms.base import ScoringAlgorithm, SparseAlgorithm
+
+class KeyDot(ScoringAlgorithm):  # tokens ranked by their largest q·k over the query heads, per request
+    granularity = "token"
+    per_kv_head = False
+
+    def __init__(self, config, layout, max_requests, max_seq_len):
+        super().__init__(config, layout, max_requests, max_seq_len)
+        self.keys = torch.zeros(layout.num_layers, max_requests, max_seq_len, layout.num_kv_heads, layout.head_dim,
+                                dtype=layout.dtype, device=layout.device)
+
+    def build(self, layer, request, keys, queries=None, *, inputs=None):
+        self.keys[layer, request.slot, : keys.shape[0]] = keys.to(self.keys.dtype)
+
+    def append(self, layer, batch, keys, *, inputs=None):
+        self.keys[layer, batch.slot_ids, batch.seq_lens.long() - 1] = keys.to(self.keys.dtype)
+
+    def score(self, layer, queries, batch, *, inputs=None):
+        k = self.keys[layer, batch.slot_ids, : batch.max_seq_len].float()  # [B, n, Hkv, D]
+        b, hq, d = queries.shape
+        q = queries.float().view(b, k.shape[2], hq // k.shape[2], d)
+        return torch.einsum("bkgd,bnkd->bkgn", q, k).flatten(1, 2).amax(1, keepdim=True)  # [B, 1, n]
+
+    def release(self, request):
+        pass
+
+class OwnSelect(SparseAlgorithm):  # selects by itself (no `score`): the bridge has nothing to pool
+    def build(self, *args, **kwargs): pass
+    def append(self, *args, **kwargs): pass
+    def select(self, *args, **kwargs): raise NotImplementedError
+    def release(self, request): pass
+"""
+
+
+def test_a_third_party_scoring_algorithm_runs_inside_vllm_through_the_rebuild_bridge(tmp_path, monkeypatch):
+    """A third-party ScoringAlgorithm registered only as an algorithm (no twin) runs inside
+    vLLM unchanged through the rebuild bridge: from paged writes (shuffled blocks, prefill
+    chunks, padding slots) it selects what the algorithm itself selects over contiguous keys,
+    pooled to blocks (`vllm_cases.rebuilt_selection`). An algorithm with its own `select` is
+    refused, naming what it needs."""
+    from vllm_cases import fill, paged_case, rebuilt_selection
+
+    from sparse_framework.integrations.vllm.paged import CONFIG_ENV, load_vllm_config, paged_algorithm
+    from sparse_framework.integrations.vllm.paged_bridge import PagedBridge
+
+    algorithms = {"keydot": "fake_keydot:KeyDot", "ownselect": "fake_keydot:OwnSelect"}
+    make_dist(tmp_path, "fake-keydot", {ALGO_GROUP: algorithms}, {"fake_keydot": KEY_DOT})
+    install_fake(monkeypatch, tmp_path)
+    bs, lens, hkv = 16, [300, 45, 1, 130], 2
+    config = load_vllm_config({"algorithm": "keydot", "min_sparse_prompt_len": 0, "top_k": 48, "sink_tokens": 8,
+                               "recent_tokens": 8}, block_size=bs)
+    bridge = paged_algorithm(config)
+    assert type(bridge) is PagedBridge
+    q, keys, values, table, k_cache, v_cache = paged_case(lens, hkv, 3, 32, bs, 40, seed=2)
+    state = fill(bridge, lens, keys, values, table, k_cache, v_cache, bs, chunk=29)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    got = bridge.select(state, q, table, seq_lens)
+    want = rebuilt_selection(config, lens, keys, q)
+    assert torch.equal(got.indices, want.indices) and torch.equal(got.lengths, want.lengths)
+    assert got.lengths.shape == (4, 1) and bool((got.lengths[:, 0] < seq_lens).any())
+    with pytest.raises(ConfigError) as info:
+        load_vllm_config({"algorithm": "ownselect", "min_sparse_prompt_len": 0, "top_k": 48}, block_size=bs)
+    msg = str(info.value)
+    assert msg.startswith(CONFIG_ENV) and "`algorithm` = 'ownselect'" in msg and "not a ScoringAlgorithm" in msg
 
 
 # -- a broken plugin ----------------------------------------------------------------------

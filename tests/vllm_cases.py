@@ -3,12 +3,15 @@ vLLM makes, and float64 references (torch only)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from sparse_framework.algorithms.base import _max_units, topk_selection
 from sparse_framework.algorithms.quest import Quest
-from sparse_framework.common.batch import Batch, Request
+from sparse_framework.common.batch import Batch, Request, Selection
 from sparse_framework.common.layout import KVLayout
-from sparse_framework.integrations.vllm.paged import PagedAlgorithm
+from sparse_framework.integrations.vllm.paged import PagedAlgorithm, attend_reference, folded_page_table
 
 BASE = {"algorithm": "quest", "min_sparse_prompt_len": 0}
 
@@ -69,6 +72,50 @@ def framework_quest_selection(config, lens, keys, q):
     batch = Batch(requests)
     batch.prepare("cpu")
     return quest.select(0, q, batch)
+
+
+def rebuilt_selection(config, lens, keys, q) -> Selection:  # type: ignore[no-untyped-def]
+    """The selection the rebuild bridge (`paged_bridge.PagedBridge`) must make, written apart
+    from it, with no paging: the config's algorithm built on each request's contiguous keys
+    before the newest (as the engine's prefill), scored for one decode step, its units pooled
+    to blocks one by one (a token-granular algorithm: the max over the tokens it saw; a
+    page-granular one: its page), then the framework's top-k over blocks."""
+    bs = config.page_size
+    hkv, dim = keys[0].shape[1:]
+    cls = config.algorithm_class
+    algo = cls(config, KVLayout(num_layers=1, num_kv_heads=hkv, head_dim=dim), max_requests=len(lens),
+               max_seq_len=max(lens))
+    requests = [Request(f"r{i}", prompt_len=max(n - 1, 1), seq_len=n, slot=i) for i, n in enumerate(lens)]
+    for r, k, n in zip(requests, keys, lens):
+        if n > 1:
+            algo.build(0, r, k[: n - 1])
+    batch = Batch(requests)
+    batch.prepare("cpu")
+    scores = algo.score(0, q, batch).float()
+    n_blocks = -(-max(lens) // bs)
+    blocks = torch.full((len(lens), scores.shape[1], n_blocks), float("-inf"))
+    for i, n in enumerate(lens):
+        for j in range(-(-n // bs)):
+            if algo.unit > 1:
+                blocks[i, :, j] = scores[i, :, j]
+            elif j * bs < n - 1:
+                blocks[i, :, j] = scores[i, :, j * bs : min((j + 1) * bs, n - 1)].max(-1).values
+    budget = cls.budget_units(config) if cls.granularity == "page" else config.top_k // bs
+    return topk_selection(blocks, torch.tensor(lens), unit=bs, budget_units=budget, sink_tokens=config.sink_tokens,
+                          recent_tokens=config.recent_tokens, width_units=_max_units(config, bs, budget),
+                          newest_forced=algo.newest_forced or config.recent_tokens >= 1)
+
+
+def assert_selects_everything_and_attends_densely(  # type: ignore[no-untyped-def]
+    selection, seq_lens, q, keys, values, table, k_cache, v_cache, bs: int
+) -> None:
+    """A covering budget's selection: every token of every row and KV head, and attention over
+    it through the folded page table equal to float64 dense attention."""
+    assert torch.equal(selection.lengths, seq_lens.view(-1, 1).expand_as(selection.lengths))
+    metadata = folded_page_table(selection, table, k_cache.shape[1], bs)
+    scale = 1 / math.sqrt(q.shape[-1])
+    got = attend_reference(q, k_cache, v_cache, metadata, scale=scale)
+    torch.testing.assert_close(got.double(), dense_attention(q, keys, values, scale), atol=2e-6, rtol=1e-5)
 
 
 def reference_attention(q, keys, values, selection, scale):

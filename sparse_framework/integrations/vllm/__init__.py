@@ -41,11 +41,15 @@ What runs where (`sparse_impl.py`, docs/vllm.md)
     are not used (vLLM's kernel attends; nothing is swapped).
   - Algorithms: those with a twin inside vLLM, a `paged.PagedAlgorithm` registered under the
     algorithm's name in the entry-point group `sparse_framework.vllm` (built in: Quest, and DSA
-    over the real keys at block granularity, an accuracy oracle: `paged_keys.py`). Others are
-    refused by name when the config is parsed.
+    over the real keys at block granularity, an accuracy oracle: `paged_keys.py`); any other
+    `ScoringAlgorithm` (PQCache, a third party's) unchanged through the rebuild bridge
+    (`paged_bridge.py`: rebuilt from every key each step, eager, for accuracy not speed).
+    SnapKV (prompt queries), DSA's indexer (model inputs) and algorithms with their own
+    `select` are refused, with the reason, when the config is parsed.
   - CUDA graphs: the CUDA builder declares AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE:
     decode batches replay vLLM's full graphs with the plugin's decode captured in them (a
-    static path), mixed batches run piecewise graphs with attention eager (docs/vllm.md).
+    static path), mixed batches run piecewise graphs with attention eager (docs/vllm.md);
+    NEVER for the rebuild bridge, which vLLM then runs PIECEWISE.
   - Tensor parallelism: each rank selects over its own KV heads (tested with TP 3 on vLLM's
     CPU backend: the same tokens as TP 1, each rank a third of the selection).
 

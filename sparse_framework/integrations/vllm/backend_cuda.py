@@ -30,7 +30,9 @@ What the subclasses change, and why:
   call are captured in vLLM's decode graph and replayed with the rest of the model. Mixed
   batches (prefill chunks) run vLLM's piecewise graphs with attention eager, through the
   host plan. `cudagraph_mode` PIECEWISE (or `enforce_eager`) keeps every step eager in the
-  attention: the plugin's first H100 run, 4x slower than vLLM dense at 16K x 8, was that.
+  attention: the plugin's first H100 run, 4x slower than vLLM dense at 16K x 8, was that. A
+  twin that cannot be captured (`PagedAlgorithm.graph_safe` False: the rebuild bridge of
+  `paged_bridge.py`) declares `AttentionCGSupport.NEVER` instead, and vLLM runs PIECEWISE.
   The FlashAttention call takes vLLM's own split count (`max_num_splits`: fixed when graphs
   are on, as vLLM's own decode).
 - impl: `FlashAttentionImpl` with the mixin; layers with a sliding window, ALiBi, sinks, an fp8
@@ -55,7 +57,7 @@ from vllm.v1.attention.backends.flash_attn import (
 
 from ...adaptors.flash_attention import FlashAttentionMetadata as PageTable
 from .fa_layout import FlashDecodeCall, attend_paged, is_head_major
-from .paged import DIAGNOSTICS, DecodeRows, decode_rows
+from .paged import DIAGNOSTICS, DecodeRows, decode_rows, graph_safe
 from .sparse_impl import SparseDecodeMixin, plugin_config
 
 logger = logging.getLogger("vllm.plugins.sparse_framework")
@@ -91,6 +93,13 @@ class SparseFlashAttentionMetadataBuilder(FlashAttentionMetadataBuilder):
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
+        """UNIFORM_SINGLE_TOKEN_DECODE; NEVER when the configured twin cannot be captured
+        (`PagedAlgorithm.graph_safe` False: the rebuild bridge reads the lengths on the host),
+        which makes vLLM lower its default FULL_AND_PIECEWISE to PIECEWISE (attention eager)
+        and refuse an explicit FULL, so that no full graph is ever planned static for it."""
+        config = plugin_config()
+        if config is not None and not graph_safe(config):
+            return AttentionCGSupport.NEVER
         return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def build(

@@ -25,22 +25,19 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from ...adaptors.flash_attention import FlashAttentionAdaptor, FlashAttentionMetadata
-from ...algorithms.base import _max_units, topk_selection
 from ...backends.torch_ref import TorchRefBackend
 from ...common.batch import Selection
 from ...common.errors import ConfigError
 from ...common.layout import resolve_impl
 from ...config import MAX_CONTEXT_TOKENS, SparseConfig, dense_layer_set, load_config, read_json_object
 from ...kernels.reference_scores import quest_paged_scores_torch
-
-CONFIG_ENV = "SPARSE_FRAMEWORK_VLLM_CONFIG"
-"""The environment variable that enables the plugin and holds its config: a JSON object or
-the path of a JSON file. Unset or empty: the plugin registers nothing and vLLM is unchanged."""
+# the twins' base, below this module (paged_base.py); `paged.PagedAlgorithm` is that class
+from .paged_base import CONFIG_ENV, PagedAlgorithm, PagedState, _block_rows, representation_dtype
 
 IGNORED_FIELDS = ("backend", "adaptor", "device_buffer_tokens")
 """Fields of the shared config that vLLM decides instead: attention runs in vLLM's own kernel
@@ -60,9 +57,9 @@ def load_vllm_config(source: str | dict[str, Any], block_size: int | None = None
     Inside vLLM: `store` is "resident" (every token stays in vLLM's paged cache; the host tier
     would need vLLM's KV-cache manager patched, so "hierarchical" is refused when named);
     `page_size` defaults to vLLM's block size and must equal it when given (block_size None:
-    not known yet, any power of two is accepted); `device_buffer_tokens` is not used (set large
-    so that a top_k up to the context passes the shared validation); `backend` and `adaptor`
-    are not used (vLLM's own kernel attends)."""
+    not known yet, any power of two is accepted), and `top_k` is at least one block;
+    `device_buffer_tokens` is not used (set large so that a top_k up to the context passes the
+    shared validation); `backend` and `adaptor` are not used (vLLM's own kernel attends)."""
     try:
         data = dict(read_json_object(source, "config")) if isinstance(source, str) else dict(source)
     except (ConfigError, TypeError, ValueError) as exc:
@@ -87,31 +84,20 @@ def load_vllm_config(source: str | dict[str, Any], block_size: int | None = None
         config = load_config(data)
     except ConfigError as exc:
         raise ConfigError(f"{CONFIG_ENV}: {exc}") from None
+    if block_size is not None and config.top_k < block_size:  # a token-granular algorithm's top_k
+        raise ConfigError(
+            f"{CONFIG_ENV}: `top_k` = {config.top_k} is less than one KV block ({block_size} tokens): inside vLLM a "
+            f"selection is whole blocks, top_k // {block_size} of them besides the sink, recent and newest ones; "
+            f"give a top_k of at least {block_size}"
+        )
     _, reason = _twin(config)
     if reason is not None:
         raise ConfigError(
-            f"{CONFIG_ENV}: {reason}; algorithms with one (entry-point group sparse_framework.vllm): "
-            f"{', '.join(paged_names())}"
+            f"{CONFIG_ENV}: {reason}. Algorithms with a twin (entry-point group sparse_framework.vllm): "
+            f"{', '.join(paged_names())}; any other ScoringAlgorithm that needs no prompt queries runs through the "
+            "rebuild bridge (paged_bridge.py)"
         )
     return config
-
-
-@dataclass
-class PagedState:
-    """One layer's per-block representation. Every tensor has num_blocks + 1 rows: the extra
-    last row is a sink for padding slots (and, for Quest, blocks not restarted by a write), so
-    that `write` needs no boolean indexing (a host sync per layer on the GPU); no block table
-    points at it."""
-
-    block_size: int
-
-    @property
-    def num_blocks(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def dtype(self) -> torch.dtype:
-        raise NotImplementedError
 
 
 @dataclass
@@ -130,122 +116,6 @@ class BlockBounds(PagedState):
     @property
     def dtype(self) -> torch.dtype:
         return self.page_min.dtype
-
-
-def representation_dtype(key_dtype: torch.dtype) -> torch.dtype:
-    """The dtype a representation keeps keys in: the key dtype, bfloat16 for an fp8 cache."""
-    return key_dtype if key_dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64) else torch.bfloat16
-
-
-def _block_rows(slot_mapping: torch.Tensor, n: int, block_size: int, sink: int, device: torch.device) -> tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(blocks, offsets, kept) of the first n physical slots: padding slots (< 0) go to block
-    `sink`, offset 0, without a host sync."""
-    slots = slot_mapping[:n].to(device=device, dtype=torch.long)
-    keep = slots >= 0
-    blocks = torch.where(keep, slots.div(block_size, rounding_mode="floor"), sink)
-    offsets = torch.where(keep, slots % block_size, 0)
-    return blocks, offsets, keep
-
-
-class PagedAlgorithm:
-    """An algorithm inside vLLM: a representation per physical KV block (`new_state`, filled by
-    `write` at every K write), scores per logical block of each request (`score`), and the
-    framework's top-k over them with the sink, recent and newest blocks forced in (`select`;
-    `select_static` for full CUDA graphs). A selection page is one vLLM block, whatever the
-    algorithm's own granularity."""
-
-    granularity: ClassVar[str] = "page"
-    per_kv_head: ClassVar[bool] = True
-
-    def __init__(self, config: SparseConfig) -> None:
-        self.config = config
-        self.options = config.extra_config
-        self.unit = config.page_size
-        self.budget_units = self.blocks_of_budget(config)
-        self.width_units = _max_units(config, self.unit, self.budget_units)
-        # as Quest.__init__ and ScoringAlgorithm.top_units set them
-        self.newest_forced = (not self.options.newest_in_top_k) or config.recent_tokens >= 1
-        self.impl = self.options.impl
-
-    @classmethod
-    def refuses(cls, config: SparseConfig) -> str | None:
-        """Why this twin cannot run this config of its algorithm (naming the field), or None."""
-        return None
-
-    @classmethod
-    def blocks_of_budget(cls, config: SparseConfig) -> int:
-        """Blocks the top-k keeps besides the forced ones: top_k // block."""
-        return config.top_k // config.page_size
-
-    def new_state(
-        self, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
-    ) -> PagedState:
-        raise NotImplementedError
-
-    def write(self, state: Any, slot_mapping: torch.Tensor, keys: torch.Tensor) -> None:
-        """Fold keys [T, Hkv, D] written at physical slots `slot_mapping` into `state`."""
-        raise NotImplementedError
-
-    def score(
-        self, state: Any, q: torch.Tensor, block_table: torch.Tensor, n_blocks: int, seq_lens: torch.Tensor
-    ) -> torch.Tensor:
-        """float32 [B, Hkv or 1, n_blocks]: each logical block's score for each request
-        (seq_lens int [B], for twins whose scores depend on the lengths)."""
-        raise NotImplementedError
-
-    def select(
-        self,
-        state: Any,
-        q: torch.Tensor,
-        block_table: torch.Tensor,
-        seq_lens: torch.Tensor,
-        max_seq_len: int | None = None,
-    ) -> Selection:
-        """Logical tokens to attend to: int32 indices [B, Hkv, W] in whole blocks, ascending,
-        -1 padded, with lengths [B, Hkv]. seq_lens int [B] counts the new token (already
-        written). max_seq_len: an upper bound of seq_lens known on the host (a larger one only
-        scores more blocks, the selection is the same); None reads it from seq_lens, a host
-        sync."""
-        max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-        n_blocks = min(-(-max_len // self.unit), block_table.shape[1])
-        scores = self.score(state, q, block_table, n_blocks, seq_lens)
-        return self._top(scores, seq_lens, self.width_units, None)
-
-    def select_static(
-        self, state: Any, q: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, min_len: int
-    ) -> Selection:
-        """`select` for every row of a uniform decode batch with shapes fixed by the block
-        table alone, as a full CUDA graph needs (no host bound of the lengths, no host-planned
-        rows): every block of the table is scored (a wider score leaves the selection
-        unchanged) and a row shorter than `min_len` (`min_sparse_prompt_len`) keeps all its
-        blocks, the dense answer, which the selection width makes room for. Rows of length 0
-        (a graph's padding) select nothing."""
-        n_blocks = block_table.shape[1]
-        scores = self.score(state, q, block_table, n_blocks, seq_lens)
-        width = self.width_units
-        tail_start = None
-        if min_len > 1:
-            width = min(max(width, -(-min_len // self.unit)), n_blocks)
-            lens = seq_lens.long()
-            tail_start = torch.where(lens < min_len, torch.zeros_like(lens), lens)
-        return self._top(scores, seq_lens, width, tail_start)
-
-    def _top(
-        self, scores: torch.Tensor, seq_lens: torch.Tensor, width_units: int, tail_start: torch.Tensor | None
-    ) -> Selection:
-        return topk_selection(
-            scores,
-            seq_lens,
-            unit=self.unit,
-            budget_units=self.budget_units,
-            sink_tokens=self.config.sink_tokens,
-            recent_tokens=self.config.recent_tokens,
-            width_units=width_units,
-            impl="torch" if scores.device.type == "cpu" else self.impl,
-            newest_forced=self.newest_forced,
-            tail_start=tail_start,
-        )
 
 
 class PagedQuest(PagedAlgorithm):
@@ -312,14 +182,23 @@ class PagedQuest(PagedAlgorithm):
 
 
 def _twin(config: SparseConfig) -> tuple[type[PagedAlgorithm] | None, str | None]:
-    """(the twin, None), or (None, why not): no twin registered, or it refuses the config."""
+    """(the twin, None), or (None, why not). A twin registered under the algorithm's name
+    decides alone (it wins over the bridge, and its refusal stands); without one the rebuild
+    bridge (`paged_bridge.PagedBridge`) runs the algorithm itself unless it refuses."""
     from ... import registry
     from ...common.errors import PluginError
+    from .paged_bridge import PagedBridge
 
     try:
         cls = registry.load("vllm", config.algorithm)
-    except PluginError:
-        return None, f"`algorithm` = {config.algorithm!r} has no twin inside vLLM"
+    except PluginError as exc:
+        if config.algorithm.rpartition(":")[2] in registry.names("vllm"):  # registered, but broken
+            return None, f"`algorithm` = {config.algorithm!r}: its twin inside vLLM does not load ({exc})"
+        reason = PagedBridge.refuses(config)
+        if reason:
+            return None, (f"`algorithm` = {config.algorithm!r} has no twin inside vLLM, and the rebuild bridge cannot "
+                          f"run it: {reason}")
+        return PagedBridge, None
     reason = cls.refuses(config)
     return (None, reason) if reason else (cls, None)
 
@@ -327,16 +206,25 @@ def _twin(config: SparseConfig) -> tuple[type[PagedAlgorithm] | None, str | None
 def paged_algorithm_class(config: SparseConfig) -> type[PagedAlgorithm] | None:
     """The config's algorithm's twin inside vLLM, registered under the algorithm's name in the
     `sparse_framework.vllm` entry-point group (`registry`: a third party registers its own
-    beside its algorithm), if it takes this config (`PagedAlgorithm.refuses`); None otherwise.
-    Built in: Quest's bounds (`PagedQuest`) and DSA over the real keys (`paged_keys.PagedKeyMass`)."""
+    beside its algorithm), if it takes this config (`PagedAlgorithm.refuses`); without one, the
+    rebuild bridge (`paged_bridge.PagedBridge`: the unchanged algorithm over every key, rebuilt
+    each step) if it takes the config; None otherwise. Built in: Quest's bounds (`PagedQuest`)
+    and DSA over the real keys (`paged_keys.PagedKeyMass`)."""
     return _twin(config)[0]
 
 
 def paged_names() -> list[str]:
-    """The algorithms that have a twin inside vLLM (for error messages)."""
+    """The algorithms that have a registered twin inside vLLM (for error messages; any other
+    `ScoringAlgorithm` that needs no prompt queries runs through the rebuild bridge)."""
     from ... import registry
 
     return registry.names("vllm")
+
+
+def graph_safe(config: SparseConfig) -> bool:
+    """Whether the config's twin may be captured in a full CUDA graph (`PagedAlgorithm.graph_safe`)."""
+    cls = paged_algorithm_class(config)
+    return cls is not None and cls.graph_safe
 
 
 def paged_algorithm(config: SparseConfig) -> PagedAlgorithm:

@@ -24,7 +24,7 @@ import torch
 
 from ...algorithms.base import group_probabilities
 from ...config import SparseConfig
-from .paged import PagedAlgorithm, PagedState, _block_rows, representation_dtype
+from .paged_base import PagedAlgorithm, PagedState, _block_rows, representation_dtype
 
 
 @dataclass
@@ -42,17 +42,18 @@ class BlockKeys(PagedState):
     def dtype(self) -> torch.dtype:
         return self.keys.dtype
 
+    def logical(self, blocks: torch.Tensor, n: int) -> torch.Tensor:
+        """The first n keys of a request in logical order, [n, Hkv, D], through its block-table
+        row `blocks` (int [>= ceil(n / block_size)])."""
+        used = -(-n // self.block_size)
+        k = self.keys[blocks[:used].long()]  # [used, Hkv, bs, D]
+        return k.transpose(1, 2).reshape(used * self.block_size, *k.shape[1:2], k.shape[-1])[:n]
 
-class PagedKeyMass(PagedAlgorithm):
-    """`dsa` with source "keys" at block granularity (module docstring). Per KV head when the
-    layer has several (each group's own mass), as `DSA` selects per KV head then."""
 
-    @classmethod
-    def refuses(cls, config: SparseConfig) -> str | None:
-        if config.extra_config.source != "keys":
-            return (f"`extra.source` = {config.extra_config.source!r} needs the model's indexer keys; inside vLLM "
-                    "only \"keys\" (DSA over the real keys)")
-        return None
+class PerSlotKeys(PagedAlgorithm):
+    """A twin whose state is the K row of every physical slot (`BlockKeys`): the base of those
+    that need the keys themselves, not a summary of each block (`PagedKeyMass`, and the rebuild
+    bridge of `paged_bridge.py`, which rebuilds any algorithm's representation from them)."""
 
     def new_state(
         self, num_blocks: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
@@ -70,6 +71,18 @@ class PagedKeyMass(PagedAlgorithm):
         blocks, offsets, _ = _block_rows(slot_mapping, n, state.block_size, state.num_blocks, state.keys.device)
         heads = torch.arange(state.keys.shape[1], device=state.keys.device)
         state.keys[blocks.view(-1, 1), heads.view(1, -1), offsets.view(-1, 1)] = keys[:n].to(state.keys.dtype)
+
+
+class PagedKeyMass(PerSlotKeys):
+    """`dsa` with source "keys" at block granularity (module docstring). Per KV head when the
+    layer has several (each group's own mass), as `DSA` selects per KV head then."""
+
+    @classmethod
+    def refuses(cls, config: SparseConfig) -> str | None:
+        if config.extra_config.source != "keys":
+            return (f"`extra.source` = {config.extra_config.source!r} needs the model's indexer keys; inside vLLM "
+                    "only \"keys\" (DSA over the real keys)")
+        return None
 
     def score(self, state: BlockKeys, q: torch.Tensor, block_table: torch.Tensor, n_blocks: int,
               seq_lens: torch.Tensor) -> torch.Tensor:
