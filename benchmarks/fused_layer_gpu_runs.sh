@@ -19,6 +19,14 @@
 #   bash benchmarks/fused_layer_gpu_runs.sh capacity
 #       Quest resident at 32K x 16 again, then the memory-bound maximum at 32K: 24 requests, dense
 #       (resident, admitted by memory) vs Quest hierarchical
+#   bash benchmarks/fused_layer_gpu_runs.sh capacity128k
+#       the memory-bound maximum at 128K: 6 requests (what a 128 GiB host's budget holds in bf16),
+#       dense (resident, admitted by memory) vs Quest hierarchical, then the FP8 host
+#       tier with 12 (twice the requests in the same host bytes). HOST_GIB (default 99.7, the
+#       budget 0.8 x MemAvailable gave on the 128 GiB single-H100 machine) caps the host pool, so
+#       that a bigger host (the 4-GPU machines have 512 GiB) gives the same plan
+#   bash benchmarks/fused_layer_gpu_runs.sh timeline32k
+#       the kernel timeline of the hierarchical step at the 32K memory-bound maximum (24 x 32K)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-fused_runs}
@@ -27,6 +35,7 @@ DENSE='{"algorithm": "quest", "backend": "triton", "store": "resident", "min_spa
 RES='{"algorithm": "quest", "backend": "triton", "store": "resident", "top_k": 2048}'
 HIER='{"algorithm": "quest", "backend": "triton", "store": "hierarchical", "top_k": 2048, "device_buffer_tokens": 8192}'
 HIER_PF='{"algorithm": "quest", "backend": "triton", "store": "hierarchical", "top_k": 2048, "device_buffer_tokens": 8192, "prefetch": "early_query"}'
+HOST_GIB=${HOST_GIB:-99.7}
 HIER_FP8='{"algorithm": "quest", "backend": "triton", "store": "hierarchical", "top_k": 2048, "device_buffer_tokens": 8192, "host_kv_dtype": "fp8_e4m3"}'
 
 # shellcheck source=benchmarks/run_logged.sh
@@ -40,9 +49,9 @@ bench() {  # bench NAME LIMIT_S CONFIG bench arguments...
     tail -n 14 "$OUT/$name.log" | cut -c1-100 | sed "s/^/    /"
 }
 
-profile() {  # profile NAME CONFIG
-    run "$1" 150 python3 benchmarks/profile_engine_step.py --config "$2" --batch 8 --context 16384 --cuda-graphs \
-        --top 25 --json "$OUT/$1.json"
+profile() {  # profile NAME CONFIG [BATCH CONTEXT LIMIT_S]
+    run "$1" "${5:-150}" python3 benchmarks/profile_engine_step.py --config "$2" --batch "${3:-8}" --context "${4:-16384}" \
+        --cuda-graphs --top 25 --json "$OUT/$1.json"
     grep -E "^decode step|hit rate" "$OUT/$1.log" | sed 's/^/    /'
 }
 
@@ -78,6 +87,13 @@ case ${1:-} in
         bench dense_32k_max 240 "$DENSE" --input-len 32768 --num-prompts 24 --max-num-seqs 24 --gpu-memory-utilization 0.9
         bench quest_hier_32k_max 240 "$HIER" --input-len 32768 --num-prompts 24 --max-num-seqs 24 \
             --gpu-memory-utilization 0.9 ;;
+    capacity128k)
+        host=(--host-memory-gib "$HOST_GIB" --gpu-memory-utilization 0.9 --input-len 131072)
+        bench dense_128k_max 420 "$DENSE" "${host[@]}" --num-prompts 6 --max-num-seqs 6
+        bench quest_hier_128k_max 420 "$HIER" "${host[@]}" --num-prompts 6 --max-num-seqs 6
+        bench quest_hier_fp8_128k_max 600 "$HIER_FP8" "${host[@]}" --num-prompts 12 --max-num-seqs 12 ;;
+    timeline32k)
+        profile timeline_hier_32k_x24 "$HIER" 24 32768 300 ;;
     *)
         awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"
         exit 2 ;;

