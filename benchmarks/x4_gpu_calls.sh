@@ -13,6 +13,14 @@
 #   c  carry h1: stash; this engine at batch 32 with TP=2 on GPUs 0-1 (tp_gpu_runs.sh batch32)
 #   d  carry h2: join the GGUF and convert it; the plugin's equality at TP=3 on GPUs 0-2
 #      (vllm_gpu_runs.sh equality-tp); collect issue 33's detached runs
+#
+# As run in stop 39 (docs/vllm.md, "On four H100s"): a; b, whose vLLM engines both failed in the
+# first graph capture (FlashInfer's mnnvl all-reduce fusion without NVLink multicast: fixed in
+# vllm_gpu.py since) while the detached runs went through; c, with 64 output tokens (too few to
+# measure a decode step at batch 32: tp_gpu_runs.sh asks for 256 now); then perf-tp again by
+# hand (dense finished but the call's limit killed the script before its JSON: perf writes
+# OUT.partial.json per config now) and `perf --configs quest` alone. d was not run (device time).
+# Left to re-run: b's dense baseline and c, each in a call of its own (each takes ~5 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-x4_runs}
