@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results = []
     if args.copy_shapes:
-        import sparse_framework.kv_store.hierarchical as hier
+        import sparse_framework.kv_store.residency as hier  # the copy kernel's launch shape
 
         for shape in args.copy_shapes.split(","):
             hier.COPY_PROGRAMS, hier.COPY_COLS, hier.COPY_WARPS = (int(x) for x in shape.split(":"))

@@ -18,25 +18,29 @@ over requests (masked writes go to a trash column instead of being filtered).
 Asynchronous host writes: a decode token's rows go to the device buffer at once and to the
 host at `end_step`, on a side CUDA stream; `begin_step` makes the compute stream wait for
 them, so no step reads a host row before its copy completed.
+
+The class is split for size: the decode writes are `decode_writes.DecodeWrites`, the swap-in
+of a selection (and the prefetch) `residency.BufferResidency`, both mixins over this class's
+state; admission, prefill, retract/resume and the accounting are here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
 
 import torch
 
-from ..common.batch import Batch, Request, Selection
+from ..common.batch import Batch, Request
 from ..common.errors import CapacityError
 from ..common.transfer import tensor_to_device
 from .base import KVStore
-from .copy import put_rows, write_token_rows
+from .copy import put_rows
+from .decode_writes import DecodeWrites
+from .residency import BufferResidency
 from ..common.flashmla_format import pack_flashmla_fp8
 from .fp8_host import check_host_kv_dtype, is_fp8_host
 from .host_pool import HostPool
-from ..common.arith import cdiv, pow2
+from ..common.arith import cdiv
 from ..common.layout import KVLayout, resolve_impl
 from .device_pools import DENSE_LAYERS, RESIDENT, DevicePool, buffer_pages, size_device_pools
 from .pages import paged_slots_rows
@@ -44,12 +48,10 @@ from .slot_maps import SlotMaps
 
 log = logging.getLogger(__name__)
 _RESIDENT, _BUFFERED = "resident", "buffered"
-# launch shape of copy_missing_kernel (benchmarks/swap_in.py --copy-shapes)
-COPY_PROGRAMS, COPY_COLS, COPY_WARPS = 2048, 1024, 8
 
 
 
-class HierarchicalKVStore(KVStore):
+class HierarchicalKVStore(DecodeWrites, BufferResidency, KVStore):
     """See the module docstring. `unit` is the selection granularity (page_size or 1)."""
 
     def __init__(
@@ -461,371 +463,6 @@ class HierarchicalKVStore(KVStore):
             self._write_dev(layer, self._phys(layer, sid, positions)[0], rows)
         else:
             self._fill_buffer(layer, request, rows)
-
-    # -- decode -----------------------------------------------------------------------------
-    def begin_step(self, batch: Batch) -> None:
-        """Wait (on the GPU) for last step's host writes; advance the recency clock."""
-        self._sync_writes()
-        self.clock += 1
-
-    def write_decode(self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor | None) -> None:
-        assert batch.seq_lens is not None and batch.slot_ids is not None
-        data = self._tensors(k, v)
-        if self.all_resident or layer in self.dense_layers or batch.num_sparse == 0:
-            # the whole batch is resident in this layer: find the slots and write, one kernel on CUDA
-            if self.impl == "triton":
-                from ..kernels.decode_slots import write_token_rows_triton as write
-            else:
-                write = write_token_rows
-            if any(x.stride() != data[0].stride() for x in data):
-                data = [x.contiguous() for x in data]
-            slots = write(
-                self.layer_buffers(layer), self.dev_table[layer], batch.slot_ids, batch.seq_lens,
-                data, self.page_size, self.head_major,
-            )
-            if not self.all_resident and batch.num_sparse:
-                everything = torch.arange(len(batch), device=self.device)
-                if self.impl == "triton":  # the offsets in one launch
-                    self._write_and_queue(layer, batch, everything, slots.view(-1, 1), 0, data, write=False)
-                else:
-                    self._queue_host_write(layer, batch, everything, slots.view(-1, 1).expand(-1, self.streams))
-            return
-        # a batch with sparse requests in a sparse layer: dense requests stay resident
-        assert batch.sparse_rows is not None and batch.dense_rows is not None
-        resident = batch.dense_rows if batch.num_sparse < len(batch) else None
-        buffered = batch.sparse_rows
-        if resident is not None:
-            pos = batch.seq_lens[resident].long() - 1
-            slots = self._phys(layer, batch.slot_ids[resident], pos.unsqueeze(1))  # [n, 1]
-            if self.impl == "triton":
-                self._write_and_queue(layer, batch, resident, slots.expand(-1, self.streams), 0, data)
-            else:
-                self._write_dev(layer, slots[:, 0], [x[resident] for x in data])
-                self._queue_host_write(layer, batch, resident, slots.expand(-1, self.streams))
-        if self.impl == "triton":
-            self._place_and_write_fused(layer, batch, buffered, data)
-            return
-        rows, p = batch.slot_ids[buffered], batch.seq_lens[buffered].long() - 1
-        unit = (p // self.unit).view(-1, 1, 1).expand(-1, self.streams, 1)  # [n, S, 1]
-        fresh = (p % self.unit == 0).view(-1, 1, 1).expand(-1, self.streams, 1)
-        heads = torch.arange(self.streams, device=self.device).view(1, -1)
-        existing = self.l2s[layer, rows.view(-1, 1), heads, unit[..., 0]].long().unsqueeze(-1)
-        nothing = torch.zeros(rows.numel(), self.streams, self.buffer_units, dtype=torch.bool, device=self.device)
-        victim = self.maps.victims(layer, rows, batch.seq_lens[buffered], nothing, 1)
-        self.maps.assign(layer, rows, unit, fresh, victim)
-        bu = torch.where(fresh, victim, existing)[..., 0]  # [n, S]
-        self.last_used[layer, rows.view(-1, 1), heads, bu] = self.clock
-        slots = self._phys(layer, rows, bu * self.unit + (p % self.unit).view(-1, 1))  # [n, S]
-        self._write_dev(layer, slots if self.head_major else slots[:, 0], [x[buffered] for x in data])
-        self._queue_host_write(layer, batch, buffered, slots)
-
-    def _place_and_write_fused(self, layer: int, batch: Batch, sel: torch.Tensor, data: list[torch.Tensor]) -> None:
-        """The new tokens of batch rows `sel` placed in their buffers, written and queued for the
-        host in three launches instead of ~50 torch ops per layer (the torch path of
-        `write_decode`): each stream's "selection" is the unit of its new token (the tokens past
-        it -1), planned by the residency kernel — a fresh unit misses and takes a victim exactly as
-        `SlotMaps.victims(..., 1)` picks one (free, then least recently used, never pinned;
-        nothing protected), an existing unit hits and is stamped; nothing is copied (the unit's
-        earlier tokens are on the device) and the hit/miss counters are not touched — then one
-        kernel writes the rows and the offsets of their host copy."""
-        from ..kernels.decode_slots import new_token_units_triton
-
-        idx, rows, lens = new_token_units_triton(sel, batch.seq_lens, batch.slot_ids, self.streams, self.unit)
-        slots, _, _ = self._plan_residency(layer, idx, rows, lens, self._uncounted, block_w=2)
-        self._write_and_queue(layer, batch, sel, slots, self.unit, data)
-
-    def _write_and_queue(
-        self, layer: int, batch: Batch, sel: torch.Tensor, slots: torch.Tensor, pick_unit: int,
-        data: list[torch.Tensor], write: bool = True,
-    ) -> None:
-        """`_write_dev` then `_queue_host_write` of rows `sel` in one launch (kernels/decode_slots.py
-        `write_new_rows_triton`; slots [n, S] or, with pick_unit, the new token's unit [n, S, u])."""
-        from ..kernels.decode_slots import write_new_rows_triton
-
-        assert batch.slot_ids is not None and batch.seq_lens is not None and batch.sparse_mask is not None
-        hp, pool = self.host_pool, self._pool[layer]
-        hk, hw, dw = self.layout.num_kv_heads, hp.head_width, self.layout.stored_head_dim
-        major = self.head_major
-        host = (layer * hp.host_slots * hk * hw, hk * hw, hw if major else 0)
-        i = pool.index[layer]
-        dev = (i * hk * pool.slots * dw, dw, pool.slots * dw) if major else (i * pool.slots * hk * dw, hk * dw, 0)
-        if any(x.stride() != data[0].stride() for x in data):
-            data = [x.contiguous() for x in data]
-        dev_off, host_off = write_new_rows_triton(
-            self.layer_buffers(layer), data, sel, batch.seq_lens, batch.slot_ids, batch.sparse_mask, slots,
-            pick_unit, hp.host_table, hp.page_size, host, dev, self.rows_out[layer : layer + 1], major, write,
-        )
-        self._pending.append((layer, dev_off.flatten(), host_off.flatten()))
-
-    def _queue_host_write(self, layer: int, batch: Batch, sel: torch.Tensor, slots: torch.Tensor) -> None:
-        """Remember the device→host copy of rows `sel`'s new token (device slots [n, S]);
-        requests in dense mode keep no host copy."""
-        assert batch.slot_ids is not None and batch.seq_lens is not None
-        if self.all_resident or batch.num_sparse == 0:
-            return
-        heads = torch.arange(self.streams, device=self.device).view(1, -1) if self.head_major else 0
-        pos = batch.seq_lens[sel].long().unsqueeze(1) - 1
-        host_rows = self.host_pool.rows(batch.slot_ids[sel], pos).expand(-1, self.streams)
-        host_rows = torch.where(batch.sparse_mask[sel].view(-1, 1), host_rows, -1)
-        host_off = self.host_pool.offsets(layer, host_rows, heads)
-        dev_off = torch.where(host_off >= 0, self._dev_off(layer, slots, heads), -1)
-        self.rows_out[layer] += (host_off >= 0).sum()
-        self._pending.append((layer, dev_off.flatten(), host_off.flatten()))
-
-    def pending_mark(self) -> int:
-        """How many host writes are queued (see `take_pending`)."""
-        return len(self._pending)
-
-    def take_pending(self, mark: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """Unqueue and return the host writes queued since `mark`: a decode layer captured in a
-        CUDA graph queues its writes once, while captured; `queue_pending` queues them again
-        after every replay (their offset tensors are the graph's, refilled by the replay)."""
-        taken = self._pending[mark:]
-        del self._pending[mark:]
-        return taken
-
-    def queue_pending(self, writes: list[tuple[int, torch.Tensor, torch.Tensor]] | None) -> None:
-        self._pending.extend(writes or ())
-
-    def end_step(self, batch: Batch) -> None:
-        """Start this step's device→host writes (on a side stream on CUDA)."""
-        self._join_prefetch()  # a prefetch whose layer never asked for its rows (the step went dense)
-        if not self._pending:
-            return
-        # one copy per device pool (its offsets address that pool's tensors)
-        groups = []
-        for pool in self.pools:
-            mine = [p for p in self._pending if self._pool[p[0]] is pool]
-            if mine:
-                groups.append((pool, torch.cat([p[1] for p in mine]), torch.cat([p[2] for p in mine])))
-        self._pending.clear()
-        if self._side is not None:
-            self._side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._side) if self._side is not None else contextlib.nullcontext():
-            for pool, src_off, dst_off in groups:
-                for dev_buf, host_buf in zip(pool.tensors, self.host):
-                    self.host_pool.write_rows(dev_buf, host_buf, src_off, dst_off, self.row_heads)
-        if self._side is None:
-            return
-        for _, src_off, dst_off in groups:
-            src_off.record_stream(self._side)
-            dst_off.record_stream(self._side)
-        self._writes_done = torch.cuda.Event()
-        self._writes_done.record(self._side)
-
-    def _sync_writes(self) -> None:
-        if self._writes_done is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._writes_done)
-            self._writes_done = None
-
-    # -- selection --------------------------------------------------------------------------
-    def resident_slots(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
-        assert batch.slot_ids is not None
-        if self.impl == "triton":  # one kernel instead of ~13 torch ops on the decode path
-            from ..kernels.decode_slots import paged_slots_rows_triton
-            return paged_slots_rows_triton(self.dev_table[layer], batch.slot_ids, selection.indices, self.page_size, torch.int32)
-        return self._phys(layer, batch.slot_ids, selection.indices, torch.int32)
-
-    def ensure_resident(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
-        """Swap in the missing units of a selection of buffered rows; return device slots.
-
-        1. look every selected unit up in the logical→buffer map (hits, misses);
-        2. protect the hits, pick victims among the other units (free first, then least
-           recently used; never pinned ones), evict them and map the misses there;
-        3. copy the misses' rows host→device (zero-copy gather on CUDA);
-        4. stamp recency and count hits, misses and rows moved.
-        """
-        assert batch.slot_ids is not None and batch.seq_lens is not None
-        if self.all_resident:
-            return self.resident_slots(layer, batch, selection)
-        self._join_prefetch(layer)
-        if self.impl == "triton":
-            return self._ensure_resident_fused(layer, batch, selection)
-        u = self.unit
-        idx = selection.indices
-        b, s, w = idx.shape
-        first = idx[..., ::u]
-        units = first.long().div(u, rounding_mode="floor")  # [B, S, Wu], -1 stays -1
-        valid = first >= 0
-        rows = batch.slot_ids
-        ri = rows.view(-1, 1, 1)
-        hi = torch.arange(s, device=self.device).view(1, -1, 1)
-        cur = self.l2s[layer, ri, hi, units.clamp(min=0)].long()
-        hit = valid & (cur >= 0)
-        miss = valid & (cur < 0)
-        protect = torch.zeros(b, s, self.buffer_units + 1, dtype=torch.bool, device=self.device)
-        protect.scatter_(2, torch.where(hit, cur, self.buffer_units), True)
-        wu = units.shape[-1]
-        victims = self.maps.victims(layer, rows, batch.seq_lens, protect[..., : self.buffer_units],
-                                    min(wu, self.buffer_units), need=miss.sum(-1))
-        if wu > victims.shape[-1]:
-            victims = torch.nn.functional.pad(victims, (0, wu - victims.shape[-1]), value=self.buffer_units)
-        rank = (miss.long().cumsum(-1) - 1).clamp(min=0)
-        victim = victims.gather(-1, rank)
-        self.maps.assign(layer, rows, units, miss, victim)
-        bu = torch.where(hit, cur, torch.where(miss, victim, -1))  # [B, S, Wu]
-        self.last_used[layer, ri, hi, torch.where(valid, bu, self.buffer_units)] = self.clock
-        # token-level positions
-        offs = torch.arange(u, device=self.device)
-        tok_bu = (bu.unsqueeze(-1) * u + offs).flatten(-2)[..., :w]
-        tok_bu = torch.where(idx >= 0, tok_bu, -1)
-        slots = self._phys(layer, rows, tok_bu)  # [B, S, W]
-        tok_miss = miss.unsqueeze(-1).expand(-1, -1, -1, u).flatten(-2)[..., :w] & (idx >= 0)
-        src_tokens = torch.where(tok_miss, idx.long(), -1)
-        start = self._timer() if self.timing else None
-        self._copy_in(layer, rows, src_tokens, torch.where(tok_miss, slots, -1))
-        if start is not None:
-            self._stop_timer(layer, start)
-        self.hits[layer] += (hit.unsqueeze(-1).expand(-1, -1, -1, u).flatten(-2)[..., :w] & (idx >= 0)).sum()
-        self.misses[layer] += tok_miss.sum()
-        return slots.to(torch.int32)
-
-    def _ensure_resident_fused(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
-        """`ensure_resident` in two kernel launches (kernels/residency.py)."""
-        idx = selection.indices.contiguous()
-        start = self._timer() if self.timing else None
-        slots, todo, n_todo = self._plan_selection(layer, batch, idx, self.counts[layer])
-        self._copy_missing(layer, idx, slots, todo, n_todo, batch.slot_ids)
-        if start is not None:
-            self._stop_timer(layer, start)
-        return slots
-
-    def _copy_missing(
-        self, layer: int, idx: torch.Tensor, slots: torch.Tensor, todo: torch.Tensor, n_todo: torch.Tensor,
-        rows: torch.Tensor,
-    ) -> None:
-        """One launch of `copy_missing_kernel`: the rows `_plan_residency` found missing, host → device."""
-        from ..kernels import pdl
-        from ..kernels.launch import launch
-        from ..kernels.residency import copy_missing_kernel
-        from .copy import _as_kernel_arg
-
-        b, s, w = idx.shape
-        use_pdl = pdl.enabled(idx.device)
-        host = [_as_kernel_arg(t) for t in self.host]
-        pool = self._pool[layer]
-        dev = pool.tensors
-        two = len(dev) == 2
-        hp = self.host_pool  # host rows: the device's, or fp8 ones the kernel dequantises (FP8_HOST)
-        launch(copy_missing_kernel, (COPY_PROGRAMS,),
-            todo, n_todo, idx, slots, rows, self.host_table,
-            host[0], dev[0], host[1] if two else host[0], dev[1] if two else dev[0],
-            s, w, self.page_size, self.host_table.shape[-1],
-            layer * self.host_slots * hp.row_elems, pool.layer_offset(layer),
-            pool.slots, self.layout.num_kv_heads, b * s, BLOCK_S=pow2(b * s),
-            HEAD_MAJOR=self.head_major, TWO=two, ROW=self.row_elems, COLS=min(COPY_COLS, pow2(self.row_elems)),
-            PDL=use_pdl, HROW=hp.head_width * self.row_heads, FP8_HOST=hp.fp8, HEAD_DIM=self.layout.head_dim,
-            num_warps=COPY_WARPS, launch_pdl=use_pdl,
-        )
-
-    # -- prefetch (SparseConfig.prefetch) ---------------------------------------------------------
-    def prefetch(self, layer: int, batch: Batch, selection: Selection) -> None:
-        """Make a predicted selection of a later layer resident ahead of that layer's own
-        `ensure_resident`: the same plan (its hits and misses counted in `prefetch_counts`, not
-        the layer's), its copy on a side stream on CUDA, so that it overlaps the compute queued
-        meanwhile. That layer's `ensure_resident` (or the step's end) waits for the copy first;
-        its own selection then finds the prefetched rows resident and copies what the
-        prediction missed. Nothing else changes: a prefetch only moves rows into the buffer."""
-        assert batch.slot_ids is not None and batch.seq_lens is not None
-        if self.all_resident:
-            return
-        self._join_prefetch(layer)
-        # never the unit of the newest token: `write_decode` places it (a fresh unit must be unmapped
-        # there); selections list whole units in ascending order, so this cuts each one's tail
-        newest = ((batch.seq_lens.long() - 1) // self.unit * self.unit).view(-1, 1, 1)
-        idx = torch.where(selection.indices < newest, selection.indices, -1)
-        selection = Selection(idx, (idx >= 0).sum(-1, dtype=torch.int32), selection.page_size)
-        if self.impl != "triton" or self._prefetch_side is None:  # inline: the plain path, recounted
-            before = self.counts[layer].clone()
-            self.ensure_resident(layer, batch, selection)
-            self.prefetch_counts[layer] += self.counts[layer] - before
-            self.counts[layer].copy_(before)
-            return
-        idx = idx.contiguous()
-        slots, todo, n_todo = self._plan_selection(layer, batch, idx, self.prefetch_counts[layer])
-        side = self._prefetch_side
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._copy_missing(layer, idx, slots, todo, n_todo, batch.slot_ids)
-        done = torch.cuda.Event()
-        done.record(side)
-        # the side stream's inputs stay referenced until the main stream has waited for it
-        self._prefetches[layer] = (done, (idx, slots, todo, n_todo, batch.slot_ids, batch.seq_lens))
-
-    def _join_prefetch(self, layer: int | None = None) -> None:
-        """The main stream waits for the prefetch copy of `layer` (None: of every layer)."""
-        for key in list(self._prefetches) if layer is None else [layer]:
-            pending = self._prefetches.pop(key, None)
-            if pending is not None:
-                torch.cuda.current_stream(self.device).wait_event(pending[0])
-
-    def _plan_selection(
-        self, layer: int, batch: Batch, idx: torch.Tensor, counts: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`_plan_residency` of a selection idx [B, S, W] of the batch's rows, counted in `counts`."""
-        assert batch.slot_ids is not None and batch.seq_lens is not None
-        return self._plan_residency(layer, idx, batch.slot_ids, batch.seq_lens, counts,
-                                    block_w=pow2(-(-idx.shape[-1] // self.unit)))
-
-    def _plan_residency(
-        self, layer: int, idx: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, counts: torch.Tensor, *,
-        block_w: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One launch of `plan_residency_kernel` over selections idx [B, S, W] (whole units,
-        -1 padded) of state `rows` [B] with lengths `lens` [B]: (device slots [B, S, W], the
-        missed entries, their count per stream); hits and misses are added to `counts` [3]."""
-        from ..kernels import pdl
-        from ..kernels.launch import launch
-        from ..kernels.residency import plan_residency_kernel
-
-        b, s, w = idx.shape
-        u = self.unit
-        block_b = pow2(self.buffer_units)
-        scratch = torch.empty((b * s, block_b), dtype=torch.int64, device=self.device)
-        slots = torch.empty_like(idx)
-        todo = torch.empty(b * s * w, dtype=torch.int64, device=self.device)
-        n_todo = torch.empty(b * s, dtype=torch.int32, device=self.device)  # every entry written
-        use_pdl = pdl.enabled(idx.device)
-        launch(plan_residency_kernel, (b * s,),
-            idx, rows, lens, self.l2s[layer], self.s2l[layer], self.last_used[layer],
-            self.clock, self.dev_table[layer], slots, todo, n_todo, scratch, counts,
-            s, w, -(-w // u), self.max_units, self.buffer_units, u, self.page_size, self.dev_table.shape[-1],
-            self.sink_tokens, self.recent_tokens,
-            BLOCK_W=block_w, BLOCK_B=block_b, BLOCK_U=pow2(u), PDL=use_pdl,
-            num_warps=8 if block_b <= 2048 else 16, launch_pdl=use_pdl,
-        )
-        return slots, todo, n_todo
-
-    def _copy_in(self, layer: int, rows: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor) -> None:
-        """Host→device copy of logical `tokens` [B, S, W] (or [B, W] for all streams) into
-        device `slots` (same shape), -1 entries skipped."""
-        if tokens.dim() == 2:
-            tokens = tokens.unsqueeze(1).expand(-1, self.streams, -1)
-            slots = slots.unsqueeze(1).expand(-1, self.streams, -1)
-        heads = torch.arange(self.streams, device=self.device).view(1, -1, 1) if self.head_major else 0
-        host_rows = self.host_pool.rows(rows, tokens)
-        src = self.host_pool.offsets(layer, host_rows, heads)
-        dst = self._dev_off(layer, slots, heads)
-        src = torch.where(dst >= 0, src, -1).flatten()
-        dst = dst.flatten()
-        for dev_buf, host_buf in zip(self._pool[layer].tensors, self.host):
-            self.host_pool.read_rows(host_buf, dev_buf, src, dst, self.row_heads)
-        self.rows_in[layer] += (src >= 0).sum()
-
-    def _timer(self) -> object:
-        if self.device.type == "cuda":
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
-    def _stop_timer(self, layer: int, start: object) -> None:
-        if isinstance(start, float):
-            self._swap_seconds[layer] += time.perf_counter() - start
-        else:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._swap_events.append((layer, start, end))  # type: ignore[arg-type]
 
     # -- retract / resume -------------------------------------------------------------------
     def retract(self, request: Request) -> None:

@@ -1,0 +1,231 @@
+"""The hierarchical store's swap-in of a decode selection (`HierarchicalKVStore`'s, split out
+for size): look the selected units up in the buffer's maps, evict victims for the misses, copy
+the misses' rows host -> device (zero-copy on CUDA), and the prefetch of a predicted selection
+on a side stream. The methods read the store's state (`HierarchicalKVStore.__init__`); this
+class holds none.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..common.arith import pow2
+from ..common.batch import Batch, Selection
+
+# launch shape of copy_missing_kernel (benchmarks/swap_in.py --copy-shapes sets these)
+COPY_PROGRAMS, COPY_COLS, COPY_WARPS = 2048, 1024, 8
+
+
+class BufferResidency:
+    """Mixin of `HierarchicalKVStore`: making selections resident (module docstring)."""
+
+    # -- selection --------------------------------------------------------------------------
+    def resident_slots(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
+        assert batch.slot_ids is not None
+        if self.impl == "triton":  # one kernel instead of ~13 torch ops on the decode path
+            from ..kernels.decode_slots import paged_slots_rows_triton
+            return paged_slots_rows_triton(self.dev_table[layer], batch.slot_ids, selection.indices, self.page_size, torch.int32)
+        return self._phys(layer, batch.slot_ids, selection.indices, torch.int32)
+
+    def ensure_resident(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
+        """Swap in the missing units of a selection of buffered rows; return device slots.
+
+        1. look every selected unit up in the logical→buffer map (hits, misses);
+        2. protect the hits, pick victims among the other units (free first, then least
+           recently used; never pinned ones), evict them and map the misses there;
+        3. copy the misses' rows host→device (zero-copy gather on CUDA);
+        4. stamp recency and count hits, misses and rows moved.
+        """
+        assert batch.slot_ids is not None and batch.seq_lens is not None
+        if self.all_resident:
+            return self.resident_slots(layer, batch, selection)
+        self._join_prefetch(layer)
+        if self.impl == "triton":
+            return self._ensure_resident_fused(layer, batch, selection)
+        u = self.unit
+        idx = selection.indices
+        b, s, w = idx.shape
+        first = idx[..., ::u]
+        units = first.long().div(u, rounding_mode="floor")  # [B, S, Wu], -1 stays -1
+        valid = first >= 0
+        rows = batch.slot_ids
+        ri = rows.view(-1, 1, 1)
+        hi = torch.arange(s, device=self.device).view(1, -1, 1)
+        cur = self.l2s[layer, ri, hi, units.clamp(min=0)].long()
+        hit = valid & (cur >= 0)
+        miss = valid & (cur < 0)
+        protect = torch.zeros(b, s, self.buffer_units + 1, dtype=torch.bool, device=self.device)
+        protect.scatter_(2, torch.where(hit, cur, self.buffer_units), True)
+        wu = units.shape[-1]
+        victims = self.maps.victims(layer, rows, batch.seq_lens, protect[..., : self.buffer_units],
+                                    min(wu, self.buffer_units), need=miss.sum(-1))
+        if wu > victims.shape[-1]:
+            victims = torch.nn.functional.pad(victims, (0, wu - victims.shape[-1]), value=self.buffer_units)
+        rank = (miss.long().cumsum(-1) - 1).clamp(min=0)
+        victim = victims.gather(-1, rank)
+        self.maps.assign(layer, rows, units, miss, victim)
+        bu = torch.where(hit, cur, torch.where(miss, victim, -1))  # [B, S, Wu]
+        self.last_used[layer, ri, hi, torch.where(valid, bu, self.buffer_units)] = self.clock
+        # token-level positions
+        offs = torch.arange(u, device=self.device)
+        tok_bu = (bu.unsqueeze(-1) * u + offs).flatten(-2)[..., :w]
+        tok_bu = torch.where(idx >= 0, tok_bu, -1)
+        slots = self._phys(layer, rows, tok_bu)  # [B, S, W]
+        tok_miss = miss.unsqueeze(-1).expand(-1, -1, -1, u).flatten(-2)[..., :w] & (idx >= 0)
+        src_tokens = torch.where(tok_miss, idx.long(), -1)
+        start = self._timer() if self.timing else None
+        self._copy_in(layer, rows, src_tokens, torch.where(tok_miss, slots, -1))
+        if start is not None:
+            self._stop_timer(layer, start)
+        self.hits[layer] += (hit.unsqueeze(-1).expand(-1, -1, -1, u).flatten(-2)[..., :w] & (idx >= 0)).sum()
+        self.misses[layer] += tok_miss.sum()
+        return slots.to(torch.int32)
+
+    def _ensure_resident_fused(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
+        """`ensure_resident` in two kernel launches (kernels/residency.py)."""
+        idx = selection.indices.contiguous()
+        start = self._timer() if self.timing else None
+        slots, todo, n_todo = self._plan_selection(layer, batch, idx, self.counts[layer])
+        self._copy_missing(layer, idx, slots, todo, n_todo, batch.slot_ids)
+        if start is not None:
+            self._stop_timer(layer, start)
+        return slots
+
+    def _copy_missing(
+        self, layer: int, idx: torch.Tensor, slots: torch.Tensor, todo: torch.Tensor, n_todo: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> None:
+        """One launch of `copy_missing_kernel`: the rows `_plan_residency` found missing, host → device."""
+        from ..kernels import pdl
+        from ..kernels.launch import launch
+        from ..kernels.residency import copy_missing_kernel
+        from .copy import _as_kernel_arg
+
+        b, s, w = idx.shape
+        use_pdl = pdl.enabled(idx.device)
+        host = [_as_kernel_arg(t) for t in self.host]
+        pool = self._pool[layer]
+        dev = pool.tensors
+        two = len(dev) == 2
+        hp = self.host_pool  # host rows: the device's, or fp8 ones the kernel dequantises (FP8_HOST)
+        launch(copy_missing_kernel, (COPY_PROGRAMS,),
+            todo, n_todo, idx, slots, rows, self.host_table,
+            host[0], dev[0], host[1] if two else host[0], dev[1] if two else dev[0],
+            s, w, self.page_size, self.host_table.shape[-1],
+            layer * self.host_slots * hp.row_elems, pool.layer_offset(layer),
+            pool.slots, self.layout.num_kv_heads, b * s, BLOCK_S=pow2(b * s),
+            HEAD_MAJOR=self.head_major, TWO=two, ROW=self.row_elems, COLS=min(COPY_COLS, pow2(self.row_elems)),
+            PDL=use_pdl, HROW=hp.head_width * self.row_heads, FP8_HOST=hp.fp8, HEAD_DIM=self.layout.head_dim,
+            num_warps=COPY_WARPS, launch_pdl=use_pdl,
+        )
+
+    # -- prefetch (SparseConfig.prefetch) ---------------------------------------------------------
+    def prefetch(self, layer: int, batch: Batch, selection: Selection) -> None:
+        """Make a predicted selection of a later layer resident ahead of that layer's own
+        `ensure_resident`: the same plan (its hits and misses counted in `prefetch_counts`, not
+        the layer's), its copy on a side stream on CUDA, so that it overlaps the compute queued
+        meanwhile. That layer's `ensure_resident` (or the step's end) waits for the copy first;
+        its own selection then finds the prefetched rows resident and copies what the
+        prediction missed. Nothing else changes: a prefetch only moves rows into the buffer."""
+        assert batch.slot_ids is not None and batch.seq_lens is not None
+        if self.all_resident:
+            return
+        self._join_prefetch(layer)
+        # never the unit of the newest token: `write_decode` places it (a fresh unit must be unmapped
+        # there); selections list whole units in ascending order, so this cuts each one's tail
+        newest = ((batch.seq_lens.long() - 1) // self.unit * self.unit).view(-1, 1, 1)
+        idx = torch.where(selection.indices < newest, selection.indices, -1)
+        selection = Selection(idx, (idx >= 0).sum(-1, dtype=torch.int32), selection.page_size)
+        if self.impl != "triton" or self._prefetch_side is None:  # inline: the plain path, recounted
+            before = self.counts[layer].clone()
+            self.ensure_resident(layer, batch, selection)
+            self.prefetch_counts[layer] += self.counts[layer] - before
+            self.counts[layer].copy_(before)
+            return
+        idx = idx.contiguous()
+        slots, todo, n_todo = self._plan_selection(layer, batch, idx, self.prefetch_counts[layer])
+        side = self._prefetch_side
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._copy_missing(layer, idx, slots, todo, n_todo, batch.slot_ids)
+        done = torch.cuda.Event()
+        done.record(side)
+        # the side stream's inputs stay referenced until the main stream has waited for it
+        self._prefetches[layer] = (done, (idx, slots, todo, n_todo, batch.slot_ids, batch.seq_lens))
+
+    def _join_prefetch(self, layer: int | None = None) -> None:
+        """The main stream waits for the prefetch copy of `layer` (None: of every layer)."""
+        for key in list(self._prefetches) if layer is None else [layer]:
+            pending = self._prefetches.pop(key, None)
+            if pending is not None:
+                torch.cuda.current_stream(self.device).wait_event(pending[0])
+
+    def _plan_selection(
+        self, layer: int, batch: Batch, idx: torch.Tensor, counts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`_plan_residency` of a selection idx [B, S, W] of the batch's rows, counted in `counts`."""
+        assert batch.slot_ids is not None and batch.seq_lens is not None
+        return self._plan_residency(layer, idx, batch.slot_ids, batch.seq_lens, counts,
+                                    block_w=pow2(-(-idx.shape[-1] // self.unit)))
+
+    def _plan_residency(
+        self, layer: int, idx: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, counts: torch.Tensor, *,
+        block_w: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One launch of `plan_residency_kernel` over selections idx [B, S, W] (whole units,
+        -1 padded) of state `rows` [B] with lengths `lens` [B]: (device slots [B, S, W], the
+        missed entries, their count per stream); hits and misses are added to `counts` [3]."""
+        from ..kernels import pdl
+        from ..kernels.launch import launch
+        from ..kernels.residency import plan_residency_kernel
+
+        b, s, w = idx.shape
+        u = self.unit
+        block_b = pow2(self.buffer_units)
+        scratch = torch.empty((b * s, block_b), dtype=torch.int64, device=self.device)
+        slots = torch.empty_like(idx)
+        todo = torch.empty(b * s * w, dtype=torch.int64, device=self.device)
+        n_todo = torch.empty(b * s, dtype=torch.int32, device=self.device)  # every entry written
+        use_pdl = pdl.enabled(idx.device)
+        launch(plan_residency_kernel, (b * s,),
+            idx, rows, lens, self.l2s[layer], self.s2l[layer], self.last_used[layer],
+            self.clock, self.dev_table[layer], slots, todo, n_todo, scratch, counts,
+            s, w, -(-w // u), self.max_units, self.buffer_units, u, self.page_size, self.dev_table.shape[-1],
+            self.sink_tokens, self.recent_tokens,
+            BLOCK_W=block_w, BLOCK_B=block_b, BLOCK_U=pow2(u), PDL=use_pdl,
+            num_warps=8 if block_b <= 2048 else 16, launch_pdl=use_pdl,
+        )
+        return slots, todo, n_todo
+
+    def _copy_in(self, layer: int, rows: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor) -> None:
+        """Host→device copy of logical `tokens` [B, S, W] (or [B, W] for all streams) into
+        device `slots` (same shape), -1 entries skipped."""
+        if tokens.dim() == 2:
+            tokens = tokens.unsqueeze(1).expand(-1, self.streams, -1)
+            slots = slots.unsqueeze(1).expand(-1, self.streams, -1)
+        heads = torch.arange(self.streams, device=self.device).view(1, -1, 1) if self.head_major else 0
+        host_rows = self.host_pool.rows(rows, tokens)
+        src = self.host_pool.offsets(layer, host_rows, heads)
+        dst = self._dev_off(layer, slots, heads)
+        src = torch.where(dst >= 0, src, -1).flatten()
+        dst = dst.flatten()
+        for dev_buf, host_buf in zip(self._pool[layer].tensors, self.host):
+            self.host_pool.read_rows(host_buf, dev_buf, src, dst, self.row_heads)
+        self.rows_in[layer] += (src >= 0).sum()
+
+    def _timer(self) -> object:
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def _stop_timer(self, layer: int, start: object) -> None:
+        if isinstance(start, float):
+            self._swap_seconds[layer] += time.perf_counter() - start
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._swap_events.append((layer, start, end))  # type: ignore[arg-type]
