@@ -81,6 +81,20 @@ def test_the_engine_runs_the_drawn_lengths(tiny, dist, rate) -> None:
         assert r["arrivals_s"] == work.arrivals and r["arrivals_s"][-1] > 0
 
 
+def test_the_prefetch_rows_are_reported_and_counted_in_the_host_to_device_bytes(tiny) -> None:
+    """With prefetch on, the rows it copied ahead show in the JSON, and h2d_bytes counts them
+    beside the layers' own misses (the store's `bytes_in`)."""
+    spec = bench.BenchSpec(num_prompts=2, input_len=200, output_len=6, concurrency=2)
+    rows = {}
+    for prefetch in ("off", "early_query"):
+        llm = LLM.from_model(tiny, {**quest("hierarchical"), "prefetch": prefetch}, max_num_seqs=2, max_model_len=208)
+        rows[prefetch] = bench.run_benchmark(llm, spec)
+        stats = llm.engine.runner.coord.store.stats()
+        assert rows[prefetch]["prefetch_rows"] == sum(s["prefetch_rows"] for s in stats)
+        assert rows[prefetch]["h2d_bytes"] == sum(s["bytes_in"] for s in stats)
+    assert rows["off"]["prefetch_rows"] == 0 and rows["early_query"]["prefetch_rows"] > 0
+
+
 def test_hierarchical_figures_are_sane_and_resident_has_no_traffic(tiny) -> None:
     spec = bench.BenchSpec(num_prompts=3, input_len=200, output_len=8, concurrency=3)
     rows, plans = {}, {}
@@ -94,6 +108,7 @@ def test_hierarchical_figures_are_sane_and_resident_has_no_traffic(tiny) -> None
     assert h["buffer_hits"] + h["buffer_misses"] > 0 and 0 <= h["hit_rate"] <= 1
     assert h["h2d_bytes"] > 0 and h["h2d_gb_per_s"] > 0 and h["host_pool_bytes"] > 0
     assert r["hit_rate"] is None and r["h2d_bytes"] is None and r["h2d_gb_per_s"] is None
+    assert h["prefetch_rows"] == 0 and r["prefetch_rows"] is None  # prefetch is off by default
     for x in (h, r):
         assert x["prefill_flops"] == bench.prefill_flops(TINY, [200] * 3) and x["prefill_tflops"] > 0
         assert x["decode_step_rows"] == 3 and 0 < x["decode_step_floor_ms"] < x["decode_step_ms"]

@@ -328,15 +328,16 @@ def _ms(seconds: float | None) -> float | None:
 
 
 def store_traffic(llm: LLM) -> dict[str, float | int | None]:
-    """Hits, misses, hit rate and host->device bytes of the hierarchical store over the run
-    (None for the resident store, which never swaps in)."""
+    """Hits, misses, hit rate and host->device bytes of the hierarchical store over the run,
+    and the rows its prefetch copied ahead (`SparseConfig.prefetch`; counted in h2d_bytes too,
+    not in the hits and misses). None for the resident store, which never swaps in."""
     coord = llm.engine.runner.coord
     if coord.config.store == "resident":
-        return {"buffer_hits": None, "buffer_misses": None, "hit_rate": None, "h2d_bytes": None}
+        return {"buffer_hits": None, "buffer_misses": None, "hit_rate": None, "h2d_bytes": None, "prefetch_rows": None}
     stats = coord.store.stats()
     hits, misses = sum(s["hits"] for s in stats), sum(s["misses"] for s in stats)
     return {"buffer_hits": hits, "buffer_misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else None,
-            "h2d_bytes": sum(s["bytes_in"] for s in stats)}
+            "h2d_bytes": sum(s["bytes_in"] for s in stats), "prefetch_rows": sum(s.get("prefetch_rows", 0) for s in stats)}
 
 
 class TokenProgress:
