@@ -473,7 +473,9 @@ def ruler(args: argparse.Namespace, runner: Runner) -> dict[str, Any]:
     out: dict[str, Any] = {"context": args.context, "samples": args.samples, "top_k": args.top_k, "scores": {}}
     configs = {"dense": None, "quest": {**QUEST, "top_k": args.top_k},
                # the page bound without its range term: what keeps SmolLM2's accuracy (docs/algorithms.md)
-               "quest-rw0": {**QUEST, "top_k": args.top_k, "extra": {"range_weight": 0.0}}}
+               "quest-rw0": {**QUEST, "top_k": args.top_k, "extra": {"range_weight": 0.0}},
+               # PQCache through the rebuild bridge (paged_bridge.py: eager, k-means every step)
+               "pqcache": {"algorithm": "pqcache", "min_sparse_prompt_len": 0, "top_k": args.top_k}}
     names = args.configs.split(",")
     bad = [n for n in names if n not in configs]
     if bad:
@@ -536,7 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     ru.add_argument("--context", type=int, default=4096)
     ru.add_argument("--samples", type=int, default=4)
     ru.add_argument("--top-k", type=int, default=512)
-    ru.add_argument("--configs", default="dense,quest,quest-rw0", help="dense, quest (the paper's bound), quest-rw0")
+    ru.add_argument("--configs", default="dense,quest,quest-rw0",
+                    help="dense, quest (the paper's bound), quest-rw0, pqcache (through the rebuild bridge)")
     ru.add_argument("--seed", type=int, default=0)
     for p in (eq, pf):
         p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
