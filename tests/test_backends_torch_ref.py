@@ -323,7 +323,9 @@ def test_softcap_and_sinks_follow_the_float64_formula(page, hk, group, lens, opt
     else:
         meta = FlashAttentionMetadata(table, seqlens, page, heads_folded=False)
         out = TorchRefBackend().run(q, k_cache, v_cache, meta, scale=scale, softcap=softcap, sinks=sinks)
-    torch.testing.assert_close(out, raw, atol=1e-6, rtol=0)
+    # two float32 implementations summing in different orders: O(1) outputs over ~20 tokens differ
+    # by a few ulps (1.5e-6 seen in CI); each is held to the float64 formula at 1e-5 above
+    torch.testing.assert_close(out, raw, atol=1e-5, rtol=0)
 
 
 @settings(max_examples=20, deadline=None)
