@@ -143,20 +143,16 @@ def child(spec_path: str, result_path: str) -> None:
         report = Report(llm, plugin, tp)
         try:
             result["engine"] = llm.collective_rpc(describe_worker)[0]
-        except Exception as exc:
-            if tp > 1:
-                # a multiprocess executor cannot pickle the function without
-                # VLLM_ALLOW_INSECURE_SERIALIZATION=1 (set by the parent for TP runs)
-                result["engine"] = {"error": repr(exc), "tensor_parallel_size": tp}
-            else:
-                result["engine"] = {"error": repr(exc)}
+        except Exception as exc:  # a diagnostic only (with TP the function is pickled: Runner allows it)
+            result["engine"] = {"error": repr(exc), "tensor_parallel_size": tp}
         if spec["task"] == "generate":
             result.update(run_generate(llm, SamplingParams, spec, report))
         else:
             result.update(run_perf(llm, SamplingParams, spec, report))
-        result.update(stats=report.stats(), diagnostics=report.diagnostics(), ok=True)
-        if tp > 1:
-            result["ranks"] = report.ranks()
+        ranks = report.ranks() if tp > 1 else None  # one round of RPCs for the three fields
+        result.update(stats=report.stats(ranks), diagnostics=report.diagnostics(ranks), ok=True)
+        if ranks is not None:
+            result["ranks"] = ranks
     except BaseException as exc:  # reported by the parent, with the log's tail
         import traceback
 
@@ -175,17 +171,21 @@ class Report:
     def ranks(self) -> list[dict[str, Any]]:
         return list(self.llm.collective_rpc("sparse_framework_report"))
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, ranks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The counters, summed over the ranks (`ranks`: a `ranks()` already read, else asked)."""
         if self.tp == 1:
             return self.plugin.stats()
         total: dict[str, Any] = {}
-        for rank in self.ranks():
+        for rank in ranks if ranks is not None else self.ranks():
             for key, value in rank["stats"].items():
                 total[key] = total.get(key, 0) + value
         return total
 
-    def diagnostics(self) -> dict[str, Any]:
-        return self.plugin.diagnostics() if self.tp == 1 else self.ranks()[0]["diagnostics"]
+    def diagnostics(self, ranks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """What the first sparse decode found (rank 0's with TP)."""
+        if self.tp == 1:
+            return self.plugin.diagnostics()
+        return (ranks if ranks is not None else self.ranks())[0]["diagnostics"]
 
     def reset_stats(self) -> None:
         if self.tp == 1:
@@ -411,6 +411,7 @@ def perf(args: argparse.Namespace, runner: Runner) -> dict[str, Any]:
         "quest-piecewise": (quest, {"compilation_config": {"cudagraph_mode": "PIECEWISE"}}),  # attention eager
     }
     out: dict[str, Any] = {"cells": [], "configs": {}, "hbm_tb_s": HBM_TB_S, "weights_bytes": WEIGHTS_8B}
+    partial = args.out and Path(args.out).with_suffix(".partial.json")
     for name in args.configs.split(","):
         sparse, extra = configs[name]
         llm = {"model": str(model), "load_format": "dummy", "skip_tokenizer_init": True, "dtype": "bfloat16",
@@ -420,7 +421,6 @@ def perf(args: argparse.Namespace, runner: Runner) -> dict[str, Any]:
         spec = {"task": "perf", "llm": llm, "cells": cells, "output_len": args.output_len, "repeats": args.repeats}
         result = runner.run(f"perf-{name}", spec, sparse)
         out["configs"][name] = {k: v for k, v in result.items() if k != "cells"}
-        partial = args.out and Path(args.out).with_suffix(".partial.json")
         engine = result.get("engine", {})
         capacity = (engine.get("num_gpu_blocks") or 0) * (engine.get("block_size") or 16)
         for cell in result.get("cells", []):

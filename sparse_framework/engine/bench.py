@@ -337,7 +337,7 @@ def store_traffic(llm: LLM) -> dict[str, float | int | None]:
     stats = coord.store.stats()
     hits, misses = sum(s["hits"] for s in stats), sum(s["misses"] for s in stats)
     return {"buffer_hits": hits, "buffer_misses": misses, "hit_rate": hits / (hits + misses) if hits + misses else None,
-            "h2d_bytes": sum(s["bytes_in"] for s in stats), "prefetch_rows": sum(s.get("prefetch_rows", 0) for s in stats)}
+            "h2d_bytes": sum(s["bytes_in"] for s in stats), "prefetch_rows": sum(s["prefetch_rows"] for s in stats)}
 
 
 class TokenProgress:

@@ -131,7 +131,7 @@ class PagedBridge(PerSlotKeys):
             request = Request(rid=f"bridge-{i}", prompt_len=max(n - 1, 1), seq_len=max(n - 1, 0), slot=i)
             if n > 1:  # a request with only its newest token has nothing to build
                 algo.build(0, request, state.logical(block_table[i], n - 1))
-            request.seq_len = max(n, 0)  # the decode step's length, as forward_begin advances it
+            request.seq_len = n  # the decode step's length, as forward_begin advances it
             requests.append(request)
         batch = Batch(requests)
         batch.prepare(q.device)
