@@ -6,12 +6,17 @@ per step, beside the step's wall time. CUDA only.
 
     python benchmarks/profile_engine_step.py --config '{"algorithm": "quest", "backend": "triton"}' \\
         --batch 8 --context 16384 --cuda-graphs
+
+Under torchrun (`torchrun --nproc-per-node 2 benchmarks/profile_engine_step.py ...`) every rank
+runs its shard of the model with tensor parallelism and rank 0 prints its own kernels (the
+all-reduces among them).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
@@ -60,16 +65,24 @@ def main(argv: list[str] | None = None) -> int:
     from sparse_framework.engine.command import RANDOM_MODELS
     from sparse_framework.engine.models import ModelConfig, random_model
 
+    from sparse_framework.engine import parallel
+
+    ctx = parallel.init_tp_from_env() if "WORLD_SIZE" in os.environ else None
+    if ctx is not None:
+        torch.cuda.set_device(ctx.device)
+        if ctx.rank != 0:  # one table: rank 0's (every rank runs the same steps)
+            sys.stdout = open(os.devnull, "w")
     model_config = ModelConfig.from_hf(RANDOM_MODELS[args.shape])
-    model = random_model(model_config, "bfloat16", "cuda")
+    model = random_model(model_config, "bfloat16", ctx.device if ctx is not None else "cuda", seed=0,
+                         tp=ctx.shard if ctx is not None else None)
     # the first request decodes while the others prefill (a step each per 16384 tokens): its
     # output must outlast that, or the batch never decodes all together
     max_tokens = args.timed_steps + 2 * args.steps + 16 + args.batch * -(-args.context // 16384)
     engine = Engine(model, model_config, json.loads(args.config), EngineConfig(
         max_num_seqs=args.batch, max_num_batched_tokens=16384, max_model_len=args.context + max_tokens,
         decode_graphs=args.decode_graphs, cuda_graphs=args.cuda_graphs, fused_ops=args.fused_ops == "on",
-        prefill_attention=args.prefill_attention,
-        async_scheduling=args.async_scheduling == "on"))
+        prefill_attention=args.prefill_attention, tensor_parallel_size=ctx.world_size if ctx is not None else 1,
+        async_scheduling=(args.async_scheduling == "on") if ctx is None else None))  # TP: off, as bench
     g = torch.Generator().manual_seed(0)
     # one short request first: kernel compilation (Triton, flash-attn's JIT) stays out of the figures
     engine.add_request("warm-up", torch.randint(0, model_config.vocab_size, (min(args.context, 4096),),
@@ -156,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         hits = None if after is None else dict(zip(("hits", "misses", "bytes_in"), (a - b for a, b in zip(after, before))))
         record = {
-            "config": json.loads(args.config), "shape": args.shape, "batch": args.batch, "context": args.context,
+            "tensor_parallel_size": ctx.world_size if ctx is not None else 1, "config": json.loads(args.config), "shape": args.shape, "batch": args.batch, "context": args.context,
             "cuda_graphs": args.cuda_graphs, "pdl": args.pdl, "fused_ops": args.fused_ops,
             "async_scheduling": args.async_scheduling, "device": torch.cuda.get_device_name(),
             "step_ms_mean": 1e3 * sum(times) / len(times) if times else None,
@@ -165,8 +178,12 @@ def main(argv: list[str] | None = None) -> int:
             "kernels": [{"name": e.key, "ms_per_step": e.device_time_total / args.steps / 1e3,
                          "calls_per_step": e.count / args.steps} for e in events],
         }
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
+        if ctx is None or ctx.rank == 0:
+            with open(args.json, "w") as f:
+                json.dump(record, f, indent=1)
+    if ctx is not None:  # the engine (its graphs hold NCCL all-reduces) goes before the group
+        del engine, model
+        parallel.destroy_tp()
     return 0
 
 

@@ -7,8 +7,9 @@
 #   bash benchmarks/tp_gpu_runs.sh perf16k    # Llama-3-8B shape, 16K x 8: TP=1/2/4, Quest and dense
 #   bash benchmarks/tp_gpu_runs.sh perf32k    # 8B at 32K x 8 (TP=1/2/4), 70B at 16K x 8 (TP=4)
 #   bash benchmarks/tp_gpu_runs.sh batch32    # issue 31's batch 32 (does not fit one H100): 8B at 16K
-#                                             # and 32K x 32, TP=2, Quest and dense, admitted by memory
-#                                             # (0.9 of each GPU), beside vLLM's (vllm_gpu_runs.sh perf-tp)
+#                                             # and 32K x 32, TP=2, Quest (resident and host tier) and
+#                                             # dense, admitted by memory (0.9 of each GPU), beside vLLM's
+#                                             # (vllm_gpu_runs.sh perf-tp); batch32-resident: Quest resident alone
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-tp_runs}
@@ -44,10 +45,17 @@ case ${1:-} in
             bench "tp_bench_8b_32k_quest_tp$n" "$n" 150 --random llama-3-8b --input-len 32768 --output-len 64 --num-prompts 8
         done
         bench tp_bench_70b_16k_quest_tp4 4 150 --random llama-3-70b --input-len 16384 --output-len 64 --num-prompts 8 ;;
-    batch32)
+    batch32|batch32-resident)
+        # quest: the resident store, as the plugin inside vLLM runs; quest_hier: the engine's default
+        # store, the host tier (stop 40 ran batch32-resident after batch32 had measured the other two)
+        names="quest dense quest_hier" && [[ $1 == batch32-resident ]] && names=quest
         for ctx in 16384 32768; do
-            for name in quest dense; do
-                config=$DENSE && [[ $name == quest ]] && config='{"algorithm": "quest", "backend": "triton", "top_k": 2048}'
+            for name in $names; do
+                case $name in
+                    quest) config='{"algorithm": "quest", "backend": "triton", "store": "resident", "top_k": 2048}' ;;
+                    quest_hier) config='{"algorithm": "quest", "backend": "triton", "top_k": 2048}' ;;
+                    *) config=$DENSE ;;
+                esac
                 # 256 output tokens: with 64 (stop 39's run) the prefill of 32 long prompts left few steps
                 # with every request decoding, and the median "decode step" was not one
                 bench "tp_bench_8b_${ctx}_x32_${name}_tp2" 2 240 --random llama-3-8b --input-len "$ctx" --output-len 256 \
@@ -55,6 +63,6 @@ case ${1:-} in
             done
         done ;;
     *)
-        echo "usage: bash benchmarks/tp_gpu_runs.sh equality|perf16k|perf32k|batch32" >&2
+        echo "usage: bash benchmarks/tp_gpu_runs.sh equality|perf16k|perf32k|batch32|batch32-resident" >&2
         exit 2 ;;
 esac

@@ -13,6 +13,9 @@
 #   c  carry h1: stash; wait for the detached runs (at most ~8 minutes) and pack what they wrote
 #   d  carry h2: join the GGUF and convert it; the plugin's equality at TP=3 on GPUs 0-2
 #      (vllm_gpu_runs.sh equality-tp); collect the detached runs if c left them running
+#   e  (nvidia-h100-x2 is enough) carry minwhl: this engine's Quest with the resident store at batch
+#      32 with TP=2 (tp_gpu_runs.sh batch32-resident: b's detached runs used the default host-tier
+#      store), and a kernel profile of its dense TP=2 step at 16K x 32 (profile_engine_step.py)
 #
 # Stop 39 ran an earlier version: a; b with issue 33's 128K capacity runs detached on GPU 3 and
 # perf-tp (dense and the plugin) on GPUs 0-1, whose vLLM engines both failed in the first graph
@@ -67,6 +70,18 @@ case ${1:-} in
         pack vllm_tp_eq "$OUT/vllm_tp_eq"
         cat /tmp/r31/detached.log
         cp -r /tmp/r31 "$OUT/tp_batch32" && pack tp_batch32 "$OUT/tp_batch32" ;;
+    e)
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu_carry/minwhl/*.whl
+        export PYTHONPATH=/tmp/site:$PWD
+        python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+        mkdir -p "$OUT/tp_batch32_resident"
+        CUDA_VISIBLE_DEVICES=0,1 OUT=$OUT/tp_batch32_resident timeout 400 bash benchmarks/tp_gpu_runs.sh batch32-resident
+        CUDA_VISIBLE_DEVICES=0,1 timeout 150 torchrun --nproc-per-node 2 benchmarks/profile_engine_step.py --cuda-graphs \
+            --config '{"algorithm": "quest", "backend": "triton", "store": "resident", "min_sparse_prompt_len": 1000000000}' \
+            --batch 32 --context 16384 --top 25 --json "$OUT/tp_batch32_resident/profile_dense_tp2_16k_x32.json" \
+            >"$OUT/tp_batch32_resident/profile_dense_tp2_16k_x32.log" 2>&1
+        tail -n 32 "$OUT/tp_batch32_resident/profile_dense_tp2_16k_x32.log"
+        pack tp_batch32_resident "$OUT/tp_batch32_resident" ;;
     *)
         awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"
         exit 2 ;;
