@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         times.sort()
         print(f"decode step (no profiler): {1e3 * sum(times) / len(times):.2f} ms per step over {len(times)} steps "
               f"(median call {1e3 * times[len(times) // 2]:.2f} ms, min {1e3 * times[0]:.2f} ms; fused ops "
-              f"{args.fused_ops}, async scheduling {args.async_scheduling}: with it a call returns once the step "
+              f"{args.fused_ops}, async scheduling {'on' if engine.async_scheduling else 'off'}: with it a call "
+              "returns once the step "
               "before is read, so the steps' mean, not a call's, is the step time)")
     before = _hits(engine)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         record = {
             "tensor_parallel_size": ctx.world_size if ctx is not None else 1, "config": json.loads(args.config), "shape": args.shape, "batch": args.batch, "context": args.context,
             "cuda_graphs": args.cuda_graphs, "pdl": args.pdl, "fused_ops": args.fused_ops,
-            "async_scheduling": args.async_scheduling, "device": torch.cuda.get_device_name(),
+            "async_scheduling": engine.async_scheduling, "device": torch.cuda.get_device_name(),
             "step_ms_mean": 1e3 * sum(times) / len(times) if times else None,
             "step_ms_median_call": 1e3 * times[len(times) // 2] if times else None,
             "profiled_wall_ms": wall * 1e3, "kernel_ms": total / 1e3, "launches_per_step": launches, "buffer": hits,
