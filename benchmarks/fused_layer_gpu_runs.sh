@@ -16,6 +16,12 @@
 #       the hierarchical runs again with prefetch "early_query" (the next layer's selection
 #       predicted and swapped in on a side stream): the CUDA prefetch tests, the 16K x 8 timeline
 #       and bench, and the 32K memory-bound maximum
+#   bash benchmarks/fused_layer_gpu_runs.sh prefetch-grid
+#       the prefetch's copy on a small grid of many-row programs (PREFETCH_PROGRAMS x PREFETCH_ROWS
+#       of kv_store/residency.py, so that it leaves the SMs to the compute it should overlap): the
+#       compiled copy kernel's and the prefetch's GPU tests, the 16K x 8 timeline with and without
+#       prefetch (overlap shows as kernel time above the step's wall time), bench off / on at the
+#       default shape and two others (PROGRAMS:ROWS), and the 32K memory-bound maximum off / on
 #   bash benchmarks/fused_layer_gpu_runs.sh capacity
 #       Quest resident at 32K x 16 again, then the memory-bound maximum at 32K: 24 requests, dense
 #       (resident, admitted by memory) vs Quest hierarchical
@@ -49,6 +55,18 @@ bench() {  # bench NAME LIMIT_S CONFIG bench arguments...
     tail -n 14 "$OUT/$name.log" | cut -c1-100 | sed "s/^/    /"
 }
 
+bench_grid() {  # bench_grid PROGRAMS:ROWS NAME LIMIT_S CONFIG bench arguments...: bench with that prefetch launch shape
+    local shape=$1 name=$2 limit=$3 config=$4
+    shift 4
+    run "$name" "$limit" python3 -c 'import sys
+import sparse_framework.kv_store.residency as r
+from sparse_framework.cli import main
+r.PREFETCH_PROGRAMS, r.PREFETCH_ROWS = map(int, sys.argv[1].split(":"))
+sys.exit(main(sys.argv[2:]))' "$shape" bench --random llama-3-8b --device cuda --cuda-graphs --no-progress \
+        --config "$config" --json "$OUT/$name.json" --output-len 256 --max-num-batched-tokens 16384 "$@"
+    tail -n 3 "$OUT/$name.log" | cut -c1-100 | sed "s/^/    /"
+}
+
 profile() {  # profile NAME CONFIG [BATCH CONTEXT LIMIT_S]
     run "$1" "${5:-150}" python3 benchmarks/profile_engine_step.py --config "$2" --batch "${3:-8}" --context "${4:-16384}" \
         --cuda-graphs --top 25 --json "$OUT/$1.json"
@@ -79,6 +97,22 @@ case ${1:-} in
             config=$HIER && [[ $pf == on ]] && config=$HIER_PF
             bench "quest_hier_prefetch_${pf}_16k_x8" 150 "$config" --input-len 16384 --num-prompts 8
             bench "quest_hier_prefetch_${pf}_32k_max" 240 "$config" --input-len 32768 --num-prompts 24 \
+                --max-num-seqs 24 --gpu-memory-utilization 0.9
+        done ;;
+    prefetch-grid)
+        run prefetch_grid_gpu_tests 200 python3 -m pytest -q -m gpu tests/test_kernels_residency.py \
+            tests/test_engine_prefetch.py
+        tail -n 3 "$OUT/prefetch_grid_gpu_tests.log"
+        profile timeline_hier_prefetch_grid "$HIER_PF"
+        profile timeline_hier_no_prefetch "$HIER"
+        bench quest_hier_prefetch_off_16k_x8 100 "$HIER" --input-len 16384 --num-prompts 8
+        bench quest_hier_prefetch_grid_on_16k_x8 100 "$HIER_PF" --input-len 16384 --num-prompts 8
+        for shape in 32:16 8:64; do
+            bench_grid "$shape" "quest_hier_prefetch_grid_${shape/:/x}_16k_x8" 100 "$HIER_PF" --input-len 16384 --num-prompts 8
+        done
+        for pf in off on; do
+            config=$HIER && [[ $pf == on ]] && config=$HIER_PF
+            bench "quest_hier_prefetch_grid_${pf}_32k_max" 130 "$config" --input-len 32768 --num-prompts 24 \
                 --max-num-seqs 24 --gpu-memory-utilization 0.9
         done ;;
     capacity)

@@ -251,6 +251,17 @@ def sweep_kernel(rows: int = 16384) -> list[dict]:
     return out
 
 
+def copy_shape(text: str) -> tuple[int, int, int, int]:
+    """A `--copy-shapes` entry 'programs:cols:warps[:rows]' -> (programs, cols, warps, rows)."""
+    fields = [int(x) for x in text.split(":")]
+    if len(fields) not in (3, 4):
+        raise SystemExit(f"--copy-shapes: want programs:cols:warps[:rows], got {text!r}")
+    programs, cols, warps, rows = fields if len(fields) == 4 else (*fields, 1)
+    if rows < 1 or rows & (rows - 1):
+        raise SystemExit(f"--copy-shapes: rows must be a power of two, got {text!r}")
+    return programs, cols, warps, rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layouts", default="mha,mla")
@@ -268,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write results to this JSON file")
     parser.add_argument("--sweep-kernel", action="store_true", help="only tune the copy kernel's launch parameters")
     parser.add_argument("--copy-shapes", default=None,
-                        help="compare launch shapes of the copy kernel: 'programs:cols:warps,...'")
+                        help="compare launch shapes of the decode path's copy kernel: "
+                             "'programs:cols:warps[:rows],...', rows = missed rows per loop iteration "
+                             "of a program (BLOCK_R, a power of two; default 1)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("swap_in.py needs a CUDA device", file=sys.stderr)
@@ -283,8 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.copy_shapes:
         import sparse_framework.kv_store.residency as hier  # the copy kernel's launch shape
 
-        for shape in args.copy_shapes.split(","):
-            hier.COPY_PROGRAMS, hier.COPY_COLS, hier.COPY_WARPS = (int(x) for x in shape.split(":"))
+        shapes = {shape: copy_shape(shape) for shape in args.copy_shapes.split(",")}  # all checked first
+        for shape, launch_shape in shapes.items():
+            hier.COPY_PROGRAMS, hier.COPY_COLS, hier.COPY_WARPS, hier.COPY_ROWS = launch_shape
             for kind in args.layouts.split(","):
                 for batch in [int(x) for x in args.batches.split(",")]:
                     for fraction in [float(x) for x in args.misses.split(",")]:

@@ -12,8 +12,8 @@ unit's buffer unit and miss flag.
 The same kernel then writes every selected token's device slot (for the adaptor), and each
 stream's missed tokens, compacted, with their count (a plain store: nothing to zero before
 the launch). `copy_missing_kernel`, a fixed grid walking those lists as one, copies each
-missed row into its slot straight from pinned host memory, so a step without misses costs
-one vector load per copy program.
+missed row into its slot straight from pinned host memory (BLOCK_R rows per iteration of a
+program), so a step without misses costs one vector load per copy program.
 """
 
 from __future__ import annotations
@@ -163,37 +163,62 @@ def copy_missing_kernel(
     HROW: tl.constexpr,  # host elements of a stream's row: ROW, or its fp8 bytes with FP8_HOST
     FP8_HOST: tl.constexpr = False,  # host rows of HEAD_DIM e4m3 bytes + a scale byte per head
     HEAD_DIM: tl.constexpr = 1,
+    BLOCK_R: tl.constexpr = 1,  # missed rows per loop iteration (a power of two)
 ):
     """A fixed grid walks the streams' to-do lists as one: the k-th missed row overall is
     found from the prefix sums of the per-stream counts (one vector load per program, so
-    nothing to do costs one load per program). FP8_HOST (kv_store/fp8_host.py): the host
-    rows are fp8 with a scale byte after each head's HEAD_DIM values, dequantised to the
-    device's dtype on the way (kernels/fp8_host.py `decode_e4m3`)."""
+    nothing to do costs one load per program).
+
+    Each iteration of a program's loop copies the BLOCK_R consecutive rows k = base ..
+    base + BLOCK_R - 1 of that walk (masked past its n rows) as a [BLOCK_R, COLS] tile:
+    their streams by one [BLOCK_R, BLOCK_S] compare against the prefix sums, their look-ups
+    (to-do entry -> token and device slot, state row -> host page) as vector loads, the rows
+    as 2-D loads and stores; program p takes rows p * BLOCK_R .. and every
+    num_programs * BLOCK_R-th after. Why: a program has at most one tile's loads in flight,
+    so a small grid reaches PCIe's rate only with many rows per tile. The decode path's copy
+    keeps one row per iteration over a grid that fills every SM (two MLA rows measured no
+    faster there, docs/kv_store.md); the prefetch's copy on its side stream runs a few
+    programs of many rows each, so that the compute it should overlap keeps the other SMs
+    (kv_store/residency.py, PREFETCH_PROGRAMS). BLOCK_R = 1 walks the rows as the one-row
+    loop before it did (its loads now [1]-vectors, masked).
+
+    FP8_HOST (kv_store/fp8_host.py): the host rows are fp8 with a scale byte after each
+    head's HEAD_DIM values, dequantised to the device's dtype on the way
+    (kernels/fp8_host.py `decode_e4m3`)."""
     pdl.wait(PDL)
     si = tl.arange(0, BLOCK_S)
     count = tl.load(n_todo_ptr + si, mask=si < NS, other=0)
     ends = tl.cumsum(count, axis=0)
+    begins = ends - count
     n = tl.sum(count, axis=0)
-    for k in range(tl.program_id(0), n, tl.num_programs(0)):
-        owner = tl.sum((ends <= k).to(tl.int32), axis=0)
-        begin = tl.sum(tl.where(si == owner, ends - count, 0), axis=0)
-        e = tl.load(todo_ptr + owner.to(tl.int64) * W + (k - begin))
+    rr = tl.arange(0, BLOCK_R)
+    for base in range(tl.program_id(0) * BLOCK_R, n, tl.num_programs(0) * BLOCK_R):
+        k = base + rr
+        live = k < n
+        # row k's stream: how many streams' rows all come before it (BLOCK_S past n: masked)
+        owner = tl.sum((ends[None, :] <= k[:, None]).to(tl.int32), axis=1)
+        begin = tl.sum(tl.where(si[None, :] == owner[:, None], begins[None, :], 0), axis=1)
+        e = tl.load(todo_ptr + owner.to(tl.int64) * W + (k - begin), mask=live, other=0)
         stream = e // W
         b = stream // S
         h = stream % S
-        t = tl.load(idx_ptr + e).to(tl.int64)
-        slot = tl.load(slots_ptr + e).to(tl.int64)
-        r = tl.load(rows_ptr + b)
-        hrow = tl.load(host_table_ptr + r * TP_HOST + t // P).to(tl.int64) * P + t % P
+        t = tl.load(idx_ptr + e, mask=live, other=0).to(tl.int64)
+        slot = tl.load(slots_ptr + e, mask=live, other=0).to(tl.int64)
+        r = tl.load(rows_ptr + b, mask=live, other=0)
+        page = tl.load(host_table_ptr + r * TP_HOST + t // P, mask=live, other=0).to(tl.int64)
+        hrow = page * P + t % P
         if HEAD_MAJOR:
             src = HOST_BASE + (hrow * HK + h) * HROW
             dst = DEV_BASE + (h * DEV_SLOTS + slot) * ROW
         else:
             src = HOST_BASE + hrow * HROW
             dst = DEV_BASE + slot * ROW
+        src = src[:, None]  # [BLOCK_R, 1]
+        dst = dst[:, None]
         for start in range(0, ROW, COLS):
             cols = start + tl.arange(0, COLS)
-            m = cols < ROW
+            m = live[:, None] & (cols < ROW)[None, :]  # [BLOCK_R, COLS]
+            cols = cols[None, :]
             if FP8_HOST:  # device column c: head c // HEAD_DIM, its value c % HEAD_DIM, then its scale
                 head = src + (cols // HEAD_DIM) * (HEAD_DIM + 1)
                 byte = head + cols % HEAD_DIM

@@ -14,8 +14,17 @@ import torch
 from ..common.arith import pow2
 from ..common.batch import Batch, Selection
 
-# launch shape of copy_missing_kernel (benchmarks/swap_in.py --copy-shapes sets these)
-COPY_PROGRAMS, COPY_COLS, COPY_WARPS = 2048, 1024, 8
+# launch shape of copy_missing_kernel on the decode path: programs, columns of a tile, warps,
+# rows per loop iteration (BLOCK_R) (benchmarks/swap_in.py --copy-shapes sets these). One row
+# per iteration: two measured no faster with a grid this wide (docs/kv_store.md).
+COPY_PROGRAMS, COPY_COLS, COPY_WARPS, COPY_ROWS = 2048, 1024, 8, 1
+# The prefetch's copy on its side stream (columns and warps as above): it is there to overlap the
+# main stream's compute, but COPY_PROGRAMS persistent programs hold every SM until the whole copy is
+# done, so the layer's GEMMs could not run beside it (no overlap measured, docs/engine.md). A few
+# programs leave most SMs to the compute (16 of the H100's 132), and many rows per iteration keep
+# each one's PCIe reads in flight: 32 head-major rows of 128 bf16 are 8 KiB a tensor per program.
+# A starting point, not yet timed on the GPU.
+PREFETCH_PROGRAMS, PREFETCH_ROWS = 16, 32
 
 
 class BufferResidency:
@@ -88,16 +97,17 @@ class BufferResidency:
         idx = selection.indices.contiguous()
         start = self._timer() if self.timing else None
         slots, todo, n_todo = self._plan_selection(layer, batch, idx, self.counts[layer])
-        self._copy_missing(layer, idx, slots, todo, n_todo, batch.slot_ids)
+        self._copy_missing(layer, idx, slots, todo, n_todo, batch.slot_ids, programs=COPY_PROGRAMS, block_r=COPY_ROWS)
         if start is not None:
             self._stop_timer(layer, start)
         return slots
 
     def _copy_missing(
         self, layer: int, idx: torch.Tensor, slots: torch.Tensor, todo: torch.Tensor, n_todo: torch.Tensor,
-        rows: torch.Tensor,
+        rows: torch.Tensor, *, programs: int, block_r: int,
     ) -> None:
-        """One launch of `copy_missing_kernel`: the rows `_plan_residency` found missing, host → device."""
+        """One launch of `copy_missing_kernel`: the rows `_plan_residency` found missing, host → device,
+        by a grid of `programs` copying `block_r` rows per loop iteration each (BLOCK_R)."""
         from ..kernels import pdl
         from ..kernels.launch import launch
         from ..kernels.residency import copy_missing_kernel
@@ -110,7 +120,7 @@ class BufferResidency:
         dev = pool.tensors
         two = len(dev) == 2
         hp = self.host_pool  # host rows: the device's, or fp8 ones the kernel dequantises (FP8_HOST)
-        launch(copy_missing_kernel, (COPY_PROGRAMS,),
+        launch(copy_missing_kernel, (programs,),
             todo, n_todo, idx, slots, rows, self.host_table,
             host[0], dev[0], host[1] if two else host[0], dev[1] if two else dev[0],
             s, w, self.page_size, self.host_table.shape[-1],
@@ -118,7 +128,7 @@ class BufferResidency:
             pool.slots, self.layout.num_kv_heads, b * s, BLOCK_S=pow2(b * s),
             HEAD_MAJOR=self.head_major, TWO=two, ROW=self.row_elems, COLS=min(COPY_COLS, pow2(self.row_elems)),
             PDL=use_pdl, HROW=hp.head_width * self.row_heads, FP8_HOST=hp.fp8, HEAD_DIM=self.layout.head_dim,
-            num_warps=COPY_WARPS, launch_pdl=use_pdl,
+            BLOCK_R=block_r, num_warps=COPY_WARPS, launch_pdl=use_pdl,
         )
 
     # -- prefetch (SparseConfig.prefetch) ---------------------------------------------------------
@@ -149,7 +159,8 @@ class BufferResidency:
         side = self._prefetch_side
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._copy_missing(layer, idx, slots, todo, n_todo, batch.slot_ids)
+            self._copy_missing(layer, idx, slots, todo, n_todo, batch.slot_ids,
+                               programs=PREFETCH_PROGRAMS, block_r=PREFETCH_ROWS)
         done = torch.cuda.Event()
         done.record(side)
         # the side stream's inputs stay referenced until the main stream has waited for it
