@@ -67,7 +67,8 @@ from sparse_framework.cli_tables import new_table  # noqa: E402
 from sparse_framework.common.errors import ConfigError  # noqa: E402
 from sparse_framework.engine.bench import fmt_or_dash, reset_peak_memory  # noqa: E402
 from sparse_framework.engine.command import RANDOM_MODELS  # noqa: E402
-from sparse_framework.engine.engine import Engine, EngineConfig, RequestOutput  # noqa: E402
+from sparse_framework.engine.engine import Engine, RequestOutput  # noqa: E402
+from sparse_framework.engine.engine_config import EngineConfig  # noqa: E402
 from sparse_framework.engine.models import ModelConfig, random_model  # noqa: E402
 from sparse_framework.engine.sampling import SamplingParams  # noqa: E402
 

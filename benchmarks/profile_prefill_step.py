@@ -22,7 +22,8 @@ import time
 import torch
 
 from sparse_framework.engine.command import RANDOM_MODELS, random_model_config
-from sparse_framework.engine.engine import Engine, EngineConfig
+from sparse_framework.engine.engine import Engine
+from sparse_framework.engine.engine_config import EngineConfig
 from sparse_framework.engine.models import ModelConfig, random_model
 from sparse_framework.engine.sampling import SamplingParams
 

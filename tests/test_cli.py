@@ -128,7 +128,8 @@ def test_plan_engine_equals_the_engines_own_plan(tmp_path, capsys) -> None:
     """`plan --engine` and an engine built with the same inputs plan the same (every term); the
     engine then runs exactly that many requests at once (tests/test_engine_memory.py)."""
     from sparse_framework.engine.command import RANDOM_MODELS
-    from sparse_framework.engine.engine import Engine, EngineConfig
+    from sparse_framework.engine.engine import Engine
+    from sparse_framework.engine.engine_config import EngineConfig
     from sparse_framework.engine.models import ModelConfig, random_model
 
     sparse = {"algorithm": "quest", "top_k": 16, "page_size": 4, "sink_tokens": 4, "recent_tokens": 4,

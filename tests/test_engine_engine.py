@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from sparse_framework import ConfigError
-from sparse_framework.engine.engine import PENDING, Engine, EngineConfig
+from sparse_framework.engine.engine import PENDING, Engine
+from sparse_framework.engine.engine_config import EngineConfig
 from sparse_framework.engine.models import load_model
 from sparse_framework.engine.sampling import SamplingParams
 from helpers import run_batch
@@ -376,7 +377,8 @@ def test_bad_model_directories_are_clear_errors(tmp_path) -> None:
 
 FUSED = r"""
 import torch
-from sparse_framework.engine.engine import PENDING, Engine, EngineConfig
+from sparse_framework.engine.engine import PENDING, Engine
+from sparse_framework.engine.engine_config import EngineConfig
 from sparse_framework.engine.models import ModelConfig, random_model
 from sparse_framework.engine.sampling import SamplingParams
 
@@ -566,3 +568,12 @@ def test_the_step_log_is_bounded_and_steps_still_counts_every_step(checkpoint, m
         engine.step()
         n += 1
     assert engine.steps == n > 3 and len(engine.step_log) == 3
+
+
+def test_the_settings_moved_to_engine_config_are_still_importable_from_engine() -> None:
+    """EngineConfig, KV_CACHE_DTYPES and kv_store_dtype live in engine/engine_config.py; their
+    old path, engine/engine.py, re-exports the same objects."""
+    from sparse_framework.engine import engine as old, engine_config as new
+
+    for name in ("EngineConfig", "KV_CACHE_DTYPES", "kv_store_dtype"):
+        assert getattr(old, name) is getattr(new, name)

@@ -14,7 +14,8 @@ import transformers
 
 from sparse_framework import ConfigError
 from sparse_framework.config import load_config
-from sparse_framework.engine.engine import Engine, EngineConfig
+from sparse_framework.engine.engine import Engine
+from sparse_framework.engine.engine_config import EngineConfig
 from sparse_framework.engine.memory import plan_for
 from sparse_framework.engine.models import causal_attention, load_model
 from sparse_framework.engine.sampling import SamplingParams

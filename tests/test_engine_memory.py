@@ -13,7 +13,8 @@ from sparse_framework import CapacityError, ConfigError
 from sparse_framework.config import load_config
 from sparse_framework.engine import LLM
 from sparse_framework.engine.command import RANDOM_MODELS
-from sparse_framework.engine.engine import Engine, EngineConfig
+from sparse_framework.engine.engine import Engine
+from sparse_framework.engine.engine_config import EngineConfig
 from sparse_framework.engine import memory
 from sparse_framework.engine.memory import HOST_MEMORY_FRACTION, EngineMemoryPlan, plan_engine_memory
 from sparse_framework.engine.models import ModelConfig, random_model

@@ -18,7 +18,8 @@ import torch
 
 from sparse_framework.common.errors import ConfigError
 from sparse_framework.engine import parallel
-from sparse_framework.engine.engine import Engine, EngineConfig
+from sparse_framework.engine.engine import Engine
+from sparse_framework.engine.engine_config import EngineConfig
 from sparse_framework.engine.models import ModelConfig, random_model
 from sparse_framework.engine.models.tensor_parallel import TPShard, local_config, take_shard
 from sparse_framework.engine.sampling import SamplingParams

@@ -77,7 +77,8 @@ def test_engine_prefill_through_the_varlen_call(monkeypatch: pytest.MonkeyPatch)
     """An engine whose chunks go through the varlen call (the stand-in) decodes the same
     greedy tokens as with SDPA, and every chunk of every layer made one call."""
     from sparse_framework.engine import runner as runner_module
-    from sparse_framework.engine.engine import Engine, EngineConfig
+    from sparse_framework.engine.engine import Engine
+    from sparse_framework.engine.engine_config import EngineConfig
     from sparse_framework.engine.models import ModelConfig, random_model
     from sparse_framework.engine.sampling import SamplingParams
 

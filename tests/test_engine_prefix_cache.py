@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from sparse_framework import ConfigError
 from sparse_framework.common.batch import Request
-from sparse_framework.engine.engine import Engine, EngineConfig
+from sparse_framework.engine.engine import Engine
+from sparse_framework.engine.engine_config import EngineConfig
 from sparse_framework.engine.models import load_model
 from sparse_framework.engine.sampling import SamplingParams
 from helpers import run_batch

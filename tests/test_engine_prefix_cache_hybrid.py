@@ -22,7 +22,8 @@ from test_engine_prefix_cache import (
     poison_staging,
 )
 
-from sparse_framework.engine.engine import Engine, EngineConfig
+from sparse_framework.engine.engine import Engine
+from sparse_framework.engine.engine_config import EngineConfig
 from sparse_framework.engine.models import load_model
 from sparse_framework.engine.sampling import SamplingParams
 from sparse_framework.kv_store.sliding_window import SlidingWindowKV

@@ -27,7 +27,8 @@ from test_engine_prefix_cache import (
 )
 
 from sparse_framework.engine.command import RANDOM_MODELS
-from sparse_framework.engine.engine import Engine, EngineConfig
+from sparse_framework.engine.engine import Engine
+from sparse_framework.engine.engine_config import EngineConfig
 from sparse_framework.engine.models import ModelConfig, random_model
 from helpers import run_batch
 

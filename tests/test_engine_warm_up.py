@@ -16,7 +16,8 @@ from sparse_framework import ConfigError
 from sparse_framework.engine import LLM
 from sparse_framework.engine import command as engine_command
 from sparse_framework.engine.command import RANDOM_MODELS, random_model_config
-from sparse_framework.engine.engine import Engine, EngineConfig
+from sparse_framework.engine.engine import Engine
+from sparse_framework.engine.engine_config import EngineConfig
 from sparse_framework.engine.models import ModelConfig, random_model
 from sparse_framework.engine.sampling import SamplingParams
 from sparse_framework.engine.warm_up import bar_text, buckets

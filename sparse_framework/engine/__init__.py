@@ -1,7 +1,8 @@
 """The serving engine (docs/engine.md): `LLM` and `SamplingParams` for offline generation,
 `Engine` for step-by-step control; `loop.py` is the synthetic decode loop of `run`/`eval`."""
 
-from .engine import Engine, EngineConfig, RequestOutput
+from .engine import Engine, RequestOutput
+from .engine_config import EngineConfig
 from .llm import LLM
 from .sampling import SamplingParams
 

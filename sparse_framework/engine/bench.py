@@ -35,7 +35,7 @@ from rich.table import Table
 from ..cli_tables import new_table
 from ..common.errors import ConfigError
 from ..config import SparseConfig
-from .engine import kv_store_dtype
+from .engine_config import kv_store_dtype
 from .llm import LLM
 from .memory import DEFAULT_GPU_MEMORY_UTILIZATION, EngineMemoryPlan, plan_for, weight_bytes_of
 from .models import ModelConfig

@@ -22,7 +22,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..common.errors import ConfigError
 from ..cli_tables import new_table
 from ..config import load_config
-from .engine import KV_CACHE_DTYPES, RequestOutput
+from .engine import RequestOutput
+from .engine_config import KV_CACHE_DTYPES
 from .bench import (LENGTH_DISTRIBUTIONS, BenchSpec, TokenProgress, bench_tables, draw_workload, memory_plan,
                     reset_peak_memory, run_benchmark)
 from .llm import LLM, REFERENCE_MAX_MODEL_LEN

@@ -48,7 +48,8 @@ import torch
 
 from ..common.errors import ConfigError
 from ..config import SparseConfig
-from .engine import Engine, EngineConfig, RequestOutput
+from .engine import Engine, RequestOutput
+from .engine_config import EngineConfig
 from .token_ids import token_ids
 from .models import EngineModel, load_model, load_reference
 from .models.catalog import resolve_model

@@ -149,7 +149,7 @@ class RulerWorkload(BaseModel):
     @field_validator("engine")
     @classmethod
     def _engine(cls, options: dict[str, Any]) -> dict[str, Any]:
-        from ..engine.engine import EngineConfig
+        from ..engine.engine_config import EngineConfig
 
         allowed = [f for f in EngineConfig.__dataclass_fields__ if f not in RULER_ENGINE_OWN]
         for key in options:
