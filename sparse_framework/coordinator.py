@@ -23,6 +23,10 @@ With `decode_graphs=True` (CUDA) a decode layer's whole work — store write, se
 resident, adapt, attend and the append of `attention_end` — is captured in a CUDA graph per
 batch composition and replayed by `attention_begin` (decode_graphs.py says how and why);
 `attend` then returns the output already computed and `attention_end` has nothing left to do.
+
+The class is split for size: the request hooks (on_request_begin, retract / resume,
+on_request_end, with `decodes_densely` and `can_grow`) are `coordinator_requests.RequestLifecycle`,
+a mixin over this class's state; construction and the step hooks are here.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from .attention_options import DEFAULT, AttentionOptions
 from .common.batch import Batch, Request, Selection
 from .config import SparseConfig, dense_layer_set, load_config
 from .decode_graphs import DecodeGraphs, signature
-from .common.errors import CapacityError, ConfigError, LimitError
+from .common.errors import ConfigError, LimitError
 from .dense_fallback import REQUESTED_DENSE as REQUESTED_DENSE, DenseTally  # the name stays importable here
 from .footprint import check_footprint, reraise_allocation_error
 from .step_order import StepOrder
@@ -46,6 +50,7 @@ from .kv_store.hierarchical import HierarchicalKVStore
 from .causal_prefill import causal_prefill
 from .common.layout import KVLayout
 from .coordinator_inputs import check_model_inputs, check_qkv, input_dtypes, query_tail_rows
+from .coordinator_requests import RequestLifecycle
 from .sparse_policy import SparsePolicy
 
 
@@ -70,7 +75,7 @@ class AttentionMetadata:
     output: torch.Tensor | None = None  # decode graphs: the layer's attention, already computed
 
 
-class SparseCoordinator:
+class SparseCoordinator(RequestLifecycle):
     """Drives one algorithm, one store, one adaptor and one backend for an engine.
 
     max_requests / max_seq_len size the pooled per-request state (algorithm
@@ -201,115 +206,6 @@ class SparseCoordinator:
         """Per pool (device pools by layer kind, then the host pool): kind, layers, tokens per
         layer, bytes, tokens and bytes held now, and the rule that sized it."""
         return self.store.pool_stats()
-
-    # -- request lifecycle ------------------------------------------------------------------
-    def decodes_densely(self, prompt_len: int, sparse: bool | None = None, batch: int | None = None) -> bool:
-        """Whether a request decodes densely (every token, every layer): `sparse` when the
-        request says (False: dense; True: sparse even for a short prompt — every algorithm
-        selects within whatever context there is), else the config's rule (sparse_policy.py:
-        prompt < min_sparse_prompt_len, or the cost model for a request joining a batch of
-        `batch`, default the active requests + 1). An engine's budget asks it before admission."""
-        return self.policy.decodes_densely(prompt_len, sparse, batch, active=len(self.requests))[0]
-
-    def on_request_begin(
-        self, request: Request, cached_pages: torch.Tensor | None = None, *, sparse: bool | None = None
-    ) -> None:
-        """Admit a request: decide dense or sparse (`decodes_densely(prompt_len, sparse)`),
-        reserve its KV and a state row. Allowed during a step (the new request is in no batch).
-
-        `cached_pages`: host page ids (the store's pages, owned by a prefix cache) that hold
-        the K/V of the prompt's first len(cached_pages) x page_size tokens. The store maps
-        them read-only instead of reserving and writing those tokens' host pages
-        (`HierarchicalKVStore.admit`); the prefill step still passes the whole prompt's K/V
-        (the engine stages the prefix from these pages), from which the device buffer and the
-        algorithm's representations are built as for any prompt."""
-        if request.rid in self.requests:
-            raise ValueError(f"request {request.rid!r} is already active")
-        if request.prompt_len >= self.max_seq_len:
-            raise LimitError(
-                f"request {request.rid!r}: prompt_len {request.prompt_len} leaves no room to decode "
-                f"within max_seq_len {self.max_seq_len}; build the coordinator with a larger max_seq_len"
-            )
-        if not self._free_slots:
-            raise LimitError(
-                f"request {request.rid!r}: all {len(self.requests)} request rows are in use (max_requests="
-                f"{len(self.requests)}); end a request first, or build the coordinator with a larger max_requests"
-            )
-        request.slot = self._free_slots.pop()
-        request.seq_len = 0
-        request.dense, why = self.policy.decodes_densely(request.prompt_len, sparse, active=len(self.requests))
-        cached = 0 if cached_pages is None else cached_pages.numel() * self.store.page_size
-        if cached >= request.prompt_len:
-            self._free_slots.append(request.slot)
-            request.slot = -1
-            raise ValueError(f"request {request.rid!r}: a cached prefix of {cached} tokens leaves nothing of its "
-                             f"{request.prompt_len}-token prompt to prefill; cache at most prompt_len - 1 tokens")
-        request.cached_len = cached
-        try:
-            self.store.admit(request, cached_pages) if cached else self.store.admit(request)
-        except Exception:
-            self._free_slots.append(request.slot)
-            request.slot = -1
-            raise
-        self.requests[request.rid] = request
-        self.policy.admitted(request, sparse, why)
-        self.dense_tally.admit(request.dense, why)
-
-    def can_grow(self, requests: list[Request]) -> bool:
-        """Whether a decode step of these active requests would find room for its new tokens
-        (`forward_begin` raises CapacityError where it would not); changes nothing."""
-        for r in requests:
-            self._active(r)
-        return self.store.can_grow(requests)
-
-    def on_request_retract(self, request: Request) -> None:
-        """Preempt a request between steps: its device KV is released, its host KV and the
-        algorithm's representations are kept; `on_request_resume` brings it back."""
-        self._active(request)
-        self.steps.check_request("on_request_retract", request)
-        if request.rid in self.retracted:
-            raise ValueError(f"request {request.rid!r} is already retracted")
-        if request.seq_len == 0:
-            raise ValueError(f"request {request.rid!r} must be prefilled before it is retracted")
-        try:
-            self.store.retract(request)
-        except CapacityError as exc:
-            raise CapacityError(_retract_advice(request, exc, self.store.host_slots, self.config.store)) from None
-        self.retracted.add(request.rid)
-
-    def on_request_resume(self, request: Request) -> None:
-        """Resume a retracted request (CapacityError, with nothing changed, if it does not fit)."""
-        self._active(request)
-        self.steps.check_request("on_request_resume", request)
-        if request.rid not in self.retracted:
-            raise ValueError(f"request {request.rid!r} is not retracted")
-        self.store.resume(request)
-        self.retracted.discard(request.rid)
-
-    def _active(self, request: Request) -> None:
-        if self.requests.get(request.rid) is not request:
-            raise ValueError(f"request {request.rid!r} is not active (call on_request_begin first)")
-
-    def on_request_end(self, request: Request) -> None:
-        """Finish a request: free its KV, its representations and its state row. Refused for
-        a request of the open step's batch (forward_end or abort_step first). When the
-        algorithm's `release` raises, the store's pages and the row are freed before the
-        exception goes on: an ended request never keeps KV."""
-        if self.requests.get(request.rid) is None:
-            raise ValueError(f"request {request.rid!r} is not active")
-        self.steps.check_request("on_request_end", request)
-        self.requests.pop(request.rid)
-        self.steps.forget(request)
-        self.retracted.discard(request.rid)
-        try:
-            self.algorithm.release(request)  # a plugin's hook: if it raises, the KV is freed all the same
-        finally:
-            try:
-                self.store.release(request)
-            finally:
-                self._free_slots.append(request.slot)
-                request.slot = -1
-                self.policy.release(request)
 
     # -- step -----------------------------------------------------------------------------
     def forward_begin(self, batch: Batch) -> None:
@@ -612,22 +508,6 @@ class SparseCoordinator:
 
     def _query_tail_rows(self, batch: Batch) -> list[int] | None:
         return query_tail_rows(batch, self.algorithm.prefill_query_rows)
-
-
-def _retract_advice(request: Request, exc: CapacityError, host_slots: int, store: str) -> str:
-    """Why a retract found no host room, and the setting that gives it some: a request whose
-    K/V is all on the device (resident store, dense requests) is copied to the host pool,
-    which the resident store leaves empty unless host_capacity_tokens is given."""
-    why = (
-        "the resident store keeps no host copy, so its host pool is empty by default"
-        if host_slots == 0 and store == "resident"
-        else f"the host pool ({host_slots} tokens) is full"
-    )
-    return (
-        f"cannot retract request {request.rid!r} ({request.seq_len} tokens): its K/V is copied to the host "
-        f"pool and {why}; build the coordinator with host_capacity_tokens >= the tokens of the requests "
-        f"you retract at once (e.g. max_requests x max_seq_len). ({exc})"
-    )
 
 
 def _rows(batch: Batch, t: torch.Tensor) -> torch.Tensor:
