@@ -257,13 +257,13 @@ def test_dsa_fused_query_quantisation_matches_the_torch_twin(path, q_dtype, pow2
     same): within 5e-3 of Σ|terms|. exact: float16 dots of decoded values (native or integer
     key decoding): within 1e-5. The quantisation itself (rounding ties, scale carry) exactly,
     one product per dot."""
-    from sparse_framework.kernels import scoring as sc
+    from sparse_framework.kernels import dsa_index as dsa, scoring as sc
     from test_kernels_scoring import fp8q_case, fp8q_check, fp8q_rounding_case
 
     if path != "exact-arith" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8e4nv needs sm_89+")
-    monkeypatch.setattr(sc, "FP8_DOT", "auto" if path == "fp8-dot" else "off")
-    monkeypatch.setattr(sc, "FP8_DECODE", "arith" if path == "exact-arith" else "auto")
+    monkeypatch.setattr(dsa, "FP8_DOT", "auto" if path == "fp8-dot" else "off")
+    monkeypatch.setattr(dsa, "FP8_DECODE", "arith" if path == "exact-arith" else "auto")
     g = torch.Generator().manual_seed(4)
     for b, h, di, n, strided in [(8, 64, 128, 8191, False), (3, 24, 256, 3000, True)]:
         args = fp8q_case(g, b, h, di, n, q_dtype, torch.bfloat16, pow2, device="cuda", strided=strided)

@@ -1,6 +1,7 @@
-"""Scoring kernels (kernels/scoring.py): the torch references against direct float64
-re-computations and against what the algorithms compute; the Triton versions against the
-references, interpreted on the CPU (in a subprocess) and on CUDA (`-m gpu`)."""
+"""Scoring kernels (kernels/scoring.py, DSA's in kernels/dsa_index.py): the torch references
+against direct float64 re-computations and against what the algorithms compute; the Triton
+versions against the references, interpreted on the CPU (in a subprocess) and on CUDA
+(`-m gpu`)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from sparse_framework.algorithms.pqcache import PQCache
 from sparse_framework.algorithms.quest import Quest
 from sparse_framework.kernels.reference_scores import ceil_pow2
 from sparse_framework.algorithms.snapkv import SnapKVOptions, snapkv_votes
-from sparse_framework.kernels import scoring as sc
+from sparse_framework.kernels import dsa_index as dsa, scoring as sc
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -336,7 +337,7 @@ def test_bad_arguments_are_refused_with_clear_errors() -> None:
 # -- Triton vs torch, interpreted on the CPU -----------------------------------------------------
 INTERPRETED = r"""
 import torch
-from sparse_framework.kernels import scoring as sc
+from sparse_framework.kernels import dsa_index as dsa, scoring as sc
 
 g = torch.Generator().manual_seed(0)
 def rnd(*shape, dtype=torch.float32):
@@ -375,7 +376,7 @@ for qdt, kdt in [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.float16,) *
 for kind in ("float32", "bfloat16", "float16", "fp8-native", "fp8-arith", "fp8-half", "fp8-q32"):
     qdt = {"float32": torch.float32, "float16": torch.float16, "fp8-half": torch.float16,
            "fp8-q32": torch.float32}.get(kind, torch.bfloat16)
-    sc.FP8_DECODE = "arith" if kind == "fp8-arith" else "native"
+    dsa.FP8_DECODE = "arith" if kind == "fp8-arith" else "native"
     for b, r, h, di, maxn, n in [(2, 3, 8, 128, 150, 130), (1, 1, 64, 256, 70, 70), (2, 2, 5, 24, 40, 17)]:
         raw = rnd(r, maxn, di) * 3
         if kind.startswith("fp8"):
@@ -397,7 +398,7 @@ want = sc.dsa_index_scores_torch(eye.unsqueeze(0).expand(128, -1, -1).contiguous
                                  torch.zeros(128, dtype=torch.long), 2)
 assert torch.equal(want[:, 0], bits[0].view(torch.float8_e4m3fn).float()) and not want[:, 1].any()
 for mode in ("native", "arith"):
-    sc.FP8_DECODE = mode
+    dsa.FP8_DECODE = mode
     got = sc.dsa_index_scores_triton(eye.unsqueeze(0).expand(128, -1, -1).contiguous(), eye, bits.unsqueeze(0), scale,
                                      torch.zeros(128, dtype=torch.long), 2)
     assert torch.equal(got, want), mode
@@ -423,7 +424,7 @@ import sys
 sys.path.insert(0, TESTS_DIR)
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
-from sparse_framework.kernels import scoring as sc
+from sparse_framework.kernels import dsa_index as dsa, scoring as sc
 from test_kernels_scoring import fp8q_case, fp8q_check, fp8q_rounding_case
 
 PATHS = {"exact": ("auto", "native"), "exact-arith": ("auto", "arith"), "fp8-dot": ("on", "native")}
@@ -434,16 +435,16 @@ PATHS = {"exact": ("auto", "native"), "exact-arith": ("auto", "arith"), "fp8-dot
        pow2=st.booleans(), path=st.sampled_from(sorted(PATHS)), block_n=st.sampled_from([16, 32, 64]),
        steps=st.integers(1, 3), strided=st.booleans(), seed=st.integers(0, 2**16))
 def random_cases(b, h, di, n, q_dtype, w_dtype, pow2, path, block_n, steps, strided, seed):
-    sc.FP8_DOT, sc.FP8_DECODE = PATHS[path]
-    sc.DSA_TUNING["fp8q"] = {"block_n": block_n, "steps": steps, "stages": 1, "warps": 4}
-    sc.DSA_MIN_PROGRAMS = 1  # keep the drawn steps per program, however small the grid gets
+    dsa.FP8_DOT, dsa.FP8_DECODE = PATHS[path]
+    dsa.DSA_TUNING["fp8q"] = {"block_n": block_n, "steps": steps, "stages": 1, "warps": 4}
+    dsa.DSA_MIN_PROGRAMS = 1  # keep the drawn steps per program, however small the grid gets
     g = torch.Generator().manual_seed(seed)
     args = fp8q_case(g, b, h, di, n, getattr(torch, q_dtype), getattr(torch, w_dtype), pow2, strided=strided)
     fp8q_check(sc.dsa_index_scores_fp8q_triton(*args), args, 1e-5)
 
 random_cases()
 for path in sorted(PATHS):
-    sc.FP8_DOT, sc.FP8_DECODE = PATHS[path]
+    dsa.FP8_DOT, dsa.FP8_DECODE = PATHS[path]
     for pow2 in (True, False):
         args, want = fp8q_rounding_case(pow2)
         assert torch.equal(sc.dsa_index_scores_fp8q_triton(*args), want), (path, pow2)
@@ -462,9 +463,9 @@ def test_triton_fp8q_interpreted_matches_the_torch_twin() -> None:
 INTERPRETED_PREFILL = r"""
 import torch
 from hypothesis import given, settings, strategies as st, HealthCheck
-from sparse_framework.kernels import scoring as sc
+from sparse_framework.kernels import dsa_index as dsa, scoring as sc
 
-sc.DSA_PREFILL_TUNING = {"block_q": 16, "block_n": 32, "warps": 4}
+dsa.DSA_PREFILL_TUNING = {"block_q": 16, "block_n": 32, "warps": 4}
 
 @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(0, 70), m=st.integers(0, 100), h=st.integers(1, 6), di=st.sampled_from([16, 24, 64, 128]),
@@ -558,7 +559,7 @@ def test_gpu_dsa(kind, q_dtype, monkeypatch) -> None:
     if kind.startswith("fp8"):
         if kind == "fp8-native" and torch.cuda.get_device_capability() < (8, 9):
             pytest.skip("fp8e4nv needs sm_89+")
-        monkeypatch.setattr(sc, "FP8_DECODE", kind[4:])
+        monkeypatch.setattr(dsa, "FP8_DECODE", kind[4:])
         keys, scale = sc.quantize_fp8_blocks(raw)
     else:
         keys, scale = raw.to(getattr(torch, kind)), None

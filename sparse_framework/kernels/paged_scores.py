@@ -20,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .dot_modes import _launchable, _pow2
 from .reference_scores import REDUCTIONS, _check_paged, _check_quest, quest_paged_scores_torch
-from .scoring import QUEST_TILE, QUEST_WARPS, _launchable, _pow2, quest_group_bound
+from .scoring import QUEST_TILE, QUEST_WARPS, quest_group_bound
 
 __all__ = ["quest_paged_scores_torch", "quest_paged_scores_triton"]
 

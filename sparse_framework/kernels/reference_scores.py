@@ -1,6 +1,7 @@
 """Torch references of the algorithms' scoring hot paths — what the algorithms compute when
-not on CUDA, and what the Triton kernels of `kernels/scoring.py` are tested against. Kept
-apart from the kernels so that importing an algorithm never needs Triton.
+not on CUDA, and what the Triton kernels of `kernels/scoring.py` (DSA's: `kernels/dsa_index.py`)
+are tested against. Kept apart from the kernels so that importing an algorithm never needs
+Triton.
 
   quest_scores          Σ_d max(q_d·min_d, q_d·max_d) per page, combined over a GQA group
                         (with `range_weight` w < 1: minus (1 − w)·Σ_d |q_d|·(max_d − min_d)/2)
@@ -196,7 +197,7 @@ def quantize_fp8_blocks(x: torch.Tensor, pow2_scales: bool = True) -> tuple[torc
     The power-of-two rounding is `ceil_pow2`, exact on the float32 bits, not
     exp2(ceil(log2(s))): in float32, log2 of 2^k·(1 + 2^-23) rounds to k for most k, which
     would give a scale below amax / 448 (the block's largest value then clamps). The Triton
-    kernel that quantises queries in place (`kernels.scoring.dsa_index_scores_fp8q_triton`)
+    kernel that quantises queries in place (`kernels.dsa_index.dsa_index_scores_fp8q_triton`)
     applies the same bit rule, so both give the same scales."""
     di = x.shape[-1]
     if di % FP8_BLOCK:

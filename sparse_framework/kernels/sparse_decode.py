@@ -27,7 +27,7 @@ indices[n, t]) and which tokens are valid (t < length, or index >= 0). Why its s
   ever addressed through their strides, never copied.
 * Softmax in base 2 (exp2) with float32 statistics and accumulators; rows that have seen no
   token yet keep a running max of -inf without producing NaN, so empty sequences give zeros.
-* Products as in kernels/scoring.py (`_dot_mode`): 16-bit operands on tensor cores, float32
+* Products as in kernels/dot_modes.py (`_dot_mode`): 16-bit operands on tensor cores, float32
   ones as tf32x3 (~float32 accuracy), all in float32 under the interpreter; the probabilities
   are cast to V's dtype for P @ V (as FlashAttention does), accumulation stays float32.
 
@@ -54,7 +54,7 @@ import triton.language as tl
 from . import pdl
 from ..common.arith import cdiv
 from .launch import launch
-from .scoring import _dot, _dot_mode, _pow2
+from .dot_modes import _dot, _dot_mode, _pow2
 
 try:  # raised at launch when a kernel needs more shared memory than the GPU has
     from triton.runtime.errors import OutOfResources

@@ -132,7 +132,7 @@ def _masks(ids, ln, n_units, sink, recent, tail, UNIT: tl.constexpr, NEWEST_FORC
 
 @triton.jit
 def first_digit_histogram(x, ids, ln, n_units, sink, recent, UNIT: tl.constexpr):
-    """Pass 1 for a producer of the scores (DSA's indexer kernel, kernels/scoring.py): the
+    """Pass 1 for a producer of the scores (DSA's indexer kernel, kernels/dsa_index.py): the
     histogram [256] of the top radix digit of float32 scores x of units `ids` of a row of
     length ln, over its eligible units. Added into hist[row, 0:256] and handed to
     `topk_selection_triton(first_pass=hist)`, it replaces that launch."""

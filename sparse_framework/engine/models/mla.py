@@ -94,10 +94,10 @@ class MLAAttend(Protocol):
 def index_scores(index_q: torch.Tensor, index_weights: torch.Tensor, index_k: torch.Tensor) -> torch.Tensor:
     """The lightning indexer's scores [n, m] float32 of n queries over m keys:
     Σ_j w_j · ReLU(iq_j · ik_s) (the weights carry the model's scales). On CUDA one fused
-    Triton kernel (kernels/scoring.py: float32 sums of exact products, as torch's but for
+    Triton kernel (kernels/dsa_index.py: float32 sums of exact products, as torch's but for
     the order of the sums); elsewhere torch, which builds [n, Hi, m] float32."""
     if index_q.is_cuda:
-        from ...kernels.scoring import dsa_prefill_index_scores_triton  # Triton only where it runs
+        from ...kernels.dsa_index import dsa_prefill_index_scores_triton  # Triton only where it runs
 
         return dsa_prefill_index_scores_triton(index_q, index_weights, index_k)
     return dsa_prefill_index_scores_torch(index_q, index_weights, index_k)
