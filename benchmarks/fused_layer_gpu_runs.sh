@@ -47,24 +47,25 @@ HIER_FP8='{"algorithm": "quest", "backend": "triton", "store": "hierarchical", "
 # shellcheck source=benchmarks/run_logged.sh
 source benchmarks/run_logged.sh  # run NAME LIMIT_S COMMAND...
 
+CLI=(sparse-framework)  # the command bench runs; bench_grid swaps it for a wrapper
+
 bench() {  # bench NAME LIMIT_S CONFIG bench arguments...
     local name=$1 limit=$2 config=$3
     shift 3
-    run "$name" "$limit" sparse-framework bench --random llama-3-8b --device cuda --cuda-graphs --no-progress \
+    run "$name" "$limit" "${CLI[@]}" bench --random llama-3-8b --device cuda --cuda-graphs --no-progress \
         --config "$config" --json "$OUT/$name.json" --output-len 256 --max-num-batched-tokens 16384 "$@"
     tail -n 14 "$OUT/$name.log" | cut -c1-100 | sed "s/^/    /"
 }
 
-bench_grid() {  # bench_grid PROGRAMS:ROWS NAME LIMIT_S CONFIG bench arguments...: bench with that prefetch launch shape
-    local shape=$1 name=$2 limit=$3 config=$4
-    shift 4
-    run "$name" "$limit" python3 -c 'import sys
+bench_grid() {  # bench_grid PROGRAMS:ROWS bench's arguments...: bench with that prefetch launch shape
+    local shape=$1
+    shift
+    local CLI=(python3 -c 'import sys
 import sparse_framework.kv_store.residency as r
 from sparse_framework.cli import main
 r.PREFETCH_PROGRAMS, r.PREFETCH_ROWS = map(int, sys.argv[1].split(":"))
-sys.exit(main(sys.argv[2:]))' "$shape" bench --random llama-3-8b --device cuda --cuda-graphs --no-progress \
-        --config "$config" --json "$OUT/$name.json" --output-len 256 --max-num-batched-tokens 16384 "$@"
-    tail -n 3 "$OUT/$name.log" | cut -c1-100 | sed "s/^/    /"
+sys.exit(main(sys.argv[2:]))' "$shape")  # bench, called from here, sees this one
+    bench "$@"
 }
 
 profile() {  # profile NAME CONFIG [BATCH CONTEXT LIMIT_S]

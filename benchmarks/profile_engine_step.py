@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     from sparse_framework.engine import parallel
 
     ctx = parallel.init_tp_from_env() if "WORLD_SIZE" in os.environ else None
+    tp = ctx.world_size if ctx is not None else 1
     if ctx is not None:
         torch.cuda.set_device(ctx.device)
         if ctx.rank != 0:  # one table: rank 0's (every rank runs the same steps)
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = Engine(model, model_config, json.loads(args.config), EngineConfig(
         max_num_seqs=args.batch, max_num_batched_tokens=16384, max_model_len=args.context + max_tokens,
         decode_graphs=args.decode_graphs, cuda_graphs=args.cuda_graphs, fused_ops=args.fused_ops == "on",
-        prefill_attention=args.prefill_attention, tensor_parallel_size=ctx.world_size if ctx is not None else 1,
+        prefill_attention=args.prefill_attention, tensor_parallel_size=tp,
         async_scheduling=(args.async_scheduling == "on") if ctx is None else None))  # TP: off, as bench
     g = torch.Generator().manual_seed(0)
     # one short request first: kernel compilation (Triton, flash-attn's JIT) stays out of the figures
@@ -131,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"decode step (no profiler): {1e3 * sum(times) / len(times):.2f} ms per step over {len(times)} steps "
               f"(median call {1e3 * times[len(times) // 2]:.2f} ms, min {1e3 * times[0]:.2f} ms; fused ops "
               f"{args.fused_ops}, async scheduling {'on' if engine.async_scheduling else 'off'}: with it a call "
-              "returns once the step "
-              "before is read, so the steps' mean, not a call's, is the step time)")
+              "returns once the step before is read, so the steps' mean, not a call's, is the step time)")
     before = _hits(engine)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         hits = None if after is None else dict(zip(("hits", "misses", "bytes_in"), (a - b for a, b in zip(after, before))))
         record = {
-            "tensor_parallel_size": ctx.world_size if ctx is not None else 1, "config": json.loads(args.config), "shape": args.shape, "batch": args.batch, "context": args.context,
+            "tensor_parallel_size": tp, "config": json.loads(args.config), "shape": args.shape, "batch": args.batch,
+            "context": args.context,
             "cuda_graphs": args.cuda_graphs, "pdl": args.pdl, "fused_ops": args.fused_ops,
             "async_scheduling": engine.async_scheduling, "device": torch.cuda.get_device_name(),
             "step_ms_mean": 1e3 * sum(times) / len(times) if times else None,

@@ -35,6 +35,12 @@ pack() {  # pack NAME DIR: one tarball back (a call returns at most 8 files)
     tar czf "$OUT/$1.tgz" -C "$(dirname "$2")" "$(basename "$2")" && rm -rf "$2"
 }
 
+install_project() {  # pydantic and its kin and gguf (carried in minwhl) into /tmp/site, then this project
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu_carry/minwhl/*.whl
+    export PYTHONPATH=/tmp/site:$PWD
+    python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+}
+
 case ${1:-} in
     a)
         nvidia-smi --query-gpu=index,name,memory.total --format=csv
@@ -43,9 +49,7 @@ case ${1:-} in
     b)
         bash benchmarks/vllm_gpu_install.sh stash 2 | tail -1
         bash benchmarks/vllm_gpu_install.sh join 2>&1 | tail -4
-        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu_carry/minwhl/*.whl
-        export PYTHONPATH=/tmp/site:$PWD
-        python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+        install_project
         # a copy of the tree for the detached runs: the next calls refresh this one under them
         rm -rf /tmp/repo31 && mkdir -p /tmp/repo31 /tmp/r31 && git ls-files -z | xargs -0 cp --parents -t /tmp/repo31
         (cd /tmp/repo31 && CUDA_VISIBLE_DEVICES=2,3 PYTHONPATH=/tmp/site:/tmp/repo31 OUT=/tmp/r31 setsid nohup bash -c \
@@ -71,9 +75,7 @@ case ${1:-} in
         cat /tmp/r31/detached.log
         cp -r /tmp/r31 "$OUT/tp_batch32" && pack tp_batch32 "$OUT/tp_batch32" ;;
     e)
-        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu_carry/minwhl/*.whl
-        export PYTHONPATH=/tmp/site:$PWD
-        python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -1
+        install_project
         mkdir -p "$OUT/tp_batch32_resident"
         CUDA_VISIBLE_DEVICES=0,1 OUT=$OUT/tp_batch32_resident timeout 400 bash benchmarks/tp_gpu_runs.sh batch32-resident
         CUDA_VISIBLE_DEVICES=0,1 timeout 150 torchrun --nproc-per-node 2 benchmarks/profile_engine_step.py --cuda-graphs \
