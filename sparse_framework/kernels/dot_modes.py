@@ -27,12 +27,13 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _launchable(*tensors: torch.Tensor) -> None:
+def _launchable(*tensors: torch.Tensor, kernels: str = "scoring") -> None:
+    """`kernels` names the family in the error (scoring, decode)."""
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
     if tensors[0].device.type != "cuda" and not _interpreted():
-        raise RuntimeError("the Triton scoring kernels need CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
+        raise RuntimeError(f"the Triton {kernels} kernels need CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
 
 
 DOT_16BIT, DOT_SPLIT3, DOT_TF32X3, DOT_IEEE = 0, 1, 2, 3

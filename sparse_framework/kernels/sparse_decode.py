@@ -44,7 +44,6 @@ imported.
 
 from __future__ import annotations
 
-import os
 from functools import cache
 
 import torch
@@ -54,7 +53,7 @@ import triton.language as tl
 from . import pdl
 from ..common.arith import cdiv
 from .launch import launch
-from .dot_modes import _dot, _dot_mode, _pow2
+from .dot_modes import _dot, _dot_mode, _launchable, _pow2
 
 try:  # raised at launch when a kernel needs more shared memory than the GPU has
     from triton.runtime.errors import OutOfResources
@@ -305,20 +304,6 @@ def choose_num_splits(
 
 
 # -- launchers ----------------------------------------------------------------------------------
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _check_launchable(*tensors: torch.Tensor) -> None:
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    if tensors[0].device.type != "cuda" and not _interpreted():
-        raise RuntimeError(
-            "the Triton decode kernels need CUDA tensors (or TRITON_INTERPRET=1 on the CPU, for tests)"
-        )
-
-
 def _check_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, what: str) -> None:
     if k_cache.dim() != 4 or v_cache.dim() != 4:
         raise ValueError(
@@ -478,10 +463,10 @@ def paged_decode(
         )
     if page_table.dtype.is_floating_point or cache_seqlens.dtype.is_floating_point:
         raise ValueError("paged_decode: page_table and cache_seqlens must be integer tensors (int32)")
-    _check_launchable(q4, k_cache, v_cache, page_table, cache_seqlens)
+    _launchable(q4, k_cache, v_cache, page_table, cache_seqlens, kernels="decode")
     sinks = _sinks_per_sequence(sinks, n, q4.shape[2], softcap, "paged_decode")
     if sinks is not None:
-        _check_launchable(q4, sinks)
+        _launchable(q4, sinks, kernels="decode")
     n_tokens = page_table.shape[1] * k_cache.shape[1]
     out = _launch(q4, k_cache, v_cache, page_table, cache_seqlens, n_tokens, scale,
                   indexed=False, causal=causal, num_splits=num_splits, softcap=softcap, sinks=sinks)
@@ -514,11 +499,11 @@ def indexed_decode(
     if indices.dtype.is_floating_point:
         raise ValueError("indexed_decode: indices must be an integer tensor (int32)")
     _check_caches(q, k_cache, v_cache, "indexed_decode")
-    _check_launchable(q, k_cache, v_cache, indices)
+    _launchable(q, k_cache, v_cache, indices, kernels="decode")
     n, s_q, hq, d = q.shape
     sinks = _sinks_per_sequence(sinks, n, hq, softcap, "indexed_decode")
     if sinks is not None:
-        _check_launchable(q, sinks)
+        _launchable(q, sinks, kernels="decode")
         if s_q > 1 and sinks.stride(0) != 0:  # one row per (request, query token)
             sinks = sinks.repeat_interleave(s_q, dim=0)
     # every query token is its own sequence (its own index list): fold s_q into the batch
