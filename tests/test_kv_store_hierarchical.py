@@ -294,6 +294,23 @@ class StoreMachine(RuleBasedStateMachine):
                         for g, w in zip(got, want):
                             assert self.same(g, w)
 
+    @invariant()
+    def host_copies_are_the_written_rows(self) -> None:
+        """Every token of a request that keeps a host copy (sparse), every layer and stream, is
+        on the host as written (fp8 host rows: as quantised). A lost host write shows only once
+        the row comes back (a swap-in, a resume), so it is checked where it happens."""
+        if not hasattr(self, "store"):
+            return
+        st_ = self.store
+        for r in self.active.values():
+            if not st_._keeps_host(r):
+                continue
+            rows = st_.host_pool.rows(torch.tensor([r.slot]), torch.arange(r.seq_len).unsqueeze(0))[0]
+            for layer in range(2):
+                for host, want in zip(st_.host, self.truth[r.rid][layer]):
+                    want = quantize_rows(want) if self.fp8_host else want
+                    assert torch.equal(host[layer, rows], want), f"{r.rid} layer {layer}: host copy differs"
+
 
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = settings(
@@ -332,7 +349,7 @@ for per_head, unit, mla in [(False, 1, False), (True, 1, False), (False, 4, Fals
     host_kv_dtype = "fp8_e4m3" if mla == "fp8host" else "auto"
     stores = [HierarchicalKVStore(layout, page_size=4, device_buffer_tokens=24, sink_tokens=4, recent_tokens=6,
                                   unit=unit, per_kv_head=per_head, max_requests=2, max_seq_len=64, impl=impl,
-                                  host_kv_dtype=host_kv_dtype)
+                                  host_kv_dtype=host_kv_dtype, dense_layers=[0])
               for impl in ("torch", "triton")]
     g = torch.Generator().manual_seed(unit)
     lens = [45, 30]
@@ -341,7 +358,8 @@ for per_head, unit, mla in [(False, 1, False), (True, 1, False), (False, 4, Fals
     for st, rs in zip(stores, reqs):
         for r, kv in zip(rs, rows):
             st.admit(r)
-            st.write_prefill(1, r, kv[0], kv[1] if len(kv) > 1 else None)
+            for layer in (0, 1):  # layer 0 is dense: every token resident, sparse requests' host copy kept
+                st.write_prefill(layer, r, kv[0], kv[1] if len(kv) > 1 else None)
         if per_head and unit == 4:  # stamps 2^40 apart: the victim bisection takes ~40 steps
             st.clock += 2**40
     s = stores[0].streams
@@ -380,14 +398,24 @@ for per_head, unit, mla in [(False, 1, False), (True, 1, False), (False, 4, Fals
             b = Batch(rs)
             b.prepare("cpu")
             st.begin_step(b)
-            st.write_decode(1, b, new[0], new[1] if len(new) > 1 else None)
+            for layer in (0, 1):
+                st.write_decode(layer, b, new[0], new[1] if len(new) > 1 else None)
             st.end_step(b)
         lens = [n + 1 for n in lens]
         assert torch.equal(a.l2s[..., :-1], t.l2s[..., :-1]) and torch.equal(a.s2l[..., :-1], t.s2l[..., :-1]), step
         assert torch.equal(a.last_used[..., :-1], t.last_used[..., :-1]) and torch.equal(a.counts, t.counts)
         assert all(torch.equal(x, y) for pa, pt in zip(a.pools, t.pools) for x, y in zip(pa.tensors, pt.tensors))
         assert all(torch.equal(x, y) for x, y in zip(a.host, t.host)), ("host", step)
-        assert torch.equal(a.rows_out, t.rows_out) and int(a.rows_out.sum()) == 2 * s * (step + 1), (a.rows_out, t.rows_out, s)
+        # every stream's host copy of both layers' new tokens (stop 40's failure: head 1 of the
+        # dense layer's was never queued by the fused path)
+        assert torch.equal(a.rows_out, t.rows_out) and int(a.rows_out.sum()) == 2 * 2 * s * (step + 1), (a.rows_out, t.rows_out, s)
+        rows = [[torch.cat([x, y[i : i + 1]]) for x, y in zip(kv, new)] for i, kv in enumerate(rows)]
+        if mla not in ("fp8", "fp8host"):  # rows kept as written: read the host copy back
+            for r, kv in zip(reqs[1], rows):
+                slots = t.host_pool.rows(torch.tensor([r.slot]), torch.arange(r.seq_len).unsqueeze(0))[0]
+                for layer in (0, 1):
+                    for host, want in zip(t.host, kv):
+                        assert torch.equal(host[layer, slots], want), ("host copy", per_head, unit, step, layer)
 print("parity ok")
 """
 

@@ -43,10 +43,12 @@ class DecodeWrites:
             )
             if not self.all_resident and batch.num_sparse:
                 everything = torch.arange(len(batch), device=self.device)
+                # every stream's host copy (head-major: one per KV head, all at the token's slot)
+                per_stream = slots.view(-1, 1).expand(-1, self.streams)
                 if self.impl == "triton":  # the offsets in one launch
-                    self._write_and_queue(layer, batch, everything, slots.view(-1, 1), 0, data, write=False)
+                    self._write_and_queue(layer, batch, everything, per_stream, 0, data, write=False)
                 else:
-                    self._queue_host_write(layer, batch, everything, slots.view(-1, 1).expand(-1, self.streams))
+                    self._queue_host_write(layer, batch, everything, per_stream)
             return
         # a batch with sparse requests in a sparse layer: dense requests stay resident
         assert batch.sparse_rows is not None and batch.dense_rows is not None
