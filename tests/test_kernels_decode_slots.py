@@ -146,6 +146,22 @@ def test_write_rejects_mismatched_buffers() -> None:
             del os.environ["TRITON_INTERPRET"]
 
 
+def test_write_new_rows_wants_a_slot_column_per_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Head-major, the launch has a column per KV head: slots [n, 1] would skip heads 1.. (their
+    host copies were lost that way, stop 40), so they are refused before any launch."""
+    pytest.importorskip("triton")
+    from sparse_framework.kernels.decode_slots import write_new_rows_triton
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors pass the device check
+    heads = 2
+    bufs, data = [torch.zeros(heads, 8, 4)], [torch.zeros(1, heads, 4)]
+    one = torch.zeros(1, dtype=torch.long)
+    args = (bufs, data, one, torch.ones(1, dtype=torch.int32), one, torch.ones(1, dtype=torch.bool))
+    tail = (0, torch.zeros(1, 2, dtype=torch.int32), 4, (0, 0, 0), (0, 0, 0), torch.zeros(1, dtype=torch.long), True)
+    with pytest.raises(ValueError, match=r"one column per stream \(2\)"):
+        write_new_rows_triton(*args, torch.zeros(1, 1, dtype=torch.int32), *tail)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_kernels_equal_their_twins_past_int32_offsets() -> None:

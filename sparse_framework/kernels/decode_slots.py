@@ -306,6 +306,9 @@ def write_new_rows_triton(
     if pick_unit and slots.stride(-1) != 1:
         raise ValueError("write_new_rows: a unit's slots must be contiguous")
     n, s = slots.shape[0], slots.shape[1]
+    streams = data[0].shape[1] if head_major else 1
+    if s != streams:  # one launch column per stream: fewer would skip the other heads' host copies
+        raise ValueError(f"write_new_rows: slots need one column per stream ({streams}), got {tuple(slots.shape)}")
     dev_off = torch.empty((n, s), dtype=torch.int64, device=sel.device)
     host_off = torch.empty((n, s), dtype=torch.int64, device=sel.device)
     if n == 0:
