@@ -33,6 +33,11 @@
 #       that a bigger host (the 4-GPU machines have 512 GiB) gives the same plan
 #   bash benchmarks/fused_layer_gpu_runs.sh timeline32k
 #       the kernel timeline of the hierarchical step at the 32K memory-bound maximum (24 x 32K)
+#   bash benchmarks/fused_layer_gpu_runs.sh recheck
+#       after stop 41's fix of the fused decode write (every KV head's host copy of a dense
+#       layer's token): the compiled store and kernel GPU tests, the 16K x 8 targets again (Quest
+#       resident and hierarchical, dense beside them), and the prefetch timeline whose per-kernel
+#       split stop 40 lost
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-fused_runs}
@@ -129,6 +134,15 @@ case ${1:-} in
         bench quest_hier_fp8_128k_max 600 "$HIER_FP8" "${host[@]}" --num-prompts 12 --max-num-seqs 12 ;;
     timeline32k)
         profile timeline_hier_32k_x24 "$HIER" 24 32768 300 ;;
+    recheck)
+        run recheck_gpu_tests 240 python3 -m pytest -q -m gpu tests/test_kernels_decode_slots.py \
+            tests/test_kernels_residency.py tests/test_engine_prefetch.py tests/test_gpu.py
+        tail -n 3 "$OUT/recheck_gpu_tests.log"
+        bench dense_16k_x8 100 "$DENSE" --input-len 16384 --num-prompts 8
+        bench quest_resident_16k_x8 100 "$RES" --input-len 16384 --num-prompts 8
+        bench quest_hier_16k_x8 120 "$HIER" --input-len 16384 --num-prompts 8
+        profile timeline_hier_no_prefetch "$HIER"
+        profile timeline_hier_prefetch_grid "$HIER_PF" ;;
     *)
         awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"
         exit 2 ;;
