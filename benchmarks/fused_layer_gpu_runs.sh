@@ -33,6 +33,14 @@
 #       that a bigger host (the 4-GPU machines have 512 GiB) gives the same plan
 #   bash benchmarks/fused_layer_gpu_runs.sh timeline32k
 #       the kernel timeline of the hierarchical step at the 32K memory-bound maximum (24 x 32K)
+#   bash benchmarks/fused_layer_gpu_runs.sh copy-grid PROGRAMS:ROWS:WARPS...
+#       the decode path's swap-in copy (COPY_* and NARROW_* PROGRAMS, ROWS, WARPS of
+#       kv_store/residency.py) at each launch shape given: the hierarchical 16K x 8 timeline,
+#       `copy_missing_kernel`'s GPU time per step beside the step's
+#   bash benchmarks/fused_layer_gpu_runs.sh narrow-copy
+#       one head's rows copied with the narrow shape (NARROW_* of kv_store/residency.py, the
+#       default) and, at 16K x 8, with the wide one they took before stop 41 (2,048 x 1 x 8); the
+#       32K memory-bound maximum with the narrow shape
 #   bash benchmarks/fused_layer_gpu_runs.sh recheck
 #       after stop 41's fix of the fused decode write (every KV head's host copy of a dense
 #       layer's token): the compiled store and kernel GPU tests, the 16K x 8 targets again (Quest
@@ -77,6 +85,30 @@ profile() {  # profile NAME CONFIG [BATCH CONTEXT LIMIT_S]
     run "$1" "${5:-150}" python3 benchmarks/profile_engine_step.py --config "$2" --batch "${3:-8}" --context "${4:-16384}" \
         --cuda-graphs --top 25 --json "$OUT/$1.json"
     grep -E "^decode step|hit rate" "$OUT/$1.log" | sed 's/^/    /'
+}
+
+bench_copy() {  # bench_copy PROGRAMS:ROWS:WARPS bench's arguments...: bench with that copy shape for narrow rows
+    local shape=$1
+    shift
+    local CLI=(python3 -c 'import sys
+import sparse_framework.kv_store.residency as r
+from sparse_framework.cli import main
+r.NARROW_PROGRAMS, r.NARROW_ROWS, r.NARROW_WARPS = map(int, sys.argv[1].split(":"))
+sys.exit(main(sys.argv[2:]))' "$shape")  # bench, called from here, sees this one
+    bench "$@"
+}
+
+profile_grid() {  # profile_grid PROGRAMS:ROWS:WARPS NAME CONFIG: profile with that decode-path copy shape
+    local shape=$1 name=$2 config=$3
+    run "$name" 150 python3 -c 'import runpy, sys
+import sparse_framework.kv_store.residency as r
+r.COPY_PROGRAMS, r.COPY_ROWS, r.COPY_WARPS = r.NARROW_PROGRAMS, r.NARROW_ROWS, r.NARROW_WARPS = map(
+    int, sys.argv[1].split(":"))
+sys.path.insert(0, "benchmarks")
+sys.argv = ["profile_engine_step.py", *sys.argv[2:]]
+runpy.run_path("benchmarks/profile_engine_step.py", run_name="__main__")' "$shape" --config "$config" \
+        --batch 8 --context 16384 --cuda-graphs --top 25 --json "$OUT/$name.json"
+    grep -E "^decode step|hit rate|copy_missing" "$OUT/$name.log" | cut -c1-110 | sed 's/^/    /'
 }
 
 case ${1:-} in
@@ -134,6 +166,16 @@ case ${1:-} in
         bench quest_hier_fp8_128k_max 600 "$HIER_FP8" "${host[@]}" --num-prompts 12 --max-num-seqs 12 ;;
     timeline32k)
         profile timeline_hier_32k_x24 "$HIER" 24 32768 300 ;;
+    copy-grid)
+        shift
+        for shape in "$@"; do
+            profile_grid "$shape" "timeline_hier_copy_${shape//:/x}" "$HIER"
+        done ;;
+    narrow-copy)
+        bench quest_hier_16k_x8_narrow 100 "$HIER" --input-len 16384 --num-prompts 8
+        bench_copy 2048:1:8 quest_hier_16k_x8_wide 100 "$HIER" --input-len 16384 --num-prompts 8
+        bench quest_hier_32k_max_narrow 240 "$HIER" --input-len 32768 --num-prompts 24 --max-num-seqs 24 \
+            --gpu-memory-utilization 0.9 ;;
     recheck)
         run recheck_gpu_tests 240 python3 -m pytest -q -m gpu tests/test_kernels_decode_slots.py \
             tests/test_kernels_residency.py tests/test_engine_prefetch.py tests/test_gpu.py

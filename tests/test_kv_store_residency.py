@@ -1,7 +1,8 @@
 """kv_store/residency.py's launch shapes of the fused copy, interpreted on the CPU (a subprocess
 with TRITON_INTERPRET=1; hypothesis over layouts, units and selections): `_copy_missing` fills
-the buffer the same with the decode path's shape (COPY_PROGRAMS x COPY_ROWS) and the prefetch's
-(PREFETCH_PROGRAMS x PREFETCH_ROWS), as the torch path does; and `prefetch` through its
+the buffer the same with the decode path's shapes (COPY_PROGRAMS x COPY_ROWS, and NARROW_PROGRAMS x
+NARROW_ROWS for one head's rows) and the prefetch's (PREFETCH_PROGRAMS x PREFETCH_ROWS), as the torch
+path does; and `prefetch` through its
 side-stream branch — the one that takes the prefetch's shape, reached on the CPU with the CUDA
 stream and event calls stood in for by synchronous no-ops — leaves the same buffer, maps and
 counters as the inline prefetch and the torch path. The kernel itself over many shapes:
@@ -22,8 +23,19 @@ def test_the_prefetch_copies_with_few_programs_of_many_rows() -> None:
     and BLOCK_R is a power of two (a tl.arange length)."""
     assert residency.PREFETCH_PROGRAMS < residency.COPY_PROGRAMS
     assert residency.PREFETCH_ROWS > residency.COPY_ROWS
-    for rows in (residency.COPY_ROWS, residency.PREFETCH_ROWS):
+    for rows in (residency.COPY_ROWS, residency.PREFETCH_ROWS, residency.NARROW_ROWS):
         assert rows >= 1 and rows & (rows - 1) == 0
+
+
+def test_one_heads_rows_take_the_narrow_copy_shape() -> None:
+    """Llama-3-8B's rows: one KV head (128 bf16, head-major) takes the narrow shape; a token's
+    8 heads (1,024) and an MLA latent (576) the decode path's wide one."""
+    narrow = (residency.NARROW_PROGRAMS, residency.NARROW_ROWS, residency.NARROW_WARPS)
+    wide = (residency.COPY_PROGRAMS, residency.COPY_ROWS, residency.COPY_WARPS)
+    assert narrow != wide
+    assert residency.decode_copy_shape(128) == residency.decode_copy_shape(residency.NARROW_ROW) == narrow
+    assert residency.decode_copy_shape(1024) == residency.decode_copy_shape(576) == wide
+    assert residency.decode_copy_shape(residency.NARROW_ROW + 1) == wide
 
 
 INTERPRETED = r"""
@@ -102,14 +114,15 @@ def both_shapes_copy_the_same(kind, unit, seed):
     assert torch.equal(slots, want) and int(n_todo.sum()) > 0
     before = tensors(st_)
     got = []
-    for programs, rows in [(residency.COPY_PROGRAMS, residency.COPY_ROWS),
-                           (residency.PREFETCH_PROGRAMS, residency.PREFETCH_ROWS)]:
+    for programs, rows, warps in [(residency.COPY_PROGRAMS, residency.COPY_ROWS, residency.COPY_WARPS),
+                                  (residency.PREFETCH_PROGRAMS, residency.PREFETCH_ROWS, residency.COPY_WARPS),
+                                  (residency.NARROW_PROGRAMS, residency.NARROW_ROWS, residency.NARROW_WARPS)]:
         for p, x in zip([t for p in st_.pools for t in p.tensors], before):
             p.copy_(x)
-        st_._copy_missing(1, idx, slots, todo, n_todo, b.slot_ids, programs=programs, block_r=rows)
+        st_._copy_missing(1, idx, slots, todo, n_todo, b.slot_ids, programs=programs, block_r=rows, warps=warps)
         got.append(tensors(st_))
     assert same(got[0], tensors(ref)), kind
-    assert same(got[1], got[0]), kind
+    assert same(got[1], got[0]) and same(got[2], got[0]), kind
 
 
 class Side:  # a CUDA stream or event stood in for: everything runs at once on the CPU
@@ -129,8 +142,9 @@ def side_stream_prefetch_equals_the_inline_one(kind, unit, seed):
     cuda = torch.cuda.current_stream, torch.cuda.stream, torch.cuda.Event
     torch.cuda.current_stream, torch.cuda.stream, torch.cuda.Event = (
         lambda device=None: Side(), lambda s: contextlib.nullcontext(), Side)
-    wide = residency.COPY_PROGRAMS
-    residency.COPY_PROGRAMS = 5  # narrowed for the interpreter (both_shapes_copy_the_same runs 2048)
+    wide = residency.COPY_PROGRAMS, residency.NARROW_PROGRAMS
+    # narrowed for the interpreter (both_shapes_copy_the_same runs the real ones)
+    residency.COPY_PROGRAMS = residency.NARROW_PROGRAMS = 5
     try:
         predicted, own = selection(ref[0], unit, seed), selection(ref[0], unit, seed + 1)
         for s, b in (ref, inline, side):
@@ -145,14 +159,14 @@ def side_stream_prefetch_equals_the_inline_one(kind, unit, seed):
         assert int(ref[0].prefetch_counts[1, 1]) > 0  # the prediction missed rows, and they were copied
         # the layer's own selection then: joins the prefetch, copies what it missed (the decode path's shape)
         slots = [s.ensure_resident(1, b, own) for s, b in (ref, inline, side)]
-        assert shapes[1:] == [(residency.COPY_PROGRAMS, residency.COPY_ROWS)], shapes
+        assert shapes[1:] == [residency.decode_copy_shape(side[0].row_elems)[:2]], shapes
         assert not side[0]._prefetches
         for s, sl in zip((inline[0], side[0]), slots[1:]):
             assert torch.equal(sl, slots[0]) and same(tensors(s), tensors(ref[0])), kind
             assert torch.equal(s.counts, ref[0].counts)
     finally:
         torch.cuda.current_stream, torch.cuda.stream, torch.cuda.Event = cuda
-        residency.COPY_PROGRAMS = wide
+        residency.COPY_PROGRAMS, residency.NARROW_PROGRAMS = wide
 
 
 both_shapes_copy_the_same()

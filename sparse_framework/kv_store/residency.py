@@ -18,6 +18,13 @@ from ..common.batch import Batch, Selection
 # rows per loop iteration (BLOCK_R) (benchmarks/swap_in.py --copy-shapes sets these). One row
 # per iteration: two measured no faster with a grid this wide (docs/kv_store.md).
 COPY_PROGRAMS, COPY_COLS, COPY_WARPS, COPY_ROWS = 2048, 1024, 8, 1
+# Rows of at most NARROW_ROW elements (one KV head's row in the head-major layout: Quest, SnapKV,
+# PQCache; 256 bytes for Llama-3-8B) take their own shape: 8 warps on a [1, 128] tile leave most
+# threads idle and one 256-byte PCIe read in flight per program. 1,024 programs of 4 warps with 8
+# rows an iteration cut the 16K x 8 step's copy from 2.52 to 2.03 ms (docs/engine.md, "Stop 41";
+# `fused_layer_gpu_runs.sh copy-grid`); wider rows keep the shape above, measured on them.
+NARROW_ROW = 256
+NARROW_PROGRAMS, NARROW_WARPS, NARROW_ROWS = 1024, 4, 8
 # The prefetch's copy on its side stream (columns and warps as above): it is there to overlap the
 # main stream's compute, but COPY_PROGRAMS persistent programs hold every SM until the whole copy is
 # done, so the layer's GEMMs could not run beside it (stop 38 measured no overlap). A few programs
@@ -25,6 +32,14 @@ COPY_PROGRAMS, COPY_COLS, COPY_WARPS, COPY_ROWS = 2048, 1024, 8, 1
 # PCIe reads in flight: 32 head-major rows of 128 bf16 are 8 KiB a tensor per program. On the H100
 # the copy then overlaps (docs/engine.md, "Stop 40"); 16 x 32, 32 x 16 and 8 x 64 step within 2%.
 PREFETCH_PROGRAMS, PREFETCH_ROWS = 16, 32
+
+
+def decode_copy_shape(row_elems: int) -> tuple[int, int, int]:
+    """The decode path's copy launch for rows of `row_elems` elements: (programs, rows per loop
+    iteration, warps), the narrow rows' shape or the others' (the comments above)."""
+    if row_elems <= NARROW_ROW:
+        return NARROW_PROGRAMS, NARROW_ROWS, NARROW_WARPS
+    return COPY_PROGRAMS, COPY_ROWS, COPY_WARPS
 
 
 class BufferResidency:
@@ -97,17 +112,18 @@ class BufferResidency:
         idx = selection.indices.contiguous()
         start = self._timer() if self.timing else None
         slots, todo, n_todo = self._plan_selection(layer, batch, idx, self.counts[layer])
-        self._copy_missing(layer, idx, slots, todo, n_todo, batch.slot_ids, programs=COPY_PROGRAMS, block_r=COPY_ROWS)
+        programs, block_r, warps = decode_copy_shape(self.row_elems)
+        self._copy_missing(layer, idx, slots, todo, n_todo, batch.slot_ids, programs=programs, block_r=block_r, warps=warps)
         if start is not None:
             self._stop_timer(layer, start)
         return slots
 
     def _copy_missing(
         self, layer: int, idx: torch.Tensor, slots: torch.Tensor, todo: torch.Tensor, n_todo: torch.Tensor,
-        rows: torch.Tensor, *, programs: int, block_r: int,
+        rows: torch.Tensor, *, programs: int, block_r: int, warps: int = COPY_WARPS,
     ) -> None:
         """One launch of `copy_missing_kernel`: the rows `_plan_residency` found missing, host → device,
-        by a grid of `programs` copying `block_r` rows per loop iteration each (BLOCK_R)."""
+        by a grid of `programs` of `warps` warps copying `block_r` rows per loop iteration each (BLOCK_R)."""
         from ..kernels import pdl
         from ..kernels.launch import launch
         from ..kernels.residency import copy_missing_kernel
@@ -128,7 +144,7 @@ class BufferResidency:
             pool.slots, self.layout.num_kv_heads, b * s, BLOCK_S=pow2(b * s),
             HEAD_MAJOR=self.head_major, TWO=two, ROW=self.row_elems, COLS=min(COPY_COLS, pow2(self.row_elems)),
             PDL=use_pdl, HROW=hp.head_width * self.row_heads, FP8_HOST=hp.fp8, HEAD_DIM=self.layout.head_dim,
-            BLOCK_R=block_r, num_warps=COPY_WARPS, launch_pdl=use_pdl,
+            BLOCK_R=block_r, num_warps=warps, launch_pdl=use_pdl,
         )
 
     # -- prefetch (SparseConfig.prefetch) ---------------------------------------------------------
