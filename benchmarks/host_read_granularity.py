@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-gib", type=float, default=4.0, help="pinned host buffer the rows come from (default 4)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
+    if args.mib < 1 or args.host_gib * 1024 < 2 * args.mib:
+        parser.error(f"--mib must be at least 1 and at most half of --host-gib (got {args.mib} MiB, {args.host_gib} GiB)")
     if not torch.cuda.is_available():
         raise SystemExit("host_read_granularity: needs a CUDA GPU")
     torch.manual_seed(0)  # the random rows
