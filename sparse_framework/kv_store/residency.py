@@ -120,7 +120,7 @@ class BufferResidency:
 
     def _copy_missing(
         self, layer: int, idx: torch.Tensor, slots: torch.Tensor, todo: torch.Tensor, n_todo: torch.Tensor,
-        rows: torch.Tensor, *, programs: int, block_r: int, warps: int = COPY_WARPS,
+        rows: torch.Tensor, *, programs: int, block_r: int, warps: int,
     ) -> None:
         """One launch of `copy_missing_kernel`: the rows `_plan_residency` found missing, host → device,
         by a grid of `programs` of `warps` warps copying `block_r` rows per loop iteration each (BLOCK_R)."""
@@ -176,7 +176,7 @@ class BufferResidency:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             self._copy_missing(layer, idx, slots, todo, n_todo, batch.slot_ids,
-                               programs=PREFETCH_PROGRAMS, block_r=PREFETCH_ROWS)
+                               programs=PREFETCH_PROGRAMS, block_r=PREFETCH_ROWS, warps=COPY_WARPS)
         done = torch.cuda.Event()
         done.record(side)
         # the side stream's inputs stay referenced until the main stream has waited for it
