@@ -60,7 +60,7 @@ HIER_FP8='{"algorithm": "quest", "backend": "triton", "store": "hierarchical", "
 # shellcheck source=benchmarks/run_logged.sh
 source benchmarks/run_logged.sh  # run NAME LIMIT_S COMMAND...
 
-CLI=(sparse-framework)  # the command bench runs; bench_grid swaps it for a wrapper
+CLI=(sparse-framework)  # the command bench runs; bench_with swaps it for a wrapper
 
 bench() {  # bench NAME LIMIT_S CONFIG bench arguments...
     local name=$1 limit=$2 config=$3
@@ -70,14 +70,20 @@ bench() {  # bench NAME LIMIT_S CONFIG bench arguments...
     tail -n 14 "$OUT/$name.log" | cut -c1-100 | sed "s/^/    /"
 }
 
-bench_grid() {  # bench_grid PROGRAMS:ROWS bench's arguments...: bench with that prefetch launch shape
-    local shape=$1
-    shift
-    local CLI=(python3 -c 'import sys
+# a Python prelude: argv[1] names settings of kv_store/residency.py ("A,B"), argv[2] their
+# integer values ("1:2"); what follows in the same -c string then sees argv[3:]
+SET_RESIDENCY='import sys
 import sparse_framework.kv_store.residency as r
-from sparse_framework.cli import main
-r.PREFETCH_PROGRAMS, r.PREFETCH_ROWS = map(int, sys.argv[1].split(":"))
-sys.exit(main(sys.argv[2:]))' "$shape")  # bench, called from here, sees this one
+for name, value in zip(sys.argv[1].split(","), sys.argv[2].split(":"), strict=True):
+    getattr(r, name)  # a misspelt name fails here, not silently
+    setattr(r, name, int(value))
+'
+
+bench_with() {  # bench_with NAMES VALUES bench's arguments...: bench with those residency settings
+    local names=$1 values=$2
+    shift 2
+    local CLI=(python3 -c "$SET_RESIDENCY"'from sparse_framework.cli import main
+sys.exit(main(sys.argv[3:]))' "$names" "$values")  # bench, called from here, sees this one
     bench "$@"
 }
 
@@ -87,26 +93,13 @@ profile() {  # profile NAME CONFIG [BATCH CONTEXT LIMIT_S]
     grep -E "^decode step|hit rate" "$OUT/$1.log" | sed 's/^/    /'
 }
 
-bench_copy() {  # bench_copy PROGRAMS:ROWS:WARPS bench's arguments...: bench with that copy shape for narrow rows
-    local shape=$1
-    shift
-    local CLI=(python3 -c 'import sys
-import sparse_framework.kv_store.residency as r
-from sparse_framework.cli import main
-r.NARROW_PROGRAMS, r.NARROW_ROWS, r.NARROW_WARPS = map(int, sys.argv[1].split(":"))
-sys.exit(main(sys.argv[2:]))' "$shape")  # bench, called from here, sees this one
-    bench "$@"
-}
-
 profile_grid() {  # profile_grid PROGRAMS:ROWS:WARPS NAME CONFIG: profile with that decode-path copy shape
     local shape=$1 name=$2 config=$3
-    run "$name" 150 python3 -c 'import runpy, sys
-import sparse_framework.kv_store.residency as r
-r.COPY_PROGRAMS, r.COPY_ROWS, r.COPY_WARPS = r.NARROW_PROGRAMS, r.NARROW_ROWS, r.NARROW_WARPS = map(
-    int, sys.argv[1].split(":"))
+    run "$name" 150 python3 -c "$SET_RESIDENCY"'import runpy
 sys.path.insert(0, "benchmarks")
-sys.argv = ["profile_engine_step.py", *sys.argv[2:]]
-runpy.run_path("benchmarks/profile_engine_step.py", run_name="__main__")' "$shape" --config "$config" \
+sys.argv = ["profile_engine_step.py", *sys.argv[3:]]
+runpy.run_path("benchmarks/profile_engine_step.py", run_name="__main__")' \
+        COPY_PROGRAMS,COPY_ROWS,COPY_WARPS,NARROW_PROGRAMS,NARROW_ROWS,NARROW_WARPS "$shape:$shape" --config "$config" \
         --batch 8 --context 16384 --cuda-graphs --top 25 --json "$OUT/$name.json"
     grep -E "^decode step|hit rate|copy_missing" "$OUT/$name.log" | cut -c1-110 | sed 's/^/    /'
 }
@@ -146,7 +139,8 @@ case ${1:-} in
         bench quest_hier_prefetch_off_16k_x8 100 "$HIER" --input-len 16384 --num-prompts 8
         bench quest_hier_prefetch_grid_on_16k_x8 100 "$HIER_PF" --input-len 16384 --num-prompts 8
         for shape in 32:16 8:64; do
-            bench_grid "$shape" "quest_hier_prefetch_grid_${shape/:/x}_16k_x8" 100 "$HIER_PF" --input-len 16384 --num-prompts 8
+            bench_with PREFETCH_PROGRAMS,PREFETCH_ROWS "$shape" "quest_hier_prefetch_grid_${shape/:/x}_16k_x8" 100 \
+                "$HIER_PF" --input-len 16384 --num-prompts 8
         done
         for pf in off on; do
             config=$HIER && [[ $pf == on ]] && config=$HIER_PF
@@ -173,7 +167,8 @@ case ${1:-} in
         done ;;
     narrow-copy)
         bench quest_hier_16k_x8_narrow 100 "$HIER" --input-len 16384 --num-prompts 8
-        bench_copy 2048:1:8 quest_hier_16k_x8_wide 100 "$HIER" --input-len 16384 --num-prompts 8
+        bench_with NARROW_PROGRAMS,NARROW_ROWS,NARROW_WARPS 2048:1:8 quest_hier_16k_x8_wide 100 "$HIER" \
+            --input-len 16384 --num-prompts 8
         bench quest_hier_32k_max_narrow 240 "$HIER" --input-len 32768 --num-prompts 24 --max-num-seqs 24 \
             --gpu-memory-utilization 0.9 ;;
     recheck)
