@@ -13,7 +13,7 @@ Per cell:
               as an engine runs it eagerly (µs of wall time) and replayed from a CUDA graph
   dense       torch SDPA over contiguous K/V (where it fits in memory), our Triton paged
               kernel and flash-attn over every token (where installed): the best is the baseline
-  floor       bytes that must be read ÷ 3.0 TB/s (DESIGN.md): the representation the scoring
+  floor       bytes that must be read ÷ the GPU's HBM ceiling (common/hardware.py): the representation the scoring
               reads + the selected K/V rows (sparse), or every K/V row (dense)
 Times are medians of CUDA-event timings (L2 flushed before each, by reading a 256 MB buffer:
 see timing.py) after warm-up.
@@ -35,12 +35,13 @@ from rich.console import Console
 from rich.table import Table
 
 from sparse_framework import Batch, KVLayout, Request, registry
+from sparse_framework.common import hardware
 from sparse_framework.cli_tables import new_table
 from sparse_framework.coordinator import SparseCoordinator
 from sparse_framework.kernels import pdl
 from timing import FLUSH_MODES, Timer
 
-HBM_GBPS = 3000.0  # one H100 80GB HBM3, measured copy ceiling (DESIGN.md)
+HBM_GBPS = hardware.hbm_bytes_per_s() / 1e9  # the GPU's measured copy ceiling (common/hardware.py)
 DEFAULT_JSON = "benchmarks/results/decode_layer_h100.json"
 DENSE_COPY_LIMIT = 24 << 30  # bytes: a contiguous K/V copy for SDPA only below this
 SHAPES = {

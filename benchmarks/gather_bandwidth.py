@@ -8,7 +8,7 @@ Two ways to cut the work: one program per (request, KV head) block of tokens, ea
 the token's whole 2 KB row. Each over a sweep of tokens per step, steps per program and
 pipeline stages; medians of CUDA events with the L2 flushed before each call. The attention
 kernel's time is then compared with the best gather of the same bytes, not only with the
-3.0 TB/s streaming floor.
+streaming floor (the GPU's HBM ceiling, common/hardware.py).
 
     python benchmarks/gather_bandwidth.py
 """
@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from sparse_framework.common import hardware
 import triton
 import triton.language as tl
 
@@ -86,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append({"row_bytes": row * 2, "block_n": block_n, "steps": steps, "stages": stages,
                          "programs": b * groups * blocks, "us": us, "tb_per_s": mb / us})
     results.sort(key=lambda r: r["us"])
+    tb_s = hardware.hbm_bytes_per_s() / 1e12
     print(f"gather of {mb:.0f} MB of selected K rows ({b} x {sel} tokens x {hk} heads x {d} bf16), floor at "
-          f"3.0 TB/s {mb / 3e6 * 1e6:.1f} µs; fastest shapes:")
+          f"{tb_s:.2f} TB/s {mb / tb_s:.1f} µs; fastest shapes:")
     for r in results[:10]:
         print(f"  {r['row_bytes']:5d}-byte rows, {r['block_n']:3d} tokens x {r['steps']} steps, {r['stages']} stages, "
               f"{r['programs']:5d} programs: {r['us']:6.1f} µs = {r['tb_per_s']:.2f} TB/s")

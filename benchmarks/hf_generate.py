@@ -13,8 +13,8 @@ Per row: the set-up time (`enable`: building and pinning the pools), prefill tim
 decode step (from one timestamp per generated token, taken after a device sync in a logits
 processor; the first step after the prefill is left out) beside its HBM floor, the memory the
 integration holds while enabled (pools + representations) and the peak GPU memory during
-generate less the weights (the pools count in it). Floors: dense = (weights + all KV read) ÷ 3.0 TB/s; sparse =
-(weights + the selected tokens' K/V + the algorithm's representation) ÷ 3.0 TB/s.
+generate less the weights (the pools count in it). Floors: dense = (weights + all KV read) ÷ the GPU's HBM ceiling; sparse =
+(weights + the selected tokens' K/V + the algorithm's representation) ÷ the same.
 
     python benchmarks/hf_generate.py --batch 8 --context 16384 --new-tokens 32 \
         --json benchmarks/results/hf_generate_h100.json
@@ -36,7 +36,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import write_results  # noqa: E402
 
-HBM = 3.0e12
+from sparse_framework.common import hardware  # noqa: E402
+
+HBM = hardware.hbm_bytes_per_s()  # the GPU's measured copy ceiling (common/hardware.py)
 GIB = 1 << 30
 DEFAULT_CONFIGS = ['{"algorithm": "quest"}']
 

@@ -106,7 +106,7 @@ def markdown(rows: list[dict[str, Any]], source: str, images: list[str]) -> str:
         "*tok/s*: output tokens over the whole run (prefill included); *decode tok/s*: the rows of the "
         "full decode step over its median time. *step / floor*: the median "
         "decode step with the most requests decoding and no prefill, beside its HBM floor (weights + the "
-        "bytes it must read, ÷ 3.0 TB/s). *prefill*: prompt FLOPs over the wall time of the steps with "
+        "bytes it must read, ÷ the GPU's HBM ceiling: common/hardware.py). *prefill*: prompt FLOPs over the wall time of the steps with "
         "prefill. *hit rate*, *PCIe*: the hierarchical store's device-buffer hits and host→device bytes "
         "over the decode steps' time ('-': a resident store), and in brackets the swap-in's own floor: "
         "the host→device bytes per decode step ÷ 55 GB/s (PCIe).", "",

@@ -9,7 +9,7 @@ queries quantised by the scoring function, ue8m0, as DSA runs it), one selection
 The budget is 2048 tokens (Quest: 128 pages) plus 16 sink and 64 recent tokens.
 
 Per row: the bytes the scoring must read (the representation that grows with L), the
-achieved GB/s of the scoring and its share of the HBM ceiling (3.0 TB/s, DESIGN.md
+achieved GB/s of the scoring and its share of the HBM ceiling (common/hardware.py
 "Measured ceilings"). CUDA times are medians of CUDA-event timings after warm-up, with the
 L2 cache flushed before every timed call; on the CPU (smoke runs) time.perf_counter medians.
 
@@ -31,12 +31,13 @@ from rich.console import Console
 from rich.table import Table
 
 from sparse_framework.algorithms.base import topk_selection
+from sparse_framework.common import hardware
 from sparse_framework.algorithms.base import group_probabilities
 from sparse_framework.cli_tables import new_table
 from sparse_framework.kernels import scoring
 from timing import Timer
 
-HBM_GBPS = 3000.0  # one H100 80GB HBM3, measured copy ceiling (DESIGN.md)
+HBM_GBPS = hardware.hbm_bytes_per_s() / 1e9  # the GPU's measured copy ceiling (common/hardware.py)
 DEFAULT_JSON = "benchmarks/results/selection_h100.json"
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 PAGE, PQ_M, PQ_K = 16, 2, 64
@@ -155,7 +156,7 @@ def results_table(results: list[dict], device: torch.device | str, batch: int) -
     """A row per (context, algorithm, impl), sized for a 100-column terminal."""
     table = new_table(f"selection: scoring + top-{TOP_K} ({device}, decode batch {batch}): µs eager / CUDA-graph replay",
                       tight=True)
-    for col in ("algorithm", "impl", "context", "rows", "score", "top-k", "score+top-k", "MB", "GB/s", "% of\n3.0 TB/s"):
+    for col in ("algorithm", "impl", "context", "rows", "score", "top-k", "score+top-k", "MB", "GB/s", "% of\nHBM"):
         table.add_column(col, justify="left" if col in ("algorithm", "impl") else "right",
                          no_wrap=col in ("score", "top-k", "score+top-k"))
     for r in results:

@@ -2,7 +2,7 @@
 
 8 requests x 131072 tokens, 64 indexer heads x 128 dims, FP8 keys with ue8m0 scales, bf16
 queries quantised in the kernel. Medians of CUDA-event timings after warm-up with the L2
-flushed before every call, next to the byte floor (keys + scales at 3.0 TB/s, DESIGN.md), and
+flushed before every call, next to the byte floor (keys + scales at the GPU's HBM ceiling, common/hardware.py), and
 the error against the torch twin. Also times the best shape with the FP8 tensor-core dot off.
 
     python benchmarks/tune_dsa_index.py --json benchmarks/results/tune_dsa_index_h100.json
@@ -18,9 +18,10 @@ import sys
 import torch
 
 from sparse_framework.kernels import dsa_index as dsa, scoring as sc
+from sparse_framework.common import hardware
 from timing import Timer
 
-HBM_GBPS = 3000.0
+HBM_GBPS = hardware.hbm_bytes_per_s() / 1e9  # common/hardware.py
 
 
 def main(argv: list[str] | None = None) -> int:

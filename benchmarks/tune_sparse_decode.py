@@ -3,7 +3,7 @@ CUDA) on decode_layer.py's cells at 128K context, batch 8: the split count (thro
 TARGET_WARPS_PER_SM), the tokens per loop step (MAX_BLOCK_N), the pipeline depth
 (NUM_STAGES) and the warps per program. Each shape is timed twice, in two sweeps of shuffled
 order, as CUDA-graph replays of the backend call alone with the L2 flushed before each call
-(medians of CUDA events after warm-up), next to the byte floor of the selected K/V at 3.0 TB/s,
+(medians of CUDA events after warm-up), next to the byte floor of the selected K/V at the GPU's HBM ceiling,
 and checked against the default shape's output.
 
     python benchmarks/tune_sparse_decode.py --json benchmarks/results/tune_sparse_decode_h100.json

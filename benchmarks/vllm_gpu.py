@@ -26,7 +26,7 @@ in the checkout:
   plugin's static path captured) or piecewise ones (`quest-piecewise`: attention eager). TPOT = (time of a
   generate of N+1 tokens - time of one of 1 token) / N after a warm run (prefix caching keeps
   the prompts cached between runs when they fit), median of --repeats; the HBM floor of a step
-  = (weights + KV bytes read) / 3.0 TB/s.
+  = (weights + KV bytes read) / the GPU's HBM ceiling (common/hardware.py).
 - `ruler`: SmolLM2 on a small RULER slice (the project's cached samples, sparse_framework/eval),
   dense against the plugin, scored as RULER scores.
 
@@ -52,8 +52,23 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from sparse_framework.common import hardware  # noqa: E402
+
 CONFIG_ENV = "SPARSE_FRAMEWORK_VLLM_CONFIG"
-HBM_TB_S = 3.0  # the H100's measured copy ceiling (DESIGN.md)
+
+
+def _gpu_hbm_tb_s() -> float:
+    """The HBM ceiling of the GPU the children run on, found by name through nvidia-smi (this
+    parent opens no CUDA context of its own); the default GPU's where none is found."""
+    try:
+        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout.splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        return hardware.DEFAULT.hbm_tb_s
+    return (hardware.figures_for_name(name) or hardware.DEFAULT).hbm_tb_s
+
+
+HBM_TB_S = _gpu_hbm_tb_s()  # common/hardware.py
 WEIGHTS_8B = 16.06e9  # Llama-3-8B bf16 weight bytes
 ECHO = ("sparse_framework", "cudagraph", "CUDAGraphMode", "FlashAttention", "KV cache layout", "attention backend",
         "Using ", "Maximum concurrency", "Model Runner", "Error", "ERROR", "Traceback")
@@ -444,7 +459,7 @@ def perf(args: argparse.Namespace, runner: Runner) -> dict[str, Any]:
         print(f"{c['config']:16}{c['context']:>7}{c['batch']:>6}{c['at_once']:>5}{c['tpot_ms']:>9.2f}"
               f"{c['tok_s']:>8.0f}{c['floor_ms']:>9.2f}{c['tpot_ms'] / c['floor_ms']:>8.2f}{sel:>7}")
     print("once: requests that fit the KV cache at once (vLLM queues the rest: TPOT then mixes waves); sel: mean "
-          "tokens selected per request, layer and KV head; floor: (16.06 GB + KV read) / 3.0 TB/s, divided by "
+          "tokens selected per request, layer and KV head; floor: (16.06 GB + KV read) / the GPU's HBM ceiling, divided by "
           f"the {args.tensor_parallel_size} GPU(s) of tensor parallelism (each reads its share; all-reduces not counted)")
     return out
 

@@ -1,6 +1,6 @@
 """`SparseConfig`: the one JSON object that configures an experiment, and its parsing.
 
-    {"algorithm": "quest", "backend": "torch_ref", "top_k": 2048, "page_size": 16,
+    {"algorithm": "quest", "backend": "auto", "top_k": 2048, "page_size": 16,
      "extra": {...the algorithm's own options, validated by its pydantic Config...}}
 
 It comes from a JSON string, a JSON file path, a dict, or Python. Parsing resolves the named
@@ -16,9 +16,8 @@ from os import PathLike
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from pydantic import (
-    BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_serializer, model_validator,
-)
+import torch
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from . import registry
 from .common.errors import ConfigError, PluginError
@@ -27,12 +26,12 @@ if TYPE_CHECKING:
     from .adaptors.base import BackendAdaptor
     from .algorithms.base import SparseAlgorithm
     from .backends.base import AttentionBackend
+    from .common.layout import KVLayout
 
-# the cost policy's constants (sparse_policy.py): fitted by benchmarks/sparse_policy_fit.py on the
-# committed H100 measurements (benchmarks/results/sparse_policy_fit.json; docs/engine.md)
-HBM_TB_S = 3.0  # the H100's measured copy ceiling (DESIGN.md)
-OVERHEAD_US = 27.9  # µs per sparse layer-step at batch 1
-OVERHEAD_GROWTH_US = 1.1  # µs more per further request selecting in the same step
+AUTO_BACKENDS = {"cuda": ("triton", "flashmla", "torch_ref"), "cpu": ("torch_ref",)}
+"""backend "auto": the first of these that is installed and serves the layout, per device type
+(the Triton split-K kernel on CUDA: measured faster than flash-attn's paged decode over a page
+table, docs/backends.md; FlashMLA for the fp8 MLA rows Triton does not read)."""
 
 
 class SparseConfig(BaseModel):
@@ -41,11 +40,15 @@ class SparseConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     algorithm: str = Field("quest", description="registered algorithm name (`sparse-framework plugins`)")
-    backend: str = Field("torch_ref", description="registered attention backend name")
+    backend: str = Field(
+        "auto", description="registered attention backend name, or auto: the fastest installed one for the "
+        "device (triton on CUDA, torch_ref on the CPU), resolved when the layout is known and reported"
+    )
     store: Literal["hierarchical", "resident"] = Field(
-        "hierarchical",
-        description="hierarchical: full KV on the host, a fixed device buffer per request; "
-        "resident: every token on the device",
+        "resident",
+        description="resident: every token on the device (the fastest while everything fits); hierarchical: "
+        "full KV on the host, a fixed device buffer per request (more long requests per GPU, slower per step: "
+        "pick it for capacity, docs/kv_store.md)",
     )
     adaptor: str | None = Field(
         None, description="metadata adaptor; default: the one the backend consumes"
@@ -64,23 +67,23 @@ class SparseConfig(BaseModel):
         2048, ge=0, description="prompts shorter than this decode densely (sparse_policy 'always')"
     )
     sparse_policy: Literal["always", "cost"] = Field(
-        "always",
+        "cost",
         description="always: sparse wherever min_sparse_prompt_len allows; cost: sparse only where the cost "
         "model says it reads less than dense, min_sparse_prompt_len not consulted: per request at admission "
         "(hierarchical store: a dense one stays whole on the device), per decode step for the resident "
         "store (docs/engine.md, 'Sparse only when it pays')",
     )
-    policy_hbm_tb_s: float = Field(
-        HBM_TB_S, gt=0, description="cost policy: HBM bandwidth, TB/s, at which a step's K/V and "
-        "representation bytes are read (the H100's measured 3.0)",
+    policy_hbm_tb_s: float | None = Field(
+        None, gt=0, description="cost policy: HBM bandwidth, TB/s, at which a step's K/V and "
+        "representation bytes are read; default: the GPU's measured ceiling (common/hardware.py)",
     )
-    policy_overhead_us: float = Field(
-        OVERHEAD_US, ge=0, description="cost policy: fixed µs of one sparse layer-step at batch 1 (scoring, "
-        "top-k, residency, launches); fitted on H100 measurements (benchmarks/sparse_policy_fit.py)",
+    policy_overhead_us: float | None = Field(
+        None, ge=0, description="cost policy: fixed µs of one sparse layer-step at batch 1 (scoring, "
+        "top-k, residency, launches); default: the GPU's fit (benchmarks/sparse_policy_fit.py)",
     )
-    policy_overhead_growth_us: float = Field(
-        OVERHEAD_GROWTH_US, ge=0, description="cost policy: µs the sparse layer-step's overhead grows "
-        "per further request selecting in the same step (fitted as policy_overhead_us)",
+    policy_overhead_growth_us: float | None = Field(
+        None, ge=0, description="cost policy: µs the sparse layer-step's overhead grows "
+        "per further request selecting in the same step; default: the GPU's fit",
     )
     dense_layers: list[int] = Field(
         default_factory=list, description="layer indices that always attend densely"
@@ -133,17 +136,6 @@ class SparseConfig(BaseModel):
                              "'hierarchical' or prefetch 'off'")
         return prefetch
 
-    @model_serializer(mode="wrap")
-    def _drop_default_host_dtype(self, handler: Any) -> dict[str, Any]:
-        # stored results key each cell by its dumped config (eval/experiment.py): the default
-        # leaves the dump as it was before the field existed, so those keys stay valid
-        data = handler(self)
-        if isinstance(data, dict):
-            for name, default in _DUMPED_ONLY_IF_SET.items():
-                if name in data and data[name] == default:
-                    del data[name]
-        return data
-
     @field_validator("page_size")
     @classmethod
     def _power_of_two(cls, page_size: int) -> int:
@@ -158,8 +150,8 @@ class SparseConfig(BaseModel):
     @field_validator("algorithm", "backend", "adaptor")
     @classmethod
     def _registered(cls, name: str | None, info: Any) -> str | None:
-        if name is None:
-            return None
+        if name is None or (info.field_name == "backend" and name == "auto"):
+            return name
         try:
             registry.load(info.field_name, name)
         except PluginError as exc:
@@ -179,6 +171,8 @@ class SparseConfig(BaseModel):
         self._check_top_k(algo)
         algo.check_config(self)
         self.adaptor_class.check_config(self)
+        if self.backend == "auto":
+            return self  # the adaptor is checked against the backend `resolved` picks
         backend = self.backend_class
         if self.adaptor_name not in backend.metadata_formats:
             allowed = ", ".join(repr(f) for f in backend.metadata_formats)
@@ -220,12 +214,45 @@ class SparseConfig(BaseModel):
             )
 
     # -- resolved plugins --------------------------------------------------------------
+    def resolved(self, where: KVLayout | str | torch.device) -> SparseConfig:
+        """This config with `backend` "auto" replaced by the backend it picks for a layout (or
+        a device): the first of AUTO_BACKENDS[device type] that is installed, consumes the
+        adaptor's metadata and serves the layout. Raises ConfigError saying why none did."""
+        if self.backend != "auto":
+            return self
+        from .common.layout import KVLayout
+
+        layout = where if isinstance(where, KVLayout) else None
+        device_type = torch.device(layout.device if layout is not None else where).type
+        why = []
+        for name in AUTO_BACKENDS.get(device_type, AUTO_BACKENDS["cpu"]):
+            try:
+                cls = registry.load("backend", name)
+                if self.adaptor is not None and self.adaptor not in cls.metadata_formats:
+                    raise ConfigError(f"does not consume adaptor {self.adaptor!r}'s metadata")
+                if layout is not None:
+                    cls.check_layout(layout)
+            except (ConfigError, PluginError) as exc:
+                why.append(f"{name!r} {exc}")
+                continue
+            return self.model_copy(update={"backend": name})
+        raise ConfigError(f"backend 'auto' found no backend for device {device_type!r}: " + "; ".join(why))
+
+    def key(self) -> dict[str, Any]:
+        """Every option spelt out, the algorithm's extra-config with its defaults filled in:
+        what stored results are keyed by, so that a default changed later never changes what
+        a stored cell means (resolve "auto" first: `resolved`)."""
+        return {**self.model_dump(), "extra": self.extra_config.model_dump()}
+
     @property
     def algorithm_class(self) -> type[SparseAlgorithm]:
         return registry.load("algorithm", self.algorithm)
 
     @property
     def backend_class(self) -> type[AttentionBackend]:
+        if self.backend == "auto":
+            # a report or check before a layout is known: the choice on this machine
+            return self.resolved("cuda" if torch.cuda.is_available() else "cpu").backend_class
         return registry.load("backend", self.backend)
 
     @property
@@ -242,13 +269,6 @@ class SparseConfig(BaseModel):
         assert self._extra_model is not None  # set by the validator; never None after construction
         return self._extra_model
 
-
-# fields added after results were stored keyed by the dumped config (eval/experiment.py): left
-# out of the dump at their defaults, so that those keys stay valid
-_DUMPED_ONLY_IF_SET: dict[str, Any] = {
-    "host_kv_dtype": "auto", "sparse_policy": "always", "policy_hbm_tb_s": HBM_TB_S,
-    "policy_overhead_us": OVERHEAD_US, "policy_overhead_growth_us": OVERHEAD_GROWTH_US, "prefetch": "off",
-}
 
 MAX_CONTEXT_TOKENS = 2**31 - 1  # positions and selections are int32: no context is longer
 
@@ -367,7 +387,8 @@ def config_schema(distribution: str | None = None) -> dict[str, Any]:
     if rules:
         schema["allOf"] = rules
     schema["properties"]["algorithm"]["enum"] = usable
-    schema["properties"]["backend"]["enum"] = [n for n in registry.names("backend", distribution) if _loads("backend", n)]
+    schema["properties"]["backend"]["enum"] = ["auto"] + [
+        n for n in registry.names("backend", distribution) if _loads("backend", n)]
     return schema
 
 

@@ -109,7 +109,7 @@ class SparseCoordinator(RequestLifecycle):
         graph_bucket_tokens: int = 1024,
         max_graphs: int | None = None,
     ) -> None:
-        self.config = load_config(config)
+        self.config = load_config(config).resolved(layout)  # backend "auto" -> the one it picks here
         self.layout = layout
         self._device_type = torch.device(layout.device).type
         if decode_graphs and self._device_type != "cuda":

@@ -21,12 +21,13 @@ a batch of b like it when dense(c) > sparse(c) + o(b) / b. Since P > r the savin
 dense(c) − sparse(c) never falls as c grows, so the decision is monotone in the context: dense
 below a break-even context, sparse above it, and the break-even falls as the batch grows.
 
-The constants default to the fit of benchmarks/sparse_policy_fit.py over the committed H100
-measurements (benchmarks/results/sparse_policy_fit.json; docs/engine.md says which, and what
-was not measured).
+The constants default to the GPU's figures (common/hardware.py): its measured HBM ceiling and
+the fit of benchmarks/sparse_policy_fit.py over its measurements (docs/engine.md says which, and
+what was not measured); the config's policy_* fields override them.
 
 The policy (`SparsePolicy`):
-- "always" (default): today's rule — a prompt shorter than min_sparse_prompt_len decodes
+- "cost" (default): below.
+- "always": the rule before the cost model — a prompt shorter than min_sparse_prompt_len decodes
   densely, every other one sparsely; `SamplingParams.sparse` overrides.
 - "cost": min_sparse_prompt_len is not consulted; `SamplingParams.sparse` still overrides.
   * hierarchical store: decided once, at admission, from the prompt length and the batch the
@@ -49,16 +50,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .config import HBM_TB_S, OVERHEAD_GROWTH_US, OVERHEAD_US, SparseConfig
+from .common.hardware import DEFAULT, GpuFigures, gpu_figures
+from .config import SparseConfig
 from .dense_fallback import COST_POLICY, REQUESTED_DENSE, SHORT_PROMPT
 
 if TYPE_CHECKING:
     from .common.batch import Batch, Request
     from .common.layout import KVLayout
 
-# HBM_TB_S, OVERHEAD_US, OVERHEAD_GROWTH_US: the defaults of the config's policy_* fields, from
-# benchmarks/results/sparse_policy_fit.json (tests/test_sparse_policy.py keeps them equal)
-__all__ = ["HBM_TB_S", "OVERHEAD_GROWTH_US", "OVERHEAD_US", "CostModel", "SparsePolicy"]
+__all__ = ["CostModel", "SparsePolicy"]
 REPORTED_BATCHES = (1, 8, 32)  # break-evens shown by `describe`
 
 
@@ -69,21 +69,25 @@ class CostModel:
     kv_bytes_per_token: float  # P
     representation_bytes_per_token: float  # r
     selected_tokens: int  # S
-    hbm_tb_s: float = HBM_TB_S
-    overhead_us: float = OVERHEAD_US  # o1
-    overhead_growth_us: float = OVERHEAD_GROWTH_US  # g
+    hbm_tb_s: float = DEFAULT.hbm_tb_s
+    overhead_us: float = DEFAULT.policy_overhead_us  # o1
+    overhead_growth_us: float = DEFAULT.policy_overhead_growth_us  # g
 
     @classmethod
-    def for_config(cls, config: SparseConfig, layout: KVLayout) -> CostModel:
-        """The model of this config's algorithm over this layout, with the config's constants."""
+    def for_config(cls, config: SparseConfig, layout: KVLayout, figures: GpuFigures | None = None) -> CostModel:
+        """The model of this config's algorithm over this layout: the config's policy_*
+        constants where set, else those of the layout's GPU (`figures`; default: looked up;
+        on the CPU the default GPU's, so that a CPU run decides as that GPU would)."""
         algo = config.algorithm_class
+        gpu = figures or gpu_figures(layout.device) or DEFAULT
         return cls(
             kv_bytes_per_token=float(layout.bytes_per_token_per_layer),
             representation_bytes_per_token=float(algo.representation_bytes_per_token(layout, config)),
             selected_tokens=int(algo.max_selected_tokens(config)),
-            hbm_tb_s=config.policy_hbm_tb_s,
-            overhead_us=config.policy_overhead_us,
-            overhead_growth_us=config.policy_overhead_growth_us,
+            hbm_tb_s=config.policy_hbm_tb_s or gpu.hbm_tb_s,
+            overhead_us=gpu.policy_overhead_us if config.policy_overhead_us is None else config.policy_overhead_us,
+            overhead_growth_us=(gpu.policy_overhead_growth_us if config.policy_overhead_growth_us is None
+                                else config.policy_overhead_growth_us),
         )
 
     def _us(self, nbytes: float) -> float:

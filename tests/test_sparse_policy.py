@@ -18,7 +18,10 @@ from sparse_framework import Batch, KVLayout, Request
 from sparse_framework.config import load_config
 from sparse_framework.coordinator import SparseCoordinator
 from sparse_framework.dense_fallback import COST_POLICY, DENSE_REQUEST, REQUESTED_DENSE, SHORT_PROMPT
-from sparse_framework.sparse_policy import HBM_TB_S, OVERHEAD_GROWTH_US, OVERHEAD_US, CostModel, SparsePolicy
+from sparse_framework.common.hardware import H100
+from sparse_framework.sparse_policy import CostModel, SparsePolicy
+
+HBM_TB_S, OVERHEAD_US, OVERHEAD_GROWTH_US = H100.hbm_tb_s, H100.policy_overhead_us, H100.policy_overhead_growth_us
 
 from helpers import load_benchmark
 
@@ -238,13 +241,15 @@ def test_admission_amortises_the_overhead_over_the_batch_it_joins() -> None:
 
 
 # -- the constants ---------------------------------------------------------------------------------
-def test_the_defaults_are_the_committed_fit_and_the_fit_reproduces() -> None:
+def test_the_h100_figures_are_the_committed_fit_and_the_fit_reproduces() -> None:
     fit = json.loads(FIT.read_text())
     assert (HBM_TB_S, OVERHEAD_US, OVERHEAD_GROWTH_US) == (
         fit["hbm_tb_s"], fit["overhead_us"], fit["overhead_growth_us"])
     config = load_config({})
-    assert (config.policy_hbm_tb_s, config.policy_overhead_us, config.policy_overhead_growth_us) == (
-        HBM_TB_S, OVERHEAD_US, OVERHEAD_GROWTH_US)
+    # unset: the layout's GPU's figures; on the CPU the default GPU's (the H100's)
+    assert (config.policy_hbm_tb_s, config.policy_overhead_us, config.policy_overhead_growth_us) == (None, None, None)
+    model = CostModel.for_config(config, KVLayout(1, 8, 128, torch.float32))
+    assert (model.hbm_tb_s, model.overhead_us, model.overhead_growth_us) == (HBM_TB_S, OVERHEAD_US, OVERHEAD_GROWTH_US)
     script = load_benchmark("sparse_policy_fit")
     o1, g = script.least_squares([(b, o) for b, o in fit["fit"]["points"]])
     assert (round(o1, 1), round(g, 2)) == (OVERHEAD_US, OVERHEAD_GROWTH_US)

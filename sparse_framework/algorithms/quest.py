@@ -17,12 +17,13 @@ the budget, as `newest_in_top_k` (default) does here (false: the last page on to
 Differences: the original keeps no sink or recent pages (set sink_tokens / recent_tokens to 0
 to match); its evaluation path (not its kernel) does not force the last page either.
 
-`range_weight` (1 = the paper): per channel max(q_d·m_d, q_d·M_d) = q_d·mid_d + |q_d|·r_d
+`range_weight` (default 0, the page midpoint; 1 = the paper's bound): per channel max(q_d·m_d, q_d·M_d) = q_d·mid_d + |q_d|·r_d
 (midpoint, half-range), so the bound is the page midpoint's q·k plus a spread term that a page
 earns for how far its keys swing per channel, whatever q·k is. On a real model (SmolLM2-135M,
 whose largest key channels, RoPE's slowest pairs, swing through half their prompt-wide range
 inside any page of 16) that term misranks the pages of the upper layers, and weighting it less
-(0: the midpoint) keeps the needle (docs/algorithms.md, "Quest and PQCache on a real model"). It needs nothing more
+(0: the midpoint) keeps the needle (docs/algorithms.md, "Quest and PQCache on a real model"): hence the
+default. It needs nothing more
 than the min/max pages, so build, append, the prefix cache and chunked prefill (which hand the
 whole staged prompt to `build`) are unchanged. Centering the keys, often suggested, is no fix:
 subtracting a mean key μ lowers every page's bound of a query head by the same q·μ, so with
@@ -60,12 +61,13 @@ class QuestOptions(BaseModel):
         "sink_tokens = recent_tokens = 0); false: it is kept on top of them",
     )
     range_weight: float = Field(
-        1.0,
+        0.0,
         ge=0.0,
         le=1.0,
-        description="a page scores q·(min+max)/2 + range_weight·Σ_d |q_d|·(max_d − min_d)/2: 1 = the paper's upper "
-        "bound Σ_d max(q_d·min_d, q_d·max_d); below 1 the per-channel spread, which every page has in a model's "
-        "large outlier key channels, counts less; 0 = the page midpoint's q·k (docs/algorithms.md, SmolLM2 section)",
+        description="a page scores q·(min+max)/2 + range_weight·Σ_d |q_d|·(max_d − min_d)/2: 0 (default) = the "
+        "page midpoint's q·k, which keeps a real model's accuracy; 1 = the paper's upper "
+        "bound Σ_d max(q_d·min_d, q_d·max_d); between, the per-channel spread, which every page has in a model's "
+        "large outlier key channels, counts less (docs/algorithms.md, SmolLM2 section)",
     )
     impl: Literal["auto", "torch", "triton"] = Field("auto", description="scoring kernel: auto = triton on CUDA")
 

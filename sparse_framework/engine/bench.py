@@ -10,7 +10,7 @@ runs the engine to completion and returns a flat dict of what it measured:
   (engine/memory.py, the one `sparse-framework plan --engine` prints) for the run's model,
   sparse config, max_model_len and step size, and whether the device or the host bounds it;
 - the median decode step with the most requests decoding and no prefill, beside its HBM floor
-  (`decode_floor_bytes` of each such step ÷ 3.0 TB/s);
+  (`decode_floor_bytes` of each such step ÷ the GPU's HBM ceiling, common/hardware.py);
 - prefill TFLOP/s (`prefill_flops` over the wall time of the steps that contained prefill);
 - the device-buffer hit rate and PCIe host→device bytes of the hierarchical store (summed over
   layers of `HierarchicalKVStore.stats()`; None for the resident store);
@@ -33,7 +33,9 @@ import torch
 from rich.table import Table
 
 from ..cli_tables import new_table
+from ..common import hardware
 from ..common.errors import ConfigError
+from ..common.hardware import gpu_figures
 from ..config import SparseConfig
 from .engine_config import kv_store_dtype
 from .llm import LLM
@@ -41,9 +43,6 @@ from .memory import DEFAULT_GPU_MEMORY_UTILIZATION, EngineMemoryPlan, plan_for, 
 from .models import ModelConfig
 from .sampling import SamplingParams
 
-HBM_BYTES_PER_S = 3.0e12  # the H100's measured copy rate (DESIGN.md)
-PEAK_MATMUL_FLOPS = 790e12  # H100 SXM bf16 dense matmul, the issue's yardstick for prefill
-PCIE_BYTES_PER_S = 55e9  # host -> device over PCIe, measured (DESIGN.md)
 LENGTH_DISTRIBUTIONS = ("fixed", "uniform", "normal")
 
 
@@ -416,7 +415,8 @@ def run_benchmark(llm: LLM, spec: BenchSpec, plan: EngineMemoryPlan | None = Non
     full = [(entry[3], rec) for entry, rec in decode_only if entry[0] == most]
     step_s = statistics.median(sec for sec, _ in full) if full else None
     floors = [decode_floor_bytes(llm, rec.decode, rec.experts_hit) for _, rec in full]
-    floor_s = statistics.median(floors) / HBM_BYTES_PER_S if full else None
+    gpu = gpu_figures(device) or hardware.DEFAULT  # the CPU's rows print "n/a" (bench_tables)
+    floor_s = statistics.median(floors) / gpu.hbm_bytes_per_s if full else None
     weights_floor = statistics.median(decode_weight_bytes(llm.model, len(rec.decode), rec.experts_hit)
                                       for _, rec in full) if full else None
 
@@ -452,12 +452,14 @@ def run_benchmark(llm: LLM, spec: BenchSpec, plan: EngineMemoryPlan | None = Non
         "full_decode_steps": len(full),
         "prefill_tokens": sum(work.input_lens), "prefill_tokens_computed": sum(entry[1] for entry in log),
         "prefill_flops": flops, "prefill_seconds": prefill_s,
-        "prefill_tflops": flops / prefill_s / 1e12 if prefill_s else None, "peak_tflops": PEAK_MATMUL_FLOPS / 1e12,
+        "prefill_tflops": flops / prefill_s / 1e12 if prefill_s else None, "peak_tflops": gpu.matmul_flops / 1e12 if gpu.matmul_flops else None,
+        "gpu": gpu.name, "hbm_tb_s": gpu.hbm_tb_s,
         **traffic, "decode_seconds": decode_s,
         "h2d_gb_per_s": traffic["h2d_bytes"] / decode_s / 1e9 if traffic["h2d_bytes"] is not None and decode_s else None,
         # the swap-in's own floor: the bytes the misses moved per decode step over PCIe
-        "decode_step_pcie_floor_ms": (_ms(traffic["h2d_bytes"] / decode_steps / PCIE_BYTES_PER_S)
-                                      if traffic["h2d_bytes"] is not None and decode_steps else None),
+        "decode_step_pcie_floor_ms": (_ms(traffic["h2d_bytes"] / decode_steps / gpu.pcie_bytes_per_s)
+                                      if traffic["h2d_bytes"] is not None and decode_steps and gpu.pcie_bytes_per_s
+                                      else None),
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "device_pool_bytes": sum(p["bytes"] for p in pools if p["kind"] != "host"),
         "host_pool_bytes": sum(p["bytes"] for p in pools if p["kind"] == "host"),
@@ -492,11 +494,12 @@ def on_gpu(result: dict[str, Any]) -> bool:
 def bench_tables(results: Sequence[dict[str, Any]], title: str) -> list[Table]:
     """Two tables of one row per run, readable from 80 columns up (`FitTable`: the least
     important columns go first): throughput and latency, then prefill, the store's traffic and
-    memory. The decode floor and the % of peak are an H100's figures: "n/a" for a run on the
-    CPU, whose caption says so."""
+    memory. The decode floor and the % of peak are the run's GPU's figures (common/hardware.py):
+    "n/a" for a run on the CPU, whose caption says so."""
     gpu = all(on_gpu(r) for r in results)
-    floor = ("floor: its HBM floor (weights + the K/V and representations it reads, at 3.0 TB/s)" if gpu else
-             "floor: n/a on the CPU (the floors are for a GPU's HBM, 3.0 TB/s on an H100)")
+    names = sorted({f"{r.get('gpu', 'H100')} {r.get('hbm_tb_s', 3.0):.2f} TB/s" for r in results})
+    floor = (f"floor: its HBM floor (weights + the K/V and representations it reads, at {', '.join(names)})" if gpu
+             else "floor: n/a on the CPU (the floors are for a GPU's HBM)")
     first = new_table(title, (
         "conc: admitted (most running at once) / asked; max: the memory-bound maximum (the engine's memory "
         "plan at this max_model_len; bound by the device or the host). tok/s: output tokens per second; TTFT, TPOT "
@@ -505,8 +508,8 @@ def bench_tables(results: Sequence[dict[str, Any]], title: str) -> list[Table]:
     for col in ("in", "conc", "max", "tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "step", "floor",
                 "preempt"):
         first.add_column(col, justify="right", no_wrap=col != "max")
-    peak = ("% of the 790 TFLOP/s bf16 peak (an H100's)" if gpu else
-            "% peak: n/a on the CPU (the peak is an H100's 790 TFLOP/s)")
+    peak = ("% of the GPU's bf16 matmul peak (common/hardware.py)" if gpu else
+            "% peak: n/a on the CPU (the peak is a GPU's)")
     second = new_table("prefill, store traffic and memory", (
         f"prefill: FLOPs of the prompts over the wall time of the steps with prefill, {peak}; hit: device-buffer "
         "hit rate; H2D: host->device bytes (GB) and their rate over the decode steps; memory in GiB: peak GPU "
@@ -524,7 +527,8 @@ def bench_tables(results: Sequence[dict[str, Any]], title: str) -> list[Table]:
                       fmt_or_dash(r["decode_step_ms"]),
                       fmt_or_dash(r["decode_step_floor_ms"]) if here else "n/a", str(r["preemptions"]))
         tf = r["prefill_tflops"]
-        share = (fmt_or_dash(None if tf is None else 100 * tf / r["peak_tflops"]) if here else "n/a")
+        share = (fmt_or_dash(None if tf is None or not r["peak_tflops"] else 100 * tf / r["peak_tflops"]) if here
+                 else "n/a")
         second.add_row(length, conc, fmt_or_dash(tf, ",.3g"), share,
                        fmt_or_dash(r["hit_rate"], ".1%"), fmt_or_dash(None if r["h2d_bytes"] is None else r["h2d_bytes"] / 1e9, ",.2f"),
                        fmt_or_dash(r["h2d_gb_per_s"], ",.2f"), gib_or_dash(r["peak_gpu_bytes"]), gib_or_dash(r["device_pool_bytes"]),

@@ -28,7 +28,10 @@ HUGE_BUFFER = 1 << 40  # only to ask an algorithm how wide its largest selection
 
 # Options every cell starts from (the experiment's `base` overrides them). Prompts of every
 # length take the sparse path, or the short contexts of a sweep would silently decode densely.
-DEFAULT_BASE: dict[str, Any] = {"sink_tokens": 16, "recent_tokens": 64, "page_size": 16, "min_sparse_prompt_len": 0}
+# every cell measures its algorithm: sparse at every context (the cost policy, the library's default,
+# would decode short prompts densely); an experiment's `base` or an entry's `options` may override
+DEFAULT_BASE: dict[str, Any] = {"sink_tokens": 16, "recent_tokens": 64, "page_size": 16, "min_sparse_prompt_len": 0,
+                                "sparse_policy": "always"}
 
 
 class AlgorithmEntry(BaseModel):
@@ -40,6 +43,10 @@ class AlgorithmEntry(BaseModel):
     label: str | None = Field(None, description="name in tables and plots (default: the algorithm)")
     extra: dict[str, Any] = Field(default_factory=dict, description="the algorithm's extra-config")
     options: dict[str, Any] = Field(default_factory=dict, description="other SparseConfig fields for this entry")
+    as_written: bool = Field(
+        False, description="the config exactly as a user writes it ({algorithm, extra, options}): the library's "
+        "defaults, not the experiment's base, DEFAULT_BASE or budgets; one cell per workload and context, its "
+        "budget 'default' (the 'defaults' row of a table)")
 
     @property
     def name(self) -> str:
@@ -307,12 +314,31 @@ def expand(exp: Experiment) -> list[Cell]:
             }
             cells.append(Cell(workload, context, "dense", "dense", "all", None, {**common, "dense": True}))
             for entry in exp.entries:
+                if entry.as_written:
+                    cfg = as_written_config(exp, entry)
+                    key = {**common, "config": cfg.key(), "label": entry.name, "budget": AS_WRITTEN}
+                    cells.append(Cell(workload, context, entry.name, cfg.backend, AS_WRITTEN, cfg, key))
+                    continue
                 for backend in exp.backends:
                     for budget in exp.budgets:
                         cfg = cell_config(exp, entry, backend, budget, context)
-                        key = {**common, "config": cfg.model_dump(), "label": entry.name, "budget": str(budget)}
+                        key = {**common, "config": cfg.key(), "label": entry.name, "budget": str(budget)}
                         cells.append(Cell(workload, context, entry.name, backend, str(budget), cfg, key))
     return cells
+
+
+AS_WRITTEN = "default"  # the budget of an `as_written` entry's cell
+
+
+def as_written_config(exp: Experiment, entry: AlgorithmEntry) -> SparseConfig:
+    """An `as_written` entry's config: the library's defaults, its backend resolved for the device."""
+    data: dict[str, Any] = {**entry.options, "algorithm": entry.algorithm}
+    if entry.extra:
+        data["extra"] = entry.extra
+    try:
+        return load_config(data).resolved(exp.device)
+    except ConfigError as exc:
+        raise ConfigError(f"algorithm {entry.name!r} (as written): {exc}") from None
 
 
 def cell_config(exp: Experiment, entry: AlgorithmEntry, backend: str, budget: int | str | float, context: int) -> SparseConfig:
@@ -329,7 +355,7 @@ def cell_config(exp: Experiment, entry: AlgorithmEntry, backend: str, budget: in
             probe = load_config({**data, "device_buffer_tokens": HUGE_BUFFER})
             need = probe.algorithm_class.max_selected_tokens(probe)
             data["device_buffer_tokens"] = -(-need // page) * page
-        return load_config(data)
+        return load_config(data).resolved(exp.device)  # a cell is keyed by the backend it runs
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
 

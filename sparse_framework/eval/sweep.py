@@ -63,7 +63,7 @@ def run_cell(runner: Runner, exp: Experiment, cell: Cell) -> CellRecord:
         id=cell.id, experiment=exp.name, workload=cell.workload.label, context=cell.context,
         algorithm=cell.algorithm, backend=cell.backend, budget=cell.budget,
         top_k=cell.config.top_k if cell.config is not None else None, status="ok",
-        config=cell.config.model_dump() if cell.config is not None else None,
+        config=cell.config.key() if cell.config is not None else None,
     )
     try:
         record.metrics = {k: finite(v) if isinstance(v, float) else v for k, v in runner.run(cell).items()}
@@ -182,6 +182,8 @@ def budget_label(r: CellRecord) -> str:
     """"dense", top_k, or "1/16 (128)" for a budget given as a fraction of the context."""
     if r.top_k is None:
         return "dense"
+    if r.budget == "default":  # an as-written entry (experiment.AS_WRITTEN): the library's top_k
+        return f"default ({r.top_k})"
     try:
         frac = Fraction(r.budget)
         return f"{r.budget} ({r.top_k})" if frac < 1 or "/" in r.budget else str(r.top_k)
