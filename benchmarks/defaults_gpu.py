@@ -6,9 +6,10 @@ Llama-3-8B shape (random bf16 weights), each config beside the engine's dense pa
 Per config and shape (context x batch), on a fresh `LLM` (its start-up warm-up included):
 - `first`: the first `generate` of 1 token after `LLM(...)` returned (start-up costs a user
   still pays: compilation, graph capture of the prefill path);
-- `prefill`: the next `generate` of 1 token (the prompts' prefill and one token);
+- `prefill`: a later `generate` of 1 token (the prompts' prefill and one token);
 - `step`: (generate of N+1 tokens - generate of 1) / N: one decode step of the whole batch;
-  medians of --repeats;
+  medians of --repeats after one warm generate of N+1 (its decode graphs captured: a first
+  generate of N+1 also captures the graphs of the contexts it decodes at, +1.5-2.5 s at 16K x 8);
 - `floor`: (weights + the K/V and Quest page bounds a step reads) / the GPU's HBM ceiling
   (common/hardware.py); sparse layers read top_k + sink + recent rows per KV head.
 
@@ -54,7 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shapes", default=SHAPES, help=f"CTXxBATCH, comma-separated (default {SHAPES})")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)}")
     p.add_argument("--output-len", type=int, default=129, help="N+1: tokens of the long generate (default 129)")
-    p.add_argument("--repeats", type=int, default=2, help="timed repeats of each generate (median; default 2)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats of each generate after a warm one "
+                   "(median; default 3)")
     p.add_argument("--out", help="JSON of every cell")
     p.add_argument("--random", default="llama-3-8b", choices=sorted(RANDOM_MODELS),
                    help="model shape, random weights (default llama-3-8b; tiny: a CPU smoke run)")
@@ -107,6 +109,7 @@ def run_cell(name: str, ctx: int, batch: int, args: argparse.Namespace) -> dict[
     startup = time.perf_counter() - started
     coord = llm.engine.runner.coord
     first = timed(llm, prompts, 1)
+    warm_n = timed(llm, prompts, args.output_len)  # captures the decode graphs of these widths (not timed)
     ones, longs = [], []
     for _ in range(args.repeats):
         ones.append(timed(llm, prompts, 1))
@@ -120,7 +123,7 @@ def run_cell(name: str, ctx: int, batch: int, args: argparse.Namespace) -> dict[
     floor = floor_ms(figures, args.random, ctx, batch, sparse_steps, coord.config.top_k, weights)
     row = {"config": name, "config_as_written": CONFIGS[name], "resolved": coord.config.key(),
            "context": ctx, "batch": batch, "startup_s": startup, "first_generate_1_s": first,
-           "generate_1_s": one, "generate_n_s": long, "generate_1_all_s": ones, "generate_n_all_s": longs,
+           "warm_generate_n_s": warm_n, "generate_1_s": one, "generate_n_s": long, "generate_1_all_s": ones, "generate_n_all_s": longs,
            "n": args.output_len, "step_ms": step_ms, "floor_ms": floor, "floor_is_sparse": sparse_steps,
            "prefill_attention": llm.engine.runner.prefill_attention_label,
            "policy": coord.policy.describe(), "dense_requests": dict(tally.dense_requests),
