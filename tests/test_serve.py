@@ -8,6 +8,7 @@ installed. Every wait is bounded by a deadline.
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import socket
@@ -27,8 +28,14 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
+from sparse_framework.engine.command import DEMO_CONFIG  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 512
+# the tests that read the device buffer's hit counters (the `sparse` field's, /metrics') serve
+# the demo config over the hierarchical store with the length rule, not the defaults since
+# 94f4f92 (the resident store, which has no buffer, and the cost policy)
+HIERARCHICAL_CONFIG = {**DEMO_CONFIG, "store": "hierarchical", "sparse_policy": "always"}
 START_TIMEOUT_S = 120.0
 POISON = 511  # the fault server's runner raises on a prefill chunk holding this token id
 PROMPTS = ["1 17 300 5", [4, 5, 6, 7, 8, 9], "2 3 5 7 11 13 17 19 23", [100, 200, 300]]
@@ -129,7 +136,7 @@ def reference_server(*extra: str, api_key: str | None = None) -> Server:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    s = reference_server("--max-num-seqs", "8", "--max-waiting", "64")
+    s = reference_server("--max-num-seqs", "8", "--max-waiting", "64", "--config", json.dumps(HIERARCHICAL_CONFIG))
     yield s
     assert s.stop() == 0
 
@@ -138,9 +145,7 @@ def server() -> Iterator[Server]:
 def expected() -> list[str]:
     """Greedy texts of PROMPTS from LLM.generate with the server's settings."""
     from sparse_framework.engine import LLM, SamplingParams
-    from sparse_framework.engine.command import DEMO_CONFIG
-
-    llm = LLM(None, DEMO_CONFIG, max_model_len=MAX_MODEL_LEN, max_num_seqs=8)
+    llm = LLM(None, HIERARCHICAL_CONFIG, max_model_len=MAX_MODEL_LEN, max_num_seqs=8)
     return [o.text for o in llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0))]
 
 
@@ -257,7 +262,6 @@ def test_the_sparse_field_chooses_the_requests_decoding(server: Server) -> None:
     import random
 
     from sparse_framework.engine import LLM, SamplingParams
-    from sparse_framework.engine.command import DEMO_CONFIG
     from sparse_framework.serve.loop import STATS_INTERVAL_S
 
     def lookups() -> float:  # read once the idle loop has refreshed the store's counters
@@ -267,7 +271,7 @@ def test_the_sparse_field_chooses_the_requests_decoding(server: Server) -> None:
 
     rng = random.Random(0)
     prompt = [rng.randrange(1, 500) for _ in range(480)]
-    llm = LLM(None, DEMO_CONFIG, max_model_len=MAX_MODEL_LEN, max_num_seqs=8)
+    llm = LLM(None, HIERARCHICAL_CONFIG, max_model_len=MAX_MODEL_LEN, max_num_seqs=8)
     client = server.client()
     before = lookups()
     for sparse in (False, None, True):

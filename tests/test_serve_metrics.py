@@ -5,12 +5,13 @@ the TTFT / TPOT histograms, each with values that follow from the requests sent.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from test_serve import reference_server
+from test_serve import HIERARCHICAL_CONFIG, reference_server
 
 from sparse_framework.serve.loop import STATS_INTERVAL_S
 
@@ -28,7 +29,8 @@ def value(families: dict[str, list], name: str, suffix: str = "") -> float:
 
 
 def test_metrics_expose_the_gauges_totals_and_latency_histograms() -> None:
-    server = reference_server("--max-num-seqs", "4", "--enable-prefix-caching")
+    server = reference_server("--max-num-seqs", "4", "--enable-prefix-caching", "--config",
+                              json.dumps(HIERARCHICAL_CONFIG))
     try:
         client = server.client()
         rng = random.Random(1)

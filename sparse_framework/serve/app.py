@@ -2,28 +2,38 @@
 
 Handlers only parse, enqueue, stream and abort (docs/serve.md lists the endpoints):
 
-- a request is refused before it is queued when the body is wrong (400: `protocol`), the
-  waiting queue is full (429 with Retry-After: `max_waiting`) or the engine is not serving
-  (503); the engine's own refusal (prompt + max_tokens beyond max_model_len, larger than the
-  pools, a stop token outside the vocabulary) comes back as a 400 with the engine's reason;
+- a request is refused before it is queued when the body is wrong (400: `protocol`, which also
+  bounds a prompt's length and a request's prompts before anything is tokenized), more requests
+  wait for a running row than --max-waiting (429 with Retry-After) or the engine is not
+  serving (503); the engine's own refusal (prompt + max_tokens beyond max_model_len, larger than
+  the pools, a stop token outside the vocabulary) comes back as a 400 with the engine's reason;
+- nothing that grows with the request runs on the event loop: a large body is parsed, and
+  every prompt checked and tokenized, on a worker thread, so /health and the other clients
+  never wait on someone's 5 MB prompt;
 - a streamed response starts only once the first token (or the refusal) is there, so a
   refused request is a 400 and never a stream that ends in an error;
 - a client that goes away (a closed stream, or a dropped connection while waiting for a whole
-  response) aborts its request, which frees its pages.
+  response) aborts its request, which frees its pages, and is logged as a 499;
+- a request still running when the shutdown's drain ends is aborted by the engine loop
+  (command.py): a 503 in OpenAI's error shape, or a stream's error event and [DONE];
+- an unexpected exception in a handler is a JSON 500 that keeps the connection open.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import hmac
 import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -36,7 +46,10 @@ from .loop import EngineLoop, Event
 from .metrics import CONTENT_TYPE, ServerMetrics
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("uvicorn.access")  # uvicorn's request log: where the 499s go too
 T = TypeVar("T")
+INLINE_BODY_BYTES = 64 * 1024  # a larger body is parsed on a worker thread
+
 
 class ClientGone(Exception):
     """The client closed the connection while its request ran."""
@@ -52,6 +65,14 @@ class ServerState:
     metrics: ServerMetrics
     max_waiting: int
     max_model_len: int
+    limits: P.Limits = field(init=False)
+    max_running: int = field(init=False)  # the engine's running rows (max_num_seqs as planned)
+
+    def __post_init__(self) -> None:
+        self.max_running = self.llm.engine.scheduler.max_num_seqs
+        admitted = self.max_waiting + self.max_running
+        self.limits = P.Limits(self.max_model_len, P.chars_per_token(self.llm.tokenizer), admitted,
+                               f" (--max-waiting {self.max_waiting} + {self.max_running} running rows)")
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         return self.llm.encode(prompt)
@@ -66,6 +87,7 @@ class _Pending:
 
     def __init__(self, state: ServerState, prompt_ids: list[int], params: Any, stops: tuple[str, ...]) -> None:
         self.rid = f"cmpl-{uuid.uuid4().hex}"
+        self.loop = state.loop
         self.prompt_ids = prompt_ids
         self.text = P.TextStream(state.decode, stops)
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
@@ -85,8 +107,9 @@ class _Pending:
         out = event.output
         assert out is not None
         self.done = True
-        if out.finish_reason == "abort":
-            raise P.RequestError(503, f"request aborted: {out.error or 'the server is shutting down'}")
+        if out.finish_reason == "abort":  # the loop's stop (shutdown) or a broken engine ends it this way
+            cause = " by shutdown" if self.loop.stopping else ""
+            raise P.RequestError(503, f"request aborted{cause}: {out.error or 'the server is shutting down'}")
         if out.finish_reason == "error":
             refused = not event.server_error and self.text.num_tokens == 0
             raise P.RequestError(400 if refused else 500, out.error or "the engine could not run the request")
@@ -106,11 +129,11 @@ def build_app(state: ServerState, api_key: str | None = None) -> Starlette:
             await asyncio.to_thread(state.loop.stop, "the server is shutting down")
 
     app = Starlette(routes=[
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/health", _guarded(health), methods=["GET"]),
+        Route("/metrics", _guarded(metrics), methods=["GET"]),
+        Route("/v1/models", _guarded(models), methods=["GET"]),
+        Route("/v1/completions", _guarded(completions), methods=["POST"]),
+        Route("/v1/chat/completions", _guarded(chat_completions), methods=["POST"]),
     ], exception_handlers={HTTPException: _http_error, P.RequestError: _request_error, Exception: _server_error},
         lifespan=lifespan)
     app.state.serve = state
@@ -121,13 +144,18 @@ def build_app(state: ServerState, api_key: str | None = None) -> Starlette:
 
 class BearerAuth:
     """401 for every request without `Authorization: Bearer <api_key>` (pure ASGI, so that
-    streaming and disconnects pass through untouched)."""
+    streaming and disconnects pass through untouched). The scheme is case-insensitive (RFC
+    7235: "bearer" is "Bearer"); the key is compared in constant time."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected = app, api_key.encode()
+
+    def _allowed(self, scope: Scope) -> bool:
+        scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.expected)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and dict(scope["headers"]).get(b"authorization") != self.expected:
+        if scope["type"] == "http" and not self._allowed(scope):
             body = P.error_body("missing or wrong API key: send 'Authorization: Bearer <key>'",
                                 "authentication_error", 401)
             await JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
@@ -149,7 +177,24 @@ async def _request_error(request: Request, exc: Exception) -> Response:
 
 async def _server_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error in %s %s", request.method, request.url.path)
-    return JSONResponse(P.error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error", 500), 500)
+    return JSONResponse(P.error_body(f"internal error: {type(exc).__name__}: {str(exc)[:300]}", "server_error", 500),
+                        500)
+
+
+def _guarded(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """`handler`, with an unexpected exception answered as a JSON 500 here: Starlette's own
+    handler for Exception answers, then re-raises, and uvicorn closes the connection."""
+
+    @functools.wraps(handler)
+    async def guarded(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except (P.RequestError, HTTPException):
+            raise
+        except Exception as exc:  # noqa: BLE001
+            return await _server_error(request, exc)
+
+    return guarded
 
 
 def _state(request: Request) -> ServerState:
@@ -180,65 +225,71 @@ async def models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [card]})
 
 
-async def _body(request: Request, state: ServerState) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise P.bad(f"the body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise P.bad("the body must be a JSON object")
+async def _body(request: Request, state: ServerState) -> tuple[dict[str, Any], bool, bool]:
+    """The body (parsed on a worker thread when large), its common fields checked: (body,
+    stream, include_usage)."""
+    raw = await request.body()
+    body = P.parse_body(raw) if len(raw) <= INLINE_BODY_BYTES else await run_in_threadpool(P.parse_body, raw)
+    stream, include_usage = P.check_fields(body)
     model = body.get("model")
     if model is not None and model != state.model_name:
-        raise P.RequestError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r} "
-                                  "(GET /v1/models)", param="model")
+        raise P.RequestError(404, f"the model {P.show(model)} does not exist; this server serves "
+                                  f"{state.model_name!r} (GET /v1/models)", param="model")
     P.check_unsupported(body)
-    return body
+    return body, stream, include_usage
 
 
 def _admit(state: ServerState, count: int) -> None:
-    """503 while not serving, 429 (Retry-After) when the waiting queue is full."""
+    """503 while not serving, 429 (Retry-After) when admitting `count` more requests would
+    leave more than --max-waiting of them waiting for a running row. The requests the free
+    rows take at the next step do not wait, so they do not count (a burst of 6 with 8 free
+    rows and --max-waiting 4 all run)."""
     loop = state.loop
     if loop.broken is not None:
         raise P.RequestError(503, f"the engine is not serving: {loop.broken}")
+    if loop.stopping:
+        raise P.RequestError(503, "the server is shutting down")
     if not loop.ready.is_set():
         raise P.RequestError(503, "the engine is warming up; retry when GET /health answers 200",
                              headers={"Retry-After": "1"})
-    waiting = loop.snapshot().waiting
-    if waiting + count > state.max_waiting:
-        raise P.RequestError(429, f"the waiting queue is full ({waiting} of --max-waiting {state.max_waiting}); "
-                                  "retry later", headers={"Retry-After": "1"})
+    snap = loop.snapshot()
+    free = max(0, state.max_running - snap.running - snap.preempted)  # preempted requests resume first
+    waiting = max(0, snap.waiting - free)
+    if max(0, snap.waiting + count - free) > state.max_waiting:
+        raise P.RequestError(429, f"the waiting queue is full ({waiting} waiting for a running row, --max-waiting "
+                                  f"{state.max_waiting}); retry later", headers={"Retry-After": "1"})
 
 
 async def completions(request: Request) -> Response:
     state = _state(request)
-    body = await _body(request, state)
+    body, stream, include_usage = await _body(request, state)
     params, stops = P.sampling_params(body, default_max_tokens=16)
-    prompts = P.completion_prompts(body, state.encode)
-    return await _serve(request, state, body, prompts, params, stops, chat=False)
+    prompts = await run_in_threadpool(P.completion_prompts, body, state.encode, state.limits, stream)
+    return await _serve(request, state, prompts, params, stops, False, stream, include_usage)
 
 
 async def chat_completions(request: Request) -> Response:
     state = _state(request)
-    body = await _body(request, state)
-    text = P.chat_text(body, state.llm.tokenizer, state.model_name)
-    try:
-        ids = state.encode(text)
-    except Exception as exc:  # noqa: BLE001
-        raise P.bad(f"cannot tokenize the conversation: {exc}") from None
+    body, stream, include_usage = await _body(request, state)
+    P.sampling_params(body, default_max_tokens=1)  # the fields' own errors before the template runs
+
+    def conversation() -> list[int]:
+        text = P.chat_text(body, state.llm.tokenizer, state.model_name, state.limits)
+        try:
+            return state.encode(text)
+        except Exception as exc:  # noqa: BLE001
+            raise P.bad(f"cannot tokenize the conversation: {str(exc)[:300]}", "messages") from None
+
+    ids = await run_in_threadpool(conversation)
     # OpenAI's default for chat: as many tokens as the context leaves (at least 1, so that an
     # over-long conversation is the engine's refusal, with its reason)
     params, stops = P.sampling_params(body, default_max_tokens=max(1, state.max_model_len - len(ids)))
-    return await _serve(request, state, body, [ids], params, stops, chat=True)
+    return await _serve(request, state, [ids], params, stops, True, stream, include_usage)
 
 
-async def _serve(request: Request, state: ServerState, body: dict[str, Any], prompts: list[list[int]], params: Any,
-                 stops: tuple[str, ...], chat: bool) -> Response:
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise P.bad(f"stream must be true or false, got {stream!r}", "stream")
-    if stream and len(prompts) != 1:
-        raise P.bad("stream: true takes one prompt per request", "prompt")
-    _admit(state, len(prompts))
+async def _serve(request: Request, state: ServerState, prompts: list[list[int]], params: Any, stops: tuple[str, ...],
+                 chat: bool, stream: bool, include_usage: bool) -> Response:
+    _admit(state, len(prompts))  # then submitted with no await between: admissions see each other
     pending = [_Pending(state, ids, params, stops) for ids in prompts]
     for p in pending:
         state.loop.submit(p.rid, p.prompt_ids, params, p.sink)
@@ -248,8 +299,7 @@ async def _serve(request: Request, state: ServerState, body: dict[str, Any], pro
             first = await _unless_disconnected(pending[0].queue.get(), request)
             if first.output is not None:
                 pending[0].end(first)
-            options = body.get("stream_options") or {}
-            return StreamingResponse(_stream(state, pending[0], first, chat, bool(options.get("include_usage"))),
+            return StreamingResponse(_stream(state, pending[0], first, chat, include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         results = await _unless_disconnected(asyncio.gather(*(_collect(state, p) for p in pending)), request)
     except BaseException as exc:
@@ -258,11 +308,22 @@ async def _serve(request: Request, state: ServerState, body: dict[str, Any], pro
                 state.loop.abort(p.rid)
                 p.done = True
         if isinstance(exc, ClientGone):  # nobody reads this answer (nginx's "client closed request")
+            _log_gone(request)
             return Response(status_code=499)
         raise
     choices = [P.choice(i, p.text.text, reason, chat, chunk=False) for i, (p, reason) in enumerate(results)]
     use = P.usage(sum(len(p.prompt_ids) for p in pending), sum(p.text.num_tokens for p in pending))
     return JSONResponse(P.completion_body(pending[0].rid, state.model_name, choices, use, chat))
+
+
+def _log_gone(request: Request) -> None:
+    """uvicorn logs no request whose client has gone (its `send` drops the response): the 499
+    in its access log's own format, so that it is counted like the others."""
+    scope = request.scope
+    client = scope.get("client")
+    path = scope.get("path", "") + (f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else "")
+    access_log.info('%s - "%s %s HTTP/%s" %d', "%s:%d" % tuple(client) if client else "", scope.get("method", ""),
+                    path, scope.get("http_version", "1.1"), 499)
 
 
 async def _unless_disconnected(awaitable: Awaitable[T], request: Request) -> T:

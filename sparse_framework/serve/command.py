@@ -2,14 +2,17 @@
 
 The model and engine flags are generate's own (`engine.command.engine_arguments`), so a
 configuration tried with `generate` serves unchanged. Shutdown (SIGTERM, Ctrl-C) is uvicorn's
-graceful one: it stops accepting connections, lets the responses in flight finish for up to
---drain-timeout seconds (the engine keeps stepping meanwhile), cancels the rest (their
-requests are aborted), then the app's lifespan stops the engine loop; the process exits 0.
+graceful one: it stops accepting connections and lets the responses in flight finish for up to
+--drain-timeout seconds (the engine keeps stepping meanwhile); then the engine loop aborts what
+is left (`EngineLoop.close`), so that each such response still ends properly (a 503 in the
+OpenAI error shape, or a stream's error event and [DONE]) within SHUTDOWN_GRACE_S more, before
+uvicorn would cancel its handler (a bare 500 or a cut stream); the process exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
 import threading
@@ -43,6 +46,26 @@ a 400 with the engine's reason; a full waiting queue (--max-waiting) a 429 with 
 """
 
 REFERENCE_NAME = "reference"
+SHUTDOWN_GRACE_S = 5.0  # after the drain: the aborted responses' time to be written
+
+
+def make_server(app: Any, loop: Any, *, host: str, port: int, drain_timeout: float, log_level: str | None = "info",
+                **config: Any) -> Any:
+    """The uvicorn server of `app`, whose shutdown aborts the requests of `loop` (an
+    EngineLoop) still running --drain-timeout seconds after it began (module docstring)."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            aio = asyncio.get_running_loop()
+            timer = aio.call_later(drain_timeout, loop.close, "the server is shutting down")
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    return DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                                         timeout_graceful_shutdown=drain_timeout + SHUTDOWN_GRACE_S, **config))
 
 
 def add_parser(sub: Any) -> None:
@@ -58,9 +81,12 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--api-key", metavar="KEY", help="require 'Authorization: Bearer KEY' on every endpoint (401 "
                    "otherwise); also read from SPARSE_FRAMEWORK_API_KEY")
     s.add_argument("--max-waiting", type=int, default=256,
-                   help="requests queued but not running at most; more are answered 429 with Retry-After (default 256)")
+                   help="requests waiting for a running row at most (those the free rows take at once do not "
+                   "count); more are answered 429 with Retry-After, and a request of more prompts than "
+                   "--max-waiting + --max-num-seqs 400 (default 256)")
     s.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds SIGTERM waits for responses in flight before aborting them (default 30)")
+                   help="seconds SIGTERM waits for responses in flight before aborting them: a 503, or a stream's "
+                   "error event and [DONE] (default 30)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default info)")
 
@@ -108,7 +134,7 @@ def serve(model: str | None = None, config: Any = None, *, llm: LLM | None = Non
     `random`, with `config` and the EngineConfig `engine_options`) until SIGTERM or Ctrl-C; 0
     after a clean shutdown."""
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - make_server's, checked here
 
         from .app import ServerState, build_app
         from .metrics import ServerMetrics
@@ -131,8 +157,7 @@ def serve(model: str | None = None, config: Any = None, *, llm: LLM | None = Non
     max_model_len = engine.scheduler.max_model_len or engine.model_config.max_position_embeddings
     state = ServerState(llm, name, loop, metrics, max_waiting, max_model_len)
     app = build_app(state, api_key)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                           timeout_graceful_shutdown=drain_timeout, lifespan="on"))
+    server = make_server(app, loop, host=host, port=port, drain_timeout=drain_timeout, log_level=log_level)
     # uvicorn re-raises the signal it caught once it has shut down; with the default SIGTERM
     # action that would kill the process (exit -15) after a clean drain, so SIGTERM is made a no-op
     # here first (uvicorn restores this handler before re-raising).

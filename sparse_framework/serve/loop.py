@@ -98,8 +98,9 @@ class EngineLoop:
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._lock = threading.Lock()  # guards _snapshot and _queued
+        self._lock = threading.Lock()  # guards _snapshot, _queued and _closed
         self._queued = 0  # submitted, not yet added to the engine
+        self._closed: str | None = None  # why the loop stops (close()); submits after it are aborted
         self._snapshot = Snapshot()
         self._streams: dict[str, _Stream] = {}  # loop thread only
         self._stats_read = 0.0
@@ -112,10 +113,16 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> None:
-        """Queue a request; its tokens and its end go to `sink` (from the loop thread)."""
+        """Queue a request; its tokens and its end go to `sink` (from the loop thread). After
+        `close()` the request ends at once with finish_reason "abort" and the reason."""
         with self._lock:
-            self._queued += 1
-        self._commands.put(("add", (rid, prompt_ids, params, sink)))
+            closed = self._closed
+            if closed is None:
+                self._queued += 1
+                self._commands.put(("add", (rid, prompt_ids, params, sink)))
+        if closed is not None:
+            sink(Event(output=RequestOutput(rid, prompt_ids, [], "abort", closed), server_error=True))
+            return
         self._wake.set()
 
     def abort(self, rid: str) -> None:
@@ -129,11 +136,24 @@ class EngineLoop:
             snap.waiting += self._queued
             return snap
 
-    def stop(self, reason: str = "the server is shutting down", timeout: float = 30.0) -> None:
-        """End every request still in flight with finish_reason "abort" and `reason`, and join."""
-        self._commands.put(("stop", reason))
+    @property
+    def stopping(self) -> bool:
+        return self._closed is not None
+
+    def close(self, reason: str = "the server is shutting down") -> None:
+        """Without waiting: end every request in flight with finish_reason "abort" and `reason`
+        (at the next step boundary), refuse later submits the same way, and let the thread end."""
+        with self._lock:
+            if self._closed is not None:
+                return
+            self._closed = reason
+            self._commands.put(("stop", reason))  # behind every add already queued
         self._stop.set()
         self._wake.set()
+
+    def stop(self, reason: str = "the server is shutting down", timeout: float = 30.0) -> None:
+        """`close(reason)`, then join the thread."""
+        self.close(reason)
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -206,18 +226,24 @@ class EngineLoop:
                 return True
 
     def _add(self, rid: str, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> None:
-        with self._lock:
-            self._queued -= 1
+        """Add a submitted request; it leaves `_queued` in the same snapshot that shows it in the
+        engine's queue, so that admission never sees it in neither (or both)."""
         if self.broken is not None:
+            self._unqueue()
             sink(Event(output=RequestOutput(rid, prompt_ids, [], "error", self.broken), server_error=True))
             return
         try:
             self.engine.add_request(rid, prompt_ids, params)
         except Exception as exc:  # noqa: BLE001 - this request only (a duplicate id, a bad value)
+            self._unqueue()
             sink(Event(output=RequestOutput(rid, prompt_ids, [], "error", f"{type(exc).__name__}: {exc}")))
             return
         self._streams[rid] = _Stream(sink)
-        self._publish()
+        self._publish(unqueued=1)
+
+    def _unqueue(self) -> None:
+        with self._lock:
+            self._queued -= 1
 
     def _step(self) -> None:
         try:
@@ -281,6 +307,7 @@ class EngineLoop:
             except queue.Empty:
                 break
             if kind == "add":
+                self._unqueue()
                 arg[3](Event(output=RequestOutput(arg[0], arg[1], [], "abort", reason), server_error=True))
 
     def _finished(self, out: RequestOutput) -> None:
@@ -290,9 +317,10 @@ class EngineLoop:
             except Exception:  # noqa: BLE001 - metrics never stop the loop
                 log.error("on_finished failed\n%s", traceback.format_exc())
 
-    def _publish(self, force_stats: bool = False) -> None:
+    def _publish(self, force_stats: bool = False, unqueued: int = 0) -> None:
         """Copy the engine's counters for the other threads (the store's hit counters at most
-        once a second: reading them may synchronise the device)."""
+        once a second: reading them may synchronise the device); `unqueued` requests just added
+        leave `_queued` in the same step."""
         engine = self.engine
         sched = engine.scheduler
         snap = Snapshot(running=len(sched.running), waiting=len(sched.waiting), preempted=len(sched.preempted),
@@ -313,3 +341,4 @@ class EngineLoop:
             snap.prefix_hit_tokens, snap.prefix_prompt_tokens = cache.stats.hit_tokens, cache.stats.prompt_tokens
         with self._lock:
             self._snapshot = snap
+            self._queued -= unqueued

@@ -7,12 +7,21 @@ checked by `SamplingParams` itself: the server accepts exactly what the offline 
 Stop strings are not an engine feature (the engine stops on token ids): `TextStream` decodes
 the tokens as they come, ends the text before the first stop string and holds back the tail
 that could still become one, so a streamed client never sees text a stop string later cuts.
+
+Bodies are untrusted: a field of the wrong type (a nested object included) is a 400 naming the
+field and what it takes, never an exception out of a handler; a value quoted back in a message
+is cut short (`show`); a prompt is bounded before it is tokenized (`Limits`: characters against
+max_model_len, prompts per request against what can ever be admitted).
 """
 
 from __future__ import annotations
 
+import json
+import re
+import reprlib
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..common.errors import ConfigError
@@ -52,15 +61,109 @@ def bad(message: str, param: str | None = None) -> RequestError:
     return RequestError(400, message, param=param)
 
 
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlist, _SHOW.maxdict = 3, 60, 60, 6, 4
+
+
+def show(value: Any) -> str:
+    """A request's value quoted in a message: cut short however long or deeply nested it is."""
+    return _SHOW.repr(value)
+
+
+def _kind(value: Any) -> str:
+    """What a wrong value is, in JSON's words."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"{str(value).lower()}"
+    names = {str: "a string", int: "an integer", float: "a number", list: "a list", dict: "an object"}
+    return next((f"{name} {show(value)}" for t, name in names.items() if isinstance(value, t)), show(value))
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request can never exceed, checked before any tokenizing: `max_prompt_chars`
+    characters in a text prompt (or a conversation's contents), `max_model_len` token ids in
+    a prompt given as ids, `max_prompts` prompts in one request (what can ever be admitted at
+    once: --max-waiting plus the engine's running rows)."""
+
+    max_model_len: int
+    chars_per_token: int
+    max_prompts: int
+    admission: str = ""  # how max_prompts follows from the flags, for the message
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.max_model_len * self.chars_per_token
+
+    def check_text(self, length: int, what: str, param: str) -> None:
+        if length > self.max_prompt_chars:
+            raise bad(f"{what} is {length:,} characters: at most {self.max_prompt_chars:,} can fit in max_model_len "
+                      f"{self.max_model_len} tokens ({self.chars_per_token} characters a token at most, the "
+                      "tokenizer's longest token with margin); shorten it", param)
+
+
+MIN_CHARS_PER_TOKEN = 32
+# stop strings are matched against the text after every token, on the event loop: bounded
+MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_IDS = 32, 256, 1024
+
+
+def chars_per_token(tokenizer: Any) -> int:
+    """A generous bound on the characters one token covers: twice the tokenizer's longest
+    vocabulary entry, at least MIN_CHARS_PER_TOKEN (a text of more than max_model_len times
+    this many characters cannot fit the context, whatever it says)."""
+    try:
+        longest = max(map(len, tokenizer.get_vocab()), default=0)
+    except Exception:  # noqa: BLE001 - no vocabulary to read (the toy's IdTokenizer): the floor
+        longest = 0
+    return max(MIN_CHARS_PER_TOKEN, 2 * longest)
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a 400: not JSON, not UTF-8, nested deeper than the parser
+    goes (a RecursionError), or an integer beyond Python's 4,300 digits (a ValueError)."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise bad("the body is not valid JSON: it is nested too deeply to parse") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise bad(f"the body is not valid JSON: {str(exc)[:200]}") from None
+    if not isinstance(body, dict):
+        raise bad(f"the body must be a JSON object, got {_kind(body)}")
+    return body
+
+
+def check_fields(body: Mapping[str, Any]) -> tuple[bool, bool]:
+    """The types of the fields every endpoint reads besides the prompt and sampling: `model`
+    and `user` strings, `stream` a boolean, `stream_options` an object whose `include_usage`
+    is a boolean. Returns (stream, include_usage)."""
+    for name in ("model", "user"):
+        value = body.get(name)
+        if value is not None and not isinstance(value, str):
+            raise bad(f"{name} must be a string, got {_kind(value)}", name)
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad(f"stream must be true or false, got {_kind(stream)}", "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad(f"stream_options must be an object ({{\"include_usage\": true or false}}) or null, got "
+                  f"{_kind(options)}", "stream_options")
+    include_usage = (options or {}).get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise bad(f"stream_options.include_usage must be true or false, got {_kind(include_usage)}",
+                  "stream_options")
+    return bool(stream), bool(include_usage)
+
+
 def check_unsupported(body: Mapping[str, Any]) -> None:
     """400 for a field the engine cannot honour (n > 1, logprobs, penalties ...)."""
     for name, allowed in UNSUPPORTED.items():
         value = body.get(name)
         if value is not None and value not in allowed:
             if name == "n":
-                raise bad(f"n={value!r}: this server returns one choice per prompt; send n requests (with "
+                raise bad(f"n={show(value)}: this server returns one choice per prompt; send n requests (with "
                           "different seeds) instead", name)
-            raise bad(f"{name}={value!r} is not supported by this server", name)
+            raise bad(f"{name}={show(value)} is not supported by this server", name)
 
 
 def sampling_params(body: Mapping[str, Any], default_max_tokens: int) -> tuple[SamplingParams, tuple[str, ...]]:
@@ -74,19 +177,36 @@ def sampling_params(body: Mapping[str, Any], default_max_tokens: int) -> tuple[S
     elif isinstance(stop, (str, int)) and not isinstance(stop, bool):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, (str, int)) and not isinstance(s, bool) for s in stop):
-        raise bad(f"stop must be a string or a list of strings (or token ids), got {stop!r}", "stop")
+        raise bad(f"stop must be a string or a list of strings (or token ids), got {_kind(stop)}", "stop")
     strings = tuple(s for s in stop if isinstance(s, str))
     if any(s == "" for s in strings):
         raise bad("stop strings must not be empty", "stop")
+    if len(strings) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in strings):
+        raise bad(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each (every "
+                  f"token is matched against them), got {len(strings)} of up to {max(map(len, strings))}", "stop")
     ids = [s for s in stop if isinstance(s, int)]
     extra_ids = body.get("stop_token_ids") or []
-    if not isinstance(extra_ids, list):
-        raise bad(f"stop_token_ids must be a list of token ids, got {extra_ids!r}", "stop_token_ids")
+    if not isinstance(extra_ids, list) or not all(_is_id(t) and t >= 0 for t in extra_ids):
+        raise bad(f"stop_token_ids must be a list of token ids (integers >= 0), got {_kind(extra_ids)}",
+                  "stop_token_ids")
+    if len(ids) + len(extra_ids) > MAX_STOP_IDS:
+        raise bad(f"stop and stop_token_ids take at most {MAX_STOP_IDS} token ids together, got "
+                  f"{len(ids) + len(extra_ids)}", "stop_token_ids")
     sparse = body.get("sparse")
     if sparse is not None and not isinstance(sparse, bool):
         raise bad(f"sparse must be true (sparse decoding), false (dense) or null (the served config's rule: "
-                  f"prompts shorter than its min_sparse_prompt_len decode densely), got {sparse!r}", "sparse")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+                  f"prompts shorter than its min_sparse_prompt_len decode densely), got {show(sparse)}", "sparse")
+    tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    for name, allowed in ((tokens_field, "an integer"), ("temperature", "a number"), ("top_p", "a number"),
+                          ("top_k", "an integer"), ("seed", "an integer"), ("ignore_eos", "true or false")):
+        value = body.get(name)
+        if value is None:
+            continue
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if (allowed == "an integer" and not _is_id(value)) or (allowed == "a number" and not number) or (
+                allowed == "true or false" and not isinstance(value, bool)):
+            raise bad(f"{name} must be {allowed}{_RANGES.get(name, '')}, got {_kind(value)}", name)
+    max_tokens = body.get(tokens_field)
     values = {
         "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
         "temperature": _or(body.get("temperature"), 1.0),
@@ -99,17 +219,25 @@ def sampling_params(body: Mapping[str, Any], default_max_tokens: int) -> tuple[S
     }
     try:
         return SamplingParams(**values), strings
-    except ConfigError as exc:
-        raise bad(str(exc)) from None
+    except ConfigError as exc:  # a value out of range: SamplingParams' own message names it
+        name = re.match(r"SamplingParams\.(\w+)", str(exc))
+        field = name and (tokens_field if name.group(1) == "max_tokens" else name.group(1))
+        raise bad(str(exc), field or None) from None
+
+
+_RANGES = {"max_tokens": " >= 1", "max_completion_tokens": " >= 1", "temperature": " >= 0 (0 = greedy)",
+           "top_p": " in (0, 1]", "top_k": " (0 or -1: off)", "seed": " in [0, 2**64)"}
 
 
 def _or(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-def completion_prompts(body: Mapping[str, Any], encode: Callable[[str | Sequence[int]], list[int]]) -> list[list[int]]:
+def completion_prompts(body: Mapping[str, Any], encode: Callable[[str | Sequence[int]], list[int]],
+                       limits: Limits, stream: bool = False) -> list[list[int]]:
     """The prompts of /v1/completions as token ids: a string, a list of token ids, or a list of
-    either (a batch: one choice each)."""
+    either (a batch: one choice each; not with `stream`). Each is bounded by `limits` before
+    it is tokenized. Its cost grows with the prompt: the server runs it off the event loop."""
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt)):
         batch = [prompt]
@@ -117,15 +245,24 @@ def completion_prompts(body: Mapping[str, Any], encode: Callable[[str | Sequence
         batch = prompt
     else:
         raise bad("prompt must be a string, a list of token ids, or a list of those (a batch); got "
-                  f"{str(prompt)[:60]!r}", "prompt")
+                  f"{_kind(prompt)}", "prompt")
+    if stream and len(batch) != 1:
+        raise bad("stream: true takes one prompt per request", "prompt")
+    if len(batch) > limits.max_prompts:
+        raise bad(f"{len(batch):,} prompts in one request: at most {limits.max_prompts} can ever be admitted at once"
+                  f"{limits.admission}; send fewer per request", "prompt")
     out = []
     for p in batch:
-        if isinstance(p, list) and not all(_is_id(t) for t in p):
-            raise bad(f"a prompt given as token ids must hold integers only, got {str(p)[:60]}", "prompt")
+        if isinstance(p, str):
+            limits.check_text(len(p), "the prompt", "prompt")
+        elif len(p) > limits.max_model_len:
+            raise bad(f"the prompt is {len(p):,} token ids: more than max_model_len {limits.max_model_len}", "prompt")
+        elif not all(_is_id(t) for t in p):
+            raise bad(f"a prompt given as token ids must hold integers only, got {show(p)}", "prompt")
         try:
             out.append(encode(p))
         except (ConfigError, ValueError, TypeError) as exc:
-            raise bad(f"cannot tokenize the prompt: {exc}", "prompt") from None
+            raise bad(f"cannot tokenize the prompt: {str(exc)[:300]}", "prompt") from None
     return out
 
 
@@ -133,30 +270,38 @@ def _is_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def chat_text(body: Mapping[str, Any], tokenizer: Any, model: str) -> str:
-    """The conversation through the tokenizer's chat template, ready for the assistant's turn."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise bad(f"model {model!r} has no chat template, so /v1/chat/completions cannot format a conversation "
-                  "for it; use /v1/completions with a prompt")
+def chat_text(body: Mapping[str, Any], tokenizer: Any, model: str, limits: Limits) -> str:
+    """The conversation through the tokenizer's chat template, ready for the assistant's turn
+    (the messages checked and bounded by `limits` first; the server runs it off the event loop)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise bad("messages must be a non-empty list of {role, content} objects", "messages")
+        raise bad(f"messages must be a non-empty list of {{role, content}} objects, got {_kind(messages)}", "messages")
     turns = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
+            raise bad(f"messages[{i}] must be an object with a string 'role', got {_kind(m)}", "messages")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise bad(f"messages[{i}].content: only text parts are supported", "messages")
-            content = "".join(str(p.get("text", "")) for p in content)
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise bad(f"messages[{i}].content[{j}] must be a text part ({{\"type\": \"text\", \"text\": "
+                              f"...}}; only text is supported), got {_kind(part)}", "messages")
+                if not isinstance(part.get("text"), str):
+                    raise bad(f"messages[{i}].content[{j}].text must be a string, got {_kind(part.get('text'))}",
+                              "messages")
+            content = "".join(part["text"] for part in content)
         if not isinstance(content, str):
-            raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+            raise bad(f"messages[{i}].content must be a string or a list of text parts, got {_kind(content)}",
+                      "messages")
         turns.append({"role": m["role"], "content": content})
+    limits.check_text(sum(len(t["content"]) for t in turns), "the conversation", "messages")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise bad(f"model {model!r} has no chat template, so /v1/chat/completions cannot format a conversation "
+                  "for it; use /v1/completions with a prompt")
     try:
         return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # noqa: BLE001 - the template's own refusal (roles out of order ...)
-        raise bad(f"the chat template refused the messages: {exc}", "messages") from None
+        raise bad(f"the chat template refused the messages: {str(exc)[:300]}", "messages") from None
 
 
 class TextStream:
