@@ -32,6 +32,12 @@ residency, adaptor, the glue around them). What that overhead is, per source:
 
     python benchmarks/sparse_policy_fit.py               # print, write the JSON
     python benchmarks/sparse_policy_fit.py --no-write
+    python benchmarks/sparse_policy_fit.py --gpu h200    # sparse_policy_fit_h200.json
+
+--gpu h200 (issue 43): the H200's constants from decode_layer_short_h200.json alone (benchmarks/
+defaults_gpu_runs.sh), fitted on its cells up to 16K (the contexts where the batch-1..32 break-evens
+fall), least squares as above, and checked against the same file's brackets (in-sample: no other
+H200 layer measurement exists). common/hardware.py's H200 figures are this fit.
 """
 
 from __future__ import annotations
@@ -45,7 +51,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 OUT = RESULTS / "sparse_policy_fit.json"
-HBM_TB_S = 3.0  # the H100's measured copy ceiling (DESIGN.md), every floor's bandwidth
+sys.path.insert(0, str(ROOT))
+from sparse_framework.common.hardware import H100, H200  # noqa: E402
+
+HBM_TB_S = H100.hbm_tb_s  # the H100's measured copy ceiling (DESIGN.md), every floor's bandwidth
+H200_SHORT, H200_FIT_MAX_CONTEXT = "decode_layer_short_h200.json", 16384
 ENGINE_SWEEPS = ("engine_sweep_fused_h100.json", "engine_sweep_async_h100.json")
 LLAMA3_8B_LAYERS = 32  # benchmarks/engine_sweep.py --random llama-3-8b
 FIT_CONTEXT = 32768
@@ -62,16 +72,16 @@ def least_squares(points: list[tuple[int, float]]) -> tuple[float, float]:
     return my - g * mx, g
 
 
-def layer_points() -> list[dict[str, Any]]:
+def layer_points(source: str = "decode_layer_h100.json") -> list[dict[str, Any]]:
     """Per-layer overhead of the whole sparse decode of one layer (decode_layer_h100.json)."""
-    data = json.loads((RESULTS / "decode_layer_h100.json").read_text())
+    data = json.loads((RESULTS / source).read_text())
     rows = []
     for r in data["results"]:
         if (r["shape"], r["algorithm"], r["backend"]) != ("mha", "quest", "triton") or not r.get("step_graph_us"):
             continue
         sparse_excess = r["step_graph_us"] - r["sparse_floor_us"]
         dense_excess = max(0.0, r["dense_best_us"] - r["dense_floor_us"])
-        rows.append({"source": "decode_layer_h100.json", "context": r["context"], "batch": r["batch"],
+        rows.append({"source": source, "context": r["context"], "batch": r["batch"],
                      "sparse_excess_us": sparse_excess, "dense_excess_us": dense_excess,
                      "overhead_us": sparse_excess - dense_excess})
     return rows
@@ -125,11 +135,11 @@ SHORT = "decode_layer_short_h100.json"
 CHECK_BATCHES = (1, 2, 4, 8, 16, 32)
 
 
-def measured_brackets() -> dict[int, dict[str, Any]]:
+def measured_brackets(source: str = SHORT) -> dict[int, dict[str, Any]]:
     """Per batch, from decode_layer_short_h100.json: the longest context at which one layer's
     sparse decode (graph replay) was slower than the best dense kernel, and the shortest at
     which it was faster — the measured break-even lies between."""
-    data = json.loads((RESULTS / SHORT).read_text())
+    data = json.loads((RESULTS / source).read_text())
     by_batch: dict[int, dict[str, Any]] = {}
     for r in sorted(data["results"], key=lambda r: r["context"]):
         if (r["shape"], r["algorithm"], r["backend"]) != ("mha", "quest", "triton") or not r.get("step_graph_us"):
@@ -143,7 +153,7 @@ def measured_brackets() -> dict[int, dict[str, Any]]:
     return by_batch
 
 
-def break_evens(o1: float, g: float) -> dict[str, Any]:
+def break_evens(o1: float, g: float, hbm_tb_s: float = HBM_TB_S) -> dict[str, Any]:
     """Break-even contexts the constants imply for Llama-3-8B (8 KV heads x 128, bf16), Quest
     top_k 2048, page 16, sink 16, recent 64, at batch 1 / 8 / 32."""
     import torch
@@ -153,7 +163,7 @@ def break_evens(o1: float, g: float) -> dict[str, Any]:
     from sparse_framework.sparse_policy import CostModel
 
     config = load_config({"algorithm": "quest", "top_k": 2048, "page_size": 16, "sink_tokens": 16,
-                          "recent_tokens": 64, "sparse_policy": "cost", "policy_hbm_tb_s": HBM_TB_S,
+                          "recent_tokens": 64, "sparse_policy": "cost", "policy_hbm_tb_s": hbm_tb_s,
                           "policy_overhead_us": o1, "policy_overhead_growth_us": g})
     model = CostModel.for_config(config, KVLayout(1, 8, 128, torch.bfloat16))
     return {"shape": "Llama-3-8B layer: 8 KV heads x 128, bf16; Quest top_k 2048, page 16, sink 16, recent 64",
@@ -163,11 +173,54 @@ def break_evens(o1: float, g: float) -> dict[str, Any]:
             "by_batch": {str(b): model.break_even(b) for b in CHECK_BATCHES}}
 
 
+def check_rows(even: dict[str, Any], source: str) -> list[dict[str, Any]]:
+    """The model's break-even per batch against the measured bracket of `source` (printed)."""
+    check = []
+    print(f"check against {source} (one layer, graph replays): the measured break-even lies between")
+    print(f"{'batch':>5} {'dense faster at':>15} {'sparse faster at':>16} {'model':>7}  inside")
+    for batch, cell in sorted(measured_brackets(source).items()):
+        model = even["by_batch"].get(str(batch))
+        lo, hi = cell["dense_faster_at"], cell["sparse_faster_at"]
+        inside = model is not None and (lo is None or model >= lo) and (hi is None or model <= hi)
+        check.append({"batch": batch, "dense_faster_up_to": lo, "sparse_faster_from": hi, "model": model,
+                      "inside": inside, "cells": cell["cells"]})
+        print(f"{batch:>5} {lo or '-':>15} {hi or '-':>16} {model if model is not None else '-':>7}  "
+              f"{'yes' if inside else 'NO'}")
+    return check
+
+
+def h200(args: argparse.Namespace) -> int:
+    """--gpu h200: the fit and check from decode_layer_short_h200.json (module docstring)."""
+    layer = [p for p in layer_points(H200_SHORT) if p["context"] <= H200_FIT_MAX_CONTEXT]
+    points = [(p["batch"], p["overhead_us"]) for p in layer]
+    o1, g = least_squares(points)
+    print(f"H200: o1 = {o1:.1f} µs, g = {g:.2f} µs per extra request (fitted on {len(points)} cells of "
+          f"{H200_SHORT} up to {H200_FIT_MAX_CONTEXT} tokens)")
+    even = break_evens(round(o1, 1), round(g, 2), H200.hbm_tb_s)
+    print("break-even contexts (" + even["shape"] + "): "
+          + ", ".join(f"batch {b}: {c}" for b, c in even["by_batch"].items()))
+    result = {"command": "python benchmarks/sparse_policy_fit.py --gpu h200", "gpu": "H200",
+              "model": "overhead per sparse layer-step of a batch of b selecting requests: o1 + g * (b - 1) µs",
+              "hbm_tb_s": H200.hbm_tb_s, "overhead_us": round(o1, 1), "overhead_growth_us": round(g, 2),
+              "fit": {"source": H200_SHORT, "max_context": H200_FIT_MAX_CONTEXT, "points": points, "o1": o1, "g": g},
+              "layer_points": layer, "break_even": even,
+              "check": {"source": H200_SHORT, "in_sample": True, "by_batch": check_rows(even, H200_SHORT)}}
+    if not args.no_write:
+        out = RESULTS / "sparse_policy_fit_h200.json" if args.out == OUT else args.out
+        out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"written to {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--gpu", choices=("h100", "h200"), default="h100",
+                        help="whose measurements to fit (default h100: the committed H100 set)")
     args = parser.parse_args(argv)
+    if args.gpu == "h200":
+        return h200(args)
     layer, engine, parts = layer_points(), engine_points(), breakdown()
     fit_points = [(p["batch"], p["overhead_us"]) for p in layer if p["context"] == FIT_CONTEXT]
     o1, g = least_squares(fit_points)
@@ -186,17 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     even = break_evens(round(o1, 1), round(g, 2))
     print("break-even contexts (" + even["shape"] + "): "
           + ", ".join(f"batch {b}: {c}" for b, c in even["by_batch"].items()))
-    check = []
-    print(f"check against {SHORT} (one layer, graph replays): the measured break-even lies between")
-    print(f"{'batch':>5} {'dense faster at':>15} {'sparse faster at':>16} {'model':>7}  inside")
-    for batch, cell in sorted(measured_brackets().items()):
-        model = even["by_batch"].get(str(batch))
-        lo, hi = cell["dense_faster_at"], cell["sparse_faster_at"]
-        inside = model is not None and (lo is None or model >= lo) and (hi is None or model <= hi)
-        check.append({"batch": batch, "dense_faster_up_to": lo, "sparse_faster_from": hi, "model": model,
-                      "inside": inside, "cells": cell["cells"]})
-        print(f"{batch:>5} {lo or '-':>15} {hi or '-':>16} {model if model is not None else '-':>7}  "
-              f"{'yes' if inside else 'NO'}")
+    check = check_rows(even, SHORT)
     result = {
         "command": "python benchmarks/sparse_policy_fit.py",
         "model": "overhead per sparse layer-step of a batch of b selecting requests: o1 + g * (b - 1) µs",

@@ -50,6 +50,8 @@ def test_metrics_expose_the_gauges_totals_and_latency_histograms() -> None:
     assert value(families, "preemptions", "_total") == 0.0
     assert value(families, "engine_steps", "_total") >= len(prompts) * 6
     assert value(families, "engine_ready") == 1.0
+    (info,) = families[f"{PREFIX}_sparse_config_info"]  # the config as resolved: "auto" named
+    assert info.value == 1.0 and info.labels["backend"] == "torch_ref" and info.labels["store"] == "hierarchical"
     assert value(families, "prefix_cache_hit_tokens", "_total") >= 192  # the shared pages of the second prompt
     assert value(families, "prefix_cache_prompt_tokens", "_total") >= sum(len(p) for p in prompts)
     rate = value(families, "device_buffer_hit_rate")

@@ -45,7 +45,7 @@ def policy(config: dict, layout: KVLayout = LLAMA, **kw: int) -> SparsePolicy:
 
 # -- the model's numbers -------------------------------------------------------------------------
 def test_a_short_batch_1_request_decides_dense_and_a_long_one_sparse() -> None:
-    hier = policy({**QUEST, "sparse_policy": "cost"})
+    hier = policy({**QUEST, "store": "hierarchical", "sparse_policy": "cost"})
     assert hier.decodes_densely(1024, None, 1) == (True, COST_POLICY)
     assert hier.decodes_densely(65536, None, 1) == (False, COST_POLICY)
     model = hier.model
@@ -60,8 +60,8 @@ def test_a_short_batch_1_request_decides_dense_and_a_long_one_sparse() -> None:
 
 
 def test_a_batch_1_short_request_is_dense_at_admission_in_the_coordinator() -> None:
-    coord = SparseCoordinator({**QUEST, "sparse_policy": "cost"}, KVLayout(2, 8, 128, torch.bfloat16),
-                              max_requests=1, max_seq_len=4096)
+    coord = SparseCoordinator({**QUEST, "store": "hierarchical", "sparse_policy": "cost"},
+                              KVLayout(2, 8, 128, torch.bfloat16), max_requests=1, max_seq_len=4096)
     r = Request("short", 1024)
     coord.on_request_begin(r)
     assert r.dense and coord.store.mode(r, 1) == "resident" and not coord.store.keeps_host(r)
@@ -81,17 +81,18 @@ def test_the_resident_store_admits_dense_what_could_never_pay() -> None:
 
 
 def test_always_is_the_static_rule() -> None:
-    # the default, whatever the constants say: prompt < min_sparse_prompt_len, sparse= overriding
+    # whatever the constants say: prompt < min_sparse_prompt_len, sparse= overriding
     for store in ("hierarchical", "resident"):
-        p = policy({**QUEST, "store": store, "min_sparse_prompt_len": 2048, "policy_overhead_us": 1e9})
+        p = policy({**QUEST, "store": store, "sparse_policy": "always", "min_sparse_prompt_len": 2048,
+                    "policy_overhead_us": 1e9})
         assert p.mode == "always" and not p.per_step and not p.decides_at_admission
         for n in (1, 1024, 2047, 2048, 65536):
             assert p.decodes_densely(n, None, 1) == (n < 2048, SHORT_PROMPT)
             assert p.decodes_densely(n, True, 1)[0] is False and p.decodes_densely(n, False, 1)[0] is True
         assert p.describe() == {"mode": "always"}
-    # the dump of a default config is as before the fields existed (stored results' keys)
-    assert "sparse_policy" not in load_config(QUEST).model_dump()
-    assert load_config({**QUEST, "sparse_policy": "cost"}).model_dump()["sparse_policy"] == "cost"
+    # stored results are keyed by every option spelt out (config.key()): the policy is always named
+    assert load_config(QUEST).key()["sparse_policy"] == "cost"  # the default since issue 43
+    assert load_config({**QUEST, "sparse_policy": "always"}).key()["sparse_policy"] == "always"
 
 
 # -- monotone in the context ---------------------------------------------------------------------
@@ -227,7 +228,7 @@ def test_the_hierarchical_store_decides_once_at_admission() -> None:
 def test_admission_amortises_the_overhead_over_the_batch_it_joins() -> None:
     # with an overhead, the break-even falls as the batch grows: the 2nd request of a length the
     # 1st was kept dense at goes sparse
-    config = {**SMALL, "policy_overhead_us": 0.005}
+    config = {**SMALL, "store": "hierarchical", "policy_overhead_us": 0.005}
     coord = SparseCoordinator(config, KVLayout(L, KV_HEADS, DIM), max_requests=4, max_seq_len=256)
     model = coord.policy.model
     b1, b2 = model.break_even(1), model.break_even(2)
@@ -241,6 +242,24 @@ def test_admission_amortises_the_overhead_over_the_batch_it_joins() -> None:
 
 
 # -- the constants ---------------------------------------------------------------------------------
+def test_the_h200_figures_are_the_committed_h200_fit_and_it_reproduces() -> None:
+    """common/hardware.py's H200 constants are benchmarks/sparse_policy_fit.py --gpu h200's fit of the
+    committed H200 layer measurements (decode_layer_short_h200.json, cells up to 16K)."""
+    from sparse_framework.common.hardware import H200, figures_for_name
+
+    fit = json.loads((FIT.parent / "sparse_policy_fit_h200.json").read_text())
+    assert (H200.hbm_tb_s, H200.policy_overhead_us, H200.policy_overhead_growth_us) == (
+        fit["hbm_tb_s"], fit["overhead_us"], fit["overhead_growth_us"])
+    script = load_benchmark("sparse_policy_fit")
+    layer = [p for p in script.layer_points(script.H200_SHORT) if p["context"] <= script.H200_FIT_MAX_CONTEXT]
+    o1, g = script.least_squares([(p["batch"], p["overhead_us"]) for p in layer])
+    assert (round(o1, 1), round(g, 2)) == (H200.policy_overhead_us, H200.policy_overhead_growth_us)
+    assert figures_for_name("NVIDIA H200") is H200 and figures_for_name("NVIDIA H100 80GB HBM3").name == "H100"
+    # the H200's own constants decide there: a layout on an H200 takes them (the CPU takes the H100's)
+    model = CostModel.for_config(load_config({}), KVLayout(1, 8, 128, torch.bfloat16), figures=H200)
+    assert model.break_even(8) == fit["break_even"]["by_batch"]["8"]
+
+
 def test_the_h100_figures_are_the_committed_fit_and_the_fit_reproduces() -> None:
     fit = json.loads(FIT.read_text())
     assert (HBM_TB_S, OVERHEAD_US, OVERHEAD_GROWTH_US) == (

@@ -34,10 +34,14 @@ from .prefill_attention import CHOICES as PREFILL_CHOICES
 from .sampling import SamplingParams
 
 DEMO_MAX_MODEL_LEN = REFERENCE_MAX_MODEL_LEN  # LLM(None)'s default too (engine/llm.py says why)
-DEMO_CONFIG = {"algorithm": "quest", "top_k": 256, "min_sparse_prompt_len": 1024, "extra": {"dense_first_layers": 0}}
+# the demos show sparse decoding: sparse from min_sparse_prompt_len on ("always"), where the cost
+# policy (the default) would keep these short prompts of small models dense
+DEMO_CONFIG = {"algorithm": "quest", "top_k": 256, "sparse_policy": "always", "min_sparse_prompt_len": 1024,
+               "extra": {"dense_first_layers": 0}}
 # the text demo on a real model: exact top-k over the keys at 1/8 of 4K (docs/ruler_gpu.md: it keeps
 # dense's accuracy on SmolLM2 where Quest's page bounds lose it)
-DEMO_TEXT_CONFIG = {"algorithm": "dsa", "top_k": 512, "min_sparse_prompt_len": 512, "extra": {"source": "keys"}}
+DEMO_TEXT_CONFIG = {"algorithm": "dsa", "top_k": 512, "sparse_policy": "always", "min_sparse_prompt_len": 512,
+                    "extra": {"source": "keys"}}
 REFERENCE = "reference"  # --model reference: the shipped toy model
 TEXT_DEMO_CONTEXTS = (1024, 2048, 4096)
 RANDOM_MODELS = {

@@ -161,7 +161,7 @@ def run_experiment(
         results.append(
             RequestResult(
                 algorithm=config.algorithm,
-                backend=config.backend,
+                backend=coord.config.backend,  # "auto" resolved: the backend that ran
                 context=r.prompt_len,
                 mode="dense" if r.dense else "sparse",
                 top_k=config.top_k,

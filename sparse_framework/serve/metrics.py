@@ -94,6 +94,13 @@ class _EngineCollector(Collector):
                     snap.step_errors)
         yield gauge("engine_ready", "1 once warmed up and serving, 0 otherwise",
                     float(self.loop.ready.is_set() and self.loop.broken is None))
+        # the config as resolved (backend "auto" -> the backend that runs), constant for the server's life
+        config = self.loop.engine.runner.coord.config
+        names = ("algorithm", "backend", "store", "sparse_policy")
+        info = GaugeMetricFamily(f"{PREFIX}_sparse_config_info", "The sparse config as resolved for this device "
+                                 "(value 1; the labels carry it)", labels=["model", *names])
+        info.add_metric([self.model, *(str(getattr(config, n)) for n in names)], 1.0)
+        yield info
         used = GaugeMetricFamily(f"{PREFIX}_kv_pool_used_tokens", "Tokens held in each KV pool (per layer x layers)",
                                  labels=["model", "pool"])
         size = GaugeMetricFamily(f"{PREFIX}_kv_pool_capacity_tokens", "Capacity of each KV pool (tokens x layers)",
