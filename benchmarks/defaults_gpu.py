@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sparse_framework.common import hardware  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from timing import current_commit  # noqa: E402
 from sparse_framework.engine import LLM, SamplingParams  # noqa: E402
 from sparse_framework.engine.command import RANDOM_MODELS, random_setup  # noqa: E402
 
@@ -169,8 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{device}; {hardware.describe(figures)}; step = (generate {args.output_len} - "
           "generate 1) / N, medians; first = the first generate after LLM(...)\n" + table(rows))
     if args.out:
-        commit = os.environ.get("SF_COMMIT") or subprocess.run(  # the GPU machine's copy has no .git
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+        commit = current_commit()  # $SF_COMMIT on the GPU machine, whose copy has no .git
         Path(args.out).write_text(json.dumps({
             "command": "python benchmarks/defaults_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "commit": commit or None, "device": device, "shape": args.random,

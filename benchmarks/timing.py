@@ -105,10 +105,26 @@ class Timer:
             del graph
 
 
+def current_commit() -> str | None:
+    """The checkout's commit: $SF_COMMIT where the tree travelled without .git (the GPU machine),
+    else `git rev-parse HEAD`; None when neither says."""
+    import os
+    import subprocess
+
+    if os.environ.get("SF_COMMIT"):
+        return os.environ["SF_COMMIT"]
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None
+
+
 def write_results(path: str, meta: dict[str, Any], results: list, script: str, argv: list[str] | None) -> None:
     """Write a benchmark's {"meta", "results"} JSON to `path` (its folder made if missing),
-    with the command line that produced it in meta."""
+    with the command line that produced it and the commit in meta (benchmarks/FIGURES.md)."""
     args = argv if argv is not None else sys.argv[1:]
-    meta = {**meta, "command": " ".join(["python", f"benchmarks/{script}", *args])}
+    meta = {**meta, "command": " ".join(["python", f"benchmarks/{script}", *args]), "commit": current_commit()}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
