@@ -59,6 +59,17 @@ def installed(example_site: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[P
         del sys.modules[module]
 
 
+def test_depends_on_this_projects_distribution(installed: Path) -> None:
+    """The example requires `sparse-decode-framework` (this project's distribution, installed
+    from the checkout), which the installed project meets: not PyPI's `sparse-framework`, an
+    unrelated project that pip would fetch and install beside it."""
+    from packaging.requirements import Requirement
+
+    requires = [Requirement(r) for r in importlib.metadata.distribution("sparse-plugin-example").requires or []]
+    assert [r.name for r in requires] == [registry.BUILTIN] == ["sparse-decode-framework"]
+    assert requires[0].specifier.contains(importlib.metadata.version(registry.BUILTIN))
+
+
 def config(**overrides: object) -> SparseConfig:
     extra = overrides.pop("extra", {})
     return load_config({"algorithm": NAME, **SMALL, **overrides, "extra": extra})
