@@ -74,6 +74,54 @@ def test_register_overrides_cpu_attn_only_with_the_variable(monkeypatch: pytest.
         cpu.clear_override()
 
 
+RUN_REFUSED = r"""
+import json, os, sys
+cases = json.loads(sys.argv[2])
+os.environ["SPARSE_FRAMEWORK_VLLM_CONFIG"] = json.dumps(cases[0][0])  # set when vLLM loads its plugins
+from vllm import LLM
+from sparse_framework.common.errors import ConfigError
+for config, llm in cases:
+    os.environ["SPARSE_FRAMEWORK_VLLM_CONFIG"] = json.dumps(config)
+    try:
+        LLM(model=sys.argv[1], dtype="float32", max_model_len=1024, kv_cache_memory_bytes=2**24,
+            skip_tokenizer_init=True, **llm)
+        print("STARTED")
+    except ConfigError as exc:
+        print("REFUSED " + json.dumps(str(exc)))
+"""
+
+
+def test_a_config_that_does_not_fit_vllms_block_fails_in_the_front_end(tmp_path: Path) -> None:
+    """A page_size other than vLLM's block size and a top_k below one block (the CPU
+    platform's default block of 128 included) are refused by `LLM(...)` itself, in the caller's
+    process, with the plugin's ConfigError, before vLLM starts an engine process or loads a
+    weight (a model directory with a config.json and no weights is enough to show it)."""
+    pytest.importorskip("vllm")
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("vLLM's CPU platform only")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256,
+        "max_position_embeddings": 2048, "torch_dtype": "float32", "rms_norm_eps": 1e-5,
+    }))
+    cases = [({**BASE, "top_k": 512, "page_size": 64}, {"block_size": 32}),
+             ({**BASE, "top_k": 16}, {"block_size": 32}),
+             ({**BASE, "top_k": 64}, {})]  # no --block-size: the CPU platform's 128
+    env = {k: v for k, v in os.environ.items() if k != CONFIG_ENV}
+    done = subprocess.run([sys.executable, "-c", RUN_REFUSED, str(tmp_path), json.dumps(cases)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    refused = [json.loads(line.removeprefix("REFUSED ")) for line in done.stdout.splitlines()
+               if line.startswith("REFUSED ")]
+    assert len(refused) == 3 and "STARTED" not in done.stdout, done.stdout + done.stderr[-4000:]
+    assert "`page_size` = 64" in refused[0] and 'Allowed: "page_size": 32' in refused[0]
+    assert "`top_k` = 16" in refused[1] and "Allowed: `top_k` >= 32" in refused[1]
+    assert "`top_k` = 64" in refused[2] and "Allowed: `top_k` >= 128" in refused[2]
+    assert "EngineCore" not in done.stderr  # no engine process was started
+
+
 # -- the CUDA backend against vLLM 0.26's own classes (no GPU: its kernels are stood in for) ----
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ from vllm_cases import (
 )
 
 from sparse_framework.common.errors import ConfigError
+from sparse_framework.integrations.vllm import check_engine_config
 from sparse_framework.integrations.vllm.paged import (
     CONFIG_ENV,
     PagedQuest,
@@ -70,6 +73,78 @@ def test_bad_config_names_the_variable_and_the_field(source: str, field: str) ->
     with pytest.raises(ConfigError) as info:
         load_vllm_config(source, block_size=32)
     assert str(info.value).startswith(CONFIG_ENV) and field in str(info.value)
+
+
+def engine_config(block_size: int, user_specified: bool = True, hybrid: bool = False) -> SimpleNamespace:
+    """What `check_engine_config` reads of vLLM's VllmConfig (after the platform's check)."""
+    return SimpleNamespace(cache_config=SimpleNamespace(block_size=block_size, user_specified_block_size=user_specified),
+                           model_config=SimpleNamespace(is_hybrid=hybrid))
+
+
+@pytest.mark.parametrize("config, vllm_config, says", [
+    ({"page_size": 64, "top_k": 512}, engine_config(32),
+     ["`page_size` = 64", "vLLM's KV block size (32)", 'Allowed: "page_size": 32', "--block-size 64"]),
+    ({"page_size": 48, "top_k": 512}, engine_config(32), ["`page_size` = 48", 'Allowed: "page_size": 32']),
+    ({"top_k": 16}, engine_config(32), ["`top_k` = 16", "one KV block (32 tokens)", "Allowed: `top_k` >= 32"]),
+    ({"algorithm": "pqcache", "top_k": 16}, engine_config(32), ["`top_k` = 16", "Allowed: `top_k` >= 32"]),
+    # the CPU platform's own default block (128) when --block-size is not given
+    ({"top_k": 64}, engine_config(128, user_specified=False), ["`top_k` = 64", "Allowed: `top_k` >= 128"]),
+])
+def test_the_engine_config_is_checked_in_the_front_end(config: dict, vllm_config: SimpleNamespace,
+                                                       says: list[str]) -> None:
+    """A page_size other than vLLM's block size, or a top_k below one block, fails in vLLM's
+    front-end process (the LLM, the API server) as soon as its engine config exists, with the
+    field and the values allowed, not in a worker after start-up (issue: first contact)."""
+    environ = {CONFIG_ENV: json.dumps({**BASE, **config})}
+    with pytest.raises(ConfigError) as info:
+        check_engine_config(vllm_config, platform_is_cpu=True, environ=environ)
+    message = str(info.value)
+    assert message.startswith(CONFIG_ENV) and "\n" not in message
+    for part in says:
+        assert part in message
+
+
+def test_the_front_end_check_waits_where_the_block_size_is_not_settled() -> None:
+    environ = {CONFIG_ENV: json.dumps({**BASE, "page_size": 64, "top_k": 512})}
+    assert check_engine_config(engine_config(16), platform_is_cpu=True, environ={}) is None  # variable unset
+    # CUDA without --block-size: the attention backend picks the block in the worker; a hybrid
+    # model's block is aligned there on any platform: the worker's check stays the only one
+    for vllm_config, cpu in ((engine_config(16, user_specified=False), False), (engine_config(32, hybrid=True), True)):
+        assert check_engine_config(vllm_config, platform_is_cpu=cpu, environ=environ).page_size == 64
+    with pytest.raises(ConfigError, match="`page_size` = 64"):  # CUDA with --block-size: known up front
+        check_engine_config(engine_config(16), platform_is_cpu=False, environ=environ)
+    config = check_engine_config(engine_config(64), platform_is_cpu=True, environ=environ)
+    assert config.page_size == 64 and config.top_k == 512
+
+
+def test_register_hooks_the_check_into_vllms_engine_args(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`register()`'s hook on `EngineArgs.create_engine_config` (vLLM stood in for by a module
+    with that one class): the VllmConfig it makes is checked after it is made, once however
+    often the hook is installed, and left alone while the variable is unset."""
+    import sparse_framework.integrations.vllm as plugin
+
+    class EngineArgs:
+        def __init__(self, block_size: int) -> None:
+            self.block_size = block_size
+
+        def create_engine_config(self, usage_context: object = None) -> SimpleNamespace:
+            return engine_config(self.block_size)
+
+    fake = ModuleType("vllm.engine.arg_utils")
+    fake.EngineArgs = EngineArgs  # type: ignore[attr-defined]
+    for name in ("vllm", "vllm.engine"):
+        monkeypatch.setitem(sys.modules, name, ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", fake)
+    plugin._check_engine_configs(platform_is_cpu=True)
+    hooked = EngineArgs.create_engine_config
+    plugin._check_engine_configs(platform_is_cpu=True)
+    assert EngineArgs.create_engine_config is hooked
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    assert EngineArgs(16).create_engine_config().cache_config.block_size == 16
+    monkeypatch.setenv(CONFIG_ENV, json.dumps({**BASE, "top_k": 64}))
+    assert EngineArgs(32).create_engine_config("usage").cache_config.block_size == 32
+    with pytest.raises(ConfigError, match=r"`top_k` = 64 .*Allowed: `top_k` >= 128"):
+        EngineArgs(128).create_engine_config()
 
 
 def test_dense_layers() -> None:
@@ -272,6 +347,31 @@ def test_device_counters_accumulate_in_place_across_resets() -> None:
         stats.add_device("kv_writes", 5, "cpu")
     stats.reset()
     assert stats.as_dict()["kv_writes"] == 0
+
+
+def test_the_worker_report_is_plain_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`WorkerReport` (vLLM's `--worker-extension-cls`): what a server's `/collective_rpc`
+    (VLLM_SERVER_DEV_MODE=1) returns for `sparse_framework_report` must be a plain JSON object,
+    device counters read as ints; `sparse_framework_reset` zeroes them."""
+    from sparse_framework.integrations import vllm as plugin
+    from sparse_framework.integrations.vllm.paged import DIAGNOSTICS, STATS
+
+    worker = plugin.WorkerReport()
+    worker.rank = 1
+    monkeypatch.setitem(DIAGNOSTICS, "kv_cache_shape", [182, 3, 32, 128])
+    monkeypatch.setitem(DIAGNOSTICS, "kv_cache_dtype", "torch.float32")
+    STATS.reset()
+    try:
+        STATS.add_device("selected_tokens", torch.tensor(64), "cpu")
+        STATS.forward_calls += 2
+        report = json.loads(json.dumps(worker.sparse_framework_report()))
+        assert report["rank"] == 1 and report["diagnostics"]["kv_cache_shape"] == [182, 3, 32, 128]
+        assert report["stats"]["selected_tokens"] == 64 and report["stats"]["forward_calls"] == 2
+        worker.sparse_framework_reset()
+        assert not any(worker.sparse_framework_report()["stats"].values())
+    finally:
+        STATS.reset()
+    assert plugin.WORKER_EXTENSION == f"{plugin.WorkerReport.__module__}.{plugin.WorkerReport.__qualname__}"
 
 
 def test_decode_rows_plans_one_token_rows_long_enough() -> None:

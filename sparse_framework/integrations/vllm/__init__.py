@@ -62,10 +62,20 @@ caller, or start it with `worker_extension_cls=WORKER_EXTENSION` and ask every r
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
-from .paged import CONFIG_ENV, DIAGNOSTICS, IGNORED_FIELDS, STATS, config_source, load_vllm_config
+from .paged import (
+    CONFIG_ENV,
+    DIAGNOSTICS,
+    IGNORED_FIELDS,
+    STATS,
+    config_source,
+    engine_block_size,
+    load_vllm_config,
+)
+from ...config import SparseConfig
 
 CPU_BACKEND_CLASS = "sparse_framework.integrations.vllm.backend.SparseCPUAttentionBackend"
 CUDA_BACKEND_CLASS = "sparse_framework.integrations.vllm.backend_cuda.SparseFlashAttentionBackend"
@@ -77,7 +87,7 @@ CUDA_TESTED_VERSIONS = ("0.26.",)
 logger = logging.getLogger("vllm.plugins.sparse_framework")
 
 __all__ = ["BACKEND_CLASS", "CONFIG_ENV", "CPU_BACKEND_CLASS", "CUDA_BACKEND_CLASS", "WORKER_EXTENSION",
-           "WorkerReport", "register", "stats", "reset_stats", "diagnostics"]
+           "WorkerReport", "check_engine_config", "register", "stats", "reset_stats", "diagnostics"]
 
 
 def register() -> None:
@@ -114,7 +124,45 @@ def register() -> None:
     if ignored:
         logger.info("%s: %s not used inside vLLM (vLLM's own kernel attends)", CONFIG_ENV, ", ".join(ignored))
     register_backend(target, path)
+    _check_engine_configs(current_platform.is_cpu())
     logger.info("sparse_framework: %s decode over vLLM's %s (top_k %d)", config.algorithm, target.name, config.top_k)
+
+
+def check_engine_config(vllm_config: Any, platform_is_cpu: bool, environ: dict[str, str] | None = None) -> SparseConfig | None:
+    """The config against vLLM's engine config, in vLLM's front-end process (the `LLM` or the
+    API server), before any worker starts or a weight loads: a `page_size` other than vLLM's
+    KV block size, or a `top_k` below one block, raises the ConfigError that names the field
+    and the values allowed, instead of failing in the worker tens of seconds and hundreds of
+    log lines later. Where the front end cannot know the block size yet
+    (`paged.engine_block_size`: CUDA without --block-size, hybrid models) the worker's check
+    stays the only one. None when SPARSE_FRAMEWORK_VLLM_CONFIG is unset. Needs no vLLM import
+    (`vllm_config` is read by attribute)."""
+    source = config_source(environ)
+    if source is None:
+        return None
+    return load_vllm_config(source, engine_block_size(vllm_config, platform_is_cpu))
+
+
+def _check_engine_configs(platform_is_cpu: bool) -> None:
+    """Make vLLM's `EngineArgs.create_engine_config` (every front end's way to its VllmConfig:
+    `LLM`, `vllm serve`, the OpenAI server module) run `check_engine_config` on what it made.
+    Hooked there, after the VllmConfig is built, so that the ConfigError reaches the caller as
+    it is (raised inside VllmConfig's own validation, pydantic would rewrap it). Once per
+    process; the check reads the variable at each call."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    make = EngineArgs.create_engine_config
+    if getattr(make, "_sparse_framework_checked", False):
+        return
+
+    @functools.wraps(make)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        vllm_config = make(self, *args, **kwargs)
+        check_engine_config(vllm_config, platform_is_cpu)
+        return vllm_config
+
+    create_engine_config._sparse_framework_checked = True  # type: ignore[attr-defined]
+    EngineArgs.create_engine_config = create_engine_config  # type: ignore[method-assign]
 
 
 def stats() -> dict[str, Any]:

@@ -52,14 +52,19 @@ def config_source(environ: dict[str, str] | None = None) -> str | None:
 
 def load_vllm_config(source: str | dict[str, Any], block_size: int | None = None) -> SparseConfig:
     """Parse the plugin's config (a JSON object, a JSON file path or a dict) with vLLM's
-    defaults, or raise ConfigError naming `SPARSE_FRAMEWORK_VLLM_CONFIG` and the field.
+    defaults, or raise ConfigError naming `SPARSE_FRAMEWORK_VLLM_CONFIG`, the field and the
+    values it may take.
 
     Inside vLLM: `store` is "resident" (every token stays in vLLM's paged cache; the host tier
     would need vLLM's KV-cache manager patched, so "hierarchical" is refused when named);
     `page_size` defaults to vLLM's block size and must equal it when given (block_size None:
     not known yet, any power of two is accepted), and `top_k` is at least one block;
     `device_buffer_tokens` is not used (set large so that a top_k up to the context passes the
-    shared validation); `backend` and `adaptor` are not used (vLLM's own kernel attends)."""
+    shared validation); `backend` and `adaptor` are not used (vLLM's own kernel attends).
+
+    The checks against the block size run twice: in vLLM's front-end process as soon as its
+    engine config is made, before any worker starts or weights load (`check_engine_config`,
+    hooked in by `register()`), and in each worker when the attention layers are built."""
     try:
         data = dict(read_json_object(source, "config")) if isinstance(source, str) else dict(source)
     except (ConfigError, TypeError, ValueError) as exc:
@@ -74,22 +79,17 @@ def load_vllm_config(source: str | dict[str, Any], block_size: int | None = None
     if block_size is not None:
         given = data.setdefault("page_size", block_size)
         if given != block_size:
-            raise ConfigError(
-                f"{CONFIG_ENV}: `page_size` = {given!r} differs from vLLM's KV block size ({block_size}): inside vLLM a "
-                f"page is one block; set \"page_size\": {block_size}, leave it out, or start vLLM with "
-                f"--block-size {given} (the CPU kernel takes multiples of 32)"
-            )
+            raise ConfigError(page_size_error(given, block_size))
+        top_k = data.get("top_k")
+        if isinstance(top_k, int) and not isinstance(top_k, bool) and 1 <= top_k < block_size:
+            raise ConfigError(top_k_error(top_k, block_size))
     data.setdefault("device_buffer_tokens", MAX_CONTEXT_TOKENS)
     try:
         config = load_config(data)
     except ConfigError as exc:
         raise ConfigError(f"{CONFIG_ENV}: {exc}") from None
-    if block_size is not None and config.top_k < block_size:  # a token-granular algorithm's top_k
-        raise ConfigError(
-            f"{CONFIG_ENV}: `top_k` = {config.top_k} is less than one KV block ({block_size} tokens): inside vLLM a "
-            f"selection is whole blocks, top_k // {block_size} of them besides the sink, recent and newest ones; "
-            f"give a top_k of at least {block_size}"
-        )
+    if block_size is not None and config.top_k < block_size:  # the default top_k, a token-granular algorithm's
+        raise ConfigError(top_k_error(config.top_k, block_size))
     _, reason = _twin(config)
     if reason is not None:
         raise ConfigError(
@@ -98,6 +98,44 @@ def load_vllm_config(source: str | dict[str, Any], block_size: int | None = None
             "rebuild bridge (paged_bridge.py)"
         )
     return config
+
+
+def page_size_error(given: Any, block_size: int) -> str:
+    """`page_size` differs from vLLM's KV block size: what may be set instead."""
+    restart = ""
+    if isinstance(given, int) and not isinstance(given, bool) and given > 0 and given & (given - 1) == 0:
+        restart = (f", or keep {given} and start vLLM with --block-size {given} (`LLM(block_size={given})`; "
+                   "vLLM's CPU kernel takes multiples of 32, FlashAttention multiples of 16)")
+    return (f"{CONFIG_ENV}: `page_size` = {given!r} differs from vLLM's KV block size ({block_size}); inside vLLM a "
+            f"page is one block. Allowed: \"page_size\": {block_size}, or leave `page_size` out (it defaults to the "
+            f"block size){restart}")
+
+
+def top_k_error(top_k: int, block_size: int) -> str:
+    """`top_k` below one KV block: what may be set instead."""
+    return (f"{CONFIG_ENV}: `top_k` = {top_k} is less than one KV block ({block_size} tokens): inside vLLM a "
+            f"selection is whole blocks, top_k // {block_size} of them besides the sink, recent and newest ones. "
+            f"Allowed: `top_k` >= {block_size} (vLLM's block size), or a smaller --block-size")
+
+
+def engine_block_size(vllm_config: Any, platform_is_cpu: bool) -> int | None:
+    """The KV block size vLLM's workers will use, read from its engine config in the front-end
+    process (`VllmConfig`, after the platform's `check_and_update_config`), or None where that
+    process cannot know it yet. The CPU platform settles it there (the user's --block-size, or
+    its default of 128); on CUDA a block size the user did not give is chosen in the worker by
+    the attention backend (`update_block_size_for_backend`), and a hybrid (attention + mamba)
+    model's is aligned there on any platform. Duck-typed: reads `cache_config.block_size`,
+    `cache_config.user_specified_block_size` and `model_config.is_hybrid` only."""
+    cache = getattr(vllm_config, "cache_config", None)
+    block_size = getattr(cache, "block_size", None)
+    if not isinstance(block_size, int) or block_size < 1:
+        return None
+    model = getattr(vllm_config, "model_config", None)
+    if model is not None and bool(getattr(model, "is_hybrid", False)):
+        return None
+    if not platform_is_cpu and not getattr(cache, "user_specified_block_size", False):
+        return None
+    return block_size
 
 
 @dataclass
