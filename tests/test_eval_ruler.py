@@ -89,6 +89,43 @@ def test_generation_is_quiet(model_dir: Path, tokenizer: Any, tmp_path: Path, mo
     assert "Noises" not in out and "it/s" not in err and "%|" not in err
 
 
+class WordTokenizer:
+    """A stand-in tokenizer (one token per word): enough for lm-eval's generators."""
+
+    def __call__(self, text: str) -> Any:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(input_ids=text.split())
+
+
+def test_generation_never_tries_to_download_nltk_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """lm-eval's prepare_niah calls nltk.download("punkt_tab") when it is imported on a machine
+    without that resource: a network fetch. Generation must make none, whatever is installed."""
+    _needs_lm_eval()
+    nltk = pytest.importorskip("nltk")
+    import lm_eval.tasks.ruler as lm_ruler
+
+    def download(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"nltk.download{args} was called: RULER generation must not try the network")
+
+    real_find = nltk.data.find
+
+    def find(resource: str, *args: Any, **kwargs: Any) -> Any:
+        if "punkt" in resource:  # as on a machine without punkt_tab, whatever this one has
+            raise LookupError(resource)
+        return real_find(resource, *args, **kwargs)
+
+    monkeypatch.setattr(nltk, "download", download)
+    monkeypatch.setattr(nltk.data, "find", find)
+    for name in ("prepare_niah", "niah_utils"):  # imported afresh, as in a new process
+        monkeypatch.delitem(sys.modules, f"lm_eval.tasks.ruler.{name}", raising=False)
+        monkeypatch.delattr(lm_ruler, name, raising=False)
+    monkeypatch.setenv("SPARSE_FRAMEWORK_CACHE", str(tmp_path))
+    (sample,) = ruler_samples(tmp_path, "niah_single_1", 512, 1, seed=0, tokenizer=WordTokenizer())
+    assert sample.outputs and all(answer in sample.input for answer in sample.outputs)
+    assert nltk.download is download  # put back as it was
+
+
 def test_a_context_the_generator_cannot_fill_is_refused_up_front() -> None:
     # lm-eval's variable tracking loops forever below ~1024 tokens: refused before it runs
     with pytest.raises(ConfigError, match=r"'ruler_vt' needs a context of at least 1024"):

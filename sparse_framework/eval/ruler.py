@@ -162,10 +162,41 @@ def _from_json(d: dict[str, Any]) -> RulerSample:
     return RulerSample(**{**d, "outputs": tuple(d["outputs"])})
 
 
+@contextlib.contextmanager
+def no_nltk_download() -> Iterator[None]:
+    """Hold nltk's downloader off the network while lm-eval's RULER modules import.
+
+    lm-eval 0.4.13's `prepare_niah` (imported by the NIAH tasks) looks for nltk's `punkt_tab`
+    sentence tokenizer when it is imported and, when that is missing, calls
+    `nltk.download("punkt_tab")`: a network fetch, from a project that may try none. Only its
+    essay haystack (`cached_sent_tokenize`) uses punkt_tab, and the essay tasks are not offered
+    here (their texts download too), so for the import `nltk.download` is replaced by a stand-in
+    that fetches nothing. Were punkt_tab ever used without being installed, nltk would raise
+    its LookupError (no download) at that call."""
+    try:
+        import nltk
+    except ImportError:  # lm-eval's own import then says what to install
+        yield
+        return
+
+    def fetch_nothing(info_or_id: Any = None, *args: Any, **kwargs: Any) -> bool:
+        logging.getLogger(__name__).debug("nltk.download(%r) skipped: RULER generation stays offline", info_or_id)
+        return False
+
+    real = nltk.download
+    nltk.download = fetch_nothing
+    try:
+        yield
+    finally:
+        nltk.download = real
+
+
 def _lm_eval_ruler() -> Any:
     try:
-        with quiet():  # importing prepare_niah checks nltk's punkt_tab and prints about it
-            import lm_eval.tasks.ruler as ruler  # noqa: F401  (the package; submodules below)
+        # importing prepare_niah checks nltk's punkt_tab (and would download it: no_nltk_download)
+        with quiet(), no_nltk_download():
+            import lm_eval.tasks.ruler as ruler  # the package; the other submodules below
+            from lm_eval.tasks.ruler import prepare_niah  # noqa: F401
     except ImportError as exc:
         raise ConfigError(
             f"generating RULER tasks needs lm-eval 0.4.13 with wonderwords and nltk ({exc}); "
