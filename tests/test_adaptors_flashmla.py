@@ -17,7 +17,7 @@ from sparse_framework.adaptors.flashmla import FlashMLAAdaptor, FlashMLAMetadata
 from sparse_framework.backends.torch_ref import TorchRefBackend
 from sparse_framework.coordinator import SparseCoordinator
 from sparse_framework.common.flashmla_format import pack_flashmla_fp8, unpack_flashmla_fp8
-from helpers import SMALL_QUEST
+from helpers import HIERARCHICAL_ALWAYS, SMALL_QUEST
 
 
 def dense_mla(q: torch.Tensor, lat: torch.Tensor) -> torch.Tensor:
@@ -194,7 +194,7 @@ def run_mla(config: dict, layout: KVLayout, steps: int = 3, q_heads: int = 8, se
     return results
 
 
-DSA = {"algorithm": "dsa", "top_k": 256, "page_size": 16, "sink_tokens": 4, "recent_tokens": 8,
+DSA = {**HIERARCHICAL_ALWAYS, "algorithm": "dsa", "top_k": 256, "page_size": 16, "sink_tokens": 4, "recent_tokens": 8,
        "min_sparse_prompt_len": 0, "device_buffer_tokens": 512,
        "extra": {"index_heads": 2, "index_dim": 16, "key_dtype": "bfloat16"}}
 

@@ -20,8 +20,9 @@ from sparse_framework.backends.flashmla import FlashMLABackend
 from sparse_framework.backends.torch_ref import TorchRefBackend
 from sparse_framework.coordinator import SparseCoordinator
 from sparse_framework.common.flashmla_format import pack_flashmla_fp8, unpack_flashmla_fp8
+from helpers import HIERARCHICAL_ALWAYS  # noqa: E402
 
-DSA = {"algorithm": "dsa", "top_k": 128, "page_size": 16, "sink_tokens": 4, "recent_tokens": 8,
+DSA = {**HIERARCHICAL_ALWAYS, "algorithm": "dsa", "top_k": 128, "page_size": 16, "sink_tokens": 4, "recent_tokens": 8,
        "min_sparse_prompt_len": 0, "device_buffer_tokens": 256,
        "extra": {"index_heads": 2, "index_dim": 16, "key_dtype": "bfloat16"}}
 

@@ -18,11 +18,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from sparse_framework import Batch, KVLayout, Request
 from sparse_framework.coordinator import SparseCoordinator
 from sparse_framework.common.errors import CapacityError, HookOrderError, SparseFrameworkError
+from helpers import HIERARCHICAL_ALWAYS  # noqa: E402
 
 LAYERS, KV_HEADS, Q_HEADS, DIM, MAX_LEN, MAX_REQUESTS = 2, 2, 4, 8, 64, 3
 # sparse: 2 pages of 4 selected per step in a 32-token buffer (sink 4 + recent 8 + top_k 8, whole pages: 28), so
 # tokens are evicted and swapped in; layer 1 dense; prompts under 12 tokens decode densely
-SPARSE = {"algorithm": "quest", "backend": "torch_ref", "top_k": 8, "page_size": 4, "sink_tokens": 4,
+SPARSE = {**HIERARCHICAL_ALWAYS, "algorithm": "quest", "backend": "torch_ref", "top_k": 8, "page_size": 4, "sink_tokens": 4,
           "recent_tokens": 8, "device_buffer_tokens": 32, "min_sparse_prompt_len": 12, "dense_layers": [1],
           "extra": {"dense_first_layers": 0}}
 # a budget covering every context: the sparse path selects every token, so it equals dense

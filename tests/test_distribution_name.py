@@ -37,11 +37,7 @@ SKIPPED_DIRS = {
 }
 SKIPPED_FILES = {"tests/test_distribution_name.py": "holds the requirements its own detector must find"}
 
-PENDING: dict[tuple[str, str], str] = {
-    ("docs/plugins.md", 'dependencies = ["sparse-framework>=0.1"]'):
-        "docs/plugins.md quotes the example plugin's pyproject as it was before it depended on "
-        "sparse-decode-framework; fix the line there and delete this entry",
-}
+PENDING: dict[tuple[str, str], str] = {}
 """Findings known and left to another change: (path, the stripped line) -> what to do. Each
 must still be found (test_pending_findings_are_still_there), so that a fixed one is removed."""
 

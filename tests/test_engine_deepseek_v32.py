@@ -31,7 +31,7 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermed
             first_k_dense_replace=1, max_position_embeddings=256, eos_token_id=None, bos_token_id=None)
 # DSA exactly as the model's indexer selects (the integration's findings): top_k = index_topk, no
 # sink or recent tokens forced in, the newest token scored by its own key, keys in the model's dtype
-DSA = {"algorithm": "dsa", "top_k": TOPK, "page_size": 1, "sink_tokens": 0, "recent_tokens": 0,
+DSA = {**HIERARCHICAL_ALWAYS, "algorithm": "dsa", "top_k": TOPK, "page_size": 1, "sink_tokens": 0, "recent_tokens": 0,
        "min_sparse_prompt_len": 0, "device_buffer_tokens": 64,
        "extra": {"index_heads": 16, "index_dim": 32, "key_dtype": "float32", "score_newest": True}}
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
@@ -221,6 +221,7 @@ SPARSE_PREFILL = r"""
 import torch
 from hypothesis import given, settings, strategies as st, HealthCheck
 from sparse_framework.engine.models import mla
+from helpers import HIERARCHICAL_ALWAYS  # noqa: E402
 
 @settings(max_examples=20, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(1, 12), before=st.integers(0, 30), h=st.sampled_from([1, 3, 4]), topk=st.integers(1, 40),

@@ -15,13 +15,13 @@ from sparse_framework.engine.engine import PENDING, Engine
 from sparse_framework.engine.engine_config import EngineConfig
 from sparse_framework.engine.models import load_model
 from sparse_framework.engine.sampling import SamplingParams
-from helpers import run_batch
+from helpers import HIERARCHICAL_ALWAYS, run_batch
 
 VOCAB = 96
 TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rope_theta=10_000.0, eos_token_id=None,
             bos_token_id=None, pad_token_id=None)
-FULL = {"algorithm": "quest", "top_k": 256, "page_size": 4, "sink_tokens": 4, "recent_tokens": 8,
+FULL = {**HIERARCHICAL_ALWAYS, "algorithm": "quest", "top_k": 256, "page_size": 4, "sink_tokens": 4, "recent_tokens": 8,
         "device_buffer_tokens": 512, "min_sparse_prompt_len": 0, "extra": {"dense_first_layers": 0}}
 SMALL = {**FULL, "top_k": 8, "device_buffer_tokens": 48}
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)

@@ -20,7 +20,7 @@ from sparse_framework.engine.memory import plan_for
 from sparse_framework.engine.models import causal_attention, load_model
 from sparse_framework.engine.sampling import SamplingParams
 from sparse_framework.engine.staging import chunk_attention
-from helpers import run_batch
+from helpers import HIERARCHICAL_ALWAYS, run_batch
 
 VOCAB = 96
 WINDOW = 8
@@ -41,7 +41,7 @@ MODELS = {
                     rope_parameters={S: {"rope_type": "default", "rope_theta": 10_000.0},
                                      F: {"rope_type": "linear", "factor": 4.0, "rope_theta": 1_000_000.0}})),
 }
-FULL = {"algorithm": "quest", "top_k": 256, "page_size": 4, "sink_tokens": 4, "recent_tokens": 8,
+FULL = {**HIERARCHICAL_ALWAYS, "algorithm": "quest", "top_k": 256, "page_size": 4, "sink_tokens": 4, "recent_tokens": 8,
         "device_buffer_tokens": 512, "min_sparse_prompt_len": 0, "extra": {"dense_first_layers": 0}}
 SPARSE = {"sparse-full-budget": FULL, "resident": {**FULL, "store": "resident"},
           "dense-mode": {**FULL, "min_sparse_prompt_len": 1000}}

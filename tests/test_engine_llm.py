@@ -14,12 +14,13 @@ from sparse_framework.engine.engine import RequestOutput
 from sparse_framework.engine.llm import LLM, REFERENCE_MAX_MODEL_LEN
 from sparse_framework.engine.models import ModelConfig, random_model
 from sparse_framework.engine.sampling import SamplingParams
+from helpers import HIERARCHICAL_ALWAYS  # noqa: E402
 
 VOCAB = 96
 CONFIG = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": 32,
                               "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
                               "num_key_value_heads": 2, "max_position_embeddings": 256})
-SMALL = {"algorithm": "quest", "top_k": 8, "page_size": 4, "sink_tokens": 4, "recent_tokens": 8,
+SMALL = {**HIERARCHICAL_ALWAYS, "algorithm": "quest", "top_k": 8, "page_size": 4, "sink_tokens": 4, "recent_tokens": 8,
          "device_buffer_tokens": 48, "min_sparse_prompt_len": 0, "extra": {"dense_first_layers": 0}}
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
 

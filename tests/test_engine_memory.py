@@ -22,9 +22,10 @@ from sparse_framework.engine.sampling import SamplingParams
 from sparse_framework.engine.staging import PrefillStaging
 from sparse_framework.footprint import coordinator_parts
 from sparse_framework.kv_store.pinned import meminfo_bytes
+from helpers import HIERARCHICAL_ALWAYS  # noqa: E402
 
 TINY = ModelConfig.from_hf(RANDOM_MODELS["tiny"])
-SPARSE = {"algorithm": "quest", "top_k": 16, "page_size": 4, "sink_tokens": 4, "recent_tokens": 4,
+SPARSE = {**HIERARCHICAL_ALWAYS, "algorithm": "quest", "top_k": 16, "page_size": 4, "sink_tokens": 4, "recent_tokens": 4,
           "device_buffer_tokens": 32, "min_sparse_prompt_len": 0, "extra": {"dense_first_layers": 1}}
 RESIDENT = {**SPARSE, "store": "resident"}
 MAX_LEN = 64

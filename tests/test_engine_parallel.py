@@ -23,6 +23,7 @@ from sparse_framework.engine.engine_config import EngineConfig
 from sparse_framework.engine.models import ModelConfig, random_model
 from sparse_framework.engine.models.tensor_parallel import TPShard, local_config, take_shard
 from sparse_framework.engine.sampling import SamplingParams
+from helpers import HIERARCHICAL_ALWAYS  # noqa: E402
 
 VOCAB = 96
 TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48,
@@ -31,11 +32,11 @@ CONFIG = ModelConfig.from_hf(TINY)
 # q/k/v and o_proj biases and an MLP bias: the row-parallel biases are held by rank 0 only
 BIASED = ModelConfig.from_hf({**TINY, "attention_bias": True, "mlp_bias": True})
 
-QUEST = {"algorithm": "quest", "top_k": 256, "page_size": 4, "sink_tokens": 4, "recent_tokens": 8,
+QUEST = {**HIERARCHICAL_ALWAYS, "algorithm": "quest", "top_k": 256, "page_size": 4, "sink_tokens": 4, "recent_tokens": 8,
          "device_buffer_tokens": 512, "min_sparse_prompt_len": 0, "extra": {"dense_first_layers": 0}}
 DENSE = {**QUEST, "min_sparse_prompt_len": 10**6}  # every request in the algorithm's dense mode
 SPARSE = {**QUEST, "top_k": 8, "device_buffer_tokens": 48}  # a binding budget: 8 of 40-60 tokens
-DSA_KEYS = {"algorithm": "dsa", "top_k": 8, "page_size": 4, "sink_tokens": 4, "recent_tokens": 4,
+DSA_KEYS = {**HIERARCHICAL_ALWAYS, "algorithm": "dsa", "top_k": 8, "page_size": 4, "sink_tokens": 4, "recent_tokens": 4,
             "device_buffer_tokens": 48, "min_sparse_prompt_len": 0, "extra": {"source": "keys"}}
 GREEDY = {"max_tokens": 10, "temperature": 0.0}
 

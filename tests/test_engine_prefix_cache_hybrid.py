@@ -27,6 +27,7 @@ from sparse_framework.engine.engine_config import EngineConfig
 from sparse_framework.engine.models import load_model
 from sparse_framework.engine.sampling import SamplingParams
 from sparse_framework.kv_store.sliding_window import SlidingWindowKV
+from helpers import HIERARCHICAL_ALWAYS  # noqa: E402
 
 VOCAB = 96
 MODELS = {  # name -> (config class, model class, extra); page size 4 below
@@ -40,7 +41,7 @@ MODELS = {  # name -> (config class, model class, extra); page size 4 below
                dict(sliding_window=8, query_pre_attn_scalar=16,
                     layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"])),
 }
-FULL = {"algorithm": "quest", "top_k": 256, "page_size": 4, "sink_tokens": 4, "recent_tokens": 8,
+FULL = {**HIERARCHICAL_ALWAYS, "algorithm": "quest", "top_k": 256, "page_size": 4, "sink_tokens": 4, "recent_tokens": 8,
         "device_buffer_tokens": 512, "min_sparse_prompt_len": 0, "extra": {"dense_first_layers": 0}}
 CONFIGS = {
     "sparse-full-budget": (FULL, {}),

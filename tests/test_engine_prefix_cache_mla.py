@@ -30,10 +30,10 @@ from sparse_framework.engine.command import RANDOM_MODELS
 from sparse_framework.engine.engine import Engine
 from sparse_framework.engine.engine_config import EngineConfig
 from sparse_framework.engine.models import ModelConfig, random_model
-from helpers import run_batch
+from helpers import HIERARCHICAL_ALWAYS, run_batch
 
 CONFIG = ModelConfig.from_hf({**RANDOM_MODELS["deepseek-v3.2-tiny"], "vocab_size": 96})
-DSA = {"algorithm": "dsa", "top_k": 16, "page_size": 4, "sink_tokens": 0, "recent_tokens": 0,
+DSA = {**HIERARCHICAL_ALWAYS, "algorithm": "dsa", "top_k": 16, "page_size": 4, "sink_tokens": 0, "recent_tokens": 0,
        "min_sparse_prompt_len": 0, "device_buffer_tokens": 64,
        "extra": {"index_heads": 4, "index_dim": 32, "key_dtype": "float32", "score_newest": True}}
 CONFIGS = {

@@ -9,6 +9,7 @@ import torch
 from sparse_framework import ConfigError
 from sparse_framework.engine.models import ModelConfig, dense_causal_attend, random_model
 from sparse_framework.engine.runner import DecodeRow, ModelRunner, PrefillChunk
+from helpers import HIERARCHICAL_ALWAYS  # noqa: E402
 
 CONFIG = ModelConfig.from_hf({
     "architectures": ["LlamaForCausalLM"], "vocab_size": 97, "hidden_size": 32, "intermediate_size": 64,
@@ -16,7 +17,7 @@ CONFIG = ModelConfig.from_hf({
     "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
 })
 # a budget covering every context: sparse decode must equal dense attention
-FULL = {"algorithm": "quest", "top_k": 256, "page_size": 4, "sink_tokens": 4, "recent_tokens": 8,
+FULL = {**HIERARCHICAL_ALWAYS, "algorithm": "quest", "top_k": 256, "page_size": 4, "sink_tokens": 4, "recent_tokens": 8,
         "device_buffer_tokens": 512, "min_sparse_prompt_len": 0, "extra": {"dense_first_layers": 0}}
 
 

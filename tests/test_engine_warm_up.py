@@ -21,10 +21,10 @@ from sparse_framework.engine.engine_config import EngineConfig
 from sparse_framework.engine.models import ModelConfig, random_model
 from sparse_framework.engine.sampling import SamplingParams
 from sparse_framework.engine.warm_up import bar_text, buckets
-from helpers import run_batch
+from helpers import HIERARCHICAL_ALWAYS, run_batch
 
 TINY = ModelConfig.from_hf(RANDOM_MODELS["tiny"])
-QUEST = {"algorithm": "quest", "top_k": 8, "page_size": 4, "sink_tokens": 4, "recent_tokens": 4,
+QUEST = {**HIERARCHICAL_ALWAYS, "algorithm": "quest", "top_k": 8, "page_size": 4, "sink_tokens": 4, "recent_tokens": 4,
          "device_buffer_tokens": 32, "min_sparse_prompt_len": 24}  # prompts under 24 tokens decode densely
 CONFIGS = {
     "quest": (QUEST, {}),

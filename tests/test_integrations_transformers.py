@@ -16,6 +16,7 @@ from packaging.version import Version  # noqa: E402
 tf = pytest.importorskip("sparse_framework.integrations.transformers")
 
 from transformers import (  # noqa: E402
+from helpers import HIERARCHICAL_ALWAYS  # noqa: E402
     Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
     Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
 )
@@ -24,7 +25,7 @@ VOCAB = 96
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
 # a budget covering every context below: every token selected, every layer sparse
-FULL = {"algorithm": "quest", "top_k": 512, "page_size": 4, "sink_tokens": 4, "recent_tokens": 8,
+FULL = {**HIERARCHICAL_ALWAYS, "algorithm": "quest", "top_k": 512, "page_size": 4, "sink_tokens": 4, "recent_tokens": 8,
         "min_sparse_prompt_len": 0, "device_buffer_tokens": 544, "extra": {"dense_first_layers": 0}}
 SMALL = {**FULL, "top_k": 32, "device_buffer_tokens": 64}
 MAX_LEN = 512

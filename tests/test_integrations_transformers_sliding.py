@@ -16,12 +16,13 @@ tf = pytest.importorskip("sparse_framework.integrations.transformers")
 from sparse_framework.common.errors import ConfigError  # noqa: E402
 from sparse_framework.common.layout import KVLayout  # noqa: E402
 from sparse_framework.kv_store.sliding_window import SlidingWindowKV  # noqa: E402
+from helpers import HIERARCHICAL_ALWAYS  # noqa: E402
 
 VOCAB = 96
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
 WINDOW = 8
-FULL = {"algorithm": "quest", "top_k": 512, "page_size": 4, "sink_tokens": 4, "recent_tokens": 8,
+FULL = {**HIERARCHICAL_ALWAYS, "algorithm": "quest", "top_k": 512, "page_size": 4, "sink_tokens": 4, "recent_tokens": 8,
         "min_sparse_prompt_len": 0, "device_buffer_tokens": 544, "extra": {"dense_first_layers": 0}}
 SMALL = {**FULL, "top_k": 16, "device_buffer_tokens": 48}
 MAX_LEN = 128

@@ -17,14 +17,14 @@ import torch
 transformers = pytest.importorskip("transformers")
 tf = pytest.importorskip("sparse_framework.integrations.transformers")
 
-from helpers import dense_attention_f64  # noqa: E402
+from helpers import HIERARCHICAL_ALWAYS, dense_attention_f64  # noqa: E402
 
 from sparse_framework.backends.torch_ref import TorchRefBackend  # noqa: E402
 from sparse_framework.common.errors import UnsupportedFeatureError  # noqa: E402
 from sparse_framework.integrations.eager_attention import eager_attention  # noqa: E402
 
 VOCAB, WINDOW, MAX_LEN, SOFTCAP = 96, 8, 128, 0.05
-FULL = {"algorithm": "quest", "top_k": 512, "page_size": 4, "sink_tokens": 4, "recent_tokens": 8,
+FULL = {**HIERARCHICAL_ALWAYS, "algorithm": "quest", "top_k": 512, "page_size": 4, "sink_tokens": 4, "recent_tokens": 8,
         "min_sparse_prompt_len": 0, "device_buffer_tokens": 544, "extra": {"dense_first_layers": 0}}
 SMALL = {**FULL, "top_k": 16, "device_buffer_tokens": 48}
 MODELS = {"gemma2": "Gemma2ForCausalLM", "gpt_oss": "GptOssForCausalLM"}

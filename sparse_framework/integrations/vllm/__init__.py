@@ -125,7 +125,12 @@ def register() -> None:
         logger.info("%s: %s not used inside vLLM (vLLM's own kernel attends)", CONFIG_ENV, ", ".join(ignored))
     register_backend(target, path)
     _check_engine_configs(current_platform.is_cpu())
-    logger.info("sparse_framework: %s decode over vLLM's %s (top_k %d)", config.algorithm, target.name, config.top_k)
+    # the resolved choices, in one line: the kernel is vLLM's (the config's backend is not used), and
+    # inside vLLM a request decodes sparsely from min_sparse_prompt_len on (the cost policy, this
+    # project's engine default, is not applied here)
+    logger.info("sparse_framework: %s decode over vLLM's %s (top_k %d; sparse from %d prompt tokens on, "
+                "sparse_policy %r not applied inside vLLM)", config.algorithm, target.name, config.top_k,
+                config.min_sparse_prompt_len, config.sparse_policy)
 
 
 def check_engine_config(vllm_config: Any, platform_is_cpu: bool, environ: dict[str, str] | None = None) -> SparseConfig | None:
