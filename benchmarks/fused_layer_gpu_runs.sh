@@ -82,7 +82,7 @@ for name, value in zip(sys.argv[1].split(","), sys.argv[2].split(":"), strict=Tr
 bench_with() {  # bench_with NAMES VALUES bench's arguments...: bench with those residency settings
     local names=$1 values=$2
     shift 2
-    local CLI=(python3 -c "$SET_RESIDENCY"'from sparse_framework.cli import main
+    local CLI=(python3 -c "$SET_RESIDENCY"'from sparse_framework.cli.main import main
 sys.exit(main(sys.argv[3:]))' "$names" "$values")  # bench, called from here, sees this one
     bench "$@"
 }

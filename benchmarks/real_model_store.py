@@ -59,10 +59,10 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import write_results  # noqa: E402
 
-from sparse_framework.cli_tables import new_table  # noqa: E402
+from sparse_framework.cli.tables import new_table  # noqa: E402
 from sparse_framework.common.errors import ConfigError  # noqa: E402
 from sparse_framework.config import load_config  # noqa: E402
-from sparse_framework.engine.bench import fmt_or_dash  # noqa: E402
+from sparse_framework.bench.offline import fmt_or_dash  # noqa: E402
 from sparse_framework.engine.llm import LLM, decode_text  # noqa: E402
 from sparse_framework.engine.sampling import SamplingParams  # noqa: E402
 from sparse_framework.eval.ruler import RULER_TASKS, check_task, prompt_text, ruler_samples, score  # noqa: E402

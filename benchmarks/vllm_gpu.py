@@ -391,7 +391,7 @@ LLAMA_8B = {"model_type": "llama", "torch_dtype": "bfloat16", "tie_word_embeddin
 
 
 def write_8b_config(path: Path) -> Path:
-    from sparse_framework.engine.command import RANDOM_MODELS
+    from sparse_framework.engine.models.random_shapes import RANDOM_MODELS
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps({**RANDOM_MODELS["llama-3-8b"], **LLAMA_8B}, indent=1))

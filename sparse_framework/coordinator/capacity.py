@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .common.layout import KVLayout
-from .config import SparseConfig, dense_layer_set
-from .kv_store.device_pools import buffer_pages, row_share_pages
-from .kv_store.fp8_host import host_bytes_per_token_per_layer
+from ..common.layout import KVLayout
+from ..config import SparseConfig, dense_layer_set
+from ..kv_store.device_pools import buffer_pages, row_share_pages
+from ..kv_store.fp8_host import host_bytes_per_token_per_layer
 
 PRESETS: dict[str, KVLayout] = {
     "llama-3-8b": KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16),

@@ -9,8 +9,8 @@ import math
 
 import torch
 
-from .attention_options import DEFAULT, AttentionOptions
-from .common.softmax import softcap_and_sink_softmax
+from .options import DEFAULT, AttentionOptions
+from ..common.softmax import softcap_and_sink_softmax
 
 
 def causal_prefill(

@@ -50,13 +50,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .common.hardware import DEFAULT, GpuFigures, gpu_figures
-from .config import SparseConfig
-from .dense_fallback import COST_POLICY, REQUESTED_DENSE, SHORT_PROMPT
+from ..common.hardware import DEFAULT, GpuFigures, gpu_figures
+from ..config import SparseConfig
+from .dense_tally import COST_POLICY, REQUESTED_DENSE, SHORT_PROMPT
 
 if TYPE_CHECKING:
-    from .common.batch import Batch, Request
-    from .common.layout import KVLayout
+    from ..common.batch import Batch, Request
+    from ..common.layout import KVLayout
 
 __all__ = ["CostModel", "SparsePolicy"]
 REPORTED_BATCHES = (1, 8, 32)  # break-evens shown by `describe`

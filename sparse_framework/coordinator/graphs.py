@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .common.batch import Batch
+from ..common.batch import Batch
 
 # the step tensors of a Batch (and of its sparse / dense sub-batches) that graphs read
 STEP_TENSORS = ("seq_lens", "slot_ids", "sparse_mask", "sparse_rows", "dense_rows")

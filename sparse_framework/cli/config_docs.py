@@ -5,8 +5,8 @@ the same schema `sparse-framework schema` prints (`config.config_schema`), limit
 built-in plugins so the text is the same whatever else is installed, and
 tests/test_config_docs.py fails when the committed page differs from a fresh render.
 
-    python -m sparse_framework.config_docs docs/config.md          # regenerate
-    python -m sparse_framework.config_docs docs/config.md --check  # exit 1 if stale
+    python -m sparse_framework.cli.config_docs docs/config.md          # regenerate
+    python -m sparse_framework.cli.config_docs docs/config.md --check  # exit 1 if stale
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from . import registry
-from .config import SparseConfig, config_schema
+from .. import registry
+from ..config import SparseConfig, config_schema
 
 BUILTIN_DISTRIBUTION = registry.BUILTIN
-REGENERATE = "python -m sparse_framework.config_docs docs/config.md"
+REGENERATE = "python -m sparse_framework.cli.config_docs docs/config.md"
 
 Schema = dict[str, Any]
 
@@ -158,7 +158,7 @@ def _cell(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m sparse_framework.config_docs",
+        prog="python -m sparse_framework.cli.config_docs",
         description="Render the config reference (docs/config.md) from the config's JSON Schema.",
     )
     parser.add_argument("path", nargs="?", help="write to PATH (default: print to stdout)")

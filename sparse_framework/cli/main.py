@@ -14,21 +14,21 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from . import __version__
-from .cli_tables import new_table, plan_table, plugins_table, run_table, size_text
-from .config import config_schema, dense_layer_set, load_config, read_json_object, validate
-from .engine.loop import RequestResult, run_experiment
-from .engine.workload import WorkloadConfig
-from .engine.workload import DTYPES as LAYOUT_DTYPES
-from .common.errors import CapacityError, SparseFrameworkError, closest
-from .engine import command as engine_command
-from .engine.memory import HOST_MEMORY_FRACTION, host_budget, plan_engine_memory
-from .engine.models import ModelConfig
-from .eval import command as eval_command
-from .serve import command as serve_command
-from .serve import bench as serve_bench
-from .capacity import PRESETS, CapacityPlan, plan_capacity
-from .common.layout import KVLayout
+from .. import __version__
+from .tables import new_table, plan_table, plugins_table, run_table, size_text
+from ..config import config_schema, dense_layer_set, load_config, read_json_object, validate
+from ..eval.loop import RequestResult, run_experiment
+from ..eval.workload import WorkloadConfig
+from ..eval.workload import DTYPES as LAYOUT_DTYPES
+from ..common.errors import CapacityError, SparseFrameworkError, closest
+from . import engine as engine_command
+from ..engine.memory import HOST_MEMORY_FRACTION, host_budget, plan_engine_memory
+from ..engine.models import ModelConfig
+from . import eval as eval_command
+from . import serve as serve_command
+from ..bench import online as serve_bench
+from ..coordinator.capacity import PRESETS, CapacityPlan, plan_capacity
+from ..common.layout import KVLayout
 
 # The embedded default experiment: Quest at two budgets on a needle workload where one prompt
 # is short enough to take the dense path. The synthetic layers are all alike (no early layers
@@ -278,7 +278,7 @@ def _engine_plan(args: argparse.Namespace) -> int:
         raise SparseFrameworkError("--max-num-batched-tokens and --max-num-seqs must be >= 1")
     if args.tensor_parallel_size < 1:
         raise SparseFrameworkError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
-    from .engine.models.tensor_parallel import local_config
+    from ..engine.models.tensor_parallel import local_config
 
     model = local_config(ModelConfig.from_hf(models[args.model]), args.tensor_parallel_size)  # one rank's
     dtype = LAYOUT_DTYPES[args.dtype]

@@ -38,7 +38,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..common.errors import ConfigError, SparseFrameworkError
-from ..engine.bench import LENGTH_DISTRIBUTIONS, draw_lengths  # `bench`'s lengths, drawn alike
+from .stats import percentile
+from .offline import LENGTH_DISTRIBUTIONS, draw_lengths  # `bench`'s lengths, drawn alike
 
 if TYPE_CHECKING:
     import httpx
@@ -192,7 +193,8 @@ def load_tokenizer_for(name: str) -> Any:
     """The tokenizer the server uses for model `name`: `reference` or a `--random` shape (an id
     tokenizer: text of space-separated ids), a catalog name (converted on first use) or a
     checkpoint directory (its tokenizer files)."""
-    from ..engine.command import RANDOM_MODELS, REFERENCE
+    from ..engine.models.catalog import REFERENCE
+    from ..engine.models.random_shapes import RANDOM_MODELS
     from ..engine.llm import IdTokenizer, load_tokenizer
     from ..engine.models.catalog import resolve_model
 
@@ -274,17 +276,6 @@ def dataset_requests(path: str, num_prompts: int | None, default_max_tokens: int
 
 
 # -- statistics ---------------------------------------------------------------------------------
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0-100) by linear interpolation between the closest ranks (numpy's
-    default); None for no values."""
-    if not values:
-        return None
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
 def distribution_ms(values: Sequence[float]) -> dict[str, float | None]:
     """Mean, p50 and p99 of seconds, in milliseconds (None when there are none)."""
     out: dict[str, float | None] = {"mean": 1000 * sum(values) / len(values) if values else None}
@@ -576,7 +567,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
 def report_tables(report: dict[str, Any]) -> list[Table]:
     """Two tables of one row per rate, each within 80 columns: throughput, then latency (ms)."""
-    from ..cli_tables import new_table
+    from ..common.tables import new_table
 
     slo = " and ".join(f"{what} <= {report[key]:g} ms" for what, key in (("TTFT", "slo_ttft_ms"), ("TPOT", "slo_tpot_ms"))
                        if report[key] is not None)

@@ -37,21 +37,21 @@ from typing import Any
 
 import torch
 
-from .algorithms.base import Inputs
-from .attention_options import DEFAULT, AttentionOptions
-from .common.batch import Batch, Request, Selection
-from .config import SparseConfig, dense_layer_set, load_config
-from .decode_graphs import DecodeGraphs, signature
-from .common.errors import ConfigError, LimitError
-from .dense_fallback import REQUESTED_DENSE as REQUESTED_DENSE, DenseTally  # the name stays importable here
+from ..algorithms.base import Inputs
+from .options import DEFAULT, AttentionOptions
+from ..common.batch import Batch, Request, Selection
+from ..config import SparseConfig, dense_layer_set, load_config
+from .graphs import DecodeGraphs, signature
+from ..common.errors import ConfigError, LimitError
+from .dense_tally import REQUESTED_DENSE as REQUESTED_DENSE, DenseTally  # the name stays importable here
 from .footprint import check_footprint, reraise_allocation_error
 from .step_order import StepOrder
-from .kv_store.hierarchical import HierarchicalKVStore
-from .causal_prefill import causal_prefill
-from .common.layout import KVLayout
-from .coordinator_inputs import check_model_inputs, check_qkv, input_dtypes, query_tail_rows
-from .coordinator_requests import RequestLifecycle
-from .sparse_policy import SparsePolicy
+from ..kv_store.hierarchical import HierarchicalKVStore
+from .prefill import causal_prefill
+from ..common.layout import KVLayout
+from .inputs import check_model_inputs, check_qkv, input_dtypes, query_tail_rows
+from .requests import RequestLifecycle
+from .policy import SparsePolicy
 
 
 @dataclass

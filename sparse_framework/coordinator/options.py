@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from .backends.base import check_softcap_and_sinks
-from .common.errors import ConfigError
+from ..backends.base import check_softcap_and_sinks
+from ..common.errors import ConfigError
 
 
 @dataclass(frozen=True, eq=False)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..common.errors import ConfigError
-from ..engine import command as engine_command
+from . import engine as engine_command
 from ..engine.llm import LLM, IdTokenizer
 
 SERVE_HELP = """\
@@ -136,12 +136,12 @@ def serve(model: str | None = None, config: Any = None, *, llm: LLM | None = Non
     try:
         import uvicorn  # noqa: F401 - make_server's, checked here
 
-        from .app import ServerState, build_app
-        from .metrics import ServerMetrics
+        from ..serve.app import ServerState, build_app
+        from ..serve.metrics import ServerMetrics
     except ImportError as exc:
         raise ConfigError(f"serve needs the server's libraries ({exc.name} is missing): pip install starlette "
                           "uvicorn prometheus-client (the package's `serve` extra)") from None
-    from .loop import EngineLoop
+    from ..serve.loop import EngineLoop
 
     if max_waiting < 1:
         raise ConfigError(f"--max-waiting must be >= 1, got {max_waiting}")

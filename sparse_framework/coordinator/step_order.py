@@ -33,8 +33,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from .common.batch import Batch, Request
-from .common.errors import HookOrderError
+from ..common.batch import Batch, Request
+from ..common.errors import HookOrderError
 
 
 @dataclass

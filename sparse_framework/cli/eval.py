@@ -11,11 +11,11 @@ from typing import Any
 from rich.console import Console
 
 from ..common.errors import ConfigError
-from .experiment import DEFAULT_EXPERIMENT, expand, load_experiment
-from .report import make_plots, markdown_page
-from .ruler import RULER_TASKS
-from .runner import METRICS
-from .sweep import results_table, run_sweep
+from ..eval.experiment import DEFAULT_EXPERIMENT, expand, load_experiment
+from ..eval.report import make_plots, markdown_page
+from ..eval.ruler import RULER_TASKS
+from ..eval.runner import METRICS
+from ..eval.sweep import results_table, run_sweep
 
 DEFAULT_OUT = "eval-results.jsonl"
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .algorithms.base import Inputs, SparseAlgorithm
-from .common.batch import Batch
-from .common.layout import KVLayout
+from ..algorithms.base import Inputs, SparseAlgorithm
+from ..common.batch import Batch
+from ..common.layout import KVLayout
 
 
 def check_model_inputs(algo: SparseAlgorithm, name: str, tokens: int, inputs: Inputs | None, prefill: bool,

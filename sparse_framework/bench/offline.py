@@ -32,16 +32,17 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from ..cli_tables import new_table
+from ..common.tables import new_table
+from .stats import percentile
 from ..common import hardware
 from ..common.errors import ConfigError
 from ..common.hardware import gpu_figures
 from ..config import SparseConfig
-from .engine_config import kv_store_dtype
-from .llm import LLM
-from .memory import DEFAULT_GPU_MEMORY_UTILIZATION, EngineMemoryPlan, plan_for, weight_bytes_of
-from .models import ModelConfig
-from .sampling import SamplingParams
+from ..engine.engine_config import kv_store_dtype
+from ..engine.llm import LLM
+from ..engine.memory import DEFAULT_GPU_MEMORY_UTILIZATION, EngineMemoryPlan, plan_for, weight_bytes_of
+from ..engine.models import ModelConfig
+from ..engine.sampling import SamplingParams
 
 LENGTH_DISTRIBUTIONS = ("fixed", "uniform", "normal")
 
@@ -315,13 +316,6 @@ def _observe_plans(llm: LLM) -> list[_StepRecord]:
     return records
 
 
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
-
-
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1e3 * seconds
 
@@ -442,8 +436,8 @@ def run_benchmark(llm: LLM, spec: BenchSpec, plan: EngineMemoryPlan | None = Non
         "memory_bound": "no device memory to plan for" if plan is None else plan.limited_by,
         "memory_plan": None if plan is None else plan.as_dict(),
         "elapsed_s": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
-        "ttft_p50_ms": _ms(_percentile(ttft, 50)), "ttft_p99_ms": _ms(_percentile(ttft, 99)),
-        "tpot_p50_ms": _ms(_percentile(tpot, 50)), "tpot_p99_ms": _ms(_percentile(tpot, 99)),
+        "ttft_p50_ms": _ms(percentile(ttft, 50)), "ttft_p99_ms": _ms(percentile(ttft, 99)),
+        "tpot_p50_ms": _ms(percentile(tpot, 50)), "tpot_p99_ms": _ms(percentile(tpot, 99)),
         "steps": engine.steps, "preemptions": engine.scheduler.num_preemptions,
         "decode_step_ms": _ms(step_s), "decode_step_floor_ms": _ms(floor_s), "decode_step_rows": most,
         "decode_step_floor_bytes": statistics.median(floors) if full else None,

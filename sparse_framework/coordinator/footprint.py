@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .common.arith import cdiv
-from .common.errors import CapacityError
-from .common.layout import KVLayout
-from .config import SparseConfig, dense_layer_set
-from .kv_store.device_pools import size_device_pools
-from .kv_store.fp8_host import check_host_kv_dtype, host_bytes_per_token_per_layer
-from .kv_store.pinned import meminfo_bytes
+from ..common.arith import cdiv
+from ..common.errors import CapacityError
+from ..common.layout import KVLayout
+from ..config import SparseConfig, dense_layer_set
+from ..kv_store.device_pools import size_device_pools
+from ..kv_store.fp8_host import check_host_kv_dtype, host_bytes_per_token_per_layer
+from ..kv_store.pinned import meminfo_bytes
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .common.batch import Request
-from .common.errors import CapacityError, LimitError
+from ..common.batch import Request
+from ..common.errors import CapacityError, LimitError
 
 
 class RequestLifecycle:

@@ -11,10 +11,10 @@ import torch
 
 from ..common.batch import Batch, Request
 from ..config import SparseConfig
-from ..coordinator import SparseCoordinator
+from ..coordinator.core import SparseCoordinator
 from ..common.errors import CapacityError
 from ..common.layout import KVLayout
-from ..dense_fallback import SHORT_PROMPT, DenseTally
+from ..coordinator.dense_tally import SHORT_PROMPT, DenseTally
 from .metrics import attention_recall, dense_attention, needle_hits, relative_error, selected_mask
 from .workload import SyntheticWorkload, WorkloadConfig
 
