@@ -4,7 +4,7 @@
 # its own time limit and log; a failed run is reported and the rest go on. Results in $OUT
 # (default ./policy_runs).
 #
-#   bash benchmarks/policy_gpu_runs.sh
+#   bash benchmarks/gpu/policy_gpu_runs.sh
 #
 #   decode_layer_short   one Llama-3-8B layer's sparse decode (Quest, Triton, graph replays)
 #                        beside dense, 1K-32K x batch 1-32: the overhead below 16K, to refit
@@ -14,7 +14,7 @@
 #   fp8_host_16k_*       hierarchical Quest at 16K x 8, host KV in bf16 vs FP8 (e4m3): swap-in
 #                        traffic and step time
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-policy_runs}
 mkdir -p "$OUT"
 DENSE='{"algorithm": "quest", "backend": "triton", "store": "resident", "min_sparse_prompt_len": 1000000000}'
@@ -22,8 +22,8 @@ POLICY='{"algorithm": "quest", "backend": "triton", "store": "resident", "sparse
 HIER='{"algorithm": "quest", "backend": "triton", "store": "hierarchical", "top_k": 2048}'
 HIER_FP8='{"algorithm": "quest", "backend": "triton", "store": "hierarchical", "top_k": 2048, "host_kv_dtype": "fp8_e4m3"}'
 
-# shellcheck source=benchmarks/run_logged.sh
-source benchmarks/run_logged.sh  # run NAME LIMIT_S COMMAND...
+# shellcheck source=benchmarks/gpu/run_logged.sh
+source benchmarks/gpu/run_logged.sh  # run NAME LIMIT_S COMMAND...
 
 bench() {  # bench NAME LIMIT_S CONFIG bench arguments...
     local name=$1 limit=$2 config=$3

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Four device calls on one 4-GPU host (nvidia-h100-x4), back to back on the warm machine.
 # A call carries at most 64 MiB with the working tree (~16 MB), so vLLM 0.26's bundle (92 MB) and
-# SmolLM2's GGUF (98 MB) travel in pieces: .gpu_carry/vllm/p1|p2 (benchmarks/vllm_gpu_bundle.sh),
+# SmolLM2's GGUF (98 MB) travel in pieces: .gpu_carry/vllm/p1|p2 (benchmarks/gpu/vllm_gpu_bundle.sh),
 # .gpu_carry/h1|h2 (the GGUF's halves, as smollm2_gpu.sh prepare cuts them, without the RULER
 # samples: the equality needs none) and .gpu_carry/minwhl (pydantic and its kin, gguf). Results come
 # back as one tarball per group in $OUT.
@@ -25,7 +25,7 @@
 # script before its JSON: perf writes OUT.partial.json per config now) and `perf --configs quest`
 # alone (docs/vllm.md, "On four H100s"). d was not run (device time).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-x4_runs}
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 mkdir -p "$OUT"
@@ -45,17 +45,17 @@ case ${1:-} in
     a)
         nvidia-smi --query-gpu=index,name,memory.total --format=csv
         free -g | head -2
-        bash benchmarks/vllm_gpu_install.sh stash 1 | tail -1 ;;
+        bash benchmarks/gpu/vllm_gpu_install.sh stash 1 | tail -1 ;;
     b)
-        bash benchmarks/vllm_gpu_install.sh stash 2 | tail -1
-        bash benchmarks/vllm_gpu_install.sh join 2>&1 | tail -4
+        bash benchmarks/gpu/vllm_gpu_install.sh stash 2 | tail -1
+        bash benchmarks/gpu/vllm_gpu_install.sh join 2>&1 | tail -4
         install_project
         # a copy of the tree for the detached runs: the next calls refresh this one under them
         rm -rf /tmp/repo31 && mkdir -p /tmp/repo31 /tmp/r31 && git ls-files -z | xargs -0 cp --parents -t /tmp/repo31
         (cd /tmp/repo31 && CUDA_VISIBLE_DEVICES=2,3 PYTHONPATH=/tmp/site:/tmp/repo31 OUT=/tmp/r31 setsid nohup bash -c \
-            'bash benchmarks/tp_gpu_runs.sh batch32; touch /tmp/r31/DONE' >/tmp/r31/detached.log 2>&1 </dev/null &)
+            'bash benchmarks/gpu/tp_gpu_runs.sh batch32; touch /tmp/r31/DONE' >/tmp/r31/detached.log 2>&1 </dev/null &)
         mkdir -p "$OUT/vllm_tp"
-        CUDA_VISIBLE_DEVICES=0,1 OUT=$OUT/vllm_tp TP=2 CONFIGS=dense timeout 540 bash benchmarks/vllm_gpu_runs.sh perf-tp
+        CUDA_VISIBLE_DEVICES=0,1 OUT=$OUT/vllm_tp TP=2 CONFIGS=dense timeout 540 bash benchmarks/gpu/vllm_gpu_runs.sh perf-tp
         cat /tmp/r31/detached.log
         pack vllm_tp "$OUT/vllm_tp" ;;
     c)
@@ -70,14 +70,14 @@ case ${1:-} in
         export PYTHONPATH=/tmp/site:$PWD SPARSE_FRAMEWORK_CACHE=/tmp/sfcache
         python3 -c "from sparse_framework.engine.models.catalog import ensure_converted as e; print(e('smollm2-135m-instruct'))"
         mkdir -p "$OUT/vllm_tp_eq"
-        CUDA_VISIBLE_DEVICES=0,1,2 OUT=$OUT/vllm_tp_eq TP=3 timeout 500 bash benchmarks/vllm_gpu_runs.sh equality-tp
+        CUDA_VISIBLE_DEVICES=0,1,2 OUT=$OUT/vllm_tp_eq TP=3 timeout 500 bash benchmarks/gpu/vllm_gpu_runs.sh equality-tp
         pack vllm_tp_eq "$OUT/vllm_tp_eq"
         cat /tmp/r31/detached.log
         cp -r /tmp/r31 "$OUT/tp_batch32" && pack tp_batch32 "$OUT/tp_batch32" ;;
     e)
         install_project
         mkdir -p "$OUT/tp_batch32_resident"
-        CUDA_VISIBLE_DEVICES=0,1 OUT=$OUT/tp_batch32_resident timeout 400 bash benchmarks/tp_gpu_runs.sh batch32-resident
+        CUDA_VISIBLE_DEVICES=0,1 OUT=$OUT/tp_batch32_resident timeout 400 bash benchmarks/gpu/tp_gpu_runs.sh batch32-resident
         CUDA_VISIBLE_DEVICES=0,1 timeout 150 torchrun --nproc-per-node 2 benchmarks/profile_engine_step.py --cuda-graphs \
             --config '{"algorithm": "quest", "backend": "triton", "store": "resident", "min_sparse_prompt_len": 1000000000}' \
             --batch 32 --context 16384 --top 25 --json "$OUT/tp_batch32_resident/profile_dense_tp2_16k_x32.json" \

@@ -2,26 +2,26 @@
 # Issue 43's H200 runs in two device calls on one warm machine (benchmarks/README_gpu_model.md
 # carries SmolLM2 the same way). Every run has its own time limit and log in $OUT.
 #
-#   HERE:  bash benchmarks/smollm2_gpu.sh prepare --context 8192 --samples 50 --tasks niah_single_1
-#          bash benchmarks/defaults_gpu_runs.sh split   # three parts: the tree is ~17 MB now, so two
+#   HERE:  bash benchmarks/gpu/smollm2_gpu.sh prepare --context 8192 --samples 50 --tasks niah_single_1
+#          bash benchmarks/gpu/defaults_gpu_runs.sh split   # three parts: the tree is ~17 MB now, so two
 #                                                       # halves of the GGUF no longer fit a call's 64 MiB
-#   call 1 (carry .gpu_carry/part1): bash benchmarks/defaults_gpu_runs.sh speed
+#   call 1 (carry .gpu_carry/part1): bash benchmarks/gpu/defaults_gpu_runs.sh speed
 #     defaults_gpu        benchmarks/defaults_gpu.py: dense, {"algorithm": "quest"}, the tuned resident
 #                         Quest; 16K x 8 and batch 1 at 1K, 4K, 8K, from outside (whole generate calls)
 #     decode_layer_short  one Llama-3-8B layer's sparse decode beside dense, 1K-32K x batch 1-32:
 #                         the cost policy's constants for this GPU (benchmarks/sparse_policy_fit.py --gpu)
-#   call 2 (carry .gpu_carry/part1b): bash benchmarks/defaults_gpu_runs.sh gpu-tests
+#   call 2 (carry .gpu_carry/part1b): bash benchmarks/gpu/defaults_gpu_runs.sh gpu-tests
 #     gpu_tests           the CUDA tests (tests/test_gpu.py and the compiled kernel tests) under the new defaults
-#   call 3 (carry .gpu_carry/part2): bash benchmarks/defaults_gpu_runs.sh accuracy
+#   call 3 (carry .gpu_carry/part2): bash benchmarks/gpu/defaults_gpu_runs.sh accuracy
 #     ruler_defaults      experiments/defaults_gpu.json: RULER niah_single_1 at 8K on SmolLM2, 50 prompts,
 #                         dense beside the defaults as written
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-defaults_runs}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-# shellcheck source=benchmarks/run_logged.sh
-source benchmarks/run_logged.sh  # run NAME LIMIT_S COMMAND...
+# shellcheck source=benchmarks/gpu/run_logged.sh
+source benchmarks/gpu/run_logged.sh  # run NAME LIMIT_S COMMAND...
 
 G=SmolLM2-135M-Instruct.Q4_1.gguf
 STASH=/tmp/gpu_carry/part1
@@ -57,7 +57,7 @@ case ${1:-} in
         ;;
     accuracy)
         [[ -f $STASH/$G.1 ]] || { echo "call 2 (gpu-tests) joins part 1b first" >&2; exit 1; }
-        bash benchmarks/smollm2_gpu.sh join && eval "$(bash benchmarks/smollm2_gpu.sh env)"
+        bash benchmarks/gpu/smollm2_gpu.sh join && eval "$(bash benchmarks/gpu/smollm2_gpu.sh env)"
         run ruler_defaults 300 sparse-framework eval experiments/defaults_gpu.json --out "$OUT/defaults_gpu.jsonl" \
             --no-progress
         tail -n 30 "$OUT/ruler_defaults.log"

@@ -1,29 +1,29 @@
 #!/usr/bin/env bash
 # Issue 31's H100 runs, one group per device call (10 minutes), on a machine where the vLLM 0.26
-# bundle is joined (benchmarks/vllm_gpu_install.sh stash 1 | stash 2 + join) and, for the
-# SmolLM2 groups, the model too (benchmarks/smollm2_gpu.sh stash | join, with the RULER samples
+# bundle is joined (benchmarks/gpu/vllm_gpu_install.sh stash 1 | stash 2 + join) and, for the
+# SmolLM2 groups, the model too (benchmarks/gpu/smollm2_gpu.sh stash | join, with the RULER samples
 # and tokenizer.json carried). Every run has its own time limit and log in $OUT (default
 # ./vllm_runs); a failed run is reported and the rest go on.
 #
-#   bash benchmarks/vllm_gpu_runs.sh perf       # vLLM dense vs the plugin in vLLM's default
+#   bash benchmarks/gpu/vllm_gpu_runs.sh perf       # vLLM dense vs the plugin in vLLM's default
 #                                               # graphs (decode captured whole), 8B shape, 16K/32K x 8
-#   bash benchmarks/vllm_gpu_runs.sh engine     # the plugin with piecewise graphs (attention eager),
+#   bash benchmarks/gpu/vllm_gpu_runs.sh engine     # the plugin with piecewise graphs (attention eager),
 #                                               # and this project's engine, dense and Quest, same cells
-#   bash benchmarks/vllm_gpu_runs.sh equality   # SmolLM2 bf16 in vLLM's default graphs: covering
+#   bash benchmarks/gpu/vllm_gpu_runs.sh equality   # SmolLM2 bf16 in vLLM's default graphs: covering
 #                                               # budget vs vLLM dense, prefix caching on/off
-#   bash benchmarks/vllm_gpu_runs.sh ruler      # SmolLM2 RULER 4K x 50 per task: dense, Quest, Quest rw0
-#   bash benchmarks/vllm_gpu_runs.sh perf-tp    # batch 32 (does not fit one H100) with tensor parallelism
+#   bash benchmarks/gpu/vllm_gpu_runs.sh ruler      # SmolLM2 RULER 4K x 50 per task: dense, Quest, Quest rw0
+#   bash benchmarks/gpu/vllm_gpu_runs.sh perf-tp    # batch 32 (does not fit one H100) with tensor parallelism
 #                                               # TP (default 2): vLLM dense vs the plugin, 16K/32K x 32
 #                                               # (CONFIGS=dense: the baseline alone)
-#   bash benchmarks/vllm_gpu_runs.sh equality-tp  # SmolLM2 (3 KV heads) at TP (default 3), default graphs
+#   bash benchmarks/gpu/vllm_gpu_runs.sh equality-tp  # SmolLM2 (3 KV heads) at TP (default 3), default graphs
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-vllm_runs}
 mkdir -p "$OUT"
-eval "$(bash benchmarks/vllm_gpu_install.sh env)"
+eval "$(bash benchmarks/gpu/vllm_gpu_install.sh env)"
 export PYTHONPATH=$PYTHONPATH:/tmp/site:$PWD
-# shellcheck source=benchmarks/run_logged.sh
-source benchmarks/run_logged.sh  # run NAME LIMIT_S COMMAND...
+# shellcheck source=benchmarks/gpu/run_logged.sh
+source benchmarks/gpu/run_logged.sh  # run NAME LIMIT_S COMMAND...
 
 DENSE='{"algorithm": "quest", "backend": "triton", "store": "resident", "min_sparse_prompt_len": 1000000000}'
 QUEST='{"algorithm": "quest", "backend": "triton", "store": "resident", "top_k": 2048}'
@@ -34,8 +34,8 @@ engine() {  # engine NAME LIMIT_S CONFIG INPUT_LEN: this project's engine, 8 req
         --json "$OUT/$1.json"
 }
 
-smollm2() {  # the converted model's directory (benchmarks/smollm2_gpu.sh join made it) in $model
-    eval "$(bash benchmarks/smollm2_gpu.sh env)"  # SPARSE_FRAMEWORK_CACHE: the model and RULER samples
+smollm2() {  # the converted model's directory (benchmarks/gpu/smollm2_gpu.sh join made it) in $model
+    eval "$(bash benchmarks/gpu/smollm2_gpu.sh env)"  # SPARSE_FRAMEWORK_CACHE: the model and RULER samples
     export PYTHONPATH=$PYTHONPATH:/tmp/site:$PWD
     model=$(python3 -c "from sparse_framework.engine.models.catalog import resolve_model as r; print(r('smollm2-135m-instruct'))")
 }

@@ -10,8 +10,8 @@
 #   - FLASH_MLA_DISABLE_SM100=1: Hopper only (the sm100 files then compile to empty stubs).
 # Build time on the machine's 16 cores: 159 s.
 #
-#   bash benchmarks/build_flashmla.sh pack FLASHMLA_REPO CUTLASS_REPO OUT.tgz   # here
-#   bash benchmarks/build_flashmla.sh build OUT.tgz BUILD_DIR                   # on the GPU machine
+#   bash benchmarks/gpu/build_flashmla.sh pack FLASHMLA_REPO CUTLASS_REPO OUT.tgz   # here
+#   bash benchmarks/gpu/build_flashmla.sh build OUT.tgz BUILD_DIR                   # on the GPU machine
 #   PYTHONPATH=BUILD_DIR/fmla python -m pytest -m gpu tests/test_backends_flashmla.py
 set -euo pipefail
 case "${1:-}" in

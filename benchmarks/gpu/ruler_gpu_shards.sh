@@ -5,11 +5,11 @@
 # then the copies merged into $OUT/ruler_gpu.jsonl (each cell once). Copy that file over
 # benchmarks/results/ruler_gpu.jsonl here and render the page with `eval --report-only`.
 #
-#   bash benchmarks/smollm2_gpu.sh join && eval "$(bash benchmarks/smollm2_gpu.sh env)" \
+#   bash benchmarks/gpu/smollm2_gpu.sh join && eval "$(bash benchmarks/gpu/smollm2_gpu.sh env)" \
 #     && tar xzf .gpu_carry/part2/ruler_cache.tgz -C "$SPARSE_FRAMEWORK_CACHE" \
-#     && LIMIT=480 bash benchmarks/ruler_gpu_shards.sh
+#     && LIMIT=480 bash benchmarks/gpu/ruler_gpu_shards.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-ruler_shards}
 LIMIT=${LIMIT:-480}
 EXP=${EXP:-experiments/ruler_gpu.json}

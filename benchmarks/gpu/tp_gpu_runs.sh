@@ -3,23 +3,23 @@
 # one device call (10 minutes). Every run has its own time limit and log; a failed run is
 # reported and the group goes on. Results land in $OUT (or ./tp_runs).
 #
-#   bash benchmarks/tp_gpu_runs.sh equality   # TP=2 and TP=4 outputs vs TP=1 (tp_equality.py)
-#   bash benchmarks/tp_gpu_runs.sh perf16k    # Llama-3-8B shape, 16K x 8: TP=1/2/4, Quest and dense
-#   bash benchmarks/tp_gpu_runs.sh perf32k    # 8B at 32K x 8 (TP=1/2/4), 70B at 16K x 8 (TP=4)
-#   bash benchmarks/tp_gpu_runs.sh batch32    # issue 31's batch 32 (does not fit one H100): 8B at 16K
+#   bash benchmarks/gpu/tp_gpu_runs.sh equality   # TP=2 and TP=4 outputs vs TP=1 (tp_equality.py)
+#   bash benchmarks/gpu/tp_gpu_runs.sh perf16k    # Llama-3-8B shape, 16K x 8: TP=1/2/4, Quest and dense
+#   bash benchmarks/gpu/tp_gpu_runs.sh perf32k    # 8B at 32K x 8 (TP=1/2/4), 70B at 16K x 8 (TP=4)
+#   bash benchmarks/gpu/tp_gpu_runs.sh batch32    # issue 31's batch 32 (does not fit one H100): 8B at 16K
 #                                             # and 32K x 32, TP=2, Quest (resident and host tier) and
 #                                             # dense, admitted by memory (0.9 of each GPU), beside vLLM's
 #                                             # (vllm_gpu_runs.sh perf-tp); batch32-resident: Quest resident alone
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-tp_runs}
 mkdir -p "$OUT"
 # NVLink multicast stays off in every process (the lent machines' KINDS.md)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 DENSE='{"algorithm": "quest", "backend": "triton", "store": "resident", "min_sparse_prompt_len": 1000000000}'
 
-# shellcheck source=benchmarks/run_logged.sh
-source benchmarks/run_logged.sh  # run NAME LIMIT_S COMMAND...
+# shellcheck source=benchmarks/gpu/run_logged.sh
+source benchmarks/gpu/run_logged.sh  # run NAME LIMIT_S COMMAND...
 
 bench() {  # bench NAME NPROC LIMIT_S tp_bench.py arguments...
     local name=$1 n=$2 limit=$3
@@ -63,6 +63,6 @@ case ${1:-} in
             done
         done ;;
     *)
-        echo "usage: bash benchmarks/tp_gpu_runs.sh equality|perf16k|perf32k|batch32|batch32-resident" >&2
+        echo "usage: bash benchmarks/gpu/tp_gpu_runs.sh equality|perf16k|perf32k|batch32|batch32-resident" >&2
         exit 2 ;;
 esac

@@ -6,7 +6,7 @@
 # Why: the GPU machine has no network (no pip install there), and one call to it carries at most
 # 64 MiB in all, the repo's tracked tree (~14 MB) included, so the bundle travels in parts, one
 # per call, back to back on a warm machine (/tmp is kept only while it stays warm), and is joined
-# and unpacked there by benchmarks/vllm_gpu_install.sh (python3's tarfile/lzma: no tool needed).
+# and unpacked there by benchmarks/gpu/vllm_gpu_install.sh (python3's tarfile/lzma: no tool needed).
 #
 # Why vLLM 0.26.0: 0.20-0.26 pin torch==2.11.0, the image's (+cu130); 0.27 pins 2.13.
 #
@@ -60,13 +60,13 @@
 #  lm-format-enforcer (structured output), fastapi/starlette/openai/opentelemetry/mistral-common/
 #  pycountry (imported at `from vllm import LLM` time).
 #
-# Usage (HERE):  bash benchmarks/vllm_gpu_bundle.sh
+# Usage (HERE):  bash benchmarks/gpu/vllm_gpu_bundle.sh
 #   env: VLLM_BUNDLE_WORK (default /work/vllm026: wheels/, site/ and the vllm wheel live there,
 #        outside the repo), XZ_PRESET (default 9), PART_MIB (default 46), KEEP_MOE=1.
-# Then carry .gpu_carry/vllm/p1, p2, ... one per call (see benchmarks/vllm_gpu_install.sh).
+# Then carry .gpu_carry/vllm/p1, p2, ... one per call (see benchmarks/gpu/vllm_gpu_install.sh).
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 WORK=${VLLM_BUNDLE_WORK:-/work/vllm026}
 WHEELS="$WORK/wheels"
 SITE="$WORK/site"

@@ -3,51 +3,51 @@
 # run has its own time limit and log in $OUT (default ./fused_runs); a failed run is reported and
 # the rest go on. Llama-3-8B shape, random bf16 weights, whole-step CUDA graphs.
 #
-#   bash benchmarks/fused_layer_gpu_runs.sh timeline PATCH
+#   bash benchmarks/gpu/fused_layer_gpu_runs.sh timeline PATCH
 #       the kernel timeline of a 16K x 8 decode step (profile_engine_step.py: kernels by GPU time,
 #       launches per step), Quest resident and hierarchical, after and before the change that
 #       PATCH holds (`git diff BASE -- sparse_framework/`: reverse-applied for "before", then
 #       applied again)
-#   bash benchmarks/fused_layer_gpu_runs.sh targets
+#   bash benchmarks/gpu/fused_layer_gpu_runs.sh targets
 #       issue 33's step targets with `sparse-framework bench` (256 output tokens, each beside its
 #       floor): dense, Quest resident and Quest hierarchical (8,192-token buffer) at 16K x 8,
 #       Quest resident at 32K x 16 (what fits at once), and the FP8 host tier at 16K x 8
-#   bash benchmarks/fused_layer_gpu_runs.sh prefetch
+#   bash benchmarks/gpu/fused_layer_gpu_runs.sh prefetch
 #       the hierarchical runs again with prefetch "early_query" (the next layer's selection
 #       predicted and swapped in on a side stream): the CUDA prefetch tests, the 16K x 8 timeline
 #       and bench, and the 32K memory-bound maximum
-#   bash benchmarks/fused_layer_gpu_runs.sh prefetch-grid
+#   bash benchmarks/gpu/fused_layer_gpu_runs.sh prefetch-grid
 #       the prefetch's copy on a small grid of many-row programs (PREFETCH_PROGRAMS x PREFETCH_ROWS
 #       of kv_store/residency.py, so that it leaves the SMs to the compute it should overlap): the
 #       compiled copy kernel's and the prefetch's GPU tests, the 16K x 8 timeline with and without
 #       prefetch (overlap shows as kernel time above the step's wall time), bench off / on at the
 #       default shape and two others (PROGRAMS:ROWS), and the 32K memory-bound maximum off / on
-#   bash benchmarks/fused_layer_gpu_runs.sh capacity
+#   bash benchmarks/gpu/fused_layer_gpu_runs.sh capacity
 #       Quest resident at 32K x 16 again, then the memory-bound maximum at 32K: 24 requests, dense
 #       (resident, admitted by memory) vs Quest hierarchical
-#   bash benchmarks/fused_layer_gpu_runs.sh capacity128k
+#   bash benchmarks/gpu/fused_layer_gpu_runs.sh capacity128k
 #       the memory-bound maximum at 128K: 6 requests (what a 128 GiB host's budget holds in bf16),
 #       dense (resident, admitted by memory) vs Quest hierarchical, then the FP8 host
 #       tier with 12 (twice the requests in the same host bytes). HOST_GIB (default 99.7, the
 #       budget 0.8 x MemAvailable gave on the 128 GiB single-H100 machine) caps the host pool, so
 #       that a bigger host (the 4-GPU machines have 512 GiB) gives the same plan
-#   bash benchmarks/fused_layer_gpu_runs.sh timeline32k
+#   bash benchmarks/gpu/fused_layer_gpu_runs.sh timeline32k
 #       the kernel timeline of the hierarchical step at the 32K memory-bound maximum (24 x 32K)
-#   bash benchmarks/fused_layer_gpu_runs.sh copy-grid PROGRAMS:ROWS:WARPS...
+#   bash benchmarks/gpu/fused_layer_gpu_runs.sh copy-grid PROGRAMS:ROWS:WARPS...
 #       the decode path's swap-in copy (COPY_* and NARROW_* PROGRAMS, ROWS, WARPS of
 #       kv_store/residency.py) at each launch shape given: the hierarchical 16K x 8 timeline,
 #       `copy_missing_kernel`'s GPU time per step beside the step's
-#   bash benchmarks/fused_layer_gpu_runs.sh narrow-copy
+#   bash benchmarks/gpu/fused_layer_gpu_runs.sh narrow-copy
 #       one head's rows copied with the narrow shape (NARROW_* of kv_store/residency.py, the
 #       default) and, at 16K x 8, with the wide one they took before stop 41 (2,048 x 1 x 8); the
 #       32K memory-bound maximum with the narrow shape
-#   bash benchmarks/fused_layer_gpu_runs.sh recheck
+#   bash benchmarks/gpu/fused_layer_gpu_runs.sh recheck
 #       after stop 41's fix of the fused decode write (every KV head's host copy of a dense
 #       layer's token): the compiled store and kernel GPU tests, the 16K x 8 targets again (Quest
 #       resident and hierarchical, dense beside them), and the prefetch timeline whose per-kernel
 #       split stop 40 lost
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-fused_runs}
 mkdir -p "$OUT"
 DENSE='{"algorithm": "quest", "backend": "triton", "store": "resident", "min_sparse_prompt_len": 1000000000}'
@@ -57,8 +57,8 @@ HIER_PF='{"algorithm": "quest", "backend": "triton", "store": "hierarchical", "t
 HOST_GIB=${HOST_GIB:-99.7}
 HIER_FP8='{"algorithm": "quest", "backend": "triton", "store": "hierarchical", "top_k": 2048, "device_buffer_tokens": 8192, "host_kv_dtype": "fp8_e4m3"}'
 
-# shellcheck source=benchmarks/run_logged.sh
-source benchmarks/run_logged.sh  # run NAME LIMIT_S COMMAND...
+# shellcheck source=benchmarks/gpu/run_logged.sh
+source benchmarks/gpu/run_logged.sh  # run NAME LIMIT_S COMMAND...
 
 CLI=(sparse-framework)  # the command bench runs; bench_with swaps it for a wrapper
 

@@ -5,9 +5,9 @@
 # configuration) in $OUT (default ./serve_runs), with the server's log and its /metrics at the
 # end of the sweep beside it. Each group fits one device call (10 minutes).
 #
-#   bash benchmarks/serve_gpu_sweep.sh 8b16k      # Llama-3-8B shape (random weights), 16K prompts
-#   bash benchmarks/serve_gpu_sweep.sh 8b32k      # the same at 32K
-#   bash benchmarks/serve_gpu_sweep.sh smollm2    # SmolLM2-135M-Instruct (converted), 4K prompts
+#   bash benchmarks/gpu/serve_gpu_sweep.sh 8b16k      # Llama-3-8B shape (random weights), 16K prompts
+#   bash benchmarks/gpu/serve_gpu_sweep.sh 8b32k      # the same at 32K
+#   bash benchmarks/gpu/serve_gpu_sweep.sh smollm2    # SmolLM2-135M-Instruct (converted), 4K prompts
 #   SKIP_DENSE=1 bash ...                         # the sparse configuration only (a call cut short)
 #
 # Both configurations size their pools with --gpu-memory-utilization 0.9 (the engine admits by
@@ -15,7 +15,7 @@
 # at start-up (the warm-up; /health is 200 only after it). Dense is the resident store with
 # every request decoding densely; sparse is Quest (top_k 2048) over the hierarchical store.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-serve_runs}
 PORT=${PORT:-8123}
 # the device flags; a dry run on the CPU: ENGINE_FLAGS="--device cpu" bash ... tiny
@@ -78,6 +78,6 @@ case ${1:-} in
         sweep serve_tiny_dense 256 8 6 "20 inf" '{"algorithm": "quest", "store": "resident", "min_sparse_prompt_len": 1000000000}' --random tiny
         sweep serve_tiny_quest 256 8 6 "20 inf" '{"algorithm": "quest", "top_k": 64, "page_size": 16, "device_buffer_tokens": 192, "min_sparse_prompt_len": 0}' --random tiny ;;
     *)
-        echo "usage: bash benchmarks/serve_gpu_sweep.sh 8b16k|8b32k|smollm2|tiny" >&2
+        echo "usage: bash benchmarks/gpu/serve_gpu_sweep.sh 8b16k|8b32k|smollm2|tiny" >&2
         exit 2 ;;
 esac

@@ -10,17 +10,17 @@
 # converted here (the RULER sample cache is keyed by a hash of them) and that cache itself
 # (lm-eval, which generates the samples, is not there). README_gpu_model.md has the commands.
 #
-#   bash benchmarks/smollm2_gpu.sh prepare [--context 8192] [--samples 4] [--seed 0]
+#   bash benchmarks/gpu/smollm2_gpu.sh prepare [--context 8192] [--samples 4] [--seed 0]
 #                                          [--tasks niah_single_1,ruler_vt]     # HERE
-#   bash benchmarks/smollm2_gpu.sh stash   # THERE, call 1 (carry .gpu_carry/part1): to /tmp
-#   bash benchmarks/smollm2_gpu.sh join    # THERE, call 2 (carry .gpu_carry/part2)
-#   eval "$(bash benchmarks/smollm2_gpu.sh env)"  # THERE, every later call: the exports
+#   bash benchmarks/gpu/smollm2_gpu.sh stash   # THERE, call 1 (carry .gpu_carry/part1): to /tmp
+#   bash benchmarks/gpu/smollm2_gpu.sh join    # THERE, call 2 (carry .gpu_carry/part2)
+#   eval "$(bash benchmarks/gpu/smollm2_gpu.sh env)"  # THERE, every later call: the exports
 #
 # `join` is idempotent (once done, a second run only checks that the repo is installed, and
 # needs no carry), so any later call on the same warm machine may begin with it too.
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 CARRY="$ROOT/.gpu_carry"
 # (the three folders can be moved, and NO_WHEELS=1 skips the wheels, for a dry run elsewhere)
 STASH=${GPU_STASH:-/tmp/gpu_carry}   # where call 1 leaves part 1 (kept while the machine is warm)
@@ -93,11 +93,11 @@ EOF
     echo "part1: $(mib "$CARRY/part1"); part2: $(mib "$CARRY/part2"); working tree ~$((tree / 1048576)) MiB"
     echo "limit per call: 64 MiB = 67108864 bytes, the tree included"
     echo
-    echo "call 1: run(command=\"bash benchmarks/smollm2_gpu.sh stash\", carry=[\".gpu_carry/part1\"])"
-    echo "call 2: run(command=\"bash benchmarks/smollm2_gpu.sh join && eval \\\"\$(bash benchmarks/smollm2_gpu.sh env)\\\"" \
+    echo "call 1: run(command=\"bash benchmarks/gpu/smollm2_gpu.sh stash\", carry=[\".gpu_carry/part1\"])"
+    echo "call 2: run(command=\"bash benchmarks/gpu/smollm2_gpu.sh join && eval \\\"\$(bash benchmarks/gpu/smollm2_gpu.sh env)\\\"" \
          "&& python3 benchmarks/real_model_store.py --device cuda --context $context --samples $samples" \
          "--tasks $tasks --json /tmp/rms.json; cp /tmp/rms.json \$OUT/\", carry=[\".gpu_carry/part2\"])"
-    echo "later calls (same warm machine): begin with 'bash benchmarks/smollm2_gpu.sh join && eval ...' again, no carry"
+    echo "later calls (same warm machine): begin with 'bash benchmarks/gpu/smollm2_gpu.sh join && eval ...' again, no carry"
 }
 
 stash() {
@@ -168,7 +168,7 @@ print(f"model ready: {out}; RULER samples: {sorted(p.name for p in dst.iterdir()
 EOF
         touch "$SFCACHE/.ready"
     fi
-    echo "for later calls: eval \"\$(bash benchmarks/smollm2_gpu.sh env)\""
+    echo "for later calls: eval \"\$(bash benchmarks/gpu/smollm2_gpu.sh env)\""
 }
 
 case ${1:-} in

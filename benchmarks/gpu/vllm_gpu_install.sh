@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install (THERE, on the GPU machine, which has no network) the vLLM 0.26.0 bundle built here by
-# benchmarks/vllm_gpu_bundle.sh: its parts come one per call (at most 64 MiB a call), are
+# benchmarks/gpu/vllm_gpu_bundle.sh: its parts come one per call (at most 64 MiB a call), are
 # stashed in /tmp (kept while the machine stays warm: make the calls back to back), joined,
 # checked against the sha256 in p1/MANIFEST and unpacked with python3's tarfile into a site
 # folder to put first on PYTHONPATH. The image's own torch/numpy/transformers/... are used;
@@ -9,16 +9,16 @@
 # declares (pydantic 2.14 fails to import with typing-extensions < 4.16: no Sentinel), and says so.
 # `join` then runs the smoke check and lists the carried packages' requirements the image misses.
 #
-#   bash benchmarks/vllm_gpu_install.sh stash N   # call N, carry .gpu_carry/vllm/pN
-#   bash benchmarks/vllm_gpu_install.sh join      # once all parts are stashed (same call as
+#   bash benchmarks/gpu/vllm_gpu_install.sh stash N   # call N, carry .gpu_carry/vllm/pN
+#   bash benchmarks/gpu/vllm_gpu_install.sh join      # once all parts are stashed (same call as
 #                                                 # the last stash is fine); idempotent
-#   eval "$(bash benchmarks/vllm_gpu_install.sh env)"   # every later call: the exports
+#   eval "$(bash benchmarks/gpu/vllm_gpu_install.sh env)"   # every later call: the exports
 #
-# e.g. call 1: bash benchmarks/vllm_gpu_install.sh stash 1
-#      call 2: bash benchmarks/vllm_gpu_install.sh stash 2 && bash benchmarks/vllm_gpu_install.sh join
+# e.g. call 1: bash benchmarks/gpu/vllm_gpu_install.sh stash 1
+#      call 2: bash benchmarks/gpu/vllm_gpu_install.sh stash 2 && bash benchmarks/gpu/vllm_gpu_install.sh join
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 CARRY="$ROOT/.gpu_carry/vllm"
 PARTS=${VLLM_PARTS_DIR:-/tmp/vllm_parts}
 SITE=${VLLM_SITE:-/tmp/vllm_site}
