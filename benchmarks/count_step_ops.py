@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         print("set TRITON_INTERPRET=1 (the Triton kernels run interpreted on the CPU)", file=sys.stderr)
         return 2
     from sparse_framework.engine import Engine, EngineConfig, SamplingParams
-    from sparse_framework.engine.command import RANDOM_MODELS
+    from sparse_framework.engine.models.random_shapes import RANDOM_MODELS
     from sparse_framework.engine.models import ModelConfig, random_model
 
     _force_triton()

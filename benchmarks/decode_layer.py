@@ -36,8 +36,8 @@ from rich.table import Table
 
 from sparse_framework import Batch, KVLayout, Request, registry
 from sparse_framework.common import hardware
-from sparse_framework.cli_tables import new_table
-from sparse_framework.coordinator import SparseCoordinator
+from sparse_framework.cli.tables import new_table
+from sparse_framework.coordinator.core import SparseCoordinator
 from sparse_framework.kernels import pdl
 from timing import FLUSH_MODES, Timer
 
@@ -146,7 +146,7 @@ class Cell:
         pages (the metadata the coordinator's dense path builds), and SDPA over a contiguous
         copy where it fits in memory."""
         from sparse_framework.adaptors.flash_attention import FlashAttentionAdaptor
-        from sparse_framework.coordinator import _dense_selection
+        from sparse_framework.coordinator.core import _dense_selection
 
         out: dict[str, float] = {}
         lay, store, batch = self.layout, self.coord.store, self.step_batch

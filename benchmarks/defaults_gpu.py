@@ -40,7 +40,7 @@ from sparse_framework.common import hardware  # noqa: E402
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from timing import current_commit  # noqa: E402
 from sparse_framework.engine import LLM, SamplingParams  # noqa: E402
-from sparse_framework.engine.command import RANDOM_MODELS, random_setup  # noqa: E402
+from sparse_framework.cli.engine import RANDOM_MODELS, random_setup  # noqa: E402
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "dense": {"algorithm": "quest", "sparse_policy": "always", "min_sparse_prompt_len": 1 << 30},

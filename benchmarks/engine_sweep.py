@@ -1,7 +1,7 @@
 """The engine's benchmark grid of issue 20: prompt length x sparse config x concurrency.
 
 One process, the model built once; per cell a fresh engine (`LLM.from_model`) runs
-`sparse_framework.engine.bench.run_benchmark`, and its result dict is the cell's row. Cells:
+`sparse_framework.bench.offline.run_benchmark`, and its result dict is the cell's row. Cells:
 
   --lengths       prompt lengths (default 16384,32768,131072), each request --output-len more
   --configs       names of CONFIGS below (default all):
@@ -49,8 +49,8 @@ import torch
 
 from sparse_framework.common.errors import ConfigError
 from sparse_framework.config import load_config
-from sparse_framework.engine import bench
-from sparse_framework.engine.command import RANDOM_MODELS, random_model_config
+from sparse_framework.bench import offline as bench
+from sparse_framework.engine.models.random_shapes import RANDOM_MODELS, random_model_config
 from sparse_framework.engine.llm import LLM
 from sparse_framework.engine.memory import DEFAULT_GPU_MEMORY_UTILIZATION, HOST_MEMORY_FRACTION
 from sparse_framework.engine.models import ModelConfig, random_model

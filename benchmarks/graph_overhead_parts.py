@@ -21,8 +21,8 @@ from rich.table import Table
 
 from decode_layer import Cell
 from eager_overhead import Layer, parse_cell, row_us
-from sparse_framework.cli_tables import new_table
-from sparse_framework.decode_graphs import _flat
+from sparse_framework.cli.tables import new_table
+from sparse_framework.coordinator.graphs import _flat
 from timing import write_results
 
 DEFAULT_JSON = "benchmarks/results/graph_overhead_parts_h100.json"

@@ -24,7 +24,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from sparse_framework.engine.bench import fmt_or_dash, gib_or_dash  # noqa: E402
+from sparse_framework.bench.offline import fmt_or_dash, gib_or_dash  # noqa: E402
 
 
 def decode_tokens_per_s(r: dict[str, Any]) -> float | None:

@@ -63,10 +63,11 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import write_results  # noqa: E402
 
-from sparse_framework.cli_tables import new_table  # noqa: E402
+from sparse_framework.cli.tables import new_table  # noqa: E402
 from sparse_framework.common.errors import ConfigError  # noqa: E402
-from sparse_framework.engine.bench import fmt_or_dash, reset_peak_memory  # noqa: E402
-from sparse_framework.engine.command import RANDOM_MODELS  # noqa: E402
+from sparse_framework.bench.offline import fmt_or_dash, reset_peak_memory  # noqa: E402
+from sparse_framework.bench.stats import percentile  # noqa: E402
+from sparse_framework.engine.models.random_shapes import RANDOM_MODELS  # noqa: E402
 from sparse_framework.engine.engine import Engine, RequestOutput  # noqa: E402
 from sparse_framework.engine.engine_config import EngineConfig  # noqa: E402
 from sparse_framework.engine.models import ModelConfig, random_model  # noqa: E402
@@ -168,13 +169,6 @@ RUNS = {"shared-prefix": run_shared_prefix, "chat": run_chat}
 
 
 # -- one cell -------------------------------------------------------------------------------------
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
-
-
 def build_engine(model: torch.nn.Module, config: dict[str, Any], args: argparse.Namespace, workload: str,
                  cache: bool, sizes: Sizes) -> Engine:
     """A fresh engine for one cell; the same sizes with the cache on and off. The host pool:
@@ -220,7 +214,7 @@ def run_cell(model: torch.nn.Module, config: dict[str, Any], args: argparse.Name
         row.update({
             "requests": len(outs), "rows": engine.num_seqs, "max_model_len": engine.max_model_len,
             "elapsed_s": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
-            "ttft_p50_ms": 1e3 * _percentile(ttft, 50), "ttft_p99_ms": 1e3 * _percentile(ttft, 99),  # type: ignore[operator]
+            "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),  # type: ignore[operator]
             "ttft_ms": [1e3 * t for t in ttft],
             "prompt_tokens": prompt_tokens, "prefill_tokens_computed": computed,
             "prefill_tokens_saved": 0 if stats is None else stats["hit_tokens"],
@@ -249,7 +243,7 @@ def step_times(log: list[tuple[int, int, int, float]]) -> dict[str, Any]:
     prefill = [t for _, tokens, _, t in log if tokens > 0]
     decode = [t for _, tokens, _, t in log if tokens == 0]
     return {"prefill_steps_s": sum(prefill), "decode_steps_s": sum(decode), "decode_steps": len(decode),
-            "decode_step_ms_p50": None if not decode else 1e3 * _percentile(decode, 50)}  # type: ignore[operator]
+            "decode_step_ms_p50": None if not decode else 1e3 * percentile(decode, 50)}  # type: ignore[operator]
 
 
 def compare_outputs(off: list[list[int]], on: list[list[int]]) -> dict[str, Any]:

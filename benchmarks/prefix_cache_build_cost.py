@@ -38,7 +38,7 @@ def build_timer(name: str, tokens: int, heads: int, head_dim: int, q_heads: int,
     from sparse_framework.common.batch import Request
     from sparse_framework.common.layout import KVLayout
     from sparse_framework.config import load_config
-    from sparse_framework.coordinator import SparseCoordinator
+    from sparse_framework.coordinator.core import SparseCoordinator
 
     layout = KVLayout(num_layers=1, num_kv_heads=heads, head_dim=head_dim, dtype=dtype, device=device)
     config = load_config({**ALGORITHMS[name], "top_k": 256, "min_sparse_prompt_len": 0,

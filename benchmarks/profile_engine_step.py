@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     from sparse_framework.kernels import pdl
 
     pdl.PDL = args.pdl
-    from sparse_framework.engine.bench import prefill_flops
-    from sparse_framework.engine.command import RANDOM_MODELS
+    from sparse_framework.bench.offline import prefill_flops
+    from sparse_framework.engine.models.random_shapes import RANDOM_MODELS
     from sparse_framework.engine.models import ModelConfig, random_model
 
     from sparse_framework.engine import parallel

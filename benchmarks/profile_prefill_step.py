@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from sparse_framework.engine.command import RANDOM_MODELS, random_model_config
+from sparse_framework.engine.models.random_shapes import RANDOM_MODELS, random_model_config
 from sparse_framework.engine.engine import Engine
 from sparse_framework.engine.engine_config import EngineConfig
 from sparse_framework.engine.models import ModelConfig, random_model

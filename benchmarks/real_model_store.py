@@ -30,7 +30,7 @@ Buffers: a multiple m gives max(m x top_k, the least device_buffer_tokens the co
 rounded up to whole pages. The least accepted is the algorithm's widest selection (top_k +
 sink + recent, in whole pages for Quest): so "1x" is that minimum, slightly above top_k.
 
-On the H100 (benchmarks/smollm2_gpu.sh carries the model there, README_gpu_model.md):
+On the H100 (benchmarks/gpu/smollm2_gpu.sh carries the model there, README_gpu_model.md):
     python benchmarks/real_model_store.py --device cuda --context 8192 --samples 4 \\
         --tasks niah_single_1,ruler_vt --configs quest,dsa --top-k 512,1024 --buffers 1,2,4 \\
         --json benchmarks/results/real_model_store_h100.json
@@ -59,10 +59,10 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import write_results  # noqa: E402
 
-from sparse_framework.cli_tables import new_table  # noqa: E402
+from sparse_framework.cli.tables import new_table  # noqa: E402
 from sparse_framework.common.errors import ConfigError  # noqa: E402
 from sparse_framework.config import load_config  # noqa: E402
-from sparse_framework.engine.bench import fmt_or_dash  # noqa: E402
+from sparse_framework.bench.offline import fmt_or_dash  # noqa: E402
 from sparse_framework.engine.llm import LLM, decode_text  # noqa: E402
 from sparse_framework.engine.sampling import SamplingParams  # noqa: E402
 from sparse_framework.eval.ruler import RULER_TASKS, check_task, prompt_text, ruler_samples, score  # noqa: E402

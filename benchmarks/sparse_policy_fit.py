@@ -1,4 +1,4 @@
-"""Fit the cost policy's constants (sparse_framework/sparse_policy.py) from the committed H100
+"""Fit the cost policy's constants (sparse_framework/coordinator/policy.py) from the committed H100
 measurements, print the fit and write benchmarks/results/sparse_policy_fit.json.
 
 The policy charges a sparse layer-step its bytes at HBM bandwidth plus a fixed overhead
@@ -160,7 +160,7 @@ def break_evens(o1: float, g: float, hbm_tb_s: float = HBM_TB_S) -> dict[str, An
 
     from sparse_framework import KVLayout
     from sparse_framework.config import load_config
-    from sparse_framework.sparse_policy import CostModel
+    from sparse_framework.coordinator.policy import CostModel
 
     config = load_config({"algorithm": "quest", "top_k": 2048, "page_size": 16, "sink_tokens": 16,
                           "recent_tokens": 64, "sparse_policy": "cost", "policy_hbm_tb_s": hbm_tb_s,

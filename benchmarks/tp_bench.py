@@ -32,8 +32,8 @@ import torch.distributed as dist
 
 from sparse_framework.config import load_config
 from sparse_framework.engine import parallel
-from sparse_framework.engine.bench import BenchSpec, draw_workload, run_benchmark
-from sparse_framework.engine.command import RANDOM_MODELS
+from sparse_framework.bench.offline import BenchSpec, draw_workload, run_benchmark
+from sparse_framework.engine.models.random_shapes import RANDOM_MODELS
 from sparse_framework.engine.llm import LLM
 from sparse_framework.engine.models import ModelConfig, random_model
 

@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from sparse_framework.engine import parallel  # noqa: E402
-from sparse_framework.engine.command import RANDOM_MODELS  # noqa: E402
+from sparse_framework.engine.models.random_shapes import RANDOM_MODELS  # noqa: E402
 from sparse_framework.engine.engine import Engine  # noqa: E402
 from sparse_framework.engine.engine_config import EngineConfig  # noqa: E402
 from sparse_framework.engine.models import ModelConfig, random_model  # noqa: E402

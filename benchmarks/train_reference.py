@@ -11,7 +11,7 @@ facts, passkeys and queries; the loss is on the answer tokens only. The held-out
     python benchmarks/train_reference.py --schedule 256:20:16 --device cpu --eval-seqs 2   # smoke run
 
 Writes the bf16 weights (with the training record as safetensors metadata) to
-sparse_framework/reference/weights/reference.safetensors and the log to
+sparse_framework/toy_model/weights/reference.safetensors and the log to
 benchmarks/results/train_reference.json.
 """
 
@@ -32,8 +32,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sparse_framework.reference.model import ARCHITECTURE, WEIGHTS, new_reference_model, save_weights  # noqa: E402
-from sparse_framework.reference.tasks import BOS, FILLER, QUERY, TASKS, VALUES, Sequence, TaskConfig, draw  # noqa: E402
+from sparse_framework.toy_model.model import ARCHITECTURE, WEIGHTS, new_reference_model, save_weights  # noqa: E402
+from sparse_framework.toy_model.tasks import BOS, FILLER, QUERY, TASKS, VALUES, Sequence, TaskConfig, draw  # noqa: E402
 
 # context:steps:batch per phase; about 64K tokens a step
 DEFAULT_SCHEDULE = "256:2500:256,512:1000:128,1024:800:64,2048:800:32,4096:1200:16,8192:800:8"

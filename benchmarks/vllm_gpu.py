@@ -1,7 +1,7 @@
 """vLLM 0.26 on the H100: vLLM dense against vLLM with sparse_framework's plugin (issue 31).
 
 Ran on one H100 (docs/vllm.md, "What the H100 showed"). Install vLLM 0.26 from the carried
-bundle first (benchmarks/vllm_gpu_bundle.sh here, benchmarks/vllm_gpu_install.sh there), then,
+bundle first (benchmarks/gpu/vllm_gpu_bundle.sh here, benchmarks/gpu/vllm_gpu_install.sh there), then,
 in the checkout:
 
     export PYTHONPATH=/tmp/vllm_site:$PWD HF_HUB_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0
@@ -85,7 +85,7 @@ def preflight() -> None:
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        die("vLLM is not importable. Install vLLM 0.26 from the carried bundle (benchmarks/vllm_gpu_install.sh) "
+        die("vLLM is not importable. Install vLLM 0.26 from the carried bundle (benchmarks/gpu/vllm_gpu_install.sh) "
             "and put it on the path: export PYTHONPATH=/tmp/vllm_site:$PWD")
     import torch
 
@@ -391,7 +391,7 @@ LLAMA_8B = {"model_type": "llama", "torch_dtype": "bfloat16", "tie_word_embeddin
 
 
 def write_8b_config(path: Path) -> Path:
-    from sparse_framework.engine.command import RANDOM_MODELS
+    from sparse_framework.engine.models.random_shapes import RANDOM_MODELS
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps({**RANDOM_MODELS["llama-3-8b"], **LLAMA_8B}, indent=1))
@@ -474,7 +474,7 @@ def ruler(args: argparse.Namespace, runner: Runner) -> dict[str, Any]:
             samples[task] = ruler_samples(args.model, task, args.context, args.samples, args.seed)
         except (ConfigError, ImportError) as exc:
             die(f"RULER samples for {task} at {args.context} are not cached here ({exc}); make them where lm-eval "
-                "is installed and carry the cache (benchmarks/smollm2_gpu.sh prepare)")
+                "is installed and carry the cache (benchmarks/gpu/smollm2_gpu.sh prepare)")
     tasks = list(samples)
     spec = {"task": "generate", "texts": [[prompt_text(s, None, False) for s in samples[t]] for t in tasks],
             "max_tokens": [RULER_TASKS[t].max_new_tokens for t in tasks], "ignore_eos": False,

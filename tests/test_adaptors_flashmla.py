@@ -15,7 +15,7 @@ from sparse_framework import Batch, ConfigError, KVLayout, Request
 from sparse_framework.adaptors.flash_attention import FlashAttentionAdaptor
 from sparse_framework.adaptors.flashmla import FlashMLAAdaptor, FlashMLAMetadata, plan_query_tokens
 from sparse_framework.backends.torch_ref import TorchRefBackend
-from sparse_framework.coordinator import SparseCoordinator
+from sparse_framework.coordinator.core import SparseCoordinator
 from sparse_framework.common.flashmla_format import pack_flashmla_fp8, unpack_flashmla_fp8
 from helpers import HIERARCHICAL_ALWAYS, SMALL_QUEST
 

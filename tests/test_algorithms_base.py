@@ -208,8 +208,8 @@ class Block:
             raise ImportError("triton is not installed (blocked by the test)")
 sys.meta_path.insert(0, Block())
 from sparse_framework import load_config, registry
-from sparse_framework.engine.loop import run_experiment
-from sparse_framework.engine.workload import WorkloadConfig
+from sparse_framework.eval.loop import run_experiment
+from sparse_framework.eval.workload import WorkloadConfig
 for name in registry.names("algorithm"):
     cfg = load_config({"algorithm": name, "top_k": 64, "device_buffer_tokens": 256, "min_sparse_prompt_len": 0})
     (result,) = run_experiment(cfg, WorkloadConfig(contexts=[300], decode_steps=2))

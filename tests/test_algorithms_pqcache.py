@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from helpers import SMALL_QUEST, batch_of
 from sparse_framework import Batch, ConfigError, KVLayout, Request, load_config
 from sparse_framework.algorithms.pqcache import PQCache, kmeans, mix_seed
-from sparse_framework.coordinator import SparseCoordinator
+from sparse_framework.coordinator.core import SparseCoordinator
 
 
 def make(bits: int = 6, subvectors: int = 2, how: str = "sum", iterations: int = 10, hk: int = 2,
@@ -246,7 +246,7 @@ ANOTHER_PROCESS = r"""
 import sys
 sys.path.insert(0, TESTS_DIR)
 from sparse_framework import KVLayout, Request
-from sparse_framework.coordinator import SparseCoordinator
+from sparse_framework.coordinator.core import SparseCoordinator
 from test_algorithms_pqcache import LAYOUT, PQ_CFG, codebook_state, digest, prefill, prompt_keys
 coord = SparseCoordinator(PQ_CFG, KVLayout(**LAYOUT), max_requests=2, max_seq_len=128)
 a = Request("a", 50)

@@ -190,7 +190,7 @@ def test_the_coordinator_takes_the_prompt_queries_in_their_tail_form() -> None:
     equal those of the full q, a wrong row count is one clear error, and `attend` at prefill
     (which needs every query) refuses the tail form."""
     from sparse_framework import Batch
-    from sparse_framework.coordinator import SparseCoordinator
+    from sparse_framework.coordinator.core import SparseCoordinator
 
     layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=8, dtype=torch.float32)
     config = {"algorithm": "snapkv", "backend": "torch_ref", "top_k": 8, "page_size": 4,

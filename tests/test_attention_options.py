@@ -13,7 +13,7 @@ from sparse_framework import Batch, ConfigError, KVLayout, Request
 from sparse_framework.backends.base import AttentionBackend
 from sparse_framework.backends.flashmla import FlashMLABackend
 from sparse_framework.common.errors import UnsupportedFeatureError
-from sparse_framework.coordinator import SparseCoordinator
+from sparse_framework.coordinator.core import SparseCoordinator
 
 from helpers import SMALL_QUEST, dense_attention_f64
 

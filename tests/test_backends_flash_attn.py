@@ -13,7 +13,7 @@ from sparse_framework.adaptors.flash_attention import FlashAttentionAdaptor
 from sparse_framework.backends import flash_attn as fa_backend
 from sparse_framework.backends.flash_attn import FlashAttnBackend
 from sparse_framework.backends.torch_ref import TorchRefBackend, paged_attention
-from sparse_framework.coordinator import SparseCoordinator
+from sparse_framework.coordinator.core import SparseCoordinator
 
 from helpers import SMALL_QUEST
 from test_coordinator import Driver

@@ -18,7 +18,7 @@ from sparse_framework import Batch, ConfigError, KVLayout, Request, load_config
 from sparse_framework.adaptors.flashmla import FlashMLAAdaptor, plan_query_tokens
 from sparse_framework.backends.flashmla import FlashMLABackend
 from sparse_framework.backends.torch_ref import TorchRefBackend
-from sparse_framework.coordinator import SparseCoordinator
+from sparse_framework.coordinator.core import SparseCoordinator
 from sparse_framework.common.flashmla_format import pack_flashmla_fp8, unpack_flashmla_fp8
 from helpers import HIERARCHICAL_ALWAYS  # noqa: E402
 

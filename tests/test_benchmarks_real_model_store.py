@@ -20,7 +20,7 @@ CONFIGS = {"quest": {"algorithm": "quest", **SMALL, "extra": {"dense_first_layer
 
 
 def _tiny():  # type: ignore[no-untyped-def]
-    from sparse_framework.engine.command import RANDOM_MODELS
+    from sparse_framework.engine.models.random_shapes import RANDOM_MODELS
     from sparse_framework.engine.models import ModelConfig, random_model
 
     return random_model(ModelConfig.from_hf(RANDOM_MODELS["tiny"]), "float32", "cpu")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from sparse_framework.cli import main
+from sparse_framework.cli.main import main
 
 QUICK = ["--steps", "1", "--contexts", "40,200", "--no-progress"]
 CFG = json.dumps({"algorithm": "quest", "top_k": 32, "page_size": 8, "min_sparse_prompt_len": 100, "device_buffer_tokens": 256})
@@ -71,7 +71,7 @@ def test_plugins_lists_builtins(capsys) -> None:
 
 
 def test_console_script_help() -> None:
-    done = subprocess.run([sys.executable, "-m", "sparse_framework.cli", "run", "--help"], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "sparse_framework.cli.main", "run", "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "--config" in done.stdout and "embedded default" in done.stdout
 
 
@@ -127,7 +127,7 @@ def test_run_notes_when_every_layer_is_dense(capsys) -> None:
 def test_plan_engine_equals_the_engines_own_plan(tmp_path, capsys) -> None:
     """`plan --engine` and an engine built with the same inputs plan the same (every term); the
     engine then runs exactly that many requests at once (tests/test_engine_memory.py)."""
-    from sparse_framework.engine.command import RANDOM_MODELS
+    from sparse_framework.engine.models.random_shapes import RANDOM_MODELS
     from sparse_framework.engine.engine import Engine
     from sparse_framework.engine.engine_config import EngineConfig
     from sparse_framework.engine.models import ModelConfig, random_model
@@ -165,7 +165,7 @@ def test_plan_engine_llama_3_8b_on_an_h100(capsys) -> None:
 def test_plan_engine_for_one_rank_of_a_tensor_parallel_group(tmp_path, capsys, monkeypatch) -> None:
     """--tensor-parallel-size N plans one rank as the engine does under TP: the rank's weight
     shard (embeddings and head whole), num_kv_heads / N per request, 1/N of the host budget."""
-    from sparse_framework.engine.command import RANDOM_MODELS
+    from sparse_framework.engine.models.random_shapes import RANDOM_MODELS
     from sparse_framework.engine.models import ModelConfig
     from sparse_framework.engine.models.tensor_parallel import local_config
 

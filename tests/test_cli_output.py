@@ -16,7 +16,7 @@ import pytest
 from rich.console import Console
 
 import sparse_framework
-from sparse_framework import cli
+from sparse_framework.cli import main as cli
 from sparse_framework.backends.base import AttentionBackend
 from sparse_framework.eval.runner import CellRecord
 from sparse_framework.eval.sweep import results_table
@@ -361,7 +361,7 @@ def _gpu_bench_result(**kw) -> dict:
 
 
 def test_bench_tables_are_whole_at_80_columns() -> None:
-    from sparse_framework.engine.bench import bench_tables
+    from sparse_framework.bench.offline import bench_tables
 
     con = Recorder()
     for table in bench_tables([_gpu_bench_result()], "bench: llama-3-8b, 64 x (131072 in, 32 out), all at once"):
@@ -379,7 +379,7 @@ def test_plan_engine_is_whole_at_80_columns(gib: str) -> None:
     """`plan --engine` (the memory plan, and the error when nothing fits) in an 80-column
     terminal: no line longer, no word or number split across lines."""
     env = {**os.environ, "COLUMNS": "80"}
-    done = subprocess.run([sys.executable, "-m", "sparse_framework.cli", "plan", "--engine", "--gpu-memory-gib", gib,
+    done = subprocess.run([sys.executable, "-m", "sparse_framework.cli.main", "plan", "--engine", "--gpu-memory-gib", gib,
                            "--host-memory-gib", "64"], capture_output=True, text=True, env=env, timeout=120)
     lines = (done.stdout + done.stderr).splitlines()
     assert lines and max(len(line.rstrip()) for line in lines) <= 80, lines

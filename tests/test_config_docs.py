@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from sparse_framework import config_docs, registry
+from sparse_framework.cli import config_docs
+from sparse_framework import registry
 from sparse_framework.config import SparseConfig, config_schema
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparse_framework import Batch, CapacityError, ConfigError, KVLayout, Request, registry
-from sparse_framework.coordinator import SparseCoordinator
+from sparse_framework.coordinator.core import SparseCoordinator
 from helpers import SMALL_QUEST
 
 BASE = SMALL_QUEST

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from sparse_framework import Batch, KVLayout, Request
-from sparse_framework.coordinator import SparseCoordinator
+from sparse_framework.coordinator.core import SparseCoordinator
 from sparse_framework.common.errors import CapacityError, HookOrderError, SparseFrameworkError
 from helpers import HIERARCHICAL_ALWAYS  # noqa: E402
 

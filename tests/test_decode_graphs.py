@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from sparse_framework import Batch, ConfigError, Request
 from sparse_framework.backends.flash_attn import FlashAttnBackend
-from sparse_framework.decode_graphs import Staging, bucket_width
+from sparse_framework.coordinator.graphs import Staging, bucket_width
 from test_coordinator import Driver, make
 
 
@@ -165,8 +165,8 @@ def test_transformers_generate_with_decode_graphs_equals_without(backend: str) -
     coordinator's decode graphs: the same tokens and the same selections, step for step."""
     pytest.importorskip("transformers")
     from sparse_framework.integrations.transformers import sparse
-    from sparse_framework.reference.model import load_reference_model
-    from sparse_framework.reference.tasks import TASKS, TaskConfig, draw
+    from sparse_framework.toy_model.model import load_reference_model
+    from sparse_framework.toy_model.tasks import TASKS, TaskConfig, draw
 
     model = load_reference_model(torch.bfloat16, "cuda")
     gen = torch.Generator().manual_seed(0)
@@ -200,7 +200,7 @@ def test_mla_replayed_layers_equal_eager_ones(adaptor: str | None) -> None:
     indexer, hierarchical store, the Triton kernel over a page table or FlashMLA's indices:
     replayed layers equal an eager twin's bit for bit, step after step."""
     from sparse_framework import KVLayout
-    from sparse_framework.coordinator import SparseCoordinator
+    from sparse_framework.coordinator.core import SparseCoordinator
 
     layout = KVLayout.mla(2, dtype=torch.bfloat16, device="cuda")
     cfg = {"algorithm": "dsa", "backend": "triton", "top_k": 128, "page_size": 16, "sink_tokens": 16,

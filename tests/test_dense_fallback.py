@@ -9,8 +9,8 @@ from collections import Counter
 import torch
 
 from sparse_framework import Batch, KVLayout, Request
-from sparse_framework.coordinator import SparseCoordinator
-from sparse_framework.dense_fallback import COST_POLICY, DENSE_LAYER, DENSE_REQUEST, SHORT_PROMPT, DenseTally
+from sparse_framework.coordinator.core import SparseCoordinator
+from sparse_framework.coordinator.dense_tally import COST_POLICY, DENSE_LAYER, DENSE_REQUEST, SHORT_PROMPT, DenseTally
 from sparse_framework.eval.experiment import load_experiment
 from sparse_framework.eval.sweep import run_sweep
 

@@ -10,15 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparse_framework import load_config
-from sparse_framework.engine.loop import run_experiment
-from sparse_framework.engine.metrics import (
+from sparse_framework.eval.loop import run_experiment
+from sparse_framework.eval.metrics import (
     attention_recall,
     dense_attention,
     needle_hits,
     relative_error,
     selected_mask,
 )
-from sparse_framework.engine.workload import WorkloadConfig
+from sparse_framework.eval.workload import WorkloadConfig
 
 SMALL = {"contexts": [40, 300], "decode_steps": 3, "num_layers": 2, "num_q_heads": 4, "num_kv_heads": 2, "head_dim": 16}
 

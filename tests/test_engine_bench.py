@@ -10,10 +10,10 @@ import pytest
 import torch
 from rich.console import Console
 
-from sparse_framework import cli
+from sparse_framework.cli import main as cli
 from sparse_framework.common.errors import ConfigError
-from sparse_framework.engine import bench
-from sparse_framework.engine.command import RANDOM_MODELS
+from sparse_framework.bench import offline as bench
+from sparse_framework.engine.models.random_shapes import RANDOM_MODELS
 from sparse_framework.config import load_config
 from sparse_framework.engine.llm import LLM
 from sparse_framework.engine.memory import plan_for
@@ -256,7 +256,7 @@ def test_mla_decode_floor_equals_a_hand_computation(dsv32) -> None:
     """Weights: all but the embedding table (2 rows of it) and the routed experts not hit;
     per layer and row: the top-16 latent rows (40 float32 values) and every context token's
     indexer key (32 bfloat16 values)."""
-    from sparse_framework.engine.command import random_model_config
+    from sparse_framework.cli.engine import random_model_config
 
     config = random_model_config("deepseek-v3.2-tiny", "cpu")
     llm = LLM.from_model(dsv32, config, max_num_seqs=2, max_model_len=128)

@@ -9,9 +9,9 @@ import json
 import pytest
 from rich.console import Console
 
-from sparse_framework import cli
-from sparse_framework.engine import command
-from sparse_framework.eval import command as eval_command
+from sparse_framework.cli import main as cli
+from sparse_framework.cli import engine as command
+from sparse_framework.cli import eval as eval_command
 from sparse_framework.engine.models import catalog
 
 
@@ -178,7 +178,7 @@ def test_a_binary_prompts_file_ends_the_process_without_a_traceback(tmp_path) ->
 
     path = tmp_path / "p.bin"
     path.write_bytes(bytes(range(256)))
-    done = subprocess.run([sys.executable, "-m", "sparse_framework.cli", "generate", "--model", "reference",
+    done = subprocess.run([sys.executable, "-m", "sparse_framework.cli.main", "generate", "--model", "reference",
                            "--prompts", str(path)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr + done.stdout, done.stderr
     assert " ".join(done.stdout.split()).startswith(f"error: --prompts {path}: not text")

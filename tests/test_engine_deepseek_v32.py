@@ -131,7 +131,7 @@ def test_engine_with_the_dense_moe_dispatch_equals_transformers(checkpoint) -> N
 def _fp8_model():
     """A tiny random DeepSeek-V3.2 whose latent is FlashMLA's (512 + 64), the shape an fp8
     store needs, without transformers."""
-    from sparse_framework.engine.command import RANDOM_MODELS
+    from sparse_framework.engine.models.random_shapes import RANDOM_MODELS
     from sparse_framework.engine.models import ModelConfig, random_model
 
     raw = {**RANDOM_MODELS["deepseek-v3.2-tiny"], "kv_lora_rank": 512, "qk_rope_head_dim": 64, "index_head_dim": 64,

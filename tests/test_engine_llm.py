@@ -149,7 +149,7 @@ def test_the_reference_model_takes_the_clis_max_model_len() -> None:
     """`LLM(None)` and `sparse-framework generate`/`serve` without --max-model-len give the
     reference model one max_model_len (it was 65536 through LLM and 8192 through the CLI); a
     given one is kept."""
-    from sparse_framework.engine.command import model_setup
+    from sparse_framework.cli.engine import model_setup
 
     assert model_setup("reference", None, None)[3] == REFERENCE_MAX_MODEL_LEN == 8192
     assert LLM(None).engine.max_model_len == REFERENCE_MAX_MODEL_LEN

@@ -12,7 +12,7 @@ import torch
 from sparse_framework import CapacityError, ConfigError
 from sparse_framework.config import load_config
 from sparse_framework.engine import LLM
-from sparse_framework.engine.command import RANDOM_MODELS
+from sparse_framework.engine.models.random_shapes import RANDOM_MODELS
 from sparse_framework.engine.engine import Engine
 from sparse_framework.engine.engine_config import EngineConfig
 from sparse_framework.engine import memory
@@ -20,7 +20,7 @@ from sparse_framework.engine.memory import HOST_MEMORY_FRACTION, EngineMemoryPla
 from sparse_framework.engine.models import ModelConfig, random_model
 from sparse_framework.engine.sampling import SamplingParams
 from sparse_framework.engine.staging import PrefillStaging
-from sparse_framework.footprint import coordinator_parts
+from sparse_framework.coordinator.footprint import coordinator_parts
 from sparse_framework.kv_store.pinned import meminfo_bytes
 from helpers import HIERARCHICAL_ALWAYS  # noqa: E402
 
@@ -274,7 +274,7 @@ def test_the_command_line_flags_reach_the_engine(monkeypatch) -> None:
 
     from rich.console import Console
 
-    from sparse_framework import cli
+    from sparse_framework.cli import main as cli
 
     out = io.StringIO()
     monkeypatch.setattr(cli, "console", Console(file=out, width=100, force_terminal=False))
@@ -301,7 +301,7 @@ def test_device_memory_gib_makes_the_utilization_usable_on_the_cpu(monkeypatch, 
 
     from rich.console import Console
 
-    from sparse_framework import cli
+    from sparse_framework.cli import main as cli
 
     monkeypatch.setattr(cli, "console", Console(file=io.StringIO(), width=100, force_terminal=False))
     path = tmp_path / "b.json"

@@ -168,7 +168,7 @@ def test_sharded_checkpoint_loads_through_its_index(checkpoints, tmp_path: Path)
 
 
 def test_reference_model_equals_its_transformers_twin() -> None:
-    from sparse_framework.reference.model import load_reference_model
+    from sparse_framework.toy_model.model import load_reference_model
 
     ours, theirs = load_reference(), load_reference_model()
     assert ours.config == reference_config() and ours.config.tie_word_embeddings

@@ -16,7 +16,7 @@ from helpers import run_batch
 from sparse_framework import Batch, KVLayout, Request
 from sparse_framework.common.errors import ConfigError, HookOrderError
 from sparse_framework.config import load_config
-from sparse_framework.coordinator import SparseCoordinator
+from sparse_framework.coordinator.core import SparseCoordinator
 from sparse_framework.engine import Engine, EngineConfig, SamplingParams
 from sparse_framework.engine.models import ModelConfig, random_model
 

@@ -26,7 +26,7 @@ from test_engine_prefix_cache import (
     tokens,
 )
 
-from sparse_framework.engine.command import RANDOM_MODELS
+from sparse_framework.engine.models.random_shapes import RANDOM_MODELS
 from sparse_framework.engine.engine import Engine
 from sparse_framework.engine.engine_config import EngineConfig
 from sparse_framework.engine.models import ModelConfig, random_model

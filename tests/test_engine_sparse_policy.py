@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from sparse_framework.dense_fallback import COST_POLICY, SHORT_PROMPT
+from sparse_framework.coordinator.dense_tally import COST_POLICY, SHORT_PROMPT
 from sparse_framework.engine.llm import LLM
 from sparse_framework.engine.models import ModelConfig, random_model
 from sparse_framework.engine.sampling import SamplingParams

@@ -14,8 +14,8 @@ import torch
 
 from sparse_framework import ConfigError
 from sparse_framework.engine import LLM
-from sparse_framework.engine import command as engine_command
-from sparse_framework.engine.command import RANDOM_MODELS, random_model_config
+from sparse_framework.cli import engine as engine_command
+from sparse_framework.engine.models.random_shapes import RANDOM_MODELS, random_model_config
 from sparse_framework.engine.engine import Engine
 from sparse_framework.engine.engine_config import EngineConfig
 from sparse_framework.engine.models import ModelConfig, random_model

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from sparse_framework import Batch, KVLayout, Request
-from sparse_framework.cli import main
+from sparse_framework.cli.main import main
 from sparse_framework.config import load_config
-from sparse_framework.coordinator import SparseCoordinator
+from sparse_framework.coordinator.core import SparseCoordinator
 from sparse_framework.common.errors import CapacityError, LimitError
-from sparse_framework import footprint
+from sparse_framework.coordinator import footprint
 from helpers import SMALL_QUEST
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)

@@ -123,7 +123,7 @@ def test_full_budget_equals_dense_and_a_small_budget_is_measured(tmp_path: Path)
 def test_probe_measures_recall_against_dense_attention() -> None:
     """A selection of everything has recall 1 and zero error; of nothing but one token, less."""
     from sparse_framework.common.batch import Batch, Request, Selection
-    from sparse_framework.engine.metrics import dense_attention
+    from sparse_framework.eval.metrics import dense_attention
     from sparse_framework.integrations.transformers import AttentionEvent
 
     gen = torch.Generator().manual_seed(0)
@@ -193,7 +193,7 @@ def test_shards_split_the_unfinished_cells_algorithm_major_and_together_cover_th
 def test_a_bad_shard_names_the_form(text: str) -> None:
     import argparse
 
-    from sparse_framework.eval.command import parse_shard
+    from sparse_framework.cli.eval import parse_shard
 
     with pytest.raises(argparse.ArgumentTypeError, match="I/N|0 <= I < N"):
         parse_shard(text)
@@ -251,7 +251,7 @@ def test_a_users_hf_model_and_prompts_file(tmp_path: Path) -> None:
 
 def test_cli_plots_markdown_and_errors(tmp_path: Path, capsys) -> None:
     pytest.importorskip("matplotlib")
-    from sparse_framework.cli import main
+    from sparse_framework.cli.main import main
 
     (tmp_path / "exp.json").write_text(json.dumps({**SMALL, "budgets": [32]}))
     page = tmp_path / "page.md"
@@ -276,7 +276,7 @@ def test_report_only_measures_nothing_and_says_what_is_missing(tmp_path: Path, m
     """--report-only renders the cells already in --out (measured elsewhere) and names the
     rest as missing; it never runs a cell, and refuses --fresh or a missing results file."""
     pytest.importorskip("matplotlib")
-    from sparse_framework.cli import main
+    from sparse_framework.cli.main import main
 
     out = tmp_path / "r.jsonl"
     one = {**SMALL, "algorithms": [SMALL["algorithms"][0]], "budgets": [32]}

@@ -22,8 +22,8 @@ from sparse_framework import ConfigError, KVLayout, Request, load_config, regist
 from sparse_framework.algorithms.base import SparseAlgorithm
 from sparse_framework.config import dense_layer_set
 from sparse_framework.config import SparseConfig, config_schema
-from sparse_framework.engine.loop import run_experiment
-from sparse_framework.engine.workload import WorkloadConfig
+from sparse_framework.eval.loop import run_experiment
+from sparse_framework.eval.workload import WorkloadConfig
 from helpers import batch_of, pip_install_to_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -220,7 +220,7 @@ def test_cli_runs_it_by_name(example_site: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(example_site), str(REPO), os.environ.get("PYTHONPATH", "")])}
     cfg = '{"algorithm": "keynorm", "top_k": 32, "device_buffer_tokens": 256, "min_sparse_prompt_len": 0}'
     done = subprocess.run(
-        [sys.executable, "-m", "sparse_framework.cli", "run", "--config", cfg, "--contexts", "200",
+        [sys.executable, "-m", "sparse_framework.cli.main", "run", "--config", cfg, "--contexts", "200",
          "--steps", "2", "--no-progress"],
         capture_output=True, text=True, env=env, timeout=300,
     )
@@ -240,7 +240,7 @@ def test_sparse_framework_eval_runs_it_on_the_reference_model(example_site: Path
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(example_site), str(REPO), os.environ.get("PYTHONPATH", "")])}
     out = tmp_path / "results.jsonl"
     done = subprocess.run(
-        [sys.executable, "-m", "sparse_framework.cli", "eval", str(tmp_path / "exp.json"), "--out", str(out), "--no-progress"],
+        [sys.executable, "-m", "sparse_framework.cli.main", "eval", str(tmp_path / "exp.json"), "--out", str(out), "--no-progress"],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

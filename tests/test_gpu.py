@@ -181,7 +181,7 @@ def test_whole_decode_layer_captures_in_a_cuda_graph(config, backend) -> None:
     The graph's kernels launch with PDL where the GPU has it (kernels/pdl.py), the eager call
     they are compared with without: bit for bit the same; so are eager calls whose kernels
     are re-launched directly (kernels/launch.py) and through Triton."""
-    from sparse_framework.coordinator import SparseCoordinator
+    from sparse_framework.coordinator.core import SparseCoordinator
     from sparse_framework.kernels import launch, pdl
 
     layout = KVLayout(num_layers=1, num_kv_heads=4, head_dim=128, dtype=torch.bfloat16, device="cuda")

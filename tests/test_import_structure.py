@@ -9,7 +9,16 @@ each is a dependency a reader must follow and a circle a refactor can trip over.
     adaptors, backends          the adaptors' metadata types)
     registry                    entry points, checked against the plugin base classes
     config                      resolves plugins through the registry only
-    capacity, coordinator, ...  everything above may use everything below
+    coordinator                 the hooks over store, algorithm, adaptor and backend
+    toy_model                   the shipped 3M-parameter model (a transformers model)
+    engine                      scheduler, runner, models over the coordinator
+    integrations                transformers and vLLM hosts of the coordinator
+    serve                       the HTTP server over the engine
+    eval, bench                 the evaluation harness; the load generators
+    cli                         the command, over everything
+
+Every part of the package is in the table: a new one fails `test_every_part_has_a_floor`
+until it is given its floor.
 """
 
 from __future__ import annotations
@@ -32,6 +41,18 @@ ALLOWED: dict[str, set[str]] = {
     "backends": {"common", "kernels", "adaptors"},
     "registry": {"common", *PLUGIN_BASES},
     "config": {"common", "registry", *PLUGIN_BASES},  # the bases for type annotations only
+    "coordinator": {"common", "kernels", "kv_store", "algorithms", "adaptors", "backends", "registry", "config"},
+    "toy_model": {"common"},
+}
+BELOW_ENGINE = ALLOWED["coordinator"] | {"coordinator"}
+ALLOWED |= {
+    "engine": BELOW_ENGINE | {"toy_model"},
+    "integrations": BELOW_ENGINE | {"toy_model"},
+    "serve": BELOW_ENGINE | {"engine"},
+    "eval": BELOW_ENGINE | {"toy_model", "engine", "integrations"},
+    "bench": BELOW_ENGINE | {"engine"},
+    "cli": BELOW_ENGINE | {"toy_model", "engine", "integrations", "serve", "eval", "bench", ""},
+    "": {"common", "config"},  # the package's __init__: the public names
 }
 
 
@@ -112,7 +133,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_sees_relative_lazy_and_type_checking_imports() -> None:
     graph = import_graph()
-    assert "common.layout" in graph["coordinator"]  # module level
+    assert "common.layout" in graph["coordinator.core"]  # module level
     assert "kernels.scoring" in graph["algorithms.base"]  # inside a function
     assert "common.settings" in graph["adaptors.base"]  # under TYPE_CHECKING
     assert "algorithms.base" in graph["registry"]
@@ -138,6 +159,14 @@ def test_each_floor_imports_only_below_it(floor: str) -> None:
         if part(target) not in allowed and target not in allowed
     )
     assert wrong == [], f"{floor} may import only {sorted(allowed)}"
+
+
+def test_every_part_has_a_floor() -> None:
+    assert {part(m) for m in import_graph()} <= set(ALLOWED)
+
+
+def test_the_package_root_holds_at_most_four_modules() -> None:
+    assert len([p for p in ROOT.glob("*.py")]) <= 4, sorted(p.name for p in ROOT.glob("*.py"))
 
 
 def test_only_the_cli_imports_the_server() -> None:

@@ -17,7 +17,7 @@ import torch
 from sparse_framework import ConfigError, KVLayout
 from sparse_framework.backends.torch_ref import TorchRefBackend, indexed_attention, paged_attention
 from sparse_framework.backends.triton import TritonBackend
-from sparse_framework.coordinator import SparseCoordinator
+from sparse_framework.coordinator.core import SparseCoordinator
 
 from helpers import SMALL_QUEST, run_interpreted
 
@@ -329,7 +329,7 @@ else:
 # through the coordinator: every call against torch_ref on the same inputs (sparse), and at a
 # budget that holds every token against dense attention
 from sparse_framework import Batch, KVLayout, Request
-from sparse_framework.coordinator import SparseCoordinator
+from sparse_framework.coordinator.core import SparseCoordinator
 from helpers import SMALL_QUEST
 
 for config in ({}, {"top_k": 256, "device_buffer_tokens": 512}):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sparse_framework import KVLayout, load_config
-from sparse_framework.capacity import PRESETS, plan_capacity
+from sparse_framework.coordinator.capacity import PRESETS, plan_capacity
 
 GiB = 2**30
 
@@ -83,7 +83,7 @@ def test_a_context_that_decodes_densely_plans_its_full_length_in_every_layer() -
     {"extra": {"dense_first_layers": 0}, "min_sparse_prompt_len": 0, "device_buffer_tokens": 136},
 ])
 def test_the_plan_counts_the_device_pool_bytes_the_store_allocates(config) -> None:
-    from sparse_framework.coordinator import SparseCoordinator
+    from sparse_framework.coordinator.core import SparseCoordinator
 
     layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, dtype=torch.float16)
     cfg = load_config({"top_k": 32, "page_size": 8, "device_buffer_tokens": 128, **config})

@@ -11,8 +11,8 @@ import torch
 from sparse_framework import Batch, CapacityError, KVLayout, Request
 from sparse_framework.config import dense_layer_set
 from sparse_framework.config import load_config
-from sparse_framework.coordinator import SparseCoordinator
-from sparse_framework.capacity import PRESETS
+from sparse_framework.coordinator.core import SparseCoordinator
+from sparse_framework.coordinator.capacity import PRESETS
 from sparse_framework.kv_store.device_pools import DENSE_LAYERS, RESIDENT, SPARSE_LAYERS, size_device_pools
 
 GiB = 2**30

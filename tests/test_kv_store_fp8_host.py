@@ -13,12 +13,12 @@ import torch
 
 from sparse_framework import Batch, ConfigError, KVLayout, Request, Selection
 from sparse_framework.config import load_config
-from sparse_framework.footprint import coordinator_parts
+from sparse_framework.coordinator.footprint import coordinator_parts
 from sparse_framework.kv_store.fp8_host import (
     check_host_kv_dtype, copy_from_host, copy_to_host, dequantize_rows, host_bytes_per_token_per_layer, quantize_rows,
 )
 from sparse_framework.kv_store.hierarchical import HierarchicalKVStore
-from sparse_framework.coordinator import SparseCoordinator
+from sparse_framework.coordinator.core import SparseCoordinator
 
 from helpers import SMALL_QUEST, run_interpreted
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from sparse_framework.reference.tasks import (
+from sparse_framework.toy_model.tasks import (
     BOS, FILLER, KEYS, QUERY, TASKS, VALUES, TaskConfig, draw,
 )
 
@@ -77,7 +77,7 @@ def test_impossible_tasks_are_refused_with_the_reason(fields: dict, message: str
 
 
 def test_shipped_weights_are_small_and_the_model_is_a_llama_with_gqa_and_rope() -> None:
-    from sparse_framework.reference.model import WEIGHTS, load_reference_model, weights_metadata
+    from sparse_framework.toy_model.model import WEIGHTS, load_reference_model, weights_metadata
 
     assert WEIGHTS.stat().st_size <= 10 * 2**20
     model = load_reference_model()
@@ -94,7 +94,7 @@ def test_shipped_weights_are_small_and_the_model_is_a_llama_with_gqa_and_rope() 
 @pytest.mark.parametrize("task", sorted(TASKS))
 def test_the_shipped_model_solves_held_out_retrieval_at_2k_densely(task: str) -> None:
     """Teacher-forced dense accuracy (what dense decode computes) on fresh sequences."""
-    from sparse_framework.reference.model import load_reference_model
+    from sparse_framework.toy_model.model import load_reference_model
 
     model = load_reference_model()
     cfg = TaskConfig(context=2048, **TASKS[task])
@@ -112,7 +112,7 @@ def test_the_shipped_model_solves_held_out_retrieval_at_2k_densely(task: str) ->
 
 def test_missing_weights_are_a_clear_error(tmp_path) -> None:
     from sparse_framework.common.errors import SparseFrameworkError
-    from sparse_framework.reference.model import load_reference_model
+    from sparse_framework.toy_model.model import load_reference_model
 
     with pytest.raises(SparseFrameworkError, match="train_reference.py"):
         load_reference_model(path=tmp_path / "none.safetensors")

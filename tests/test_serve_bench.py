@@ -17,9 +17,9 @@ import pytest
 pytest.importorskip("httpx")
 from test_serve import Server, free_port, reference_server  # noqa: E402  (skips without the serve extra)
 
-from sparse_framework.cli import main  # noqa: E402
+from sparse_framework.cli.main import main  # noqa: E402
 from sparse_framework.common.errors import ConfigError  # noqa: E402
-from sparse_framework.serve.bench import (  # noqa: E402
+from sparse_framework.bench.online import (  # noqa: E402
     BenchRequest, RequestResult, ServeBenchSpec, benchmark, dataset_requests, error_lines, exact_text,
     load_tokenizer_for, meets_slo, percentile, poisson_arrivals, report_tables, summarize, synthetic_requests,
 )
@@ -205,7 +205,7 @@ def test_a_random_shape_is_served_and_benchmarked_in_token_ids(tmp_path: Path) -
     request of the sweep comes back whole."""
     from test_serve import Server
 
-    s = Server(["-m", "sparse_framework.cli", "serve", "--random", "tiny", "--port", "{port}", "--max-num-seqs", "4",
+    s = Server(["-m", "sparse_framework.cli.main", "serve", "--random", "tiny", "--port", "{port}", "--max-num-seqs", "4",
                 "--max-model-len", "256", "--config", '{"algorithm": "quest", "top_k": 32, "min_sparse_prompt_len": 0}'])
     try:
         spec = ServeBenchSpec(s.url, rates=(math.inf,), num_prompts=4, input_len=96, output_len=6, prompt_format="ids")

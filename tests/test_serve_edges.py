@@ -29,7 +29,7 @@ uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
 from sparse_framework.serve.app import ServerState, build_app  # noqa: E402
-from sparse_framework.serve.command import build_llm  # noqa: E402
+from sparse_framework.cli.serve import build_llm  # noqa: E402
 from sparse_framework.serve.loop import EngineLoop  # noqa: E402
 from sparse_framework.serve.metrics import ServerMetrics  # noqa: E402
 
@@ -256,7 +256,7 @@ def test_a_client_gone_is_logged_as_499(local: Local, caplog: pytest.LogCaptureF
 # -- 6. SIGTERM with requests running past --drain-timeout -------------------------------------------
 SLOW_SERVER = f"""
 import sys, time
-from sparse_framework.serve.command import build_llm, serve
+from sparse_framework.cli.serve import build_llm, serve
 llm, name = build_llm("reference", max_model_len={MAX_MODEL_LEN})
 execute = llm.engine.runner.execute
 def slow(decode, prefill, feed=None):  # 20 ms a step: 400 tokens outlast the drain

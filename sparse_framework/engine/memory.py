@@ -60,7 +60,7 @@ from ..common.arith import cdiv
 from ..common.errors import CapacityError, ConfigError
 from ..common.layout import KVLayout
 from ..config import SparseConfig, dense_layer_set
-from ..footprint import coordinator_parts
+from ..coordinator.footprint import coordinator_parts
 from ..kv_store.device_pools import RESIDENT, SPARSE_LAYERS, size_device_pools
 from ..kv_store.pinned import meminfo_bytes
 from .models import ModelConfig

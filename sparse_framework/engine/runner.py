@@ -66,7 +66,7 @@ from ..common.transfer import to_device
 from ..common.layer_map import LayerMap
 from ..common.layout import KVLayout
 from ..config import SparseConfig, load_config
-from ..coordinator import SparseCoordinator
+from ..coordinator.core import SparseCoordinator
 from ..kv_store.sliding_window import SlidingWindowKV
 from .models import ModelConfig
 from .models.mla import MLAInputs, mla_prefill_attention, mla_prefill_label

@@ -19,9 +19,9 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..config import SparseConfig, load_config, validate
-from ..engine.workload import DTYPES, WorkloadConfig, check_dtype_name
+from .workload import DTYPES, WorkloadConfig, check_dtype_name
 from ..common.errors import ConfigError
-from ..reference.tasks import TASKS
+from ..toy_model.tasks import TASKS
 from .ruler import RULER_TASKS, check_task
 
 HUGE_BUFFER = 1 << 40  # only to ask an algorithm how wide its largest selection is

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from ..engine.loop import run_experiment
-from ..engine.metrics import attention_recall, dense_attention, needle_hits, relative_error, selected_mask
-from ..engine.workload import DTYPES, WorkloadConfig
+from .loop import run_experiment
+from .metrics import attention_recall, dense_attention, needle_hits, relative_error, selected_mask
+from .workload import DTYPES, WorkloadConfig
 from ..common.errors import ConfigError
 from .experiment import Cell, HFWorkload, ReferenceWorkload, RulerWorkload, SyntheticWorkload
 
@@ -161,7 +161,7 @@ class Runner:
         key = "reference" if isinstance(workload, ReferenceWorkload) else workload.model
         if key not in self._models:
             if isinstance(workload, ReferenceWorkload):
-                from ..reference.model import load_reference_model
+                from ..toy_model.model import load_reference_model
 
                 self._models[key] = load_reference_model(self.dtype, self.device)
             else:
@@ -169,7 +169,7 @@ class Runner:
         return self._models[key]
 
     def reference_inputs(self, workload: ReferenceWorkload, context: int) -> Any:
-        from ..reference.tasks import TASKS, TaskConfig, draw
+        from ..toy_model.tasks import TASKS, TaskConfig, draw
 
         cfg = TaskConfig(context=context, **TASKS[workload.task])
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + context)

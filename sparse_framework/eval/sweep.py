@@ -19,7 +19,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from ..common.errors import ConfigError
-from ..engine.workload import DTYPES
+from .workload import DTYPES
 from ..common.layout import KVLayout, check_device
 from .experiment import Cell, Experiment, expand
 from .runner import METRICS, CellRecord, Runner, finite
@@ -200,7 +200,7 @@ def results_table(records: Iterable[CellRecord], title: str = "") -> Group:
     context, algorithm, budget, then the metrics that workload measures; where they do not fit,
     the metrics of DROP_FIRST go first, named under the table), failed cells listed below with
     their whole error, and a note when a cell never attended sparsely."""
-    from ..cli_tables import FitTable  # here: the CLI's tables import the engine, not needed above
+    from ..common.tables import FitTable
 
     records = list(records)
     parts: list[Any] = [Text(title, style="bold")] if title else []

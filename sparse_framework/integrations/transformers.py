@@ -111,12 +111,12 @@ import torch
 
 from ..common.batch import Batch, Request, Selection
 from ..config import SparseConfig
-from ..coordinator import SparseCoordinator
+from ..coordinator.core import SparseCoordinator
 from ..common.errors import SparseFrameworkError
 from ..common.layer_map import FULL, SLIDING
 from ..common.layer_map import LayerMap as CommonLayerMap
 from ..common.layout import KVLayout
-from ..dense_fallback import NO_CACHE, DenseTally
+from ..coordinator.dense_tally import NO_CACHE, DenseTally
 from ..kv_store.sliding_window import SlidingWindowKV
 from .eager_attention import eager_attention
 from .index_mask import fold_indices
@@ -191,7 +191,7 @@ def enable(
 
     decode_graphs: on CUDA, replay each layer's sparse decode (store write, select, make
     resident, attend) from a CUDA graph instead of launching it from Python (see
-    sparse_framework/decode_graphs.py); the model itself still runs eagerly.
+    sparse_framework/coordinator/graphs.py); the model itself still runs eagerly.
 
     max_requests: the most rows one generate() may have (all caches alive at once together).
     max_seq_len: the longest prompt + generated tokens of a row (padding excluded). The

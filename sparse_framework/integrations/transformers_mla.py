@@ -68,7 +68,7 @@ import transformers
 from ..common.batch import Batch
 from ..common.errors import ConfigError
 from ..common.layout import KVLayout
-from ..coordinator import SparseCoordinator
+from ..coordinator.core import SparseCoordinator
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from . import transformers as _integration

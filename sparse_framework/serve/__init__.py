@@ -1,19 +1,10 @@
-"""`sparse-framework serve`: an OpenAI-compatible HTTP server over one engine (docs/serve.md).
+"""An OpenAI-compatible HTTP server over one engine (docs/serve.md): app.py (the ASGI routes),
+loop.py (the thread that steps the engine), protocol.py (the OpenAI request and response shapes),
+metrics.py (/metrics).
 
-The top floor of the package: it imports the engine, nothing imports it but the CLI. Its
-dependencies (starlette, uvicorn, prometheus-client) are the `serve` extra, so importing this
-package does not import them; `serve()` and `build_app()` do.
+It imports the engine; above it only the benchmarks' load client (bench/online.py speaks HTTP to
+it, importing nothing of it) and the CLI, whose `serve` builds the model and runs uvicorn
+(`sparse_framework.cli.serve.serve(model=..., port=...)` from Python). Its dependencies
+(starlette, uvicorn, prometheus-client) are the `serve` extra: importing this package does not
+import them.
 """
-
-from __future__ import annotations
-
-from typing import Any
-
-__all__ = ["serve"]
-
-
-def serve(*args: Any, **kwargs: Any) -> int:
-    """Serve a model over HTTP until SIGTERM; see `sparse_framework.serve.command.serve`."""
-    from .command import serve as run
-
-    return run(*args, **kwargs)

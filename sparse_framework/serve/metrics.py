@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..dense_fallback import COST_POLICY
+from ..coordinator.dense_tally import COST_POLICY
 from ..engine.engine import RequestOutput
 from .loop import EngineLoop
 

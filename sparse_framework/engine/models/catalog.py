@@ -32,6 +32,7 @@ from ...common.errors import ConfigError
 from .errors import CheckpointError
 
 CACHE_ENV = "SPARSE_FRAMEWORK_CACHE"
+REFERENCE = "reference"  # --model reference: the shipped toy model
 CONVERTED_MARK = "converted-from.json"  # written last: its presence means the directory is complete
 
 

@@ -88,7 +88,7 @@ def load_model(
 
 def load_reference(dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu") -> EngineModel:
     """The shipped reference model (sparse_framework/reference) through the same loader."""
-    from ...reference.model import WEIGHTS
+    from ...toy_model.model import WEIGHTS
 
     if not WEIGHTS.is_file():
         raise CheckpointError(f"reference weights not found at {WEIGHTS}; reinstall the package")
@@ -97,7 +97,7 @@ def load_reference(dtype: torch.dtype | str | None = None, device: str | torch.d
 
 def reference_config() -> ModelConfig:
     """The reference model's ModelConfig, from the ARCHITECTURE its transformers twin is built from."""
-    from ...reference.model import ARCHITECTURE
+    from ...toy_model.model import ARCHITECTURE
 
     return ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], **ARCHITECTURE})
 
