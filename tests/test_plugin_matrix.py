@@ -61,7 +61,7 @@ def check_coordinator(algorithm: AlgorithmCase, backend: BackendCase, request: p
 def engine_run(config: dict[str, Any], backend: BackendCase, sparse: bool) -> tuple[list[list[int]], list[torch.Tensor], dict]:
     """Greedy tokens, each step's logits and the dense report of the engine over the tiny
     random Llama (2 layers, 4 query heads, 2 KV heads of 16, vocabulary 512)."""
-    from sparse_framework.engine.command import random_setup
+    from sparse_framework.cli.engine import random_setup
     from sparse_framework.engine.llm import LLM
     from sparse_framework.engine.sampling import SamplingParams
 
@@ -97,7 +97,7 @@ def check_engine(algorithm: AlgorithmCase, backend: BackendCase, request: pytest
 @pytest.fixture(scope="module")
 def reference_model() -> dict[str, Any]:
     """The shipped reference model (float32, CPU) and its unmodified greedy run, per device."""
-    from sparse_framework.reference.model import load_reference_model
+    from sparse_framework.toy_model.model import load_reference_model
 
     return {"model": load_reference_model(), "dense": {}}
 
