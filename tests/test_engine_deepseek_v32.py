@@ -13,6 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import HIERARCHICAL_ALWAYS
+
 from sparse_framework.common.errors import ConfigError
 from sparse_framework.engine.engine import Engine
 from sparse_framework.engine.engine_config import EngineConfig
@@ -221,7 +223,6 @@ SPARSE_PREFILL = r"""
 import torch
 from hypothesis import given, settings, strategies as st, HealthCheck
 from sparse_framework.engine.models import mla
-from helpers import HIERARCHICAL_ALWAYS  # noqa: E402
 
 @settings(max_examples=20, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(1, 12), before=st.integers(0, 30), h=st.sampled_from([1, 3, 4]), topk=st.integers(1, 40),

@@ -16,10 +16,10 @@ from packaging.version import Version  # noqa: E402
 tf = pytest.importorskip("sparse_framework.integrations.transformers")
 
 from transformers import (  # noqa: E402
-from helpers import HIERARCHICAL_ALWAYS  # noqa: E402
     Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
     Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
 )
+from helpers import HIERARCHICAL_ALWAYS  # noqa: E402
 
 VOCAB = 96
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,

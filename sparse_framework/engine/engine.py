@@ -110,6 +110,25 @@ STEP_FAILED = "the engine step failed"  # how the error of a request ended by a 
 STEP_LOG_LIMIT = 1 << 16  # steps kept in Engine.step_log (benchmarks read whole runs; far shorter)
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's counters in one object (`Engine.stats`), for servers and reports: they read
+    this rather than the scheduler, the runner or the coordinator."""
+
+    running: int
+    waiting: int
+    preempted: int
+    preemptions: int
+    steps: int
+    config: SparseConfig  # as resolved for the device (backend "auto" named)
+    dense_tally: Any  # the coordinator's DenseTally: requests and layer-steps dense, by reason
+    pools: list[dict[str, Any]] | None = None  # with store=True: Coordinator.memory_stats()
+    buffer_hits: int | None = None  # with store=True, hierarchical store only
+    buffer_misses: int | None = None
+    prefix_hit_tokens: int | None = None  # prefix caching on only
+    prefix_prompt_tokens: int | None = None
+
+
 @dataclass
 class _InFlight:
     """A step whose sampled tokens the host has not read yet (async scheduling)."""
@@ -389,6 +408,38 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self._rejected) or self.scheduler.has_unfinished() or self._inflight is not None
+
+    def partial_outputs(self) -> dict[str, list[int]]:
+        """Each unfinished request's output token ids so far, as the host has read them (tokens
+        still on the device under async scheduling are left out): what a streaming server sends."""
+        out = {}
+        for seq in (*self.scheduler.running, *self.scheduler.preempted):
+            ids = seq.output_ids
+            out[seq.rid] = list(ids[: ids.index(PENDING)] if PENDING in ids else ids)
+        return out
+
+    def stats(self, store: bool = False) -> EngineStats:
+        """The counters as of the last step; `store`: also the pools and the device buffer's hits
+        (reading them may synchronise the device: a server asks at most once a second)."""
+        sched, coord = self.scheduler, self.runner.coord
+        extra: dict[str, Any] = {}
+        if store:
+            extra["pools"] = coord.memory_stats()
+            if coord.config.store != "resident" and hasattr(coord.store, "stats"):
+                counts = coord.store.stats()
+                extra["buffer_hits"] = sum(int(c["hits"]) for c in counts)
+                extra["buffer_misses"] = sum(int(c["misses"]) for c in counts)
+        if self.prefix_cache is not None:
+            extra["prefix_hit_tokens"] = self.prefix_cache.stats.hit_tokens
+            extra["prefix_prompt_tokens"] = self.prefix_cache.stats.prompt_tokens
+        return EngineStats(running=len(sched.running), waiting=len(sched.waiting), preempted=len(sched.preempted),
+                           preemptions=sched.num_preemptions, steps=self.steps, config=coord.config,
+                           dense_tally=coord.dense_tally, **extra)
+
+    @property
+    def max_running(self) -> int:
+        """Requests that can run at once (the scheduler's rows)."""
+        return self.scheduler.max_num_seqs
 
     # -- a step --------------------------------------------------------------------------------
     @property

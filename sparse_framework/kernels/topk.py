@@ -19,57 +19,8 @@ Ties at the threshold — eligible units scoring exactly the budget-th best scor
 deterministically: the lowest unit ids win. (torch.topk may keep other tied units; the set
 of kept *scores* is the same.)
 
-Algorithm, per row r = (request, head), on a grid (rows, chunks of BLOCK units):
-  key      each float32's bits map to an int32 whose signed order is the float order (flip
-           the 31 low bits of negatives; integer ops only, so no subnormal is flushed); its
-           unsigned bits u = key ^ 0x80000000 are read as four 8-bit radix digits, most
-           significant first
-  pass 1   histogram of u's top digit over the eligible units, into hist[r, 0:256]
-  pass p   (p = 2, 3, 4) prologue: every program picks digit D(p-1) from the row's histogram
-           of pass p - 1 (the digit whose bucket holds the need-th largest key among the keys
-           of the prefix chosen so far; need = min(budget, eligible) at first), which extends
-           the prefix P to 8 (p - 1) bits; then the histogram of digit p of the units whose
-           key starts with P. Chunks holding no such unit skip the histogram
-  pass 4   also records the chunk's `sure` count (forced units, and eligible ones whose 24-bit
-           prefix is above P: kept whatever the last digit) and `suffix[d]`, its candidates
-           (prefix P) whose last digit is >= d — so no later pass must re-count the chunk
-  write    picks D4: threshold thr = the need-th largest key, n_tie = how many units equal to
-           it are kept. Every chunk's kept count is sure + suffix[D4 + 1] + its share of the
-           ties (suffix[D4] - suffix[D4 + 1] tied units, the quota going to earlier chunks
-           first); their exclusive prefix and a cumsum inside the chunk give each kept unit its
-           output slot. Tokens and the -1 padding are written; chunk 0 writes the row's length
-Each program keeps its histogram in registers / shared memory (tl.histogram) and adds it to
-the row's int32 histogram with one masked atomic per non-empty bin, so global atomics never
-contend per element. Every digit choice is recomputed from the histogram by each program of
-the row (256 ints from L2) instead of by a separate launch; chunk 0 stores it in `state` for
-the next kernel. Launches per call: 1 memset (the histograms) + 5 kernels, each reading the
-scores once; no host sync, every buffer sized from shapes (the largest: `suffix`, 1 KiB per
-program), so the call can be captured in a CUDA graph.
-
-Fused (`FUSED = "auto"`, CUDA only): the same passes and write step in one cooperative launch
-of the same grid, `_topk_fused_kernel`. Each program keeps its chunk's keys in registers and
-the row's programs meet at a barrier (`_row_barrier`: an arrival counter per row and pass,
-zeroed by the one memset with the histograms) where a kernel would end. Every program must
-be resident for that, so the fused kernel runs only where the compiled kernel's registers
-and shared memory let the whole grid sit on the GPU at once (`_fused_shape`); otherwise the
-five kernels run. On an H100 that is Quest's 64 x 8192 pages (49.6 -> 40.7 µs), not DSA's
-8 x 131072 tokens (two 8-warp programs per SM would need <= 128 registers a thread).
-The interpreter runs programs one after another, so it cannot run the barrier: the fused
-kernel is checked against the five kernels, bit for bit, on the GPU (tests/test_kernels_topk.py).
-
-Why 8-bit digits (4 histogram passes, not 3 of 11 bits): tl.histogram's cost grows with its
-bins. Triton 3.6 lowers it (HistogramOpToLLVM.cpp) to a warp-ballot algorithm: per element,
-log2(bins) + 1 warp votes, then each lane popcounts the ballots for each of the bins / 32 bins
-it owns — for masked elements too, whatever the data; no atomics contend. 2048 bins: 64
-POPCs (quarter-rate) per element; a 4096-unit pass compiled for sm_90 is ~4000 SASS
-instructions per thread with 1024 POPCs and 188 registers (one 8-warp program per SM),
-~37 us per pass at 8 x 131072 scores on an H100. 256 bins: 8 POPCs per element; a pass is
-~1600-1800 instructions with 129 POPCs and 59-64 registers (121 in pass 4): four passes
-issue ~40% of the cycles of three 11-bit ones. Sorting the digits (tl.sort, then one atomic per run of equal digits)
-would be contention-free too but costs more: the 4096-element sort alone is ~7000
-instructions per thread, with ~1150 shared-memory accesses and 53 barriers. (Triton 3.9
-lowers tl.histogram to one shared-memory atomic increment per element, ATOMS.POPC.INC,
-whatever the bins: there, too, 8-bit digits cost no more per pass.)
+The algorithm (a radix select in four 8-bit passes and a prefix-sum compaction, fused into one
+cooperative launch where the grid fits), and why 8-bit digits: docs/kernels.md, "Top-k".
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class ServerState:
     max_running: int = field(init=False)  # the engine's running rows (max_num_seqs as planned)
 
     def __post_init__(self) -> None:
-        self.max_running = self.llm.engine.scheduler.max_num_seqs
+        self.max_running = self.llm.engine.max_running
         admitted = self.max_waiting + self.max_running
         self.limits = P.Limits(self.max_model_len, P.chars_per_token(self.llm.tokenizer), admitted,
                                f" (--max-waiting {self.max_waiting} + {self.max_running} running rows)")

@@ -8,8 +8,8 @@ Handlers never touch the engine, so the offline API (`LLM.generate`) and the ser
 same code and apply the same admission rules and errors.
 
 Tokens are streamed as they exist on the host: after a step, every running or preempted
-sequence's `output_ids` past what its sink has seen (a `PENDING` token of async scheduling is
-a value still on the device and waits for the next step).
+sequence's output past what its sink has seen (`Engine.partial_outputs`; a token of async
+scheduling still on the device waits for the next step).
 
 A failed step does not stop the loop: the engine itself ends the requests the step touched
 with finish_reason "error" and the reason (Engine._fail_step; the server answers them 500),
@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.engine import PENDING, STEP_FAILED, Engine, RequestOutput
+from ..engine.engine import STEP_FAILED, Engine, RequestOutput
 from ..engine.sampling import SamplingParams
 from ..engine.warm_up import bar_text, progress_bar
 
@@ -79,6 +79,8 @@ class Snapshot:
     buffer_misses: int | None = None
     prefix_hit_tokens: int | None = None  # prefix caching on only
     prefix_prompt_tokens: int | None = None
+    config: Any = None  # the engine's sparse config as resolved (EngineStats.config)
+    dense_tally: Any = None  # the coordinator's DenseTally (EngineStats.dense_tally)
 
 
 class EngineLoop:
@@ -268,13 +270,11 @@ class EngineLoop:
         if failed:  # the engine ended that step's requests itself and serves on
             with self._lock:
                 self._snapshot.step_errors += 1
-        for seq in (*self.engine.scheduler.running, *self.engine.scheduler.preempted):
-            stream = self._streams.get(seq.rid)
+        for rid, ids in self.engine.partial_outputs().items():
+            stream = self._streams.get(rid)
             if stream is None:
                 continue
-            new = seq.output_ids[stream.delivered :]
-            if PENDING in new:
-                new = new[: new.index(PENDING)]
+            new = ids[stream.delivered :]
             if new:
                 stream.delivered += len(new)
                 stream.sink(Event(tokens=list(new)))
@@ -321,24 +321,19 @@ class EngineLoop:
         """Copy the engine's counters for the other threads (the store's hit counters at most
         once a second: reading them may synchronise the device); `unqueued` requests just added
         leave `_queued` in the same step."""
-        engine = self.engine
-        sched = engine.scheduler
-        snap = Snapshot(running=len(sched.running), waiting=len(sched.waiting), preempted=len(sched.preempted),
-                        preemptions=sched.num_preemptions, steps=engine.steps, step_errors=self._snapshot.step_errors,
-                        pools=self._snapshot.pools, buffer_hits=self._snapshot.buffer_hits,
-                        buffer_misses=self._snapshot.buffer_misses)
         now = time.monotonic()
-        if force_stats or now - self._stats_read > STATS_INTERVAL_S:
+        read_store = force_stats or now - self._stats_read > STATS_INTERVAL_S
+        if read_store:
             self._stats_read = now
-            coord = engine.runner.coord
-            snap.pools = coord.memory_stats()
-            if coord.config.store != "resident" and hasattr(coord.store, "stats"):
-                stats = coord.store.stats()
-                snap.buffer_hits = sum(int(s["hits"]) for s in stats)
-                snap.buffer_misses = sum(int(s["misses"]) for s in stats)
-        cache = engine.prefix_cache
-        if cache is not None:
-            snap.prefix_hit_tokens, snap.prefix_prompt_tokens = cache.stats.hit_tokens, cache.stats.prompt_tokens
+        stats = self.engine.stats(store=read_store)
+        old = self._snapshot
+        snap = Snapshot(running=stats.running, waiting=stats.waiting, preempted=stats.preempted,
+                        preemptions=stats.preemptions, steps=stats.steps, step_errors=old.step_errors,
+                        pools=stats.pools if read_store else old.pools,
+                        buffer_hits=stats.buffer_hits if read_store else old.buffer_hits,
+                        buffer_misses=stats.buffer_misses if read_store else old.buffer_misses,
+                        prefix_hit_tokens=stats.prefix_hit_tokens, prefix_prompt_tokens=stats.prefix_prompt_tokens,
+                        config=stats.config, dense_tally=stats.dense_tally)
         with self._lock:
             self._snapshot = snap
             self._queued -= unqueued
