@@ -211,7 +211,7 @@ from sparse_framework import load_config, registry
 from sparse_framework.eval.loop import run_experiment
 from sparse_framework.eval.workload import WorkloadConfig
 for name in registry.names("algorithm"):
-    cfg = load_config({"algorithm": name, "top_k": 64, "device_buffer_tokens": 256, "min_sparse_prompt_len": 0})
+    cfg = load_config({"store": "hierarchical", "sparse_policy": "always", "algorithm": name, "top_k": 64, "device_buffer_tokens": 256, "min_sparse_prompt_len": 0})
     (result,) = run_experiment(cfg, WorkloadConfig(contexts=[300], decode_steps=2))
     assert result.mode == "sparse", name
 assert "triton" not in sys.modules
@@ -276,9 +276,9 @@ from sparse_framework.algorithms.snapkv import SnapKV
 g = torch.Generator().manual_seed(0)
 base = {"min_sparse_prompt_len": 0, "device_buffer_tokens": 1024, "sink_tokens": 0, "recent_tokens": 0}
 cases = [
-    (SnapKV, {"algorithm": "snapkv", "top_k": 12, "extra": {"window": 4, "decoded_tokens": "on_top", "max_tail_tokens": 8}}),
-    (DSA, {"algorithm": "dsa", "top_k": 9, "extra": {"source": "keys", "newest_in_top_k": True}}),
-    (Quest, {"algorithm": "quest", "top_k": 8, "page_size": 4, "extra": {"newest_in_top_k": True, "dense_first_layers": 0, "min_pages": 0}}),
+    (SnapKV, {"store": "hierarchical", "sparse_policy": "always", "algorithm": "snapkv", "top_k": 12, "extra": {"window": 4, "decoded_tokens": "on_top", "max_tail_tokens": 8}}),
+    (DSA, {"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", "top_k": 9, "extra": {"source": "keys", "newest_in_top_k": True}}),
+    (Quest, {"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "top_k": 8, "page_size": 4, "extra": {"newest_in_top_k": True, "dense_first_layers": 0, "min_pages": 0}}),
 ]
 for cls, cfg in cases:
     algos = []

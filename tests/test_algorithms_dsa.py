@@ -20,7 +20,7 @@ MAX_REQUESTS, MAX_SEQ_LEN = 4, 96
 
 
 def make(extra: dict, hk: int = 1, d: int = 8, top_k: int = 16, sink: int = 0, recent: int = 0) -> DSA:
-    cfg = load_config({"algorithm": "dsa", "top_k": top_k, "sink_tokens": sink, "recent_tokens": recent,
+    cfg = load_config({"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", "top_k": top_k, "sink_tokens": sink, "recent_tokens": recent,
                        "min_sparse_prompt_len": 0, "device_buffer_tokens": 4096, "extra": extra})
     return DSA(cfg, KVLayout(num_layers=2, num_kv_heads=hk, head_dim=d), MAX_REQUESTS, MAX_SEQ_LEN)
 
@@ -251,17 +251,17 @@ def test_select_with_triton_interpreted_matches_torch() -> None:
 
 def test_clear_errors() -> None:
     with pytest.raises(ConfigError, match="multiple of 128"):
-        load_config({"algorithm": "dsa", "extra": {"index_dim": 64}})
+        load_config({"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", "extra": {"index_dim": 64}})
     with pytest.raises(ConfigError, match="source"):
-        load_config({"algorithm": "dsa", "extra": {"source": "oracle"}})
-    assert load_config({"algorithm": "dsa", "extra": {"index_dim": 64, "key_dtype": "bfloat16"}}).top_k == 2048
+        load_config({"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", "extra": {"source": "oracle"}})
+    assert load_config({"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", "extra": {"index_dim": 64, "key_dtype": "bfloat16"}}).top_k == 2048
 
 
 def test_representation_bytes() -> None:
     layout = KVLayout(num_layers=1, num_kv_heads=8, head_dim=128)
-    fp8 = load_config({"algorithm": "dsa"})
-    bf16 = load_config({"algorithm": "dsa", "extra": {"key_dtype": "bfloat16"}})
-    exact = load_config({"algorithm": "dsa", "extra": {"source": "keys"}})
+    fp8 = load_config({"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa"})
+    bf16 = load_config({"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", "extra": {"key_dtype": "bfloat16"}})
+    exact = load_config({"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", "extra": {"source": "keys"}})
     assert DSA.representation_bytes_per_token(layout, fp8) == 128 + 4
     assert DSA.representation_bytes_per_token(layout, bf16) == 256
     assert DSA.representation_bytes_per_token(layout, exact) == layout.row_bytes

@@ -101,9 +101,9 @@ def test_scores_and_appended_codes_match_a_direct_computation() -> None:
 
 def test_bad_options_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="`extra.bits` = 9"):
-        load_config({"algorithm": "pqcache", "extra": {"bits": 9}})
+        load_config({"store": "hierarchical", "sparse_policy": "always", "algorithm": "pqcache", "extra": {"bits": 9}})
     with pytest.raises(ConfigError, match=r"`extra.subvectors` = 3 must divide head_dim \(8\)"):
-        SparseCoordinator({"algorithm": "pqcache", "extra": {"subvectors": 3}}, KVLayout(1, 1, 8))
+        SparseCoordinator({"store": "hierarchical", "sparse_policy": "always", "algorithm": "pqcache", "extra": {"subvectors": 3}}, KVLayout(1, 1, 8))
 
 
 # -- candidates "middle": the original's k-means input and softmax normalisation -------------

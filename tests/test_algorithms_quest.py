@@ -18,7 +18,7 @@ MAX_REQUESTS, MAX_SEQ_LEN, LAYERS = 3, 128, 2
 def make(page: int, how: str = "max", top_k: int = 8, sink: int = 0, recent: int = 0, hk: int = 2,
          d: int = 6, dtype: torch.dtype = torch.float32, min_pages: int = 0, newest_in_top_k: bool = True,
          range_weight: float = 1.0) -> Quest:
-    cfg = load_config({"algorithm": "quest", "top_k": max(top_k, page), "page_size": page, "sink_tokens": sink,
+    cfg = load_config({"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "top_k": max(top_k, page), "page_size": page, "sink_tokens": sink,
                        "recent_tokens": recent, "device_buffer_tokens": 4096, "min_sparse_prompt_len": 0,
                        "extra": {"gqa_reduce": how, "min_pages": min_pages, "newest_in_top_k": newest_in_top_k,
                                  "range_weight": range_weight}})
@@ -295,7 +295,7 @@ def test_select_example_with_sink_recent_and_a_partial_last_page() -> None:
 
 def test_bad_gqa_reduce_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="`extra.gqa_reduce` = 'median'"):
-        load_config({"algorithm": "quest", "extra": {"gqa_reduce": "median"}})
+        load_config({"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "extra": {"gqa_reduce": "median"}})
 
 
 @settings(max_examples=30, deadline=None)
@@ -350,7 +350,7 @@ def test_range_weight_zero_ranks_pages_by_their_midpoint() -> None:
 
 def test_range_weight_outside_zero_one_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="range_weight"):
-        load_config({"algorithm": "quest", "extra": {"range_weight": 1.5}})
+        load_config({"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "extra": {"range_weight": 1.5}})
 
 
 @pytest.mark.parametrize("range_weight", [0.0, 0.5])
@@ -358,7 +358,7 @@ def test_range_weight_with_a_budget_covering_the_context_equals_dense(range_weig
     """Through the coordinator, against float64 dense attention, over a few decode steps."""
     from test_coordinator import Driver, make as make_coordinator
 
-    cfg = {"algorithm": "quest", "top_k": 128, "page_size": 4, "sink_tokens": 3, "recent_tokens": 5,
+    cfg = {"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "top_k": 128, "page_size": 4, "sink_tokens": 3, "recent_tokens": 5,
            "extra": {"dense_first_layers": 0, "range_weight": range_weight}}
     coord = make_coordinator(cfg, kv_heads=2)
     drv = Driver(coord, q_heads=4, seed=7)

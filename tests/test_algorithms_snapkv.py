@@ -61,7 +61,7 @@ def test_votes_match_a_direct_computation(n, window, kernel, pooling, how, hkv, 
 
 
 def make(top_k: int, window: int = 4, decoded: str = "on_top", **kw) -> SnapKV:
-    cfg = load_config({"algorithm": "snapkv", "top_k": top_k, "sink_tokens": 0, "recent_tokens": 0,
+    cfg = load_config({"store": "hierarchical", "sparse_policy": "always", "algorithm": "snapkv", "top_k": top_k, "sink_tokens": 0, "recent_tokens": 0,
                        "device_buffer_tokens": 512, "min_sparse_prompt_len": 0,
                        "extra": {"window": window, "kernel_size": 3, "decoded_tokens": decoded, **kw}})
     return SnapKV(cfg, KVLayout(num_layers=1, num_kv_heads=2, head_dim=8), max_requests=2, max_seq_len=128)
@@ -94,9 +94,9 @@ def test_budget_covering_the_context_selects_everything_and_bad_options_fail() -
     sel = algo.select(0, torch.randn(1, 4, 8), batch_of([r]))
     assert sel.lengths.tolist() == [[30, 30]]
     with pytest.raises(ConfigError, match="`extra.kernel_size` = 4: kernel_size must be odd"):
-        load_config({"algorithm": "snapkv", "extra": {"kernel_size": 4}})
+        load_config({"store": "hierarchical", "sparse_policy": "always", "algorithm": "snapkv", "extra": {"kernel_size": 4}})
     with pytest.raises(ConfigError, match="`extra.pooling` = 'median'"):
-        load_config({"algorithm": "snapkv", "extra": {"pooling": "median"}})
+        load_config({"store": "hierarchical", "sparse_policy": "always", "algorithm": "snapkv", "extra": {"pooling": "median"}})
     with pytest.raises(ValueError, match="needs the prompt's queries"):
         algo.build(0, r, torch.randn(30, 2, 8))
 
@@ -105,7 +105,7 @@ def voted_counts(decoded: str, steps: list[int], **kw) -> tuple[list[int], SnapK
     """Voted prompt tokens (before the window, outside sink and recent) still selected after
     each number of decode steps, at the issue's defaults: sink 16, recent 64, top_k 256,
     a 1000-token prompt, window 32. Also returns the algorithm and the per-step selections."""
-    cfg = load_config({"algorithm": "snapkv", "top_k": 256, "sink_tokens": 16, "recent_tokens": 64,
+    cfg = load_config({"store": "hierarchical", "sparse_policy": "always", "algorithm": "snapkv", "top_k": 256, "sink_tokens": 16, "recent_tokens": 64,
                        "device_buffer_tokens": 1024, "min_sparse_prompt_len": 0,
                        "extra": {"window": 32, "decoded_tokens": decoded, **kw}})
     algo = SnapKV(cfg, KVLayout(num_layers=1, num_kv_heads=1, head_dim=8), max_requests=2, max_seq_len=1400)
@@ -158,7 +158,7 @@ def test_a_tail_longer_than_max_tail_tokens_takes_top_k_places() -> None:
 
 
 def test_max_tail_tokens_must_fit_the_device_buffer() -> None:
-    base = {"algorithm": "snapkv", "top_k": 256, "sink_tokens": 16, "recent_tokens": 64, "device_buffer_tokens": 512}
+    base = {"store": "hierarchical", "sparse_policy": "always", "algorithm": "snapkv", "top_k": 256, "sink_tokens": 16, "recent_tokens": 64, "device_buffer_tokens": 512}
     with pytest.raises(ConfigError, match=r"`extra.max_tail_tokens` = 200 does not fit the device buffer.*= 175"):
         load_config({**base, "extra": {"max_tail_tokens": 200}})
     cfg = load_config(base)  # unset: what the buffer leaves, at most 1024
@@ -193,7 +193,7 @@ def test_the_coordinator_takes_the_prompt_queries_in_their_tail_form() -> None:
     from sparse_framework.coordinator.core import SparseCoordinator
 
     layout = KVLayout(num_layers=1, num_kv_heads=2, head_dim=8, dtype=torch.float32)
-    config = {"algorithm": "snapkv", "backend": "torch_ref", "top_k": 8, "page_size": 4,
+    config = {"store": "hierarchical", "sparse_policy": "always", "algorithm": "snapkv", "backend": "torch_ref", "top_k": 8, "page_size": 4,
               "min_sparse_prompt_len": 0, "extra": {"window": 6}}
     g = torch.Generator().manual_seed(5)
     lens = [20, 4]  # the second prompt is shorter than the window: all its queries

@@ -171,10 +171,10 @@ def backend_outputs(config: dict, layout: KVLayout, q_heads: int, lens: list[int
 @pytest.mark.parametrize(
     "config",
     [
-        {"algorithm": "quest", "top_k": 256, "page_size": 16, "device_buffer_tokens": 512, "extra": {"dense_first_layers": 0}},
-        {"algorithm": "quest", "top_k": 256, "page_size": 128, "device_buffer_tokens": 1024, "extra": {"dense_first_layers": 0}},
-        {"algorithm": "dsa", "top_k": 256, "page_size": 16, "device_buffer_tokens": 512, "extra": {"source": "keys"}},
-        {"algorithm": "snapkv", "top_k": 256, "page_size": 16, "device_buffer_tokens": 512},
+        {"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "top_k": 256, "page_size": 16, "device_buffer_tokens": 512, "extra": {"dense_first_layers": 0}},
+        {"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "top_k": 256, "page_size": 128, "device_buffer_tokens": 1024, "extra": {"dense_first_layers": 0}},
+        {"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", "top_k": 256, "page_size": 16, "device_buffer_tokens": 512, "extra": {"source": "keys"}},
+        {"store": "hierarchical", "sparse_policy": "always", "algorithm": "snapkv", "top_k": 256, "page_size": 16, "device_buffer_tokens": 512},
     ],
 )
 def test_flash_attn_matches_torch_ref_on_the_gpu(config) -> None:

@@ -25,8 +25,8 @@ def _counts(config: str) -> dict[str, int]:
 
 def test_counts_per_part_of_a_decode_layer() -> None:
     pytest.importorskip("triton")
-    hier = _counts('{"algorithm": "quest", "backend": "triton"}')
-    resident = _counts('{"algorithm": "quest", "backend": "triton", "store": "resident"}')
+    hier = _counts('{"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "backend": "triton"}')
+    resident = _counts('{"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "backend": "triton", "store": "resident"}')
     parts = {"store.write_decode", "algorithm.select", "store.ensure_resident", "adaptor.plan", "backend.run",
              "coordinator._append", "outside the coordinator"}
     assert set(hier) == parts == set(resident)

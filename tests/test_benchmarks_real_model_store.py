@@ -15,8 +15,8 @@ from helpers import load_benchmark as _load
 
 bench = _load("real_model_store")
 SMALL = {"sink_tokens": 4, "recent_tokens": 8}  # so that 4 x top_k is more than the least buffer
-CONFIGS = {"quest": {"algorithm": "quest", **SMALL, "extra": {"dense_first_layers": 0}},
-           "dsa": {"algorithm": "dsa", **SMALL, "extra": {"source": "keys"}}}
+CONFIGS = {"quest": {"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", **SMALL, "extra": {"dense_first_layers": 0}},
+           "dsa": {"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", **SMALL, "extra": {"source": "keys"}}}
 
 
 def _tiny():  # type: ignore[no-untyped-def]
@@ -85,7 +85,7 @@ def test_a_warm_up_request_is_left_out_of_the_totals() -> None:
 
 
 def test_buffers_start_at_the_least_the_config_accepts() -> None:
-    base = {"algorithm": "quest", "top_k": 512, "backend": "torch_ref"}
+    base = {"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "top_k": 512, "backend": "torch_ref"}
     least = bench.min_buffer(base)  # 512 + sink 16 + recent 64 in whole pages of 16, plus misalignment
     assert least % 16 == 0 and least >= 512 + 16 + 64
     with pytest.raises(bench.ConfigError):
@@ -115,7 +115,7 @@ def test_arguments() -> None:
 def test_snapkv_gets_a_reference_per_buffer() -> None:
     """SnapKV keeps as many decoded tokens as the buffer leaves room for, resident store or
     not: each buffer is compared with a resident run of the same device_buffer_tokens."""
-    snapkv = {"snapkv": {"algorithm": "snapkv", **SMALL}}
+    snapkv = {"snapkv": {"store": "hierarchical", "sparse_policy": "always", "algorithm": "snapkv", **SMALL}}
     rows = bench.run_grid(_tiny(), None, _prompts((300,)), snapkv, [32], [1, 4], backend="torch_ref", dense=False,
                           ignore_eos=True)
     assert [r["label"] for r in rows] == ["resident", "48 (1x)", "resident 128", "128 (4x)"]

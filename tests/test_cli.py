@@ -11,7 +11,7 @@ import pytest
 from sparse_framework.cli.main import main
 
 QUICK = ["--steps", "1", "--contexts", "40,200", "--no-progress"]
-CFG = json.dumps({"algorithm": "quest", "top_k": 32, "page_size": 8, "min_sparse_prompt_len": 100, "device_buffer_tokens": 256})
+CFG = json.dumps({"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "top_k": 32, "page_size": 8, "min_sparse_prompt_len": 100, "device_buffer_tokens": 256})
 
 
 def test_run_prints_table_and_writes_json(tmp_path, capsys) -> None:
@@ -119,7 +119,7 @@ def test_schema_into_a_missing_directory_is_a_clear_error(capsys) -> None:
 def test_run_notes_when_every_layer_is_dense(capsys) -> None:
     """Quest's recipe keeps its first two layers dense: on the two-layer workload that is every
     layer, which the run says instead of silently reporting dense numbers as sparse."""
-    assert main(["run", "--config", '{"algorithm": "quest"}', "--contexts", "2048", "--steps", "1", "--no-progress"]) == 0
+    assert main(["run", "--config", '{"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest"}', "--contexts", "2048", "--steps", "1", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "every layer of the 2-layer workload attends densely" in out and "dense_first_layers" in out
 
@@ -132,7 +132,7 @@ def test_plan_engine_equals_the_engines_own_plan(tmp_path, capsys) -> None:
     from sparse_framework.engine.engine_config import EngineConfig
     from sparse_framework.engine.models import ModelConfig, random_model
 
-    sparse = {"algorithm": "quest", "top_k": 16, "page_size": 4, "sink_tokens": 4, "recent_tokens": 4,
+    sparse = {"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "top_k": 16, "page_size": 4, "sink_tokens": 4, "recent_tokens": 4,
               "device_buffer_tokens": 32, "min_sparse_prompt_len": 0}
     total, host = 2 * 2**20 + 12345, 5 * 2**20 + 7  # room for 3 requests of 64 tokens, 1 of 128
     out = tmp_path / "engine_plan.json"
@@ -212,7 +212,7 @@ def test_plan_engine_with_the_prefix_cache_shows_its_host_copies(capsys, tmp_pat
     """DeepSeek-V3.2 mini: with --enable-prefix-caching each request row's host bytes grow by
     its tokens' indexer keys (6 layers x 128 x 2 bytes per token), printed as their own line."""
     args = ["plan", "--engine", "--model", "deepseek-v3.2-mini", "--host-memory-gib", "64", "--context", "32768",
-            "--config", '{"algorithm": "dsa", "extra": {"index_heads": 64, "index_dim": 128}}']
+            "--config", '{"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", "extra": {"index_heads": 64, "index_dim": 128}}']
     assert main([*args, "--json", str(tmp_path / "off.json")]) == 0
     off = capsys.readouterr().out
     assert main([*args, "--enable-prefix-caching", "--json", str(tmp_path / "on.json")]) == 0

@@ -24,7 +24,7 @@ from sparse_framework.eval.sweep import results_table
 WIDTH = 100
 # min_sparse_prompt_len 100: the 40-token prompt decodes densely, the 300-token one sparsely;
 # layer 0 dense (Quest's own first layer)
-CFG = json.dumps({"algorithm": "quest", "top_k": 32, "page_size": 8, "min_sparse_prompt_len": 100,
+CFG = json.dumps({"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "top_k": 32, "page_size": 8, "min_sparse_prompt_len": 100,
                   "device_buffer_tokens": 256, "extra": {"dense_first_layers": 1}})
 
 

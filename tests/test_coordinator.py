@@ -340,7 +340,7 @@ def test_mla_layout_latent_rows_and_dense_equality() -> None:
 
 
 def test_model_input_errors_name_the_input_and_the_shape() -> None:
-    coord = make({"algorithm": "dsa", "extra": {"index_heads": 4, "index_dim": 16, "key_dtype": "bfloat16"}})
+    coord = make({"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", "extra": {"index_heads": 4, "index_dim": 16, "key_dtype": "bfloat16"}})
     r = Request("a", 20)
     coord.on_request_begin(r)
     batch = Batch([r], is_prefill=True)

@@ -66,11 +66,11 @@ def test_decode_graphs_need_cuda_and_sane_sizes() -> None:
 
 
 ALGORITHMS = {
-    "quest": {"algorithm": "quest", "extra": {"dense_first_layers": 0}},
-    "dsa": {"algorithm": "dsa", "extra": {"index_heads": 4, "index_dim": 128}},
-    "dsa-keys": {"algorithm": "dsa", "extra": {"source": "keys"}},
-    "snapkv": {"algorithm": "snapkv", "extra": {"window": 8}},
-    "pqcache": {"algorithm": "pqcache", "extra": {"iterations": 3, "bits": 3}},
+    "quest": {"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "extra": {"dense_first_layers": 0}},
+    "dsa": {"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", "extra": {"index_heads": 4, "index_dim": 128}},
+    "dsa-keys": {"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", "extra": {"source": "keys"}},
+    "snapkv": {"store": "hierarchical", "sparse_policy": "always", "algorithm": "snapkv", "extra": {"window": 8}},
+    "pqcache": {"store": "hierarchical", "sparse_policy": "always", "algorithm": "pqcache", "extra": {"iterations": 3, "bits": 3}},
 }
 
 
@@ -104,12 +104,12 @@ def test_a_wider_scored_context_selects_the_same_tokens(name: str, lens: list[in
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 GRAPH_CONFIGS = {
-    "quest-triton": {"algorithm": "quest", "backend": "triton", "extra": {"dense_first_layers": 0}},
-    "quest-torch_ref": {"algorithm": "quest", "backend": "torch_ref", "extra": {"dense_first_layers": 0}},
-    "dsa-triton": {"algorithm": "dsa", "backend": "triton", "extra": {"index_heads": 8, "index_dim": 128}},
-    "dsa-keys-triton": {"algorithm": "dsa", "backend": "triton", "extra": {"source": "keys"}},
-    "quest-resident": {"algorithm": "quest", "backend": "triton", "store": "resident", "extra": {"dense_first_layers": 0}},
-    "dsa-flash_attn": {"algorithm": "dsa", "backend": "flash_attn", "extra": {"index_heads": 8, "index_dim": 128}},
+    "quest-triton": {"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "backend": "triton", "extra": {"dense_first_layers": 0}},
+    "quest-torch_ref": {"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "backend": "torch_ref", "extra": {"dense_first_layers": 0}},
+    "dsa-triton": {"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", "backend": "triton", "extra": {"index_heads": 8, "index_dim": 128}},
+    "dsa-keys-triton": {"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", "backend": "triton", "extra": {"source": "keys"}},
+    "quest-resident": {"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "backend": "triton", "store": "resident", "extra": {"dense_first_layers": 0}},
+    "dsa-flash_attn": {"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", "backend": "flash_attn", "extra": {"index_heads": 8, "index_dim": 128}},
 }
 
 
@@ -172,7 +172,7 @@ def test_transformers_generate_with_decode_graphs_equals_without(backend: str) -
     gen = torch.Generator().manual_seed(0)
     seqs = [draw(TaskConfig(context=1500, **TASKS["passkey"]), gen) for _ in range(2)]
     prompt = torch.stack([s.tokens[: s.prompt_len + 1] for s in seqs]).cuda()
-    config = {"algorithm": "quest", "backend": backend, "top_k": 256, "min_sparse_prompt_len": 0,
+    config = {"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "backend": backend, "top_k": 256, "min_sparse_prompt_len": 0,
               "extra": {"dense_first_layers": 0}}
     runs = []
     for graphs in (False, True):
@@ -203,7 +203,7 @@ def test_mla_replayed_layers_equal_eager_ones(adaptor: str | None) -> None:
     from sparse_framework.coordinator.core import SparseCoordinator
 
     layout = KVLayout.mla(2, dtype=torch.bfloat16, device="cuda")
-    cfg = {"algorithm": "dsa", "backend": "triton", "top_k": 128, "page_size": 16, "sink_tokens": 16,
+    cfg = {"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", "backend": "triton", "top_k": 128, "page_size": 16, "sink_tokens": 16,
            "recent_tokens": 32, "device_buffer_tokens": 256, "min_sparse_prompt_len": 0,
            "extra": {"index_heads": 8, "index_dim": 128}, **({"adaptor": adaptor} if adaptor else {})}
     coords = [SparseCoordinator(cfg, layout, max_requests=3, max_seq_len=1024, **kw)

@@ -46,7 +46,7 @@ def _drive(coord: SparseCoordinator, prompts: list[int], steps: int) -> list[Req
 
 
 def test_coordinator_counts_dense_requests_and_layer_steps_with_their_reason() -> None:
-    config = {"algorithm": "quest", "top_k": 16, "page_size": 4, "sink_tokens": 4, "recent_tokens": 4,
+    config = {"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "top_k": 16, "page_size": 4, "sink_tokens": 4, "recent_tokens": 4,
               "device_buffer_tokens": 64, "min_sparse_prompt_len": 50, "dense_layers": [3],
               "extra": {"dense_first_layers": 1}}
     coord = SparseCoordinator(config, KVLayout(LAYERS, KV_HEADS, DIM, torch.float32), max_requests=3, max_seq_len=256)
@@ -95,7 +95,7 @@ def test_tally_counts_the_cost_policy_apart() -> None:
 
 def test_eval_marks_a_cell_that_never_went_sparse(tmp_path) -> None:
     exp = load_experiment({
-        "name": "short", "algorithms": [{"algorithm": "quest", "extra": {"dense_first_layers": 0}}],
+        "name": "short", "algorithms": [{"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "extra": {"dense_first_layers": 0}}],
         "budgets": [32], "contexts": [256, 512],
         "base": {"min_sparse_prompt_len": 300},  # 256 decodes densely, 512 sparsely
         "workloads": [{"kind": "synthetic", "options": {"decode_steps": 2}}],

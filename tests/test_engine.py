@@ -24,7 +24,7 @@ SMALL = {"contexts": [40, 300], "decode_steps": 3, "num_layers": 2, "num_q_heads
 
 
 def quest(**kw) -> object:
-    return load_config({"algorithm": "quest", "top_k": 32, "page_size": 8, "sink_tokens": 8, "recent_tokens": 8,
+    return load_config({"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "top_k": 32, "page_size": 8, "sink_tokens": 8, "recent_tokens": 8,
                         "min_sparse_prompt_len": 100, "device_buffer_tokens": 256,
                         "extra": {"dense_first_layers": 0}, **kw})
 

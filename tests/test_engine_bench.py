@@ -28,7 +28,7 @@ def tiny() -> torch.nn.Module:
 
 
 def quest(store: str, min_sparse: int = 64) -> dict:
-    return {"algorithm": "quest", "store": store, "top_k": 64, "page_size": 16, "sink_tokens": 16, "recent_tokens": 16,
+    return {"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "store": store, "top_k": 64, "page_size": 16, "sink_tokens": 16, "recent_tokens": 16,
             "device_buffer_tokens": 128, "min_sparse_prompt_len": min_sparse, "extra": {"dense_first_layers": 0}}
 
 

@@ -350,7 +350,7 @@ def test_prefix_caching_plans_the_caches_host_copies_beside_the_pool(kind) -> No
 
     if kind == "mla":
         config = ModelConfig.from_hf(RANDOM_MODELS["deepseek-v3.2-tiny"])
-        sparse = {"algorithm": "dsa", "top_k": 16, "page_size": 4, "sink_tokens": 0, "recent_tokens": 0,
+        sparse = {"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", "top_k": 16, "page_size": 4, "sink_tokens": 0, "recent_tokens": 0,
                   "min_sparse_prompt_len": 0, "device_buffer_tokens": 32,
                   "extra": {"index_heads": 4, "index_dim": 32, "key_dtype": "float32", "score_newest": True}}
         side = config.num_layers * 32 * 2 * MAX_LEN  # bf16 keys of a row's 64 tokens
@@ -390,11 +390,11 @@ def test_measured_step_peak_stays_within_the_planned_activations(shape) -> None:
     config = ModelConfig.from_hf(raw)
     model = random_model(config, torch.bfloat16, "cuda")
     if config.mla is not None:
-        sparse = {"algorithm": "dsa", "top_k": 2048, "page_size": 64, "sink_tokens": 0, "recent_tokens": 0,
+        sparse = {"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", "top_k": 2048, "page_size": 64, "sink_tokens": 0, "recent_tokens": 0,
                   "min_sparse_prompt_len": 0, "device_buffer_tokens": 4096, "backend": "triton",
                   "extra": {"index_heads": 64, "index_dim": 128, "score_newest": True}}
     else:
-        sparse = {"algorithm": "quest", "top_k": 2048, "page_size": 16, "device_buffer_tokens": 4096,
+        sparse = {"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "top_k": 2048, "page_size": 16, "device_buffer_tokens": 4096,
                   "backend": "triton"}
     engine = Engine(model, config, sparse, EngineConfig(
         max_num_seqs=2, max_model_len=8192 + 64, max_num_batched_tokens=4096, gpu_memory_utilization=0.9,

@@ -77,7 +77,7 @@ def test_converted_smollm2_runs_in_the_engine_as_in_transformers(monkeypatch: py
     stamp = (out / "model.safetensors").stat().st_mtime_ns
     assert catalog.resolve_model(NAME) == out and (out / "model.safetensors").stat().st_mtime_ns == stamp
 
-    llm = LLM(NAME, {"algorithm": "quest", "min_sparse_prompt_len": 10**9}, max_model_len=256, max_num_seqs=2)
+    llm = LLM(NAME, {"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "min_sparse_prompt_len": 10**9}, max_model_len=256, max_num_seqs=2)
     tok = llm.tokenizer
     prompt = tok.apply_chat_template([{"role": "user", "content": "Name three colours."}], tokenize=False,
                                      add_generation_prompt=True)

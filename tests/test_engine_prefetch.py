@@ -25,7 +25,7 @@ TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": 97, "hidden_size": 
 
 
 def quest(prefetch: str, page: int, top_k: int, buffer: int) -> dict:
-    return {"algorithm": "quest", "backend": "torch_ref", "top_k": top_k, "page_size": page,
+    return {"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "backend": "torch_ref", "top_k": top_k, "page_size": page,
             "device_buffer_tokens": buffer, "min_sparse_prompt_len": 64, "sink_tokens": page, "recent_tokens": page,
             "extra": {"dense_first_layers": 1}, "prefetch": prefetch}
 
@@ -78,9 +78,9 @@ def test_the_early_query_from_a_layers_own_input_is_its_query() -> None:
 
 def test_prefetch_is_refused_where_it_cannot_work() -> None:
     with pytest.raises(ConfigError, match="prefetch"):
-        load_config({"algorithm": "quest", "store": "resident", "prefetch": "early_query"})
+        load_config({"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "store": "resident", "prefetch": "early_query"})
     with pytest.raises(ConfigError, match="prefetch"):
-        load_config({"algorithm": "quest", "prefetch": "yes"})
+        load_config({"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "prefetch": "yes"})
     gemma = ModelConfig.from_hf({**TINY, "architectures": ["Gemma2ForCausalLM"], "head_dim": 8})
     with pytest.raises(ConfigError, match="prefetch 'early_query'.*early query"):
         Engine(random_model(gemma, torch.float32), gemma, quest("early_query", 4, 32, 64), EngineConfig(max_model_len=64))

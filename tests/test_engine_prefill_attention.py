@@ -85,7 +85,7 @@ def test_engine_prefill_through_the_varlen_call(monkeypatch: pytest.MonkeyPatch)
     config = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
                                   "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
                                   "num_key_value_heads": 2, "max_position_embeddings": 256})
-    sparse = {"algorithm": "quest", "top_k": 256, "page_size": 4, "device_buffer_tokens": 512, "min_sparse_prompt_len": 0}
+    sparse = {"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "top_k": 256, "page_size": 4, "device_buffer_tokens": 512, "min_sparse_prompt_len": 0}
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (30, 7, 45)]
 

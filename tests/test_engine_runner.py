@@ -85,7 +85,7 @@ def test_admission_is_all_or_nothing_and_refusals_are_clear() -> None:
     with pytest.raises(ValueError, match="an empty step"):
         runner.execute([], [])
     with pytest.raises(ConfigError, match="needs model inputs"):
-        make_runner({"algorithm": "dsa", "top_k": 64, "device_buffer_tokens": 256})
+        make_runner({"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", "top_k": 64, "device_buffer_tokens": 256})
 
 
 def test_snapkv_votes_from_chunked_prefill_equal_those_of_the_whole_prompt() -> None:

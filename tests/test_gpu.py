@@ -170,9 +170,9 @@ def test_decode_path_of_the_store_captures_in_a_cuda_graph() -> None:
 @pytest.mark.parametrize(
     "config",
     [
-        {"algorithm": "quest", "extra": {"dense_first_layers": 0}},
-        {"algorithm": "dsa", "extra": {"key_dtype": "fp8_e4m3"}},
-        {"algorithm": "dsa", "store": "resident", "extra": {"key_dtype": "fp8_e4m3"}},
+        {"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "extra": {"dense_first_layers": 0}},
+        {"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", "extra": {"key_dtype": "fp8_e4m3"}},
+        {"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", "store": "resident", "extra": {"key_dtype": "fp8_e4m3"}},
     ],
 )
 def test_whole_decode_layer_captures_in_a_cuda_graph(config, backend) -> None:
@@ -281,7 +281,7 @@ def test_dsa_select_with_the_top_k_first_pass_in_the_indexer_matches_the_separat
     from sparse_framework.config import load_config
     from helpers import batch_of
 
-    cfg = load_config({"algorithm": "dsa", "top_k": 2048, "sink_tokens": 16, "recent_tokens": 64, "min_sparse_prompt_len": 0,
+    cfg = load_config({"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", "top_k": 2048, "sink_tokens": 16, "recent_tokens": 64, "min_sparse_prompt_len": 0,
                        "device_buffer_tokens": 4096, "extra": {"key_dtype": "fp8_e4m3"}})
     algo = DSA(cfg, KVLayout(num_layers=1, num_kv_heads=8, head_dim=128, device=torch.device("cuda")), 4, 40000)
     assert algo.topk_impl == "triton"

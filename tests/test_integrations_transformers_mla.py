@@ -39,7 +39,7 @@ MAX_LEN = 64
 
 def dsa(key_dtype: str, top_k: int = TOPK) -> dict:
     """DSA as the model's indexer selects: exactly min(top_k, length), the newest token scored."""
-    return {"algorithm": "dsa", "top_k": top_k, "page_size": 1, "sink_tokens": 0, "recent_tokens": 0,
+    return {"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", "top_k": top_k, "page_size": 1, "sink_tokens": 0, "recent_tokens": 0,
             "min_sparse_prompt_len": 0, "device_buffer_tokens": 2 * MAX_LEN,
             "extra": {"index_heads": 16, "index_dim": 128, "key_dtype": key_dtype, "score_newest": True}}
 

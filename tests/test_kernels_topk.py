@@ -261,7 +261,7 @@ def test_algorithms_select_with_their_resolved_impl(name, extra, monkeypatch) ->
 
     if extra.get("impl") == "triton":
         pytest.importorskip("triton")
-    cfg = load_config({"algorithm": name, "top_k": 64, "device_buffer_tokens": 256, "extra": extra})
+    cfg = load_config({"store": "hierarchical", "sparse_policy": "always", "algorithm": name, "top_k": 64, "device_buffer_tokens": 256, "extra": extra})
     algo = cfg.algorithm_class(cfg, KVLayout(num_layers=1, num_kv_heads=2, head_dim=128), 2, 64)
     assert algo.topk_impl == ("triton" if extra.get("impl") == "triton" else "torch")
     seen = []

@@ -53,7 +53,7 @@ def test_fp8_mla_counts_flashmla_rows_of_656_bytes() -> None:
     (512 e4m3 + 4 fp32 scales + 64 bf16 RoPE), not 576 raw fp8 bytes nor 1152 bf16 ones."""
     fp8, bf16 = PRESETS["deepseek-v3.2-fp8"], PRESETS["deepseek-v3.2"]
     assert fp8.bytes_per_token_per_layer == 656 and fp8.bytes_per_token == 61 * 656
-    cfg = load_config({"algorithm": "dsa", "top_k": 2048, "page_size": 64, "device_buffer_tokens": 4096})
+    cfg = load_config({"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", "top_k": 2048, "page_size": 64, "device_buffer_tokens": 4096})
     plan = plan_capacity(fp8, 80 * GiB, 1024 * GiB, 65536, cfg)
     assert plan.resident_device_bytes == 61 * 65536 * 656
     assert plan.hierarchical_host_bytes == 61 * 65536 * 656

@@ -34,7 +34,7 @@ def test_llama3_8b_8x16k_quest_defaults_take_far_less_than_the_dense_cache() -> 
     dense cache's size. Now: 30 sparse layers x 8 x 4096 tokens + 2 dense layers x 8 x 16K."""
     layout = PRESETS["llama-3-8b"]
     per_layer = layout.bytes_per_token_per_layer  # 8 heads x 128 x bf16 x (K, V) = 4096
-    pools = {p.kind: p for p in sizing_for({"algorithm": "quest"}, layout, 8, 16384)}
+    pools = {p.kind: p for p in sizing_for({"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest"}, layout, 8, 16384)}
     dense_cache = 32 * 8 * 16384 * per_layer
     assert dense_cache == 16 * GiB
     assert pools[DENSE_LAYERS].layers == (0, 1) and pools[DENSE_LAYERS].tokens == 8 * 16384

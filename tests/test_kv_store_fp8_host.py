@@ -305,7 +305,7 @@ def test_fp8_host_is_refused_where_it_cannot_apply(layout, message) -> None:
     with pytest.raises(ConfigError, match="host_kv_dtype"):
         HierarchicalKVStore(layout, page_size=4, device_buffer_tokens=16, sink_tokens=0, recent_tokens=0,
                             host_kv_dtype=FP8)
-    cfg = {"algorithm": "dsa", "top_k": 16, "page_size": 4, "host_kv_dtype": FP8} if layout.is_mla else \
+    cfg = {"store": "hierarchical", "sparse_policy": "always", "algorithm": "dsa", "top_k": 16, "page_size": 4, "host_kv_dtype": FP8} if layout.is_mla else \
         {**SMALL_QUEST, "host_kv_dtype": FP8}
     with pytest.raises(ConfigError, match="host_kv_dtype"):
         coordinator_parts(load_config(cfg), layout, max_requests=1, max_seq_len=64)

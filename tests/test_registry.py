@@ -262,7 +262,7 @@ def test_broken_plugin_is_reported_by_name_only_when_requested(tmp_path, monkeyp
     # listed without being imported; the others keep working
     assert {"broken_algo", "quest"} <= set(registry.names("algorithm"))
     assert registry.load("algorithm", "quest") is Quest
-    cfg = load_config({"algorithm": "quest", **SMALL})
+    cfg = load_config({"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", **SMALL})
     assert cfg.algorithm_class is Quest
     assert not marker.exists(), "the broken plugin was imported although nobody asked for it"
     # the schema imports every plugin to read its options; it skips the broken one
@@ -345,7 +345,7 @@ def test_third_party_shadowing_a_builtin_loses_to_it_and_stays_selectable(tmp_pa
     assert registry.load("algorithm", "quest") is Quest
     assert registry.load("algorithm", "fake-shadow:quest") is SnapKV
     assert registry.load("algorithm", "sparse-decode-framework:quest") is Quest
-    assert load_config({"algorithm": "quest", **SMALL}).algorithm_class is Quest
+    assert load_config({"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", **SMALL}).algorithm_class is Quest
     assert load_config({"algorithm": "fake-shadow:quest", **SMALL}).algorithm_class is SnapKV
 
     rows = [(i.name, i.distribution, i.error) for i in registry.describe("algorithm") if i.name.endswith("quest")]

@@ -206,7 +206,7 @@ def test_a_random_shape_is_served_and_benchmarked_in_token_ids(tmp_path: Path) -
     from test_serve import Server
 
     s = Server(["-m", "sparse_framework.cli.main", "serve", "--random", "tiny", "--port", "{port}", "--max-num-seqs", "4",
-                "--max-model-len", "256", "--config", '{"algorithm": "quest", "top_k": 32, "min_sparse_prompt_len": 0}'])
+                "--max-model-len", "256", "--config", '{"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "top_k": 32, "min_sparse_prompt_len": 0}'])
     try:
         spec = ServeBenchSpec(s.url, rates=(math.inf,), num_prompts=4, input_len=96, output_len=6, prompt_format="ids")
         report = benchmark(spec)
