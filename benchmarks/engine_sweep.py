@@ -61,10 +61,12 @@ CONFIG_NAMES = ("dense", "quest-resident", "dsa-resident", "quest-hier", "pqcach
 def sweep_configs(backend: str, top_k: int, device_buffer_tokens: int, min_sparse_prompt_len: int,
                   quest_dense_first_layers: int) -> dict[str, dict[str, Any]]:
     """The sparse configs of the grid (JSON objects), by name (see the module docstring)."""
-    common = {"backend": backend, "top_k": top_k, "min_sparse_prompt_len": min_sparse_prompt_len}
+    # the sweep measures each store's sparse path from --min-sparse-prompt-len on: the "always" rule
+    common = {"backend": backend, "top_k": top_k, "sparse_policy": "always", "min_sparse_prompt_len": min_sparse_prompt_len}
     quest = {"algorithm": "quest", "extra": {"dense_first_layers": quest_dense_first_layers}}
     return {
-        "dense": {"algorithm": "quest", "backend": backend, "store": "resident", "min_sparse_prompt_len": 10**9},
+        "dense": {"algorithm": "quest", "backend": backend, "store": "resident", "sparse_policy": "always",
+                  "min_sparse_prompt_len": 10**9},
         "quest-resident": {**common, **quest, "store": "resident"},
         "dsa-resident": {**common, "algorithm": "dsa", "store": "resident", "extra": {"source": "keys"}},
         "quest-hier": {**common, **quest, "store": "hierarchical", "device_buffer_tokens": device_buffer_tokens},

@@ -156,7 +156,8 @@ def test_plan_engine_equals_the_engines_own_plan(tmp_path, capsys) -> None:
 
 def test_plan_engine_llama_3_8b_on_an_h100(capsys) -> None:
     assert main(["plan", "--engine", "--gpu-memory-gib", "80", "--gpu-memory-utilization", "0.9", "--host-memory-gib",
-                 "128", "--max-num-batched-tokens", "16384", "--context", "16384,131072"]) == 0
+                 "128", "--max-num-batched-tokens", "16384", "--context", "16384,131072",
+                 "--config", '{"algorithm": "quest", "store": "hierarchical"}']) == 0
     printed = capsys.readouterr().out
     assert "0.9 x 80.00 GiB = 72.00 GiB" in printed and "128.00 GiB (host_memory_bytes)" in printed
     assert "weights 14.96 GiB" in printed  # 8.03 B parameters in bfloat16

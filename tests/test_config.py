@@ -61,7 +61,10 @@ def test_from_existing_config_is_returned_as_is():
 
 def test_defaults_and_extra_options():
     cfg = load_config({})
-    assert (cfg.algorithm, cfg.backend, cfg.adaptor) == ("quest", "torch_ref", None)
+    assert (cfg.algorithm, cfg.backend, cfg.adaptor) == ("quest", "auto", None)
+    # the defaults that win on the device (issue 43): resident store, the cost policy, Quest's midpoint
+    assert (cfg.store, cfg.sparse_policy, cfg.extra_config.range_weight) == ("resident", "cost", 0.0)
+    assert cfg.resolved("cpu").backend == "torch_ref" and cfg.resolved("cpu").key()["backend"] == "torch_ref"
     assert cfg.top_k == 2048 and cfg.page_size == 16 and cfg.dense_layers == [] and cfg.extra == {}
     assert load_config({**SMALL, "extra": {"gqa_reduce": "mean"}}).extra_config.gqa_reduce == "mean"
     assert load_config({**SMALL, "dense_layers": [3, 0, 1]}).dense_layers == [0, 1, 3]  # sorted

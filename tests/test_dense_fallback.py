@@ -95,7 +95,7 @@ def test_tally_counts_the_cost_policy_apart() -> None:
 
 def test_eval_marks_a_cell_that_never_went_sparse(tmp_path) -> None:
     exp = load_experiment({
-        "name": "short", "algorithms": [{"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "extra": {"dense_first_layers": 0}}],
+        "name": "short", "algorithms": [{"algorithm": "quest", "extra": {"dense_first_layers": 0}}],
         "budgets": [32], "contexts": [256, 512],
         "base": {"min_sparse_prompt_len": 300},  # 256 decodes densely, 512 sparsely
         "workloads": [{"kind": "synthetic", "options": {"decode_steps": 2}}],

@@ -441,7 +441,7 @@ def test_fp8_host_rows_about_double_the_host_bound_rows() -> None:
     args = dict(weight_bytes=model.num_parameters() * 2, max_model_len=32768, max_num_batched_tokens=8192,
                 max_num_seqs=256, gpu_memory_utilization=0.9, device_total_bytes=80 * 2**30,
                 host_memory_bytes=128 * 2**30)
-    cfg = {"top_k": 2048, "extra": {"dense_first_layers": 0}}
+    cfg = {"top_k": 2048, "store": "hierarchical", "extra": {"dense_first_layers": 0}}
     bf16 = plan_engine_memory(model, layout, load_config(cfg), **args)
     fp8 = plan_engine_memory(model, layout, load_config({**cfg, "host_kv_dtype": "fp8_e4m3"}), **args)
     assert fp8.host_bytes_per_request * 256 == bf16.host_bytes_per_request * 129

@@ -22,6 +22,7 @@ SMALL = {
     "budgets": [1.0, 32],
     "contexts": [512],
     "workloads": [{"kind": "reference", "task": "passkey", "sequences": 1}],
+    "base": {"store": "hierarchical"},  # the device buffer's fraction and traffic are measured
 }
 
 
@@ -241,6 +242,7 @@ def test_a_users_hf_model_and_prompts_file(tmp_path: Path) -> None:
     exp = load_experiment({
         "algorithms": [{"algorithm": "dsa", "extra": {"source": "keys"}}], "budgets": [1.0, 16], "contexts": [256],
         "workloads": [{"kind": "hf", "model": str(tmp_path / "m"), "prompts": str(prompts), "max_new_tokens": 4}],
+        "base": {"store": "hierarchical"},
     })
     records = run_sweep(exp, None, progress=False)
     assert [r.status for r in records] == ["ok"] * 3, [r.error for r in records]

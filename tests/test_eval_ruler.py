@@ -214,6 +214,7 @@ def test_a_full_budget_cell_answers_exactly_as_dense(model_dir: Path, tmp_path: 
         "name": "ruler-test", "algorithms": [{"algorithm": "quest", "extra": {"dense_first_layers": 0}}],
         "budgets": [1.0, "1/16"], "contexts": [512],
         "workloads": [{"kind": "ruler", "task": "niah_single_1", "samples": 2, "max_new_tokens": 12}],
+        "base": {"store": "hierarchical"},  # its device buffer's hits and traffic are checked
     })
     out = tmp_path / "ruler.jsonl"
     records = run_sweep(exp, out, progress=False)

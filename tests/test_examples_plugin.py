@@ -29,7 +29,8 @@ from helpers import batch_of, pip_install_to_target
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE_SRC = REPO / "examples" / "sparse-plugin-example"
 NAME = "keynorm"
-SMALL = {"top_k": 16, "sink_tokens": 4, "recent_tokens": 8, "min_sparse_prompt_len": 0, "device_buffer_tokens": 256}
+SMALL = {"top_k": 16, "sink_tokens": 4, "recent_tokens": 8, "min_sparse_prompt_len": 0, "device_buffer_tokens": 256,
+         "store": "hierarchical", "sparse_policy": "always"}
 WORKLOAD = {"contexts": [40, 300], "decode_steps": 3, "num_layers": 2, "num_q_heads": 4, "num_kv_heads": 2, "head_dim": 16}
 
 

@@ -181,8 +181,9 @@ def check_supported(store: HierarchicalKVStore, *, prefill_inputs: Sequence[str]
         raise ConfigError(f"{what}: fp8 KV is not supported (a cached prefix would be attended in its rounded "
                           "stored form, unlike the same prompt computed afresh); use a 16/32-bit kv dtype")
     if store.host_alloc.num_pages == 0:
-        raise ConfigError(f"{what}: the store has no host pool to hold cached pages (store 'resident' sizes none "
-                          "by default); set host_capacity_tokens")
+        raise ConfigError(f"{what}: the store has no host pool to hold cached pages (store 'resident', the default, "
+                          "sizes none); use store 'hierarchical' (e.g. --config '{\"algorithm\": \"quest\", \"store\": "
+                          "\"hierarchical\"}') or set host_capacity_tokens")
 
 
 SWA_WINDOWS_PER_ROW = 4  # sliding windows the engine's prefix cache may hold per request row

@@ -167,8 +167,8 @@ def warm_up(engine: Engine, progress: WarmUpProgress | None = None) -> WarmUpRep
     steps = 0
     dummies: _Dummies | None = None
     try:
-        if todo:
-            _call(progress, 0, len(todo), "compiling the prefill")
+        if todo:  # (inside the first bucket's progress: the bar counts buckets)
+            log.debug("warming up: the prefill path")
             _warm_prefill(engine, dense_too=any(dense for _, dense in todo))
         for done, (size, dense) in enumerate(todo):
             if dummies is None or dummies.dense != dense:  # the dense rows after every sparse bucket

@@ -79,8 +79,6 @@ class Snapshot:
     buffer_misses: int | None = None
     prefix_hit_tokens: int | None = None  # prefix caching on only
     prefix_prompt_tokens: int | None = None
-    config: Any = None  # the engine's sparse config as resolved (EngineStats.config)
-    dense_tally: Any = None  # the coordinator's DenseTally (EngineStats.dense_tally)
 
 
 class EngineLoop:
@@ -332,8 +330,7 @@ class EngineLoop:
                         pools=stats.pools if read_store else old.pools,
                         buffer_hits=stats.buffer_hits if read_store else old.buffer_hits,
                         buffer_misses=stats.buffer_misses if read_store else old.buffer_misses,
-                        prefix_hit_tokens=stats.prefix_hit_tokens, prefix_prompt_tokens=stats.prefix_prompt_tokens,
-                        config=stats.config, dense_tally=stats.dense_tally)
+                        prefix_hit_tokens=stats.prefix_hit_tokens, prefix_prompt_tokens=stats.prefix_prompt_tokens)
         with self._lock:
             self._snapshot = snap
             self._queued -= unqueued

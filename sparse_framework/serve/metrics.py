@@ -95,12 +95,12 @@ class _EngineCollector(Collector):
         yield gauge("engine_ready", "1 once warmed up and serving, 0 otherwise",
                     float(self.loop.ready.is_set() and self.loop.broken is None))
         # the config as resolved (backend "auto" -> the backend that runs), constant for the server's life
-        if snap.config is not None:
-            names = ("algorithm", "backend", "store", "sparse_policy")
-            info = GaugeMetricFamily(f"{PREFIX}_sparse_config_info", "The sparse config as resolved for this "
-                                     "device (value 1; the labels carry it)", labels=["model", *names])
-            info.add_metric([self.model, *(str(getattr(snap.config, n)) for n in names)], 1.0)
-            yield info
+        config = self.loop.engine.stats().config
+        names = ("algorithm", "backend", "store", "sparse_policy")
+        info = GaugeMetricFamily(f"{PREFIX}_sparse_config_info", "The sparse config as resolved for this device "
+                                 "(value 1; the labels carry it)", labels=["model", *names])
+        info.add_metric([self.model, *(str(getattr(config, n)) for n in names)], 1.0)
+        yield info
         used = GaugeMetricFamily(f"{PREFIX}_kv_pool_used_tokens", "Tokens held in each KV pool (per layer x layers)",
                                  labels=["model", "pool"])
         size = GaugeMetricFamily(f"{PREFIX}_kv_pool_capacity_tokens", "Capacity of each KV pool (tokens x layers)",
@@ -127,9 +127,7 @@ class _EngineCollector(Collector):
         """Decode layer-steps, and the requests and layer-steps the cost policy decided dense (0
         under sparse_policy "always"). Single look-ups only: the loop thread may add a reason
         to the tally's Counters during a scrape, which iterating them would trip over."""
-        tally = self.loop.snapshot().dense_tally
-        if tally is None:  # before the loop's first snapshot
-            return
+        tally = self.loop.engine.stats().dense_tally
         policy_requests = tally.dense_requests.get(COST_POLICY, 0)
         policy_steps = tally.dense_layer_steps.get(COST_POLICY, 0)
         for name, doc, value in (

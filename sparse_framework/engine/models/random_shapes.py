@@ -60,8 +60,8 @@ def random_model_config(name: str, device: str, kv_cache_dtype: str = "auto") ->
     """The sparse config `bench --random NAME` runs without --config, where the model needs its
     own: the DeepSeek-V3.2 presets decode with DSA fed by the model's lightning indexer as the
     model selects (the integration's findings: top_k = index_topk, no sink or recent tokens
-    forced in, the newest token competing by its own index score, `min_sparse_prompt_len` 0 as
-    the model applies its top-k at any length), indexer keys in FP8 (V3.2's deployment; use
+    forced in, the newest token competing by its own index score, sparse at any length
+    ("always" from `min_sparse_prompt_len` 0) as the model applies its top-k at any length), indexer keys in FP8 (V3.2's deployment; use
     key_dtype "bfloat16" to match transformers' bf16 run), over the hierarchical store
     (HiSparse's case: full latents on the host, 4096 rows per request and layer on the device).
     Backend: on CUDA `triton` for a bf16 cache, `flashmla` (FlashMLA built: benchmarks/
@@ -75,7 +75,7 @@ def random_model_config(name: str, device: str, kv_cache_dtype: str = "auto") ->
     buffer = 4096 if raw["index_topk"] >= 1024 else 4 * raw["index_topk"]
     return {"algorithm": "dsa", "backend": backend, "store": "hierarchical", "top_k": raw["index_topk"],
             "page_size": min(64, raw["index_topk"] // 4), "device_buffer_tokens": buffer,
-            "sink_tokens": 0, "recent_tokens": 0, "min_sparse_prompt_len": 0,
+            "sink_tokens": 0, "recent_tokens": 0, "sparse_policy": "always", "min_sparse_prompt_len": 0,
             "extra": {"index_heads": raw["index_n_heads"], "index_dim": raw["index_head_dim"],
                       "key_dtype": "fp8_e4m3" if raw["index_head_dim"] % 128 == 0 else "bfloat16",
                       "score_newest": True}}
