@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import HIERARCHICAL_ALWAYS
+
 from sparse_framework import KVLayout, load_config
 from sparse_framework.coordinator.capacity import PRESETS, plan_capacity
 
@@ -13,7 +15,7 @@ GiB = 2**30
 
 def test_llama_16k_top2048_matches_the_hand_computation() -> None:
     layout = PRESETS["llama-3-8b"]
-    cfg = load_config({"top_k": 2048, "device_buffer_tokens": 2144, "extra": {"dense_first_layers": 0}})
+    cfg = load_config({**HIERARCHICAL_ALWAYS, "top_k": 2048, "device_buffer_tokens": 2144, "extra": {"dense_first_layers": 0}})
     plan = plan_capacity(layout, 60 * GiB, 1024 * GiB, 16384, cfg)
     per_layer = 2 * 8 * 128 * 2  # K + V, 8 heads x 128 dims, bf16
     assert plan.resident_device_bytes == 32 * 16384 * per_layer
@@ -28,7 +30,7 @@ def test_llama_16k_top2048_matches_the_hand_computation() -> None:
 
 
 def test_host_memory_can_be_the_limit() -> None:
-    cfg = load_config({"top_k": 2048})
+    cfg = load_config({**HIERARCHICAL_ALWAYS, "top_k": 2048})
     plan = plan_capacity(PRESETS["deepseek-v3.2"], 80 * GiB, 16 * GiB, 131072, cfg)
     assert plan.limited_by == "host"
     assert plan.hierarchical_requests == 16 * GiB // plan.hierarchical_host_bytes
@@ -36,7 +38,7 @@ def test_host_memory_can_be_the_limit() -> None:
 
 def test_dense_layers_cost_full_context_and_short_contexts_cap_the_buffer() -> None:
     layout = KVLayout(num_layers=4, num_kv_heads=1, head_dim=8, dtype=torch.float16)
-    cfg = load_config({"top_k": 64, "page_size": 8, "device_buffer_tokens": 256, "dense_layers": [0],
+    cfg = load_config({**HIERARCHICAL_ALWAYS, "top_k": 64, "page_size": 8, "device_buffer_tokens": 256, "dense_layers": [0],
                        "min_sparse_prompt_len": 0, "extra": {"dense_first_layers": 0}})
     plan = plan_capacity(layout, GiB, GiB, 1000, cfg)
     per_layer = 2 * 8 * 2
@@ -68,7 +70,7 @@ def test_a_context_that_decodes_densely_plans_its_full_length_in_every_layer() -
     sparse-layer pool reserves that room per row, and the plan counts it."""
     layout = KVLayout(num_layers=4, num_kv_heads=1, head_dim=8, dtype=torch.float16)
     per_layer = 2 * 8 * 2
-    cfg = load_config({"top_k": 64, "page_size": 8, "device_buffer_tokens": 256, "min_sparse_prompt_len": 2048,
+    cfg = load_config({**HIERARCHICAL_ALWAYS, "top_k": 64, "page_size": 8, "device_buffer_tokens": 256, "min_sparse_prompt_len": 2048,
                        "extra": {"dense_first_layers": 0}})
     plan = plan_capacity(layout, GiB, GiB, 1000, cfg)
     assert plan.device_share_tokens == 1000 and plan.buffer_kv_bytes == 4 * 1000 * per_layer
@@ -86,7 +88,7 @@ def test_the_plan_counts_the_device_pool_bytes_the_store_allocates(config) -> No
     from sparse_framework.coordinator.core import SparseCoordinator
 
     layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, dtype=torch.float16)
-    cfg = load_config({"top_k": 32, "page_size": 8, "device_buffer_tokens": 128, **config})
+    cfg = load_config({**HIERARCHICAL_ALWAYS, "top_k": 32, "page_size": 8, "device_buffer_tokens": 128, **config})
     max_requests, context = 3, 512
     coord = SparseCoordinator(cfg, layout, max_requests=max_requests, max_seq_len=context)
     device = sum(p["bytes"] for p in coord.memory_stats() if p["kind"] != "host")
@@ -99,7 +101,7 @@ def test_fp8_host_rows_about_double_the_host_bound_requests() -> None:
     the scale's exponent byte) against 256 in bf16, so where the host bounds, 1.98x the
     requests; the device side is unchanged."""
     layout = PRESETS["llama-3-8b"]
-    cfg = {"top_k": 2048, "device_buffer_tokens": 2144, "extra": {"dense_first_layers": 0}}
+    cfg = {**HIERARCHICAL_ALWAYS, "top_k": 2048, "device_buffer_tokens": 2144, "extra": {"dense_first_layers": 0}}
     bf16 = plan_capacity(layout, 60 * GiB, 128 * GiB, 32768, load_config(cfg))
     fp8 = plan_capacity(layout, 60 * GiB, 128 * GiB, 32768, load_config({**cfg, "host_kv_dtype": "fp8_e4m3"}))
     assert bf16.hierarchical_host_bytes == 32 * 32768 * 2 * 8 * 128 * 2

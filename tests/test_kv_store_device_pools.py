@@ -8,6 +8,8 @@ import logging
 import pytest
 import torch
 
+from helpers import HIERARCHICAL_ALWAYS
+
 from sparse_framework import Batch, CapacityError, KVLayout, Request
 from sparse_framework.config import dense_layer_set
 from sparse_framework.config import load_config
@@ -52,7 +54,7 @@ def test_llama3_8b_8x16k_quest_defaults_take_far_less_than_the_dense_cache() -> 
 ])
 def test_sparse_layers_pool_holds_a_buffer_or_a_short_prompt_per_row(config, sparse_tokens) -> None:
     layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8)
-    cfg = {"top_k": 32, "page_size": 8, "dense_layers": [2], "extra": {"dense_first_layers": 0}, **config}
+    cfg = {**HIERARCHICAL_ALWAYS, "top_k": 32, "page_size": 8, "dense_layers": [2], "extra": {"dense_first_layers": 0}, **config}
     coord = SparseCoordinator(cfg, layout, max_requests=4, max_seq_len=512)
     pools = {p["kind"]: p for p in coord.memory_stats()}
     assert pools[SPARSE_LAYERS]["tokens_per_layer"] == 4 * sparse_tokens
@@ -109,7 +111,7 @@ def _driver(coord: SparseCoordinator, requests: list[Request], steps: int, seed:
         coord.forward_end(batch)
 
 
-SMALL = {"top_k": 16, "page_size": 4, "device_buffer_tokens": 48, "min_sparse_prompt_len": 32,
+SMALL = {**HIERARCHICAL_ALWAYS, "top_k": 16, "page_size": 4, "device_buffer_tokens": 48, "min_sparse_prompt_len": 32,
          "sink_tokens": 4, "recent_tokens": 8, "extra": {"dense_first_layers": 0}}
 
 

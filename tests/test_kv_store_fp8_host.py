@@ -322,6 +322,6 @@ def test_resident_store_and_unknown_values_are_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="resident store keeps no host tier"):
         HierarchicalKVStore(layout, page_size=4, device_buffer_tokens=16, sink_tokens=0, recent_tokens=0,
                             resident_only=True, host_kv_dtype=FP8)
-    # the default leaves a config's dump (the key of stored eval results) as it was
-    assert "host_kv_dtype" not in load_config({}).model_dump()
-    assert load_config({"host_kv_dtype": FP8}).model_dump()["host_kv_dtype"] == FP8
+    # stored eval results are keyed by every option spelt out (config.key()), the host dtype too
+    assert load_config({}).key()["host_kv_dtype"] == "auto"
+    assert load_config({"store": "hierarchical", "host_kv_dtype": FP8}).key()["host_kv_dtype"] == FP8
