@@ -36,7 +36,7 @@ from rich.table import Table
 
 from sparse_framework import Batch, KVLayout, Request, registry
 from sparse_framework.common import hardware
-from sparse_framework.cli.tables import new_table
+from sparse_framework.common.tables import new_table
 from sparse_framework.coordinator.core import SparseCoordinator
 from sparse_framework.kernels import pdl
 from timing import FLUSH_MODES, Timer

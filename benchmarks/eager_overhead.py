@@ -34,7 +34,7 @@ from rich.console import Console
 from rich.table import Table
 
 from decode_layer import ALGORITHMS, SHAPES, Cell
-from sparse_framework.cli.tables import new_table
+from sparse_framework.common.tables import new_table
 from sparse_framework.kernels import launch
 from timing import write_results
 

@@ -21,7 +21,7 @@ from rich.table import Table
 
 from decode_layer import Cell
 from eager_overhead import Layer, parse_cell, row_us
-from sparse_framework.cli.tables import new_table
+from sparse_framework.common.tables import new_table
 from sparse_framework.coordinator.graphs import _flat
 from timing import write_results
 

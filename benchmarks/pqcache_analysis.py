@@ -44,7 +44,7 @@ from quest_analysis import MODEL, Captured, Recorder, capture, load  # noqa: E40
 
 from sparse_framework import KVLayout, Request, load_config  # noqa: E402
 from sparse_framework.algorithms.pqcache import PQCache  # noqa: E402
-from sparse_framework.cli.tables import new_table  # noqa: E402
+from sparse_framework.common.tables import new_table  # noqa: E402
 from sparse_framework.common.batch import Batch  # noqa: E402
 
 DEFAULT_JSON = "benchmarks/results/pqcache_analysis_cpu.json"

@@ -63,7 +63,7 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import write_results  # noqa: E402
 
-from sparse_framework.cli.tables import new_table  # noqa: E402
+from sparse_framework.common.tables import new_table  # noqa: E402
 from sparse_framework.common.errors import ConfigError  # noqa: E402
 from sparse_framework.bench.offline import fmt_or_dash, reset_peak_memory  # noqa: E402
 from sparse_framework.bench.stats import percentile  # noqa: E402

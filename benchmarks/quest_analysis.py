@@ -46,7 +46,7 @@ import torch
 from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from sparse_framework.cli.tables import new_table  # noqa: E402
+from sparse_framework.common.tables import new_table  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 DEFAULT_JSON = "benchmarks/results/quest_analysis_cpu.json"

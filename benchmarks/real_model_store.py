@@ -59,7 +59,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import write_results  # noqa: E402
 
-from sparse_framework.cli.tables import new_table  # noqa: E402
+from sparse_framework.common.tables import new_table  # noqa: E402
 from sparse_framework.common.errors import ConfigError  # noqa: E402
 from sparse_framework.config import load_config  # noqa: E402
 from sparse_framework.bench.offline import fmt_or_dash  # noqa: E402

@@ -33,7 +33,7 @@ from rich.table import Table
 from sparse_framework.algorithms.base import topk_selection
 from sparse_framework.common import hardware
 from sparse_framework.algorithms.base import group_probabilities
-from sparse_framework.cli.tables import new_table
+from sparse_framework.common.tables import new_table
 from sparse_framework.kernels import scoring
 from timing import Timer
 

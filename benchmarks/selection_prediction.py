@@ -53,7 +53,7 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import quest_analysis as qa  # noqa: E402
-from sparse_framework.cli.tables import new_table  # noqa: E402
+from sparse_framework.common.tables import new_table  # noqa: E402
 
 DEFAULT_JSON = "benchmarks/results/selection_prediction_smollm2.json"
 PREDICTORS = ("previous step", "previous layer", "early query", "mid query", "early query 2x")

@@ -208,13 +208,18 @@ def test_eval_table_fits_marks_never_sparse_cells_and_lists_failures() -> None:
     assert "KL" in text and "acc" in text  # the reference workload's own metrics
 
 
-def test_readme_ten_lines_find_the_passkey(capsys) -> None:
-    """The README's "Ten lines of Python", as printed there: the generated tokens are the passkey."""
+def run_readme_program(heading: str, capsys) -> str:  # noqa: ANN001
+    """Run the first Python block under `heading` of the README, exactly as printed; its output."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("## Ten lines of Python"):]
+    section = readme[readme.index(heading):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
-    out = capsys.readouterr().out
+    return capsys.readouterr().out
+
+
+def test_readme_ten_lines_find_the_passkey(capsys) -> None:
+    """The README's "Ten lines of Python", as printed there: the generated tokens are the passkey."""
+    out = run_readme_program("## Ten lines of Python", capsys)
     generated, expected = re.findall(r"\[[\d, ]+\]", out)[:2]
     assert generated == expected, out[:200]
     assert "'sparse_fraction': 1.0" in out  # every decode layer-step was sparse
@@ -222,11 +227,7 @@ def test_readme_ten_lines_find_the_passkey(capsys) -> None:
 
 def test_readme_from_python_runs_as_written(capsys) -> None:
     """The README's "From Python" program, exactly as printed there, on the CPU."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("### From Python"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
-    out = capsys.readouterr().out
+    out = run_readme_program("### From Python", capsys)
     assert "'dense_layer_steps': {'dense layer': 4}" in out and "'layer_steps': 16" in out
 
 

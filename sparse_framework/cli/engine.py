@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..common.errors import ConfigError
-from .tables import new_table
+from ..common.tables import new_table
 from ..config import load_config
 from ..engine.engine import RequestOutput
 from ..engine.engine_config import KV_CACHE_DTYPES

@@ -15,7 +15,8 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import __version__
-from .tables import new_table, plan_table, plugins_table, run_table, size_text
+from ..common.tables import new_table
+from .tables import plan_table, plugins_table, run_table, size_text
 from ..config import config_schema, dense_layer_set, load_config, read_json_object, validate
 from ..eval.loop import RequestResult, run_experiment
 from ..eval.workload import WorkloadConfig

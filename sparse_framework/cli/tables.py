@@ -15,7 +15,7 @@ from .. import registry
 from ..coordinator.dense_tally import COST_POLICY, DENSE_LAYER, DENSE_REQUEST
 from ..eval.loop import RequestResult
 from ..coordinator.capacity import CapacityPlan
-from ..common.tables import FitTable, fit_table, heading, new_table  # noqa: F401  (the commands' tables)
+from ..common.tables import new_table
 
 
 def mode_label(r: RequestResult) -> str:

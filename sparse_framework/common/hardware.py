@@ -102,8 +102,7 @@ def measure_copy_bandwidth(index: int, nbytes: int = 1 << 30, repeats: int = 10)
 def hbm_bytes_per_s(device: str | torch.device | None = None) -> float:
     """The HBM ceiling of `device`, or the default GPU's where there is none (the CPU): for
     cost models that need a figure on any device."""
-    found = gpu_figures(device) if device is not None or torch.cuda.is_available() else None
-    return (found or DEFAULT).hbm_bytes_per_s
+    return (gpu_figures(device) or DEFAULT).hbm_bytes_per_s
 
 
 def describe(figures: GpuFigures | None) -> str:
