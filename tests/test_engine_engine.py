@@ -512,7 +512,7 @@ def test_abort_frees_the_request_even_when_a_hook_raises(checkpoint, async_sched
     assert aborted is not None and aborted.finish_reason == "abort"
     assert "RuntimeError: injected release failure" in aborted.error
     assert "r1" not in coord.requests and "r1" not in engine.runner.requests and coord.store.used_tokens() < held
-    assert len(coord._free_slots) == engine.num_seqs - 2
+    assert len(coord.lifecycle.free_slots) == engine.num_seqs - 2
     outs = {}
     for _ in range(200):  # bounded: the old code never ended
         if not engine.has_unfinished():

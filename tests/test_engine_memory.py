@@ -249,7 +249,7 @@ def test_cuda_device_memory_counts_cached_blocks_as_free_and_takes_a_given_total
 def test_without_utilization_the_engine_sizes_as_before(model) -> None:
     engine = Engine(model, TINY, SPARSE, EngineConfig(max_num_seqs=5, max_model_len=MAX_LEN))
     assert engine.memory_plan is None and engine.num_seqs == 5
-    assert len(engine.runner.coord._free_slots) == 5
+    assert len(engine.runner.coord.lifecycle.free_slots) == 5
 
 
 def test_the_plan_is_logged_and_llm_passes_the_options(model, caplog) -> None:

@@ -74,7 +74,7 @@ def state(engine: Engine) -> dict:
     return {
         "used_tokens": store.used_tokens(), "host_pages_used": store.host_alloc.used,
         "runner_requests": dict(engine.runner.requests), "coord_requests": dict(coord.requests),
-        "free_slots": list(coord._free_slots), "staging": dict(engine.runner.staging.spans),
+        "free_slots": list(coord.lifecycle.free_slots), "staging": dict(engine.runner.staging.spans),
         "tally": (tally.requests, dict(tally.dense_requests), tally.layer_steps, dict(tally.dense_layer_steps)),
         "counts": store.counts.tolist(), "rows_out": store.rows_out.tolist(), "clock": int(store.clock),
         "steps": engine.steps, "step_log": list(engine.step_log), "unfinished": engine.has_unfinished(),

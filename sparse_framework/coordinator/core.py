@@ -24,9 +24,10 @@ resident, adapt, attend and the append of `attention_end` — is captured in a C
 batch composition and replayed by `attention_begin` (decode_graphs.py says how and why);
 `attend` then returns the output already computed and `attention_end` has nothing left to do.
 
-The class is split for size: the request hooks (on_request_begin, retract / resume,
-on_request_end, with `decodes_densely` and `can_grow`) are `coordinator_requests.RequestLifecycle`,
-a mixin over this class's state; construction and the step hooks are here.
+The request hooks (on_request_begin, retract / resume, on_request_end, with `decodes_densely`
+and `can_grow`) are carried out by `requests.RequestLifecycle` (`self.lifecycle`), which owns the
+table of active and retracted requests and the free state rows; the coordinator's methods of
+those names delegate to it. Construction and the step hooks are here.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class AttentionMetadata:
     output: torch.Tensor | None = None  # decode graphs: the layer's attention, already computed
 
 
-class SparseCoordinator(RequestLifecycle):
+class SparseCoordinator:
     """Drives one algorithm, one store, one adaptor and one backend for an engine.
 
     max_requests / max_seq_len size the pooled per-request state (algorithm
@@ -158,15 +159,18 @@ class SparseCoordinator(RequestLifecycle):
         )
         self.max_seq_len = max_seq_len
         self._heads = layout.num_kv_heads if self.algorithm.per_kv_head else 1
-        self._free_slots = list(range(max_requests - 1, -1, -1))
-        self.requests: dict[str, Request] = {}
-        self.retracted: set[str] = set()
         self.steps = StepOrder(layout.num_layers)  # the open step, checked hook by hook
         # q/k/v dtypes attention_begin takes (`_check_inputs`; None: any, an fp8 store quantises)
         self._input_dtypes = input_dtypes(layout)
         # requests and decode layer-steps that attended densely, and why (`dense_report`)
         self.dense_tally = DenseTally()
         self.policy = SparsePolicy(self.config, layout, max_requests=max_requests, max_seq_len=max_seq_len)
+        # the request hooks and the table of requests (requests.py)
+        self.lifecycle = RequestLifecycle(
+            store=self.store, algorithm=self.algorithm, policy=self.policy, steps=self.steps,
+            dense_tally=self.dense_tally, max_requests=max_requests, max_seq_len=max_seq_len,
+            store_kind=cfg.store,
+        )
         self._step_dense = False  # forward_begin: the policy made this step's selecting requests dense
         self._options: dict[int, AttentionOptions] = {}  # layers with softcap / sinks (set_attention_options)
         self.graphs: DecodeGraphs | None = None
@@ -174,6 +178,43 @@ class SparseCoordinator(RequestLifecycle):
             self.store.timing = False  # no timing events inside a graph
             cap = max_graphs if max_graphs is not None else 4 * layout.num_layers
             self.graphs = DecodeGraphs(self.store, graph_bucket_tokens, max_seq_len, cap)
+
+    # -- requests (requests.py `RequestLifecycle`) --------------------------------------------
+    @property
+    def requests(self) -> dict[str, Request]:
+        """The active requests by id (retracted ones included); owned by `self.lifecycle`."""
+        return self.lifecycle.requests
+
+    @property
+    def retracted(self) -> set[str]:
+        """Ids of the active requests that are retracted; owned by `self.lifecycle`."""
+        return self.lifecycle.retracted
+
+    def decodes_densely(self, prompt_len: int, sparse: bool | None = None, batch: int | None = None) -> bool:
+        """`RequestLifecycle.decodes_densely`: whether a request would decode densely."""
+        return self.lifecycle.decodes_densely(prompt_len, sparse, batch)
+
+    def on_request_begin(
+        self, request: Request, cached_pages: torch.Tensor | None = None, *, sparse: bool | None = None
+    ) -> None:
+        """`RequestLifecycle.on_request_begin`: admit a request."""
+        self.lifecycle.on_request_begin(request, cached_pages, sparse=sparse)
+
+    def can_grow(self, requests: list[Request]) -> bool:
+        """`RequestLifecycle.can_grow`: whether a decode step of these requests finds room."""
+        return self.lifecycle.can_grow(requests)
+
+    def on_request_retract(self, request: Request) -> None:
+        """`RequestLifecycle.on_request_retract`: preempt a request between steps."""
+        self.lifecycle.on_request_retract(request)
+
+    def on_request_resume(self, request: Request) -> None:
+        """`RequestLifecycle.on_request_resume`: resume a retracted request."""
+        self.lifecycle.on_request_resume(request)
+
+    def on_request_end(self, request: Request) -> None:
+        """`RequestLifecycle.on_request_end`: free a request's KV, representations and row."""
+        self.lifecycle.on_request_end(request)
 
     def set_attention_options(
         self, layer: int, *, softcap: float | None = None, sinks: torch.Tensor | None = None

@@ -1,4 +1,4 @@
-"""`SparseCoordinator`'s request lifecycle (split out of coordinator.py for size): admission
+"""`SparseCoordinator`'s request lifecycle (split out of coordinator.py): admission
 (`on_request_begin`, and `decodes_densely`, which an engine's budget asks before it), the room
 check of a decode step (`can_grow`), preemption (`on_request_retract` / `on_request_resume`)
 and release (`on_request_end`).
@@ -6,20 +6,63 @@ and release (`on_request_end`).
 These are the hooks called around requests rather than around forward passes: they reserve and
 free a request's state row, its KV in the store and its representations, and decide dense or
 sparse once, at admission. The step hooks (`forward_begin` .. `forward_end`) stay in
-coordinator.py. The methods read the coordinator's state (`SparseCoordinator.__init__`); this
-class holds none.
+coordinator.py, which builds one `RequestLifecycle` and delegates its request hooks to it.
+
+`RequestLifecycle` owns the table of requests: the active ones by id (`requests`), the
+retracted ids (`retracted`) and the free state rows (`free_slots`). The coordinator's step hooks
+read the first two (the coordinator's `requests` / `retracted` properties); only this class
+changes them. The store, the algorithm, the sparse policy, the step order and the dense tally
+are the coordinator's, passed in: this class calls them, it does not own them.
 """
 
 from __future__ import annotations
 
 import torch
 
+from typing import TYPE_CHECKING
+
 from ..common.batch import Request
 from ..common.errors import CapacityError, LimitError
 
+if TYPE_CHECKING:
+    from ..algorithms.base import SparseAlgorithm
+    from ..kv_store.hierarchical import HierarchicalKVStore
+    from .dense_tally import DenseTally
+    from .policy import SparsePolicy
+    from .step_order import StepOrder
+
 
 class RequestLifecycle:
-    """Mixin of `SparseCoordinator`: begin, retract, resume and end requests (module docstring)."""
+    """Begin, retract, resume and end requests; the table of active requests (module docstring).
+
+    store, algorithm, policy, steps, dense_tally: the coordinator's (shared, owned there);
+    max_requests: the state rows (0 .. max_requests - 1); max_seq_len: the coordinator's limit
+    on a prompt; store_kind: `SparseConfig.store` ("hierarchical" or "resident"), for the
+    advice of a refused retract.
+    """
+
+    def __init__(
+        self,
+        *,
+        store: HierarchicalKVStore,
+        algorithm: SparseAlgorithm,
+        policy: SparsePolicy,
+        steps: StepOrder,
+        dense_tally: DenseTally,
+        max_requests: int,
+        max_seq_len: int,
+        store_kind: str,
+    ) -> None:
+        self.store = store
+        self.algorithm = algorithm
+        self.policy = policy
+        self.steps = steps
+        self.dense_tally = dense_tally
+        self.max_seq_len = max_seq_len
+        self.store_kind = store_kind
+        self.free_slots = list(range(max_requests - 1, -1, -1))  # state rows not in use, next last
+        self.requests: dict[str, Request] = {}  # the active requests by id (retracted ones included)
+        self.retracted: set[str] = set()  # ids of the active requests retracted (on_request_retract)
 
     # -- request lifecycle ------------------------------------------------------------------
     def decodes_densely(self, prompt_len: int, sparse: bool | None = None, batch: int | None = None) -> bool:
@@ -49,17 +92,17 @@ class RequestLifecycle:
                 f"request {request.rid!r}: prompt_len {request.prompt_len} leaves no room to decode "
                 f"within max_seq_len {self.max_seq_len}; build the coordinator with a larger max_seq_len"
             )
-        if not self._free_slots:
+        if not self.free_slots:
             raise LimitError(
                 f"request {request.rid!r}: all {len(self.requests)} request rows are in use (max_requests="
                 f"{len(self.requests)}); end a request first, or build the coordinator with a larger max_requests"
             )
-        request.slot = self._free_slots.pop()
+        request.slot = self.free_slots.pop()
         request.seq_len = 0
         request.dense, why = self.policy.decodes_densely(request.prompt_len, sparse, active=len(self.requests))
         cached = 0 if cached_pages is None else cached_pages.numel() * self.store.page_size
         if cached >= request.prompt_len:
-            self._free_slots.append(request.slot)
+            self.free_slots.append(request.slot)
             request.slot = -1
             raise ValueError(f"request {request.rid!r}: a cached prefix of {cached} tokens leaves nothing of its "
                              f"{request.prompt_len}-token prompt to prefill; cache at most prompt_len - 1 tokens")
@@ -67,7 +110,7 @@ class RequestLifecycle:
         try:
             self.store.admit(request, cached_pages) if cached else self.store.admit(request)
         except Exception:
-            self._free_slots.append(request.slot)
+            self.free_slots.append(request.slot)
             request.slot = -1
             raise
         self.requests[request.rid] = request
@@ -93,7 +136,7 @@ class RequestLifecycle:
         try:
             self.store.retract(request)
         except CapacityError as exc:
-            raise CapacityError(_retract_advice(request, exc, self.store.host_slots, self.config.store)) from None
+            raise CapacityError(_retract_advice(request, exc, self.store.host_slots, self.store_kind)) from None
         self.retracted.add(request.rid)
 
     def on_request_resume(self, request: Request) -> None:
@@ -126,7 +169,7 @@ class RequestLifecycle:
             try:
                 self.store.release(request)
             finally:
-                self._free_slots.append(request.slot)
+                self.free_slots.append(request.slot)
                 request.slot = -1
                 self.policy.release(request)
 
