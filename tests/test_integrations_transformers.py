@@ -14,6 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from packaging.version import Version  # noqa: E402
 tf = pytest.importorskip("sparse_framework.integrations.transformers")
+from sparse_framework.integrations.transformers import cache as tf_cache, compat as tf_compat  # noqa: E402
 
 from transformers import (  # noqa: E402
     Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
@@ -251,7 +252,7 @@ def test_errors_are_clear(llama, monkeypatch) -> None:
         tf.check_transformers_version("4.40.0")
     # the module the integration imported: transformers 5 can swap sys.modules["transformers"]
     # when another test file's lazy model import runs first (transformers.modeling_layers)
-    monkeypatch.setattr(tf.transformers, "__version__", "4.55.4")
+    monkeypatch.setattr(tf_compat.transformers, "__version__", "4.55.4")
     with pytest.raises(ImportError, match="found 4.55.4"):
         tf.enable(llama, SMALL)
     monkeypatch.undo()
@@ -343,11 +344,11 @@ def test_prompt_length_in_errors_of_a_windowed_model_is_the_real_one() -> None:
     real = mask.bool()
     causal = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < window)
     sliding = causal[None, None] & real[:, None, None, :]  # what sdpa builds for a windowed layer
-    assert torch.equal(tf._prompt_tokens(sliding, 2, n, "cpu"), real)
+    assert torch.equal(tf_cache._prompt_tokens(sliding, 2, n, "cpu"), real)
     unmasked = sliding | ~sliding.any(-1, keepdim=True)  # old torch: fully masked pad rows attend to all
-    assert torch.equal(tf._prompt_tokens(unmasked, 2, n, "cpu"), real)
+    assert torch.equal(tf_cache._prompt_tokens(unmasked, 2, n, "cpu"), real)
     additive = torch.zeros(sliding.shape).masked_fill(~sliding, float("-inf"))
-    assert torch.equal(tf._prompt_tokens(additive, 2, n, "cpu"), real)
+    assert torch.equal(tf_cache._prompt_tokens(additive, 2, n, "cpu"), real)
     with tf.sparse(mistral, SMALL, max_requests=2, max_seq_len=64) as handle:
         with pytest.raises(ValueError, match="prompt_len 450 leaves no room to decode within max_seq_len 64"):
             mistral.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)

@@ -17,7 +17,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 tf = pytest.importorskip("sparse_framework.integrations.transformers")
-tm = pytest.importorskip("sparse_framework.integrations.transformers_mla")  # registers MLA models with enable
+tm = pytest.importorskip("sparse_framework.integrations.transformers.mla")  # registers MLA models with enable
 from sparse_framework.common.errors import ConfigError  # noqa: E402
 
 # find_spec, not hasattr(transformers, ...): importing a model module here, at collection, makes
@@ -205,7 +205,7 @@ def test_forwards_without_a_sparse_cache_and_disable() -> None:
 @needs_v32
 def test_mla_models_need_the_mla_module_registered(monkeypatch) -> None:
     monkeypatch.delitem(tf.FAMILY_ENABLERS, "mla")
-    with pytest.raises(tf.UnsupportedModelError, match="import sparse_framework.integrations.transformers_mla"):
+    with pytest.raises(tf.UnsupportedModelError, match="import sparse_framework.integrations.transformers.mla"):
         tf.enable(build(), dsa("bfloat16"))
     assert torch.equal(model(ids).logits, before)
 
@@ -236,7 +236,7 @@ def test_errors_are_clear() -> None:
 @needs_v32
 def test_mla_models_need_the_mla_module_registered(monkeypatch) -> None:
     monkeypatch.delitem(tf.FAMILY_ENABLERS, "mla")
-    with pytest.raises(tf.UnsupportedModelError, match="import sparse_framework.integrations.transformers_mla"):
+    with pytest.raises(tf.UnsupportedModelError, match="import sparse_framework.integrations.transformers.mla"):
         tf.enable(build(), dsa("bfloat16"))
 
 
