@@ -13,6 +13,13 @@ and every prompt the step completed, and reports them back. A request that can n
 (too long, bad sampling values, larger than the pools) finishes at once with
 `finish_reason == "error"` and a message; the others are not affected.
 
+Stop strings (`SamplingParams.stop`) are the engine's too: given a `tokenizer`, it keeps each
+such request's text as its tokens arrive (engine/stop.py: incremental, O(new text) a token)
+and ends the request with "stop" as soon as a stop string completes, exactly as a stop token
+ends it (same step, same freeing; a step late under async scheduling, as a stop token); its
+`RequestOutput.text` is the text cut there. `add_request(..., detokenize=True)` keeps the text
+of a request without stop strings as well (a streaming server reads it: `output_text`).
+
 Async scheduling (`EngineConfig.async_scheduling`, on by default on CUDA): a step's sampled
 tokens stay on the device and the host goes on with the next step — schedules it, builds its
 inputs (every host→device copy on the step's path is non-blocking: common/transfer.py) and
@@ -56,6 +63,7 @@ from .prefix_cache import PrefixCache, check_supported, swa_limit_pages
 from .runner import DecodeRow, Model, ModelRunner, TokenFeed
 from .runner import PrefillChunk as RunnerChunk
 from .sampling import Sampler, SamplingParams, finished
+from .stop import RequestText, decoder
 from .scheduler import FinishReason, Scheduler, Sequence, StepPlan
 from .token_ids import token_ids
 from .warm_up import WarmUpProgress, WarmUpReport, warm_up, warm_up_enabled
@@ -75,7 +83,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str
     error: str | None = None
-    text: str | None = None  # filled in by `LLM` when it has a tokenizer
+    text: str | None = None  # the engine's when it kept the text (stop strings), else `LLM`'s when it has a tokenizer
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float = 0.0
@@ -153,6 +161,14 @@ class _Live:
     generator: torch.Generator | None
     arrival: float
     first_token: float | None = None
+    text: RequestText | None = None  # kept with stop strings or detokenize=True
+
+    def take(self, token: int) -> bool:
+        """The token into the text, if kept; True when it completed a stop string."""
+        if self.text is None:
+            return False
+        self.text.add(token)
+        return self.text.stopped
 
 
 class Engine:
@@ -167,8 +183,12 @@ class Engine:
         *,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
+        tokenizer: Any | None = None,
     ) -> None:
         self.config = config = config or EngineConfig()
+        # decodes the output of requests with stop strings (None: such requests are refused);
+        # with tensor parallelism every rank's engine needs the same one
+        self.tokenizer = tokenizer
         self.model_config = model_config
         # with tensor parallelism this rank's heads, KV heads and MLP columns: its layout, store and plan
         self.tp, local = self._tensor_parallel(model, model_config, config.tensor_parallel_size)
@@ -346,12 +366,17 @@ class Engine:
         return 0 if self.prefix_cache is None else self.prefix_cache.clear()
 
     # -- requests ----------------------------------------------------------------------------
-    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams | None = None) -> None:
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams | None = None, *,
+                    detokenize: bool = False) -> None:
         """Queue a request. One that can never run (empty prompt, tokens outside the
         vocabulary, prompt + max_tokens beyond max_model_len or the pools, bad sampling
-        values) is not an exception: it comes back from the next `step()` with
-        finish_reason "error" and the reason, and the others run on."""
+        values, stop strings without a tokenizer) is not an exception: it comes back from the
+        next `step()` with finish_reason "error" and the reason, and the others run on.
+        `detokenize`: keep its text as the tokens arrive even without stop strings
+        (`output_text`; needs the tokenizer)."""
         params = params or SamplingParams()
+        if detokenize and self.tokenizer is None:
+            raise ValueError("add_request(detokenize=True) needs the engine's tokenizer (Engine(..., tokenizer=...))")
         now = time.perf_counter()
         if (rid in self._live or any(out.request_id == rid for out in self._rejected)
                 or (self._inflight is not None and rid in self._inflight.ended)):
@@ -360,7 +385,10 @@ class Engine:
         error = error or self._check(ids, params)
         seq = Sequence(rid, ids, params)
         if error is None and self.scheduler.add(seq):
-            self._live[rid] = _Live(seq, params, params.make_generator(self.device), now)
+            text = None
+            if params.stop or detokenize:
+                text = RequestText(decoder(self.tokenizer), params.stop, params.include_stop_str_in_output)
+            self._live[rid] = _Live(seq, params, params.make_generator(self.device), now, text=text)
             return
         why = error or seq.error or "rejected"
         self._rejected.append(RequestOutput(rid, ids, [], FinishReason.ERROR.value, why,
@@ -379,6 +407,10 @@ class Engine:
             params.check(vocab)
         except SparseFrameworkError as exc:
             return str(exc)
+        if params.stop and self.tokenizer is None:
+            return (f"SamplingParams.stop={list(params.stop)!r}: stop strings are matched against the output's text, "
+                    "and this engine has no tokenizer to decode it (a model of token ids only); give the LLM a "
+                    "tokenizer, or stop on token ids with stop_token_ids")
         return None
 
     def abort(self, rid: str) -> RequestOutput | None:
@@ -408,6 +440,12 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self._rejected) or self.scheduler.has_unfinished() or self._inflight is not None
+
+    def output_text(self, rid: str) -> RequestText | None:
+        """The text the engine keeps of a queued or running request (stop strings, or
+        detokenize=True), None otherwise; the object stays valid (and final) after it ends."""
+        live = self._live.get(rid)
+        return None if live is None else live.text
 
     def partial_outputs(self) -> dict[str, list[int]]:
         """Each unfinished request's output token ids so far, as the host has read them (tokens
@@ -540,6 +578,8 @@ class Engine:
             if live.first_token is None:
                 live.first_token = now
             reason = finished(live.params, token, len(seq.output_ids) + 1, self.eos or None)
+            if live.take(token):  # a stop string: ends it like a stop token
+                reason = FinishReason.STOP.value
             if reason is not None:
                 stops[seq.rid] = reason
         for seq in self.scheduler.on_step_done(plan, new_tokens, stops):
@@ -604,7 +644,8 @@ class Engine:
             seq.output_ids[at] = token
             if live.first_token is None:
                 live.first_token = now
-            if finished(live.params, token, at + 1, self.eos or None) == "stop":
+            stop_string = live.take(token)
+            if finished(live.params, token, at + 1, self.eos or None) == "stop" or stop_string:
                 del seq.output_ids[at + 1 :]  # sampled after the stop, in steps already run
                 if ended:  # it stopped before it had to be ended: a stop, not an error
                     step.ended[seq.rid] = (live, None)
@@ -626,8 +667,13 @@ class Engine:
 
     def _output(self, live: _Live, reason: str, error: str | None = None) -> RequestOutput:
         seq = live.seq
+        text = None
+        if live.text is not None:
+            text = live.text.finish()
+            if live.text.stopped and reason == FinishReason.LENGTH.value:  # found in the text held to the end
+                reason = FinishReason.STOP.value
         return RequestOutput(
-            seq.rid, list(seq.prompt_ids), list(seq.output_ids), reason, error, arrival_time=live.arrival,
+            seq.rid, list(seq.prompt_ids), list(seq.output_ids), reason, error, text=text, arrival_time=live.arrival,
             first_token_time=live.first_token, finish_time=time.perf_counter(), num_preemptions=seq.num_preemptions,
         )
 

@@ -14,6 +14,11 @@ reference model (CPU, float32; its prompts are token ids, or text of space-separ
 Prompts are strings (tokenized) or lists of token ids. The outputs come back in prompt order;
 a prompt that cannot run comes back with finish_reason "error" and why, the rest run.
 
+Stop strings (`SamplingParams(stop=[...])`, vLLM's semantics) are the engine's: the LLM gives
+it its tokenizer, and a request ends (finish_reason "stop", its pages freed) at the token that
+completes a stop string, its `text` cut before it (or after, with include_stop_str_in_output).
+An LLM without a tokenizer (a checkpoint of token ids only) refuses them: ConfigError.
+
 The reference model's max_model_len defaults to REFERENCE_MAX_MODEL_LEN (8192), as in
 `sparse-framework generate` and `serve` (engine/command.py takes the same constant): the length
 it was trained to, and a memory plan the CPU holds at the default max_num_seqs (a few hundred
@@ -54,6 +59,7 @@ from .token_ids import token_ids
 from .models import EngineModel, load_model, load_reference
 from .models.catalog import resolve_model
 from .sampling import SamplingParams
+from .stop import decode_text  # its home is engine/stop.py; imported from here too
 from .warm_up import WarmUpProgress, progress_bar
 
 DEFAULT_SPARSE = {"algorithm": "quest"}
@@ -92,15 +98,6 @@ def load_tokenizer(path: str | Path) -> Any | None:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(root, local_files_only=True)
-
-
-def decode_text(tokenizer: Any, token_ids: Sequence[int]) -> str:
-    """Text of generated ids without special tokens (the stop token "<|im_end|>" ...), as
-    vLLM's default `skip_special_tokens=True` does; the ids keep them."""
-    try:
-        return tokenizer.decode(token_ids, skip_special_tokens=True)
-    except TypeError:  # a tokenizer without the option (the reference model's IdTokenizer)
-        return tokenizer.decode(token_ids)
 
 
 class LLM:
@@ -159,7 +156,7 @@ class LLM:
         except TypeError as exc:
             fields = ", ".join(EngineConfig.__dataclass_fields__)
             raise ConfigError(f"LLM: {exc}; the engine options are: {fields}") from None
-        self.engine = Engine(model, model.config, sparse_config or DEFAULT_SPARSE, config)
+        self.engine = Engine(model, model.config, sparse_config or DEFAULT_SPARSE, config, tokenizer=tokenizer)
         self._next = 0
         # one caller at a time: the engine's scheduler holds one plan, its outputs go to one
         # caller (re-entrant: generate's cleanup calls abort)
@@ -195,6 +192,12 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, Sequence) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ConfigError(f"{len(params)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
+        if self.tokenizer is None and any(isinstance(p, SamplingParams) and p.stop for p in params):
+            stop = next(p.stop for p in params if isinstance(p, SamplingParams) and p.stop)
+            raise ConfigError(f"SamplingParams.stop={list(stop)!r}: stop strings are matched against the output's "
+                              "text, and this LLM has no tokenizer (its checkpoint has no tokenizer files: a model "
+                              "of token ids only); pass LLM(..., tokenizer=...), or stop on token ids with "
+                              "stop_token_ids")
         with self._lock:
             with self._to_abort_lock:
                 self._generating = threading.get_ident()
@@ -212,7 +215,8 @@ class LLM:
         outputs = [done[r] for r in rids]
         if self.tokenizer is not None:
             for out in outputs:
-                out.text = decode_text(self.tokenizer, out.token_ids)
+                if out.text is None:  # the engine's text where it kept one (stop strings: cut there)
+                    out.text = decode_text(self.tokenizer, out.token_ids)
         return outputs
 
     def _run(self, prompts: Sequence[Any], params: Sequence[SamplingParams], rids: list[str],

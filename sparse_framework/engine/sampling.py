@@ -59,6 +59,11 @@ class SamplingParams:
     seed: None (the engine's generator) or an int in [0, 2**64): the request's own generator,
         so its tokens do not depend on the batch it is in.
     stop_token_ids: tokens that end the request (the token is kept in the output).
+    stop: strings that end the request (a string or a list of them, none empty): the output
+        text ends before the first one to complete in it (engine/stop.py), finish_reason
+        "stop"; the token that completed it is the last output token. Needs the engine's
+        tokenizer (`LLM` passes its own): without one, a request with stop strings is refused.
+    include_stop_str_in_output: keep the stop string at the end of the text.
     ignore_eos: keep generating past the model's end-of-sequence token.
     sparse: this request's decoding (not a vLLM field): None follows the sparse config's rule
         (prompts shorter than min_sparse_prompt_len decode densely), False decodes it densely,
@@ -73,6 +78,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     sparse: bool | None = None
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ConfigError:
@@ -95,12 +102,19 @@ class SamplingParams:
             raise bad("stop_token_ids", "a list of token ids (integers >= 0)")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "true or false")
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        if (isinstance(stop, (bytes, Mapping)) or not isinstance(stop, Collection)
+                or not all(isinstance(s, str) and s for s in stop)):
+            raise bad("stop", "a string or a list of strings, none of them empty (or None / [] for none)")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise bad("include_stop_str_in_output", "true or false")
         if self.sparse is not None and not isinstance(self.sparse, bool):
             raise bad("sparse", "None (the sparse config's rule), true (sparse) or false (dense)")
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "top_k", max(self.top_k, 0))
         object.__setattr__(self, "stop_token_ids", tuple(stops))
+        object.__setattr__(self, "stop", tuple(stop))
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> SamplingParams:

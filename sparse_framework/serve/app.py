@@ -12,6 +12,9 @@ Handlers only parse, enqueue, stream and abort (docs/serve.md lists the endpoint
   never wait on someone's 5 MB prompt;
 - a streamed response starts only once the first token (or the refusal) is there, so a
   refused request is a 400 and never a stream that ends in an error;
+- the text, stop strings included, is the engine's (engine/stop.py): each token's chunk carries
+  the text the engine made visible with it (`Event.texts`), the last chunk the rest of the
+  output's text; a stop string ends the request in the engine, like a stop token;
 - a client that goes away (a closed stream, or a dropped connection while waiting for a whole
   response) aborts its request, which frees its pages, and is logged as a 499;
 - a request still running when the shutdown's drain ends is aborted by the engine loop
@@ -40,7 +43,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..engine.llm import LLM, decode_text
+from ..engine.llm import LLM, IdTokenizer
 from . import protocol as P
 from .loop import EngineLoop, Event
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -70,6 +73,8 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.max_running = self.llm.engine.max_running
+        if self.llm.engine.tokenizer is None:  # a checkpoint of token ids only: its text is the ids, "1 17 300"
+            self.llm.engine.tokenizer = IdTokenizer(self.llm.model.config.vocab_size)
         admitted = self.max_waiting + self.max_running
         self.limits = P.Limits(self.max_model_len, P.chars_per_token(self.llm.tokenizer), admitted,
                                f" (--max-waiting {self.max_waiting} + {self.max_running} running rows)")
@@ -77,22 +82,20 @@ class ServerState:
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         return self.llm.encode(prompt)
 
-    def decode(self, ids: list[int]) -> str:
-        tokenizer = self.llm.tokenizer
-        return " ".join(map(str, ids)) if tokenizer is None else decode_text(tokenizer, ids)
-
 
 class _Pending:
     """One queued request as its handler sees it: events from the loop through an asyncio queue."""
 
-    def __init__(self, state: ServerState, prompt_ids: list[int], params: Any, stops: tuple[str, ...]) -> None:
+    def __init__(self, state: ServerState, prompt_ids: list[int]) -> None:
         self.rid = f"cmpl-{uuid.uuid4().hex}"
         self.loop = state.loop
         self.prompt_ids = prompt_ids
-        self.text = P.TextStream(state.decode, stops)
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.done = False
         self.reason: str | None = None
+        self.num_tokens = 0  # the tokens received
+        self.sent = 0  # the characters of text streamed so far
+        self.text = ""  # the whole text, once ended
         aio = asyncio.get_running_loop()
 
         def sink(event: Event) -> None:  # called on the engine loop's thread
@@ -111,9 +114,17 @@ class _Pending:
             cause = " by shutdown" if self.loop.stopping else ""
             raise P.RequestError(503, f"request aborted{cause}: {out.error or 'the server is shutting down'}")
         if out.finish_reason == "error":
-            refused = not event.server_error and self.text.num_tokens == 0
+            refused = not event.server_error and self.num_tokens == 0
             raise P.RequestError(400 if refused else 500, out.error or "the engine could not run the request")
         self.reason = out.finish_reason
+        self.text = out.text or ""
+
+    def take(self, event: Event) -> list[str]:
+        """Count the event's tokens; the text each made visible, one per token."""
+        self.num_tokens += len(event.tokens)
+        texts = event.texts + [""] * (len(event.tokens) - len(event.texts))
+        self.sent += sum(map(len, texts))
+        return texts
 
 
 def build_app(state: ServerState, api_key: str | None = None) -> Starlette:
@@ -263,9 +274,9 @@ def _admit(state: ServerState, count: int) -> None:
 async def completions(request: Request) -> Response:
     state = _state(request)
     body, stream, include_usage = await _body(request, state)
-    params, stops = P.sampling_params(body, default_max_tokens=16)
+    params = P.sampling_params(body, default_max_tokens=16)
     prompts = await run_in_threadpool(P.completion_prompts, body, state.encode, state.limits, stream)
-    return await _serve(request, state, prompts, params, stops, False, stream, include_usage)
+    return await _serve(request, state, prompts, params, False, stream, include_usage)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -283,14 +294,14 @@ async def chat_completions(request: Request) -> Response:
     ids = await run_in_threadpool(conversation)
     # OpenAI's default for chat: as many tokens as the context leaves (at least 1, so that an
     # over-long conversation is the engine's refusal, with its reason)
-    params, stops = P.sampling_params(body, default_max_tokens=max(1, state.max_model_len - len(ids)))
-    return await _serve(request, state, [ids], params, stops, True, stream, include_usage)
+    params = P.sampling_params(body, default_max_tokens=max(1, state.max_model_len - len(ids)))
+    return await _serve(request, state, [ids], params, True, stream, include_usage)
 
 
-async def _serve(request: Request, state: ServerState, prompts: list[list[int]], params: Any, stops: tuple[str, ...],
-                 chat: bool, stream: bool, include_usage: bool) -> Response:
+async def _serve(request: Request, state: ServerState, prompts: list[list[int]], params: Any, chat: bool, stream: bool,
+                 include_usage: bool) -> Response:
     _admit(state, len(prompts))  # then submitted with no await between: admissions see each other
-    pending = [_Pending(state, ids, params, stops) for ids in prompts]
+    pending = [_Pending(state, ids) for ids in prompts]
     for p in pending:
         state.loop.submit(p.rid, p.prompt_ids, params, p.sink)
     try:
@@ -311,8 +322,8 @@ async def _serve(request: Request, state: ServerState, prompts: list[list[int]],
             _log_gone(request)
             return Response(status_code=499)
         raise
-    choices = [P.choice(i, p.text.text, reason, chat, chunk=False) for i, (p, reason) in enumerate(results)]
-    use = P.usage(sum(len(p.prompt_ids) for p in pending), sum(p.text.num_tokens for p in pending))
+    choices = [P.choice(i, p.text, reason, chat, chunk=False) for i, (p, reason) in enumerate(results)]
+    use = P.usage(sum(len(p.prompt_ids) for p in pending), sum(p.num_tokens for p in pending))
     return JSONResponse(P.completion_body(pending[0].rid, state.model_name, choices, use, chat))
 
 
@@ -348,18 +359,13 @@ async def _unless_disconnected(awaitable: Awaitable[T], request: Request) -> T:
 
 
 async def _collect(state: ServerState, p: _Pending) -> tuple[_Pending, str]:
-    """Wait for a whole response; a stop string ends (and aborts) the request early."""
+    """Wait for a whole response (a stop string ends it in the engine, "stop")."""
     while True:
         event = await p.queue.get()
-        for token in event.tokens:
-            p.text.add(token)
-            if p.text.stopped:
-                state.loop.abort(p.rid)
-                p.done = True
-                return p, "stop"
+        p.take(event)
         if event.output is not None:
             p.end(event)
-            return p, P.finish_reason(p.reason or "stop", p.text)
+            return p, p.reason or "stop"
 
 
 async def _stream(state: ServerState, p: _Pending, first: Event, chat: bool, include_usage: bool) -> AsyncIterator[str]:
@@ -368,17 +374,10 @@ async def _stream(state: ServerState, p: _Pending, first: Event, chat: bool, inc
     model, event, sent_first = state.model_name, first, False
     try:
         while True:
-            for token in event.tokens:
-                delta = p.text.add(token)
+            for delta in p.take(event):  # one chunk per token, with the text it made visible
                 choice = P.choice(0, delta, None, chat, chunk=True, first=not sent_first)
                 sent_first = True
                 yield _sse(P.completion_body(p.rid, model, [choice], None, chat, chunk=True))
-                if p.text.stopped:
-                    break
-            if p.text.stopped:
-                state.loop.abort(p.rid)
-                p.done, reason = True, "stop"
-                break
             if event.output is not None:
                 try:
                     p.end(event)
@@ -386,14 +385,14 @@ async def _stream(state: ServerState, p: _Pending, first: Event, chat: bool, inc
                     yield _sse(exc.body())
                     yield "data: [DONE]\n\n"
                     return
-                reason = P.finish_reason(p.reason or "stop", p.text)
+                reason = p.reason or "stop"
                 break
             event = await p.queue.get()
-        rest = p.text.flush()
+        rest = p.text[p.sent :]  # held back while it could become a stop string, or never completed
         yield _sse(P.completion_body(p.rid, model, [P.choice(0, rest, reason, chat, chunk=True)], None, chat,
                                      chunk=True))
         if include_usage:
-            yield _sse(P.completion_body(p.rid, model, [], P.usage(len(p.prompt_ids), p.text.num_tokens), chat,
+            yield _sse(P.completion_body(p.rid, model, [], P.usage(len(p.prompt_ids), p.num_tokens), chat,
                                          chunk=True))
         yield "data: [DONE]\n\n"
     finally:

@@ -9,7 +9,10 @@ same code and apply the same admission rules and errors.
 
 Tokens are streamed as they exist on the host: after a step, every running or preempted
 sequence's output past what its sink has seen (`Engine.partial_outputs`; a token of async
-scheduling still on the device waits for the next step).
+scheduling still on the device waits for the next step). Where the engine has a tokenizer, the
+loop adds its requests with `detokenize=True`: the engine keeps their text and stop strings
+(engine/stop.py), and each event carries the text every token made visible (`Event.texts`:
+never text that a stop string may still cut); the end's `output.text` is the whole text.
 
 A failed step does not stop the loop: the engine itself ends the requests the step touched
 with finish_reason "error" and the reason (Engine._fail_step; the server answers them 500),
@@ -37,6 +40,7 @@ from typing import Any
 
 from ..engine.engine import STEP_FAILED, Engine, RequestOutput
 from ..engine.sampling import SamplingParams
+from ..engine.stop import RequestText
 from ..engine.warm_up import bar_text, progress_bar
 
 log = logging.getLogger(__name__)
@@ -47,10 +51,12 @@ IDLE_WAIT_S = 0.05  # an idle loop wakes this often at the latest (a submit or a
 
 @dataclass
 class Event:
-    """What a request's sink receives: new token ids, or its end (`output` set; `server_error`
-    when the engine failed rather than refused the request)."""
+    """What a request's sink receives: new token ids (with `texts`, the text each made visible,
+    when the engine keeps the request's text), or its end (`output` set, `output.text` the
+    whole text; `server_error` when the engine failed rather than refused the request)."""
 
     tokens: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
     output: RequestOutput | None = None
     server_error: bool = False
 
@@ -61,7 +67,14 @@ Sink = Callable[[Event], None]
 @dataclass
 class _Stream:
     sink: Sink
+    text: RequestText | None = None  # the engine's text of the request (Engine.output_text)
     delivered: int = 0
+
+    def event(self, ids: list[int], start: int) -> Event:
+        """The event of tokens ids[start:] (with their texts)."""
+        new = list(ids[start:])
+        texts = self.text.deltas(start, start + len(new)) if self.text is not None else []
+        return Event(tokens=new, texts=texts)
 
 
 @dataclass
@@ -126,7 +139,7 @@ class EngineLoop:
         self._wake.set()
 
     def abort(self, rid: str) -> None:
-        """Stop a request (client gone, stop string seen); its pages are freed by the engine."""
+        """Stop a request (its client has gone); its pages are freed by the engine."""
         self._commands.put(("abort", rid))
         self._wake.set()
 
@@ -233,12 +246,12 @@ class EngineLoop:
             sink(Event(output=RequestOutput(rid, prompt_ids, [], "error", self.broken), server_error=True))
             return
         try:
-            self.engine.add_request(rid, prompt_ids, params)
+            self.engine.add_request(rid, prompt_ids, params, detokenize=self.engine.tokenizer is not None)
         except Exception as exc:  # noqa: BLE001 - this request only (a duplicate id, a bad value)
             self._unqueue()
             sink(Event(output=RequestOutput(rid, prompt_ids, [], "error", f"{type(exc).__name__}: {exc}")))
             return
-        self._streams[rid] = _Stream(sink)
+        self._streams[rid] = _Stream(sink, self.engine.output_text(rid))
         self._publish(unqueued=1)
 
     def _unqueue(self) -> None:
@@ -261,9 +274,8 @@ class EngineLoop:
             stream = self._streams.pop(out.request_id, None)
             if stream is None:
                 continue
-            new = out.token_ids[stream.delivered :]
-            if new:
-                stream.sink(Event(tokens=list(new)))
+            if len(out.token_ids) > stream.delivered:
+                stream.sink(stream.event(out.token_ids, stream.delivered))
             stream.sink(Event(output=out, server_error=server_error))
         if failed:  # the engine ended that step's requests itself and serves on
             with self._lock:
@@ -272,10 +284,10 @@ class EngineLoop:
             stream = self._streams.get(rid)
             if stream is None:
                 continue
-            new = ids[stream.delivered :]
-            if new:
-                stream.delivered += len(new)
-                stream.sink(Event(tokens=list(new)))
+            if len(ids) > stream.delivered:
+                event = stream.event(ids, stream.delivered)
+                stream.delivered = len(ids)
+                stream.sink(event)
         self._publish()
 
     def _fail_step(self, exc: Exception) -> None:

@@ -4,9 +4,11 @@ Every refusal is a `RequestError` with the HTTP status and a message that names 
 that a client sees why (a 400 with the reason) rather than a stack trace. Sampling values are
 checked by `SamplingParams` itself: the server accepts exactly what the offline API accepts.
 
-Stop strings are not an engine feature (the engine stops on token ids): `TextStream` decodes
-the tokens as they come, ends the text before the first stop string and holds back the tail
-that could still become one, so a streamed client never sees text a stop string later cuts.
+Stop strings are the engine's (`SamplingParams.stop`, engine/stop.py), as for the offline
+`LLM`: the engine decodes each request's tokens as they come, ends the request (finish_reason
+"stop", its pages freed) at the token that completes a stop string and cuts the text there; the
+text of each streamed token leaves out the tail that could still become one, so a streamed
+client never sees text a stop string later cuts. Here the `stop` field is only read and bounded.
 
 Bodies are untrusted: a field of the wrong type (a nested object included) is a 400 naming the
 field and what it takes, never an exception out of a handler; a value quoted back in a message
@@ -104,7 +106,7 @@ class Limits:
 
 
 MIN_CHARS_PER_TOKEN = 32
-# stop strings are matched against the text after every token, on the event loop: bounded
+# the engine matches stop strings against the text after every token, on its loop: bounded
 MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_IDS = 32, 256, 1024
 
 
@@ -166,11 +168,12 @@ def check_unsupported(body: Mapping[str, Any]) -> None:
             raise bad(f"{name}={show(value)} is not supported by this server", name)
 
 
-def sampling_params(body: Mapping[str, Any], default_max_tokens: int) -> tuple[SamplingParams, tuple[str, ...]]:
-    """The request's SamplingParams and stop strings. `stop` takes strings and token ids
-    (ints); `stop_token_ids` and `ignore_eos` are vLLM's extra fields; `sparse` (true, false,
-    or absent/null for the served config's rule by prompt length) is this server's own:
-    SamplingParams.sparse, the request's sparse or dense decoding."""
+def sampling_params(body: Mapping[str, Any], default_max_tokens: int) -> SamplingParams:
+    """The request's SamplingParams. `stop` takes strings (SamplingParams.stop) and token ids
+    (ints, with stop_token_ids); `stop_token_ids`, `ignore_eos` and `include_stop_str_in_output`
+    are vLLM's extra fields; `sparse` (true, false, or absent/null for the served config's rule
+    by prompt length) is this server's own: SamplingParams.sparse, the request's sparse or dense
+    decoding."""
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -198,7 +201,8 @@ def sampling_params(body: Mapping[str, Any], default_max_tokens: int) -> tuple[S
                   f"prompts shorter than its min_sparse_prompt_len decode densely), got {show(sparse)}", "sparse")
     tokens_field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     for name, allowed in ((tokens_field, "an integer"), ("temperature", "a number"), ("top_p", "a number"),
-                          ("top_k", "an integer"), ("seed", "an integer"), ("ignore_eos", "true or false")):
+                          ("top_k", "an integer"), ("seed", "an integer"), ("ignore_eos", "true or false"),
+                          ("include_stop_str_in_output", "true or false")):
         value = body.get(name)
         if value is None:
             continue
@@ -216,9 +220,11 @@ def sampling_params(body: Mapping[str, Any], default_max_tokens: int) -> tuple[S
         "stop_token_ids": tuple(ids + list(extra_ids)),
         "ignore_eos": _or(body.get("ignore_eos"), False),
         "sparse": sparse,
+        "stop": strings,
+        "include_stop_str_in_output": _or(body.get("include_stop_str_in_output"), False),
     }
     try:
-        return SamplingParams(**values), strings
+        return SamplingParams(**values)
     except ConfigError as exc:  # a value out of range: SamplingParams' own message names it
         name = re.match(r"SamplingParams\.(\w+)", str(exc))
         field = name and (tokens_field if name.group(1) == "max_tokens" else name.group(1))
@@ -302,56 +308,6 @@ def chat_text(body: Mapping[str, Any], tokenizer: Any, model: str, limits: Limit
         return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # noqa: BLE001 - the template's own refusal (roles out of order ...)
         raise bad(f"the chat template refused the messages: {str(exc)[:300]}", "messages") from None
-
-
-class TextStream:
-    """Incremental text of one request's tokens, cut at the first stop string.
-
-    `add(token)` returns the text that may be shown now (possibly ""), holding back an
-    incomplete UTF-8 character and any tail that could grow into a stop string; `stopped`
-    turns True at a stop string (text ends before it); `flush()` releases what was held at
-    the end. `num_tokens` counts the tokens taken, up to the one that completed a stop."""
-
-    def __init__(self, decode: Callable[[list[int]], str], stops: tuple[str, ...] = ()) -> None:
-        self._decode, self._stops = decode, stops
-        self._ids: list[int] = []
-        self._sent = ""
-        self.text = ""
-        self.stopped = False
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self._ids)
-
-    def add(self, token: int) -> str:
-        if self.stopped:
-            return ""
-        self._ids.append(token)
-        full = self._decode(self._ids)
-        cut = min((i for i in (full.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.stopped = True
-            self.text = full[:cut]
-            return self._emit(self.text)
-        self.text = full
-        hold = len(full) - len(full.rstrip("\ufffd"))  # a character still incomplete
-        for k in range(min(len(full), max((len(s) for s in self._stops), default=1) - 1), 0, -1):
-            if any(s.startswith(full[len(full) - k :]) for s in self._stops):
-                hold = max(hold, k)
-                break
-        return self._emit(full[: len(full) - hold])
-
-    def flush(self) -> str:
-        return self._emit(self.text)
-
-    def _emit(self, text: str) -> str:
-        delta = text[len(self._sent) :] if len(text) > len(self._sent) else ""
-        self._sent = text if len(text) > len(self._sent) else self._sent
-        return delta
-
-
-def finish_reason(engine_reason: str, stream: TextStream) -> str:
-    return "stop" if stream.stopped else engine_reason
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
