@@ -154,18 +154,6 @@ def used_tokens(m: dict[str, float]) -> float:
 
 
 # -- without a server ----------------------------------------------------------------------------
-def test_text_stream_holds_back_what_may_become_a_stop_string() -> None:
-    from sparse_framework.serve.protocol import TextStream
-
-    words = {1: "Hello", 2: " wor", 3: "ld", 4: " END", 5: "!"}
-    text = TextStream(lambda ids: "".join(words[i] for i in ids), stops=(" world",))
-    assert [text.add(t) for t in (1, 2)] == ["Hello", ""]  # " wor" may start " world"
-    assert text.add(3) == "" and text.stopped and text.text == "Hello" and text.num_tokens == 3
-    free = TextStream(lambda ids: "".join(words[i] for i in ids), stops=(" END!",))
-    assert [free.add(t) for t in (1, 2, 3, 4)] == ["Hello", " wor", "ld", ""]
-    assert free.flush() == " END" and not free.stopped
-
-
 def test_serve_help_explains_the_server() -> None:
     out = subprocess.run([sys.executable, "-m", "sparse_framework.cli.main", "serve", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
