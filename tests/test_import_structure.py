@@ -56,6 +56,13 @@ ALLOWED |= {
 }
 
 
+# the transformers integration's modules (integrations/transformers/), lowest first: each
+# imports only those before it ("" is the package's __init__, the public names), so no import
+# goes back up, and the package itself never imports mla: `enable` does, when it meets an MLA
+# config (enabling.family_enabler, inside the function)
+TRANSFORMERS_FLOORS = ["compat", "model_info", "attention", "cache", "generate", "handle", "mla", "enabling", ""]
+
+
 def module_name(path: Path) -> str:
     rel = path.relative_to(ROOT).with_suffix("")
     parts = list(rel.parts)
@@ -177,3 +184,19 @@ def test_only_the_cli_imports_the_server() -> None:
                    if part(target) == "serve" and part(mod) not in ("serve", "cli"))
     assert wrong == []
     assert "engine.engine" in graph["serve.loop"]
+
+
+def test_the_transformers_integration_imports_only_below_and_mla_lazily() -> None:
+    graph = import_graph()
+    pkg = "integrations.transformers"
+    floors = [f"{pkg}.{m}".rstrip(".") for m in TRANSFORMERS_FLOORS]
+    assert {m for m in graph if m == pkg or m.startswith(pkg + ".")} == set(floors)
+    wrong = sorted(f"{mod} -> {target}" for i, mod in enumerate(floors) for target in graph[mod]
+                   if target in floors[i:])
+    assert wrong == []
+    assert f"{pkg}.mla" not in graph[pkg]
+    importers = {mod for mod, targets in graph.items() if f"{pkg}.mla" in targets}
+    assert importers == {f"{pkg}.enabling"}
+    enabling = ast.parse((ROOT / "integrations" / "transformers" / "enabling.py").read_text())
+    top = {node.module for node in enabling.body if isinstance(node, ast.ImportFrom)}
+    assert "mla" not in top  # imported inside family_enabler, not when the package is

@@ -11,13 +11,15 @@ differently."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 tf = pytest.importorskip("sparse_framework.integrations.transformers")
-tm = pytest.importorskip("sparse_framework.integrations.transformers.mla")  # registers MLA models with enable
+tm = pytest.importorskip("sparse_framework.integrations.transformers.mla")
 from sparse_framework.common.errors import ConfigError  # noqa: E402
 
 # find_spec, not hasattr(transformers, ...): importing a model module here, at collection, makes
@@ -202,14 +204,6 @@ def test_forwards_without_a_sparse_cache_and_disable() -> None:
     assert model.config._attn_implementation == "sdpa"
 
 
-@needs_v32
-def test_mla_models_need_the_mla_module_registered(monkeypatch) -> None:
-    monkeypatch.delitem(tf.FAMILY_ENABLERS, "mla")
-    with pytest.raises(tf.UnsupportedModelError, match="import sparse_framework.integrations.transformers.mla"):
-        tf.enable(build(), dsa("bfloat16"))
-    assert torch.equal(model(ids).logits, before)
-
-
 def test_older_transformers_get_a_clear_error() -> None:
     with pytest.raises(ImportError, match=r"transformers >= 5\.24, found 4\.56\.2"):
         tm.check_mla_transformers_version("4.56.2")
@@ -233,11 +227,39 @@ def test_errors_are_clear() -> None:
     assert model.config._attn_implementation == "sdpa"
 
 
+FRESH = """
+import sys, torch
+import sparse_framework.integrations.transformers as tf
+from transformers.models.deepseek_v32 import DeepseekV32Config, DeepseekV32ForCausalLM
+
+MLA = "sparse_framework.integrations.transformers.mla"
+assert MLA not in sys.modules, "importing the integration imported its MLA module"
+torch.manual_seed(0)
+model = DeepseekV32ForCausalLM(DeepseekV32Config(**TINY)).eval()
+model.generation_config.pad_token_id = 0
+model.generation_config.eos_token_id = None
+ids = torch.randint(1, VOCAB, (1, 20), generator=torch.Generator().manual_seed(1))
+own = model.generate(ids, max_new_tokens=3, do_sample=False)
+with tf.sparse(model, CONFIG, max_requests=1, max_seq_len=MAX_LEN) as handle:
+    assert type(handle).__name__ == "MLAHandle" and MLA in sys.modules
+    ours = model.generate(ids, max_new_tokens=3, do_sample=False)
+assert handle.stats()["decode_steps"] == 2 and handle.stats()["read_fraction"] < 1
+assert torch.equal(ours, own), (ours, own)
+print("mla enabled fresh")
+"""
+
+
 @needs_v32
-def test_mla_models_need_the_mla_module_registered(monkeypatch) -> None:
-    monkeypatch.delitem(tf.FAMILY_ENABLERS, "mla")
-    with pytest.raises(tf.UnsupportedModelError, match="import sparse_framework.integrations.transformers.mla"):
-        tf.enable(build(), dsa("bfloat16"))
+def test_mla_models_enable_in_a_fresh_interpreter_that_never_imported_the_mla_module() -> None:
+    """`enable` imports the MLA module itself when it meets an MLA config: a fresh Python that
+    imports only the integration package (which does not import the MLA module) enables a tiny
+    DeepSeek-V3.2, decodes sparsely (index_topk 8 of 20-22 tokens) and equals the model's own
+    generate."""
+    script = (FRESH.replace("TINY", repr(TINY)).replace("CONFIG", repr(dsa("float32")))
+              .replace("VOCAB", str(VOCAB)).replace("MAX_LEN", str(MAX_LEN)))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert "mla enabled fresh" in done.stdout
 
 
 def test_topk_with_the_newest_scored_equals_plain_topk() -> None:

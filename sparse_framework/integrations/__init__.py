@@ -4,5 +4,5 @@ only when that module is imported:
     sparse_framework.integrations.transformers       Hugging Face transformers (`enable`, `sparse`),
                                                      a package: see its docstring
     sparse_framework.integrations.transformers.mla   MLA + DSA models (DeepSeek-V3.2, GLM-MoE-DSA):
-                                                     import it, then `enable` takes them
+                                                     `enable` imports it when it meets one
 """

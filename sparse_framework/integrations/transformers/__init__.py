@@ -103,7 +103,8 @@ The modules, each with the state it owns
   generate.py    the generate wrapper (no state of its own)
   handle.py      `SparseHandle`: per-model counters, stats, disable; model -> handle (`_ENABLED`)
   enabling.py    `enable` / `sparse`: builds the coordinator and the handle (no state)
-  mla.py         MLA + DSA models (DeepSeek-V3.2, GLM-MoE-DSA)
+  mla.py         MLA + DSA models (DeepSeek-V3.2, GLM-MoE-DSA): imported by `enable` when it
+                 meets an MLA config (`family_enabler`), not by importing the package
 """
 
 from __future__ import annotations
@@ -114,13 +115,12 @@ from .model_info import LayerMap, is_mla
 from .attention import sparse_attention_forward
 from .cache import AttentionEvent, SparseCache
 from .handle import SparseHandle
-from .enabling import FAMILY_ENABLERS, enable, sparse
+from .enabling import enable, family_enabler, sparse
 
 __all__ = [
     "MIN_TRANSFORMERS",
     "NAME",
     "AttentionEvent",
-    "FAMILY_ENABLERS",
     "LayerMap",
     "SparseCache",
     "SparseHandle",
@@ -128,6 +128,7 @@ __all__ = [
     "cache_kwarg",
     "check_transformers_version",
     "enable",
+    "family_enabler",
     "is_mla",
     "sparse",
     "sparse_attention_forward",

@@ -18,11 +18,6 @@ from .compat import UnsupportedModelError, check_transformers_version
 from .handle import _ENABLED, SparseHandle
 from .model_info import LayerMap, _text_config, _uncompiled, is_mla
 
-# model families served by modules above this one, which register here when imported (an
-# import from this module would be a circle): "mla" -> mla.enable_mla
-FAMILY_ENABLERS: dict[str, Callable[..., Any]] = {}
-
-
 def enable(
     model: Any,
     config: SparseConfig | dict[str, Any] | str | PathLike[str],
@@ -56,15 +51,11 @@ def enable(
     if model in _ENABLED:
         raise ValueError("sparse decode is already enabled on this model; disable its handle first")
     cfg = _text_config(model)
-    if is_mla(cfg):  # DeepSeek-V3.2 / GLM-MoE-DSA: latent cache, indexer inputs, absorbed decode
-        if "mla" not in FAMILY_ENABLERS:
-            raise UnsupportedModelError(
-                f"{type(model).__name__} is an MLA model: import sparse_framework.integrations.transformers.mla "
-                "first (it registers MLA + DSA models with enable)"
-            )
-        return FAMILY_ENABLERS["mla"](model, cfg, config, max_requests=max_requests, max_seq_len=max_seq_len,
-                                      device_capacity_tokens=device_capacity_tokens,
-                                      host_capacity_tokens=host_capacity_tokens, decode_graphs=decode_graphs)
+    family = family_enabler(cfg)
+    if family is not None:
+        return family(model, cfg, config, max_requests=max_requests, max_seq_len=max_seq_len,
+                      device_capacity_tokens=device_capacity_tokens, host_capacity_tokens=host_capacity_tokens,
+                      decode_graphs=decode_graphs)
     layers = LayerMap.of(cfg, max_seq_len)
     num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -97,3 +88,15 @@ def enable(
 
 
 sparse = enable  # `with sparse(model, config) as handle: ...` reads better in a with statement
+
+
+def family_enabler(cfg: Any) -> Callable[..., SparseHandle] | None:
+    """The `enable` of a model family that has a module of its own, imported here when the
+    first model of the family is enabled (no caller imports it first; importing the package
+    does not import it): MLA models (DeepSeek-V3.2 / GLM-MoE-DSA: latent cache, indexer
+    inputs, absorbed decode) -> mla.enable_mla. None for the models `enable` builds itself."""
+    if is_mla(cfg):
+        from .mla import enable_mla
+
+        return enable_mla
+    return None

@@ -1,8 +1,7 @@
 """MLA models with DSA's lightning indexer in the transformers integration: DeepSeek-V3.2
 (`DeepseekV32ForCausalLM`) and GLM-MoE-DSA (`GlmMoeDsaForCausalLM`), transformers >= 5.24.
 
-    import sparse_framework.integrations.transformers.mla  # registers MLA + DSA models with enable
-    from sparse_framework.integrations.transformers import sparse
+    from sparse_framework.integrations.transformers import sparse  # imports this module at an MLA model's enable
 
     cfg = {"algorithm": "dsa", "top_k": 2048, "sink_tokens": 0, "recent_tokens": 0,
            "extra": {"index_heads": 64, "index_dim": 128, "key_dtype": "bfloat16", "score_newest": True}}
@@ -74,7 +73,6 @@ from ...coordinator.core import SparseCoordinator
 from ..index_mask import fold_indices
 from .cache import AttentionEvent, SparseCache
 from .compat import UnsupportedModelError
-from .enabling import FAMILY_ENABLERS
 from .handle import SparseHandle
 
 MIN_MLA_TRANSFORMERS = "5.24"
@@ -100,8 +98,9 @@ def check_mla_transformers_version(version: str | None = None) -> None:
 
 
 def enable_mla(model: Any, cfg: Any, config: Any, **sizes: Any) -> MLAHandle:
-    """`enable` for an MLA model (enabling.enable dispatches here): the latent layout, a
-    coordinator, and a handle whose caches drive the absorbed decode (module docstring)."""
+    """`enable` for an MLA model (enabling.enable imports this module and dispatches here):
+    the latent layout, a coordinator, and a handle whose caches drive the absorbed decode
+    (module docstring)."""
     check_mla_transformers_version()
     name = type(model).__name__
     modules = _attention_modules(model)
@@ -358,5 +357,3 @@ def expand_values(module: Any, attended: torch.Tensor) -> torch.Tensor:
     _, w_uv = _kv_b(module)
     return torch.einsum("bhl,hvl->bhv", attended.to(w_uv.dtype), w_uv)
 
-
-FAMILY_ENABLERS["mla"] = enable_mla  # enabling.enable dispatches MLA models here
