@@ -237,12 +237,16 @@ def run_perf(llm: Any, SamplingParams: Any, spec: dict[str, Any], plugin: Report
     for cell in spec["cells"]:
         ctx, batch = cell["context"], cell["batch"]
         rng = random.Random(ctx * 1000 + batch)
-        prompts = [{"prompt_token_ids": [rng.randrange(1000, 128000) for _ in range(ctx)]} for _ in range(batch)]
 
-        def timed(tokens: int) -> float:
+        def fresh() -> list[dict[str, Any]]:
+            return [{"prompt_token_ids": [rng.randrange(1000, 128000) for _ in range(ctx)]} for _ in range(batch)]
+
+        prompts = fresh()
+
+        def timed(tokens: int, batch_prompts: list[dict[str, Any]] | None = None) -> float:
             params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, detokenize=False)
             start = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
+            llm.generate(batch_prompts or prompts, params, use_tqdm=False)
             return time.perf_counter() - start
 
         warm = [timed(1), timed(n + 1)]
@@ -252,8 +256,12 @@ def run_perf(llm: Any, SamplingParams: Any, spec: dict[str, Any], plugin: Report
             if r == spec["repeats"] - 1:
                 plugin.reset_stats()
             many.append(timed(n + 1))
+        stats = plugin.stats()
+        # prefill: a generate of 1 token over prompts never seen (prefix caching keeps the timed
+        # ones above cached, which is what makes their difference a pure decode figure)
+        prefill = [timed(1, fresh()) for _ in range(spec.get("prefill_repeats", 0))]
         cells.append({"context": ctx, "batch": batch, "output_len": n, "warm_s": warm, "t1_s": one,
-                      "tn_s": many, "stats_last": plugin.stats()})
+                      "tn_s": many, "prefill_s": prefill, "stats_last": stats})
     return {"cells": cells}
 
 
@@ -433,7 +441,8 @@ def perf(args: argparse.Namespace, runner: Runner) -> dict[str, Any]:
                "max_model_len": max(contexts) + args.output_len + 16, "max_num_seqs": max(batches),
                "gpu_memory_utilization": args.gpu_memory_utilization, "enable_prefix_caching": True, "seed": 0,
                "enforce_eager": args.eager, "tensor_parallel_size": args.tensor_parallel_size, **extra}
-        spec = {"task": "perf", "llm": llm, "cells": cells, "output_len": args.output_len, "repeats": args.repeats}
+        spec = {"task": "perf", "llm": llm, "cells": cells, "output_len": args.output_len, "repeats": args.repeats,
+                "prefill_repeats": args.prefill_repeats}
         result = runner.run(f"perf-{name}", spec, sparse)
         out["configs"][name] = {k: v for k, v in result.items() if k != "cells"}
         engine = result.get("engine", {})
@@ -545,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
     pf.add_argument("--top-k", type=int, default=2048)
     pf.add_argument("--output-len", type=int, default=64)
     pf.add_argument("--repeats", type=int, default=3)
+    pf.add_argument("--prefill-repeats", type=int, default=0,
+                    help="generates of 1 token over fresh prompts per cell: the prefill (median; default 0)")
     pf.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     pf.add_argument("--eager", action="store_true", help="enforce_eager for every config")
     ru = sub.add_parser("ruler", help="SmolLM2 on a small RULER slice: dense vs plugin")

@@ -139,3 +139,32 @@ def test_auto_takes_sdpa_for_whole_prompts_and_varlen_for_later_chunks(monkeypat
     label, every = pa.choose("flash_attn", cuda, torch.bfloat16)
     every(q[:4], k[:4], v[:4])
     assert label == "flash-attn 9" and len(fake.calls) == 2
+
+
+def test_vllm_fa3_is_found_last_and_pinned_to_version_3(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without flash-attn, an installed vLLM's FlashAttention 3 serves (pinned to fa_version 3:
+    its default, 2, may be missing from vLLM's Hopper builds); without FA3 support, the reason
+    lands in the message, and SDPA stays."""
+    import sys
+    import types
+
+    calls: list[dict] = []
+    fake = types.ModuleType("vllm.vllm_flash_attn")
+    fake.is_fa_version_supported = lambda version: version == 3
+    fake.fa_version_unsupported_reason = lambda version: "not Hopper"
+    fake.flash_attn_varlen_func = lambda *a, **kw: calls.append(kw) or "out"
+    for name in ("flash_attn.cute", "flash_attn_interface", "flash_attn"):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", fake)
+    pa.find_varlen.cache_clear()
+    try:
+        label, fn = pa.find_varlen()
+        assert label == "vLLM's flash-attn 3"
+        assert fn(cu_seqlens_q=None) == "out" and calls == [{"cu_seqlens_q": None, "fa_version": 3}]
+        pa.find_varlen.cache_clear()
+        fake.is_fa_version_supported = lambda version: False
+        why = pa.find_varlen()
+        assert isinstance(why, str) and "not Hopper" in why and "flash_attn_interface" in why
+    finally:
+        pa.find_varlen.cache_clear()

@@ -23,11 +23,15 @@ Which library, first found first:
   flash-attn 4  `flash_attn.cute.flash_attn_varlen_func` (returns (out, lse))
   flash-attn 3  `flash_attn_interface.flash_attn_varlen_func` (the `hopper/` build)
   flash-attn 2  `flash_attn.flash_attn_varlen_func`
+  vLLM's FA3    `vllm.vllm_flash_attn.flash_attn_varlen_func(..., fa_version=3)`: where vLLM is
+                installed beside the engine (its wheel carries a FlashAttention 3 build for
+                Hopper), a user has the fast path without building flash-attn
 Each needs CUDA and fp16/bf16; anything else (the CPU, float32) takes SDPA.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import math
@@ -63,7 +67,20 @@ def find_varlen() -> tuple[str, Callable[..., Any]] | str:
             reasons.append(f"{module}: {type(exc).__name__}: {exc}".splitlines()[0])
             continue
         return label, fn
+    try:
+        return "vLLM's flash-attn 3", _vllm_fa3()
+    except Exception as exc:  # no vLLM, or a vLLM without FA3 for this GPU
+        reasons.append(f"vllm.vllm_flash_attn: {type(exc).__name__}: {exc}".splitlines()[0])
     return "no flash-attn with a varlen kernel is installed (" + "; ".join(reasons) + f"); {INSTALL}"
+
+
+def _vllm_fa3() -> Callable[..., Any]:
+    """vLLM's FlashAttention 3 varlen function, pinned to version 3 (its default is 2, whose
+    build vLLM's Hopper bundles may leave out)."""
+    module = importlib.import_module("vllm.vllm_flash_attn")
+    if not module.is_fa_version_supported(3):
+        raise ImportError(f"FA3 unsupported here: {module.fa_version_unsupported_reason(3)}")
+    return functools.partial(module.flash_attn_varlen_func, fa_version=3)
 
 
 def choose(mode: str, device: torch.device, dtype: torch.dtype) -> tuple[str, ChunkAttention]:
