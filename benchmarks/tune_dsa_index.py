@@ -48,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     timer = Timer(torch.device("cuda"), 5, args.iters, True)
     floor = b * n * (d + 4 * d // dsa.FP8_BLOCK) / HBM_GBPS / 1e3
 
-    def run() -> torch.Tensor:
-        return sc.dsa_index_scores_fp8q_triton(q, w, bits, scale, slots, n, pow2_scales=True)
+    def run(tuning: dict[str, int] | None = None, fp8_dot: str | None = None) -> torch.Tensor:
+        return sc.dsa_index_scores_fp8q_triton(q, w, bits, scale, slots, n, pow2_scales=True, tuning=tuning,
+                                               fp8_dot=fp8_dot)
 
     rows = []
     def ints(text: str) -> list[int]:
@@ -57,18 +58,16 @@ def main(argv: list[str] | None = None) -> int:
 
     for bn, steps, stages, warps in itertools.product(ints(args.block_n), ints(args.steps), ints(args.stages),
                                                       ints(args.warps)):
-        dsa.DSA_TUNING["fp8q"] = {"block_n": bn, "steps": steps, "stages": stages, "warps": warps}
-        err = float(((run() - ref).abs().max() / ref.abs().max()).item())
-        us = timer(run)
-        rows.append({**dsa.DSA_TUNING["fp8q"], "us": us, "floor_us": floor, "rel_err": err})
+        tuning = {"block_n": bn, "steps": steps, "stages": stages, "warps": warps}
+        err = float(((run(tuning) - ref).abs().max() / ref.abs().max()).item())
+        us = timer(lambda tuning=tuning: run(tuning))
+        rows.append({**tuning, "us": us, "floor_us": floor, "rel_err": err})
         print(f"block_n {bn:>3} steps {steps} stages {stages} warps {warps}: {us:7.1f} us (floor {floor:.1f}) "
               f"rel err {err:.1e}", flush=True)
     best = min(rows, key=lambda r: r["us"])
-    dsa.DSA_TUNING["fp8q"] = {k: best[k] for k in ("block_n", "steps", "stages", "warps")}
-    saved, dsa.FP8_DOT = dsa.FP8_DOT, "off"
-    no_dot = timer(run)
-    dsa.FP8_DOT = saved  # a caller sweeping on (tests, other sweeps) keeps its setting
-    print(f"best {dsa.DSA_TUNING['fp8q']}: {best['us']:.1f} us; with the FP8 dot off: {no_dot:.1f} us")
+    best_tuning = {k: best[k] for k in ("block_n", "steps", "stages", "warps")}
+    no_dot = timer(lambda: run(best_tuning, fp8_dot="off"))
+    print(f"best {best_tuning}: {best['us']:.1f} us; with the FP8 dot off: {no_dot:.1f} us")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "sweep": rows, "best": best, "best_without_fp8_dot_us": no_dot}, f, indent=2)

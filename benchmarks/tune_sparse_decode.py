@@ -12,6 +12,7 @@ and checked against the default shape's output.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import random
@@ -23,7 +24,9 @@ from decode_layer import HBM_GBPS, Cell
 from sparse_framework.kernels import sparse_decode as sd
 from timing import FLUSH_MODES, Timer
 
-KNOBS = ("TARGET_WARPS_PER_SM", "MAX_BLOCK_N", "NUM_STAGES", "WARPS_OVERRIDE", "KV_TILE_BYTES")
+# the swept knobs: their names in the results (the module constants) -> `sd.DecodeShape`'s fields
+KNOBS = {"TARGET_WARPS_PER_SM": "target_warps_per_sm", "MAX_BLOCK_N": "max_block_n", "NUM_STAGES": "num_stages",
+         "WARPS_OVERRIDE": "warps", "KV_TILE_BYTES": "kv_tile_bytes"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         print("tune_sparse_decode.py needs a CUDA device", file=sys.stderr)
         return 2
     timer = Timer(torch.device("cuda"), 5, args.iters, args.flush)
-    default = {k: getattr(sd, k) for k in KNOBS}
+    base = sd.default_shape()
+    default = {name: getattr(base, field) for name, field in KNOBS.items()}
     result: dict = {"device": torch.cuda.get_device_name(), "default": default, "l2_flush": args.flush, "cells": {}}
     for spec in args.cells.split(","):
         shape, algo = spec.split(":")
@@ -66,17 +70,17 @@ def main(argv: list[str] | None = None) -> int:
             for s in shapes:
                 if s in errors:
                     continue
-                sd.TARGET_WARPS_PER_SM, sd.MAX_BLOCK_N, sd.NUM_STAGES, sd.WARPS_OVERRIDE = s
-                sd.KV_TILE_BYTES = 1 << 30  # let MAX_BLOCK_N decide
+                target, block_n, stages, warps = s
+                shape = dataclasses.replace(base, target_warps_per_sm=target, max_block_n=block_n, num_stages=stages,
+                                            warps=warps, kv_tile_bytes=1 << 30)  # let max_block_n decide
                 try:
-                    err = float((run().float() - ref).norm() / ref.norm())
-                    us = timer.graph(run)
+                    with sd.launch_shape(shape):  # the backend's calls inside (it passes no shape)
+                        err = float((run().float() - ref).norm() / ref.norm())
+                        us = timer.graph(run)
                 except Exception as exc:  # out of shared memory / registers for this shape
                     errors[s] = str(exc).splitlines()[0][:120]
                     continue
                 times[s].append(us if err < 1e-2 else float("nan"))
-        for k, v in default.items():
-            setattr(sd, k, v)
         rows = [{"target_warps_per_sm": s[0], "block_n": s[1], "stages": s[2], "warps": s[3], "us": t,
                  "error": errors.get(s)} for s, t in sorted(times.items())]
         ok = [r for r in rows if len(r["us"]) == 2]

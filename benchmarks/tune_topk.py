@@ -5,8 +5,8 @@ both from decode_layer.py's cells. Every shape is timed twice, in two sweeps of 
 order, as CUDA-graph replays (medians of CUDA events after warm-up), and checked against the
 default shape's selection. Also prints each kernel's GPU time for the default shape
 (torch.profiler), so the passes can be compared. The sweep runs the five kernels
-(`topk.FUSED = "off"`); the default shape is then timed both ways: five kernels, and one
-cooperative kernel where its programs fit on the GPU at once (`FUSED = "auto"`).
+(`fused="off"`); the default shape is then timed both ways: five kernels, and one
+cooperative kernel where its programs fit on the GPU at once (`fused="auto"`).
 
     python benchmarks/tune_topk.py --json benchmarks/results/tune_topk_h100.json
     python benchmarks/tune_topk.py --no-sweep            # only the default shape, fused or not
@@ -74,12 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     for algo in ("dsa", "quest"):
         scores, lens, kw = _case(algo, args.context, args.batch)
 
-        def run() -> object:
-            return tk.topk_selection_triton(scores, lens, **kw)
+        def run(block: int | None = None, warps: int | None = None, fused: str = "off") -> object:
+            return tk.topk_selection_triton(scores, lens, **kw, block=block, warps=warps, fused=fused)
 
-        tk.FUSED = "off"
         ref = run()
-        default = (tk.BLOCK_OVERRIDE, tk.WARPS_OVERRIDE)
         rows_n, n_units = scores.shape[0] * scores.shape[1], scores.shape[2]
         per_kernel = _per_kernel(run)
         print(f"== {algo}: scores {tuple(scores.shape)}, default block {tk._block(rows_n, n_units)}", flush=True)
@@ -91,17 +89,14 @@ def main(argv: list[str] | None = None) -> int:
         for sweep in range(2):
             random.Random(sweep).shuffle(shapes)
             for bl, w in shapes:
-                tk.BLOCK_OVERRIDE, tk.WARPS_OVERRIDE = bl, w
-                sel = run()
+                sel = run(bl, w)
                 same = bool(torch.equal(sel.indices, ref.indices) and torch.equal(sel.lengths, ref.lengths))
-                us = timer.graph(run)
+                us = timer.graph(lambda bl=bl, w=w: run(bl, w))
                 times[(bl, w)].append(us if same else float("nan"))
-        tk.BLOCK_OVERRIDE, tk.WARPS_OVERRIDE = default
         default_us = timer.graph(run)
-        tk.FUSED = "auto"
-        fused = run()
+        fused = run(fused="auto")
         assert torch.equal(fused.indices, ref.indices) and torch.equal(fused.lengths, ref.lengths), "fused != five kernels"
-        fused_us = timer.graph(run)
+        fused_us = timer.graph(lambda: run(fused="auto"))
         key = next((k for k in tk._FUSED_SHAPES if k[1:3] == (rows_n, n_units)), None)
         fused_shape = tk._FUSED_SHAPES.get(key) if key else None
         rows = [{"block": bl, "warps": w, "us": t} for (bl, w), t in sorted(times.items())]

@@ -35,7 +35,7 @@ __all__ = ["paged_slots_rows_triton", "write_token_rows_triton", "page_table_tri
            "write_new_rows_triton"]
 
 
-SLOTS_PROGRAMS = 256  # paged_slots_kernel's grid aims at this many programs
+SLOTS_PROGRAMS = 256  # paged_slots_kernel's grid aims at this many programs (`programs=`'s default)
 
 
 def _launchable(*tensors: torch.Tensor) -> None:
@@ -66,10 +66,11 @@ def paged_slots_kernel(
 
 
 def paged_slots_rows_triton(
-    table: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, page_size: int, dtype: torch.dtype = torch.int64
+    table: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor, page_size: int, dtype: torch.dtype = torch.int64,
+    *, programs: int = SLOTS_PROGRAMS,
 ) -> torch.Tensor:
     """`paged_slots_rows` in one kernel. Positions whose page is unmapped (or beyond
-    the table) give -1 instead of an undefined slot."""
+    the table) give -1 instead of an undefined slot. `programs`: the grid aimed at."""
     _launchable(table, rows, pos)
     b = pos.shape[0]
     flat = pos.reshape(b, -1)
@@ -79,7 +80,7 @@ def paged_slots_rows_triton(
     out = torch.empty((b, n), dtype=dtype, device=pos.device)
     if out.numel():
         # small blocks: the kernel is a chain of dependent loads, so many programs hide it
-        block = max(64, min(1024, pow2(cdiv(b * n, SLOTS_PROGRAMS))))
+        block = max(64, min(1024, pow2(cdiv(b * n, programs))))
         use_pdl = pdl.enabled(pos.device)
         launch(paged_slots_kernel, (b, cdiv(n, block)),
             table, rows, flat, out, n, table.shape[1], table.stride(0), P=page_size, BLOCK=block, PDL=use_pdl,

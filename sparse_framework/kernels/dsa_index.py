@@ -10,8 +10,8 @@ result of its torch reference in `kernels/reference_scores.py`:
 Its own module, apart from the other algorithms' scoring (`kernels/scoring.py`, which
 re-exports these functions beside their torch twins), because it is the one family with fp8
 keys: their decoding, the in-kernel query quantisation and its rounding, the fp8 dot and the
-launch shapes tuned for them. The launch shapes and fp8 switches below are module
-attributes of this module: tests and benchmarks change them here.
+launch shapes tuned for them. The launch shapes and the fp8 dot switch are arguments of the
+launchers (`tuning=`, `min_programs=`, `fp8_dot=`), by default the module constants below.
 
 fp8 keys are stored as uint8 bit patterns of float8_e4m3fn with one float32 scale per 128
 values (`quantize_fp8_blocks`); the kernel decodes them with Triton's fp8e4nv conversion
@@ -29,6 +29,8 @@ Measured times: docs/algorithms.md (benchmarks/selection.py).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import triton
 import triton.language as tl
@@ -42,7 +44,7 @@ from .reference_scores import FP8_BLOCK, _check_dsa, _check_dsa_fp8q, _check_pre
 
 __all__ = ["dsa_index_scores_triton", "dsa_index_scores_fp8q_triton", "dsa_prefill_index_scores_triton"]
 
-# launch shapes (module attributes, so that tests and benchmarks can change them)
+# launch shapes (the defaults of the launchers' `tuning` and `min_programs` arguments)
 # DSA, per variant: tokens per block, blocks per program (one pipelined loop over them: the
 # program's setup, for "fp8q" the query quantisation, is shared by all), its pipeline stages,
 # warps. "16bit": bf16/fp16/float32 keys; "fp8": fp8 keys, the queries as given; "fp8q": fp8
@@ -237,9 +239,12 @@ def _dsa_launch(
     index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, k_scale: torch.Tensor | None,
     slot_ids: torch.Tensor, n: int, b: int, h: int, di: int, quantize: bool, pow2_scales: bool,
     first_pass: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
+    tuning: Mapping[str, int] | None = None, min_programs: int | None = None, fp8_dot: str | None = None,
 ) -> torch.Tensor:
     """Launch `dsa_index_kernel` on checked arguments (quantize: fp8 keys, raw queries;
-    first_pass: (hist, seq_lens, sink, recent) for top-k's pass 1, see the kernel)."""
+    first_pass: (hist, seq_lens, sink, recent) for top-k's pass 1, see the kernel). The launch
+    shape: `tuning` (block_n, steps, stages, warps; default the variant's DSA_TUNING entry),
+    `min_programs` (default DSA_MIN_PROGRAMS), `fp8_dot` (default FP8_DOT)."""
     fp8 = k_scale is not None
     _launchable(index_q, weights, index_k, slot_ids, *([k_scale] if fp8 else []))
     out = torch.empty(b, n, dtype=torch.float32, device=index_q.device)
@@ -247,13 +252,15 @@ def _dsa_launch(
         return out
     scale = k_scale if fp8 else weights  # any tensor: unused without fp8
     native = fp8 and _fp8_native(index_q.device)
-    fp8_dot = quantize and native and (FP8_DOT == "on" or (FP8_DOT == "auto" and not _interpreted()))
+    fp8_dot = FP8_DOT if fp8_dot is None else fp8_dot
+    fp8_dot = quantize and native and (fp8_dot == "on" or (fp8_dot == "auto" and not _interpreted()))
     # quantised queries meet the keys as e4m3 values, exact in float16 where no fp8 dot is used
     mode, kdt = _dot_mode(torch.float16 if quantize else index_q.dtype, index_k.dtype)
-    tune = DSA_TUNING["fp8q" if quantize else "fp8" if fp8 else "16bit"]
+    tune = DSA_TUNING["fp8q" if quantize else "fp8" if fp8 else "16bit"] if tuning is None else tuning
+    min_programs = DSA_MIN_PROGRAMS if min_programs is None else min_programs
     block_n = tune["block_n"]
     blocks = cdiv(n, block_n)  # per row
-    steps = max(1, min(tune["steps"], blocks, cdiv(b * blocks, DSA_MIN_PROGRAMS)))
+    steps = max(1, min(tune["steps"], blocks, cdiv(b * blocks, min_programs)))
     grid = (b, cdiv(n, block_n * steps))
     hist, lens, sink, recent = first_pass if first_pass is not None else (out, slot_ids, 0, 0)
     use_pdl = pdl.enabled(index_q.device)
@@ -272,18 +279,21 @@ def _dsa_launch(
 
 def dsa_index_scores_triton(
     index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, k_scale: torch.Tensor | None,
-    slot_ids: torch.Tensor, n: int,
+    slot_ids: torch.Tensor, n: int, *, tuning: Mapping[str, int] | None = None, min_programs: int | None = None,
 ) -> torch.Tensor:
     """Triton version of `dsa_index_scores_torch`: per (row, block of tokens) the [H, Di] x
-    [Di, BLOCK_N] dot, per 128-value block scaled for fp8 keys, ReLU, weighted head sum."""
+    [Di, BLOCK_N] dot, per 128-value block scaled for fp8 keys, ReLU, weighted head sum.
+    `tuning`, `min_programs`: the launch shape (`_dsa_launch`)."""
     b, h, di, _ = _check_dsa(index_q, weights, index_k, k_scale, slot_ids, n)
-    return _dsa_launch(index_q, weights, index_k, k_scale, slot_ids, n, b, h, di, quantize=False, pow2_scales=False)
+    return _dsa_launch(index_q, weights, index_k, k_scale, slot_ids, n, b, h, di, quantize=False, pow2_scales=False,
+                       tuning=tuning, min_programs=min_programs)
 
 
 def dsa_index_scores_fp8q_triton(
     index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, k_scale: torch.Tensor,
     slot_ids: torch.Tensor, n: int, pow2_scales: bool = True,
     first_pass: tuple[torch.Tensor, torch.Tensor, int, int] | None = None,
+    *, tuning: Mapping[str, int] | None = None, min_programs: int | None = None, fp8_dot: str | None = None,
 ) -> torch.Tensor:
     """Triton version of `dsa_index_scores_fp8q_torch` in one kernel: each program quantises
     its row's raw queries (any float dtype; weights too) like `quantize_fp8_blocks`, then
@@ -291,7 +301,10 @@ def dsa_index_scores_fp8q_triton(
 
     first_pass: (hist, seq_lens, sink_tokens, recent_tokens): also do the first radix pass of
     the top-k over these scores into hist (`topk.first_pass_buffer(B, device)`), for
-    `topk_selection_triton(..., first_pass=hist)` with the same seq_lens and window."""
+    `topk_selection_triton(..., first_pass=hist)` with the same seq_lens and window.
+
+    The launch shape: `tuning` (block_n, steps, stages, warps: DSA_TUNING["fp8q"]'s keys),
+    `min_programs`, and `fp8_dot` ("auto", "on", "off"); None: the module constants."""
     b, h, di = _check_dsa_fp8q(index_q, weights, index_k, k_scale, slot_ids, n)
     if first_pass is not None:
         hist, lens, sink, recent = first_pass
@@ -301,7 +314,7 @@ def dsa_index_scores_fp8q_triton(
                              f"got {tuple(lens.shape)} on {lens.device}")
         first_pass = (hist, lens, *window(sink, recent))
     return _dsa_launch(index_q, weights, index_k, k_scale, slot_ids, n, b, h, di, quantize=True, pow2_scales=pow2_scales,
-                       first_pass=first_pass)
+                       first_pass=first_pass, tuning=tuning, min_programs=min_programs, fp8_dot=fp8_dot)
 
 
 # -- DSA at prefill ----------------------------------------------------------------------------
@@ -336,18 +349,21 @@ def dsa_prefill_index_kernel(
     tl.store(out_ptr + i[:, None].to(tl.int64) * m + t[None, :], acc, mask=i_ok[:, None] & (t[None, :] < m))
 
 
-def dsa_prefill_index_scores_triton(index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor) -> torch.Tensor:
+def dsa_prefill_index_scores_triton(
+    index_q: torch.Tensor, weights: torch.Tensor, index_k: torch.Tensor, *, tuning: Mapping[str, int] | None = None,
+) -> torch.Tensor:
     """Triton version of `dsa_prefill_index_scores_torch`: index_q [n, H, Di], weights [n, H],
     index_k [m, Di] (the model's keys: bf16/fp16/float32) -> float32 [n, m]. 16-bit operands
     of one dtype multiply exactly on tensor cores with float32 sums (only the order of the
-    sums differs from torch's float32); float32 ones by the `_dot_mode` rules."""
+    sums differs from torch's float32); float32 ones by the `_dot_mode` rules. `tuning`:
+    block_q, block_n, warps (default DSA_PREFILL_TUNING)."""
     n, h, di, m = _check_prefill_index(index_q, weights, index_k)
     _launchable(index_q, weights, index_k)
     out = torch.empty(n, m, dtype=torch.float32, device=index_q.device)
     if out.numel() == 0:
         return out
     mode, kdt = _dot_mode(index_q.dtype, index_k.dtype)
-    tune = DSA_PREFILL_TUNING
+    tune = DSA_PREFILL_TUNING if tuning is None else tuning
     grid = (cdiv(m, tune["block_n"]), cdiv(n, tune["block_q"]))
     launch(dsa_prefill_index_kernel, grid, index_q, weights, index_k, out, n, m, h,
            *index_q.stride(), *weights.stride(), *index_k.stride(),

@@ -36,14 +36,18 @@ entries past ceil(length / P), indices of -1) are masked at the load, never read
 they hold (NaN included) cannot leak. Row numbers and page numbers that are read are trusted
 (not bounds-checked: that would cost a host sync).
 
-Launch shapes (module attributes, so that tests and benchmarks can change them): see
-`_tiles` and `choose_num_splits`. They are first choices for an H100, not tuned on one yet.
+Launch shapes: see `_tiles` and `choose_num_splits`; a `DecodeShape` passed as `shape=`
+(or scoped with `launch_shape`), by default the module constants below. They are first choices for an H100, not tuned on one yet.
 On the CPU the kernels run only under TRITON_INTERPRET=1 (tests); set it before this module is
 imported.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -60,7 +64,8 @@ try:  # raised at launch when a kernel needs more shared memory than the GPU has
 except ImportError:  # pragma: no cover - older Triton
     from triton.runtime.autotuner import OutOfResources
 
-__all__ = ["paged_decode", "sparse_mla_decode", "indexed_decode", "choose_num_splits"]
+__all__ = ["paged_decode", "sparse_mla_decode", "indexed_decode", "choose_num_splits", "DecodeShape", "default_shape",
+           "launch_shape"]
 
 MAX_BLOCK_M = 64  # query rows (GQA heads x query tokens, or MLA heads) per program
 MAX_BLOCK_N = 64  # tokens per step of the loop
@@ -72,8 +77,54 @@ Q_TILE_BYTES = 72 * 1024  # the program's query rows, [BLOCK_M, head dim]
 NUM_STAGES = 2  # software-pipelining depth of the token loop
 TARGET_WARPS_PER_SM = 8  # split until the grid gives every SM about this many warps
 MAX_SPLITS = 64
-WARPS_OVERRIDE: int | None = None  # warps per program instead of _tiles' choice (benchmarks/tune_sparse_decode.py)
+WARPS_OVERRIDE: int | None = None  # warps per program instead of _tiles' choice
 DEFAULT_NUM_SMS = 132  # an H100 SXM; used where there is no GPU to ask (the interpreter)
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """The launch shape of the decode kernels, passed per call (`shape=`) or for a block of
+    calls that go through the backend (`launch_shape`); fields as the module constants of the
+    same names, which give `default_shape()`."""
+
+    max_block_m: int
+    max_block_n: int
+    kv_tile_bytes: int
+    q_tile_bytes: int
+    num_stages: int
+    target_warps_per_sm: int
+    max_splits: int
+    warps: int | None = None  # warps per program instead of _tiles' choice
+
+
+_SCOPED: ContextVar[DecodeShape | None] = ContextVar("sparse_decode_shape", default=None)
+_DEFAULT: tuple[tuple, DecodeShape] = ((), DecodeShape(0, 0, 0, 0, 0, 0, 0))  # (the constants, their shape)
+
+
+def default_shape() -> DecodeShape:
+    """The shape calls without `shape=` use: `launch_shape`'s inside one, else the module
+    constants (MAX_BLOCK_M, ..., WARPS_OVERRIDE) as they are now."""
+    global _DEFAULT
+    scoped = _SCOPED.get()
+    if scoped is not None:
+        return scoped
+    values = (MAX_BLOCK_M, MAX_BLOCK_N, KV_TILE_BYTES, Q_TILE_BYTES, NUM_STAGES, TARGET_WARPS_PER_SM, MAX_SPLITS,
+              WARPS_OVERRIDE)
+    if _DEFAULT[0] != values:  # built once, not per call (the eager decode path counts microseconds)
+        _DEFAULT = (values, DecodeShape(*values))
+    return _DEFAULT[1]
+
+
+
+@contextmanager
+def launch_shape(shape: DecodeShape) -> Iterator[DecodeShape]:
+    """Decode calls in this block (in this thread / context) that pass no `shape=` use `shape`:
+    for callers that reach the kernels through a backend (benchmarks/tune_sparse_decode.py)."""
+    token = _SCOPED.set(shape)
+    try:
+        yield shape
+    finally:
+        _SCOPED.reset(token)
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FITTING_TILE: dict[tuple, int] = {}  # launch shape -> the KV tile bytes that fit this GPU (see _launch)
@@ -257,11 +308,11 @@ def _num_sms(device: torch.device) -> int:
 
 def _tiles(
     rows: int, d: int, dv: int, q_bytes: int = 2, kv_bytes: int = 2, v_shares_k: bool = False,
-    tile_bytes: int | None = None,
+    tile_bytes: int | None = None, shape: DecodeShape | None = None,
 ) -> tuple[int, int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_DA, BLOCK_DB, BLOCK_DV, num_warps) for `rows` query rows per KV
     head, head dims d (K) and dv (V), element sizes of q and of the caches, and whether V is a
-    view of K's first dims.
+    view of K's first dims; the limits below are `shape`'s fields (default `default_shape()`).
 
     BLOCK_DA is the largest power of two <= d (at least 16, the MMA depth) and BLOCK_DB the
     rest padded to a power of two (0 when d is one): 128 -> 128 + 0, 576 -> 512 + 64,
@@ -272,21 +323,23 @@ def _tiles(
     BLOCK_M: the GQA rows padded to 16, at most MAX_BLOCK_M and Q_TILE_BYTES of queries
     (64 MLA heads in bf16, 32 in float32). Eight warps when the float32 accumulator has 16K
     elements or more (64 MLA heads x 512: 128 registers a thread), else four."""
+    shape = default_shape() if shape is None else shape
     block_da, block_db = _head_chunks(d)
     block_dv = _pow2(dv, 16)
     token_bytes = _token_bytes(d, dv, kv_bytes, v_shares_k)
-    block_n = MAX_BLOCK_N
-    while block_n > 16 and block_n * token_bytes > (KV_TILE_BYTES if tile_bytes is None else tile_bytes):
+    block_n = shape.max_block_n
+    while block_n > 16 and block_n * token_bytes > (shape.kv_tile_bytes if tile_bytes is None else tile_bytes):
         block_n //= 2
-    block_m = min(MAX_BLOCK_M, _pow2(rows, 16))
-    while block_m > 16 and block_m * (block_da + block_db) * q_bytes > Q_TILE_BYTES:
+    block_m = min(shape.max_block_m, _pow2(rows, 16))
+    while block_m > 16 and block_m * (block_da + block_db) * q_bytes > shape.q_tile_bytes:
         block_m //= 2
     warps = 8 if block_m * block_dv >= 64 * 256 else 4
     return block_m, block_n, block_da, block_db, block_dv, warps
 
 
 def choose_num_splits(
-    programs: int, n_tokens: int, block_n: int, num_warps: int = 4, device: torch.device | str | None = None
+    programs: int, n_tokens: int, block_n: int, num_warps: int = 4, device: torch.device | str | None = None,
+    shape: DecodeShape | None = None,
 ) -> int:
     """Splits of the token range for a grid of `programs` (sequences x KV heads x row blocks):
     enough that the grid gives every SM about TARGET_WARPS_PER_SM warps (two 4-warp programs,
@@ -294,13 +347,15 @@ def choose_num_splits(
     one BLOCK_N step per split and at most MAX_SPLITS. On an H100 (132 SMs; also assumed for
     `device` None or not CUDA): batch 8 x 8 KV heads over 2048 tokens, 64 programs -> 5 splits
     (320 programs); MLA batch 8 x 2 blocks of 64 heads -> 9 splits; batch 64 x 8 KV heads ->
-    1 split (the output is written directly, no combine)."""
+    1 split (the output is written directly, no combine). TARGET_WARPS_PER_SM and MAX_SPLITS:
+    `shape`'s (default `default_shape()`)."""
+    shape = default_shape() if shape is None else shape
     blocks = cdiv(max(n_tokens, 0), block_n)
     if blocks <= 1 or programs <= 0:
         return 1
     sms = DEFAULT_NUM_SMS if device is None else _num_sms(torch.device(device))
-    target = sms * max(1, TARGET_WARPS_PER_SM // num_warps)
-    return max(1, min(cdiv(target, programs), blocks, MAX_SPLITS))
+    target = sms * max(1, shape.target_warps_per_sm // num_warps)
+    return max(1, min(cdiv(target, programs), blocks, shape.max_splits))
 
 
 # -- launchers ----------------------------------------------------------------------------------
@@ -328,11 +383,14 @@ def _launch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
     lens: torch.Tensor | None, n_tokens: int, scale: float, *, indexed: bool, causal: bool,
     num_splits: int | None, softcap: float | None = None, sinks: torch.Tensor | None = None,
+    shape: DecodeShape | None = None,
 ) -> torch.Tensor:
     """q [NS, S, Hq, D]; caches [num_pages, P, Hk, D / Dv]; table [NS, width] (pages, or row
     numbers when `indexed`); lens [NS] (paged only); n_tokens: the most tokens a sequence can
     have (width * P, or topk); softcap: None or > 0; sinks: None or [NS, Hq] (any strides,
-    a stride of 0 broadcasts). Returns [NS, S, Hq, Dv] in q's dtype."""
+    a stride of 0 broadcasts); shape: the launch shape (None: `default_shape()`). Returns
+    [NS, S, Hq, Dv] in q's dtype."""
+    shape = default_shape() if shape is None else shape
     ns, s_q, hq, d = q.shape
     _, page, hk, _ = k_cache.shape
     dv = v_cache.shape[-1]
@@ -346,19 +404,20 @@ def _launch(
         and v_cache.dtype == k_cache.dtype
     )
     tile_args = (rows, d, dv, q.element_size(), k_cache.element_size(), v_shares_k)
-    shape = (q.device, *tile_args, KV_TILE_BYTES)
+    key = (q.device, *tile_args, shape)
     while True:
-        tiles = _tiles(*tile_args, tile_bytes=_FITTING_TILE.get(shape, KV_TILE_BYTES))
+        tiles = _tiles(*tile_args, tile_bytes=_FITTING_TILE.get(key, shape.kv_tile_bytes), shape=shape)
         try:
             _launch_tiles(q, k_cache, v_cache, table, lens, out, n_tokens, scale, tiles, indexed=indexed,
-                          causal=causal, num_splits=num_splits, v_shares_k=v_shares_k, softcap=softcap, sinks=sinks)
+                          causal=causal, num_splits=num_splits, v_shares_k=v_shares_k, softcap=softcap, sinks=sinks,
+                          shape=shape)
             return out
         except OutOfResources:
             block_n = tiles[1]
             if block_n <= 16:
                 raise
             # this GPU's shared memory holds less than the tile: halve it, remember what fits
-            _FITTING_TILE[shape] = (block_n // 2) * _token_bytes(d, dv, k_cache.element_size(), v_shares_k)
+            _FITTING_TILE[key] = (block_n // 2) * _token_bytes(d, dv, k_cache.element_size(), v_shares_k)
 
 
 def _head_chunks(d: int) -> tuple[int, int]:
@@ -379,20 +438,23 @@ def _launch_tiles(
     lens: torch.Tensor | None, out: torch.Tensor, n_tokens: int, scale: float,
     tiles: tuple[int, int, int, int, int, int], *, indexed: bool, causal: bool, num_splits: int | None,
     v_shares_k: bool, softcap: float | None = None, sinks: torch.Tensor | None = None,
+    shape: DecodeShape | None = None,
 ) -> None:
-    """`_launch`'s kernels with the launch shape `tiles` (see `_tiles`). Soft-capping and
-    sinks are constexpr switches: without them the kernels compile exactly as before."""
+    """`_launch`'s kernels with the tiles `tiles` (see `_tiles`) and the rest of the launch
+    shape (warps, stages, splits) from `shape`. Soft-capping and sinks are constexpr switches:
+    without them the kernels compile exactly as before."""
+    shape = default_shape() if shape is None else shape
     ns, s_q, hq, d = q.shape
     _, page, hk, _ = k_cache.shape
     dv = v_cache.shape[-1]
     group = hq // hk
     rows = group * s_q
     block_m, block_n, block_da, block_db, block_dv, warps = tiles
-    warps = WARPS_OVERRIDE or warps
+    warps = shape.warps or warps
     v_from_k = v_shares_k and dv == block_da
     programs = ns * hk * cdiv(rows, block_m)
     if num_splits is None:
-        num_splits = choose_num_splits(programs, n_tokens, block_n, warps, q.device)
+        num_splits = choose_num_splits(programs, n_tokens, block_n, warps, q.device, shape)
     split_len = cdiv(cdiv(max(n_tokens, 1), max(1, num_splits)), block_n) * block_n
     num_splits = max(1, cdiv(n_tokens, split_len))  # no program whose split is past every sequence
     split = num_splits > 1
@@ -415,7 +477,7 @@ def _launch_tiles(
         V_FROM_K=v_from_k, QK_MODE=qk_mode, KDT=kdt, PV_MODE=pv_mode, VDT=vdt,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DA=block_da, BLOCK_DB=block_db, BLOCK_DV=block_dv,
         PDL=use_pdl, SOFTCAP=softcap is not None, SINKS=has_sinks and not split,
-        num_warps=warps, num_stages=NUM_STAGES, launch_pdl=use_pdl,
+        num_warps=warps, num_stages=shape.num_stages, launch_pdl=use_pdl,
     )
     if split:
         launch(_combine_kernel, (ns * hk * rows,),
@@ -437,6 +499,7 @@ def paged_decode(
     num_splits: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    shape: DecodeShape | None = None,
 ) -> torch.Tensor:
     """Paged decode attention with `torch_ref.paged_attention`'s semantics.
 
@@ -450,6 +513,7 @@ def paged_decode(
     `num_splits`: at most this many splits of the token range (None: `choose_num_splits`).
     `softcap` (> 0) and `sinks` ([Hq] or [N, Hq], a logit per query head, any float dtype):
     Gemma 2's soft-capping and GPT-OSS's sinks, as `common.softmax.softcap_and_sink_softmax`.
+    `shape`: the launch shape (None: `default_shape()`).
     Returns [N, Hq, Dv] or [N, s_q, Hq, Dv] in q's dtype (float32 accumulation)."""
     if q.dim() not in (3, 4):
         raise ValueError(f"paged_decode: q must be [N, Hq, D] or [N, s_q, Hq, D], got {tuple(q.shape)}")
@@ -469,7 +533,7 @@ def paged_decode(
         _launchable(q4, sinks, kernels="decode")
     n_tokens = page_table.shape[1] * k_cache.shape[1]
     out = _launch(q4, k_cache, v_cache, page_table, cache_seqlens, n_tokens, scale,
-                  indexed=False, causal=causal, num_splits=num_splits, softcap=softcap, sinks=sinks)
+                  indexed=False, causal=causal, num_splits=num_splits, softcap=softcap, sinks=sinks, shape=shape)
     return out[:, 0] if q.dim() == 3 else out
 
 
@@ -483,6 +547,7 @@ def indexed_decode(
     num_splits: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    shape: DecodeShape | None = None,
 ) -> torch.Tensor:
     """Sparse decode attention over row numbers (`torch_ref.indexed_attention`'s semantics).
 
@@ -490,7 +555,7 @@ def indexed_decode(
     indices: int [N, s_q, topk], row numbers into the caches viewed as [-1, Hk, D] (row
     page * P + offset), -1 for unused entries (never read, anywhere in the list). Query token
     (n, i) attends to its own indices[n, i] rows; no causal mask. `softcap`, `sinks` ([Hq] or
-    [N, Hq]): as `paged_decode`. Returns [N, s_q, Hq, Dv] in q's dtype."""
+    [N, Hq]), `shape`: as `paged_decode`. Returns [N, s_q, Hq, Dv] in q's dtype."""
     if q.dim() != 4 or indices.dim() != 3 or tuple(indices.shape[:2]) != tuple(q.shape[:2]):
         raise ValueError(
             f"indexed_decode: q must be [N, s_q, Hq, D] and indices [N, s_q, topk], got "
@@ -512,7 +577,7 @@ def indexed_decode(
     if sinks is not None and sinks.stride(0) == 0:
         sinks = sinks[:1].expand(n * s_q, hq)
     out = _launch(qf, k_cache, v_cache, table, None, indices.shape[-1], scale,
-                  indexed=True, causal=False, num_splits=num_splits, softcap=softcap, sinks=sinks)
+                  indexed=True, causal=False, num_splits=num_splits, softcap=softcap, sinks=sinks, shape=shape)
     return out.view(n, s_q, hq, v_cache.shape[-1])
 
 
@@ -526,12 +591,13 @@ def sparse_mla_decode(
     *,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    shape: DecodeShape | None = None,
 ) -> torch.Tensor:
     """FlashMLA sparse decode: q [N, s_q, Hq, 576]; kv_cache [num_tokens, 1, 576] latent rows
     (K = the row, V = its first `v_dim` dims); indices int32 [N, s_q, topk] row numbers, -1
     unused. Heads go through the kernel in blocks of up to 64 (16 for small Hq), so each latent
-    row is read once per head block and its V reuses the K tile. `softcap`, `sinks`: as
-    `paged_decode`. Returns [N, s_q, Hq, v_dim] in q's dtype."""
+    row is read once per head block and its V reuses the K tile. `softcap`, `sinks`, `shape`:
+    as `paged_decode`. Returns [N, s_q, Hq, v_dim] in q's dtype."""
     if kv_cache.dim() != 3:
         raise ValueError(
             f"sparse_mla_decode: kv_cache must be [num_tokens, kv_heads, dim], got {tuple(kv_cache.shape)}"
@@ -540,7 +606,7 @@ def sparse_mla_decode(
         raise ValueError(f"sparse_mla_decode: v_dim must be in 1..{kv_cache.shape[-1]}, got {v_dim}")
     paged = kv_cache.unsqueeze(1)  # [num_tokens, 1, Hk, D]: pages of one row
     return indexed_decode(q, paged, paged[..., :v_dim], indices, scale, num_splits=num_splits,
-                          softcap=softcap, sinks=sinks)
+                          softcap=softcap, sinks=sinks, shape=shape)
 
 
 def _sinks_per_sequence(

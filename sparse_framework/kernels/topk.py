@@ -39,17 +39,20 @@ from .launch import launch
 
 __all__ = ["topk_selection_triton", "first_pass_buffer", "check_first_pass", "first_digit_histogram", "window"]
 
-# launch shapes (module attributes, so that tests and benchmarks can change them): BLOCK units
-# per program, the largest power of two in [MIN_BLOCK, MAX_BLOCK] that still gives about
-# TARGET_PROGRAMS programs (2 per H100 SM) — or BLOCK_OVERRIDE when set (tests: small blocks
-# exercise many chunks per row).
+# launch shapes: BLOCK units per program, the largest power of two in [MIN_BLOCK, MAX_BLOCK]
+# that still gives about TARGET_PROGRAMS programs (2 per H100 SM); warps per program: 8 for
+# blocks of 2048 units or more, else 4. `topk_selection_triton(block=, warps=)` overrides
+# both per call (benchmarks/tune_topk.py); BLOCK_OVERRIDE / WARPS_OVERRIDE are the defaults of
+# those arguments (None: the rule; tests set small blocks to exercise many chunks per row
+# through the algorithms' `topk_selection`, which passes no shape).
 MIN_BLOCK, MAX_BLOCK, TARGET_PROGRAMS, MAX_CHUNKS = 256, 4096, 256, 1024
 BLOCK_OVERRIDE: int | None = None
-WARPS_OVERRIDE: int | None = None  # warps per program (default: 8 for blocks of 2048 units or more, else 4)
+WARPS_OVERRIDE: int | None = None
 
 # "auto": on CUDA, the four passes and the write step run as one cooperative kernel
 # (`_topk_fused_kernel`, row barriers where the kernels would end) when all its programs fit
-# on the GPU at once (`_fused_shape`); "off": five kernels
+# on the GPU at once (`_fused_shape`); "off": five kernels. The default of
+# `topk_selection_triton(fused=)`.
 FUSED = "auto"
 _FUSED_SHAPES: dict[tuple, tuple[int, int] | None] = {}
 
@@ -338,14 +341,21 @@ def _topk_fused_kernel(
                  out_ptr, lengths_ptr, n_units, n_chunks, width, UNIT, BLOCK, CBLOCK)
 
 
-def _fused_wanted(device: torch.device) -> bool:
-    if FUSED not in ("auto", "off"):
-        raise ValueError(f"kernels.topk.FUSED must be 'auto' or 'off', got {FUSED!r}")
-    return FUSED == "auto" and device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+def _fused_wanted(device: torch.device, fused: str | None = None) -> bool:
+    fused = FUSED if fused is None else fused
+    if fused not in ("auto", "off"):
+        raise ValueError(f"kernels.topk.FUSED must be 'auto' or 'off', got {fused!r}")
+    return fused == "auto" and device.type == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def _warps(block: int, warps: int | None = None) -> int:
+    """Warps per program: `warps`, else WARPS_OVERRIDE, else 8 for blocks of 2048 units or more."""
+    return warps or WARPS_OVERRIDE or (8 if block >= 2048 else 4)
 
 
 def _fused_shape(device: torch.device, rows: int, n_units: int, unit: int, block: int, use_pdl: bool,
-                 call: Callable[[int, int], tuple[tuple, dict]], variant: tuple = ()) -> tuple[int, int] | None:
+                 call: Callable[[int, int], tuple[tuple, dict]], variant: tuple = (),
+                 warps: int | None = None) -> tuple[int, int] | None:
     """(BLOCK, warps) of the fused kernel for this problem — the five kernels' shape — or None
     to use the five kernels: None unless all its programs are resident on the GPU at once, the
     cooperative launch's condition, judged from the compiled kernel's registers and shared
@@ -354,11 +364,11 @@ def _fused_shape(device: torch.device, rows: int, n_units: int, unit: int, block
     Not tried, because measured slower than the five kernels at 8 x 131072 (DSA) on an H100:
     the DSA shape with registers capped at 128 so that two programs share an SM (39.2 against
     38.6 µs), half-size 4-warp programs (40.2), one program per SM with twice the keys (65.9)."""
-    key = (device.index, rows, n_units, unit, block, use_pdl, WARPS_OVERRIDE, variant)
+    warps = _warps(block, warps)
+    key = (device.index, rows, n_units, unit, block, use_pdl, warps, variant)
     if key in _FUSED_SHAPES:
         return _FUSED_SHAPES[key]
     props = torch.cuda.get_device_properties(device)
-    warps = WARPS_OVERRIDE or (8 if block >= 2048 else 4)
     args, opts = call(block, warps)
     compiled = _topk_fused_kernel.warmup(*args, grid=(rows, cdiv(n_units, block)), **opts)
     chosen = None
@@ -404,7 +414,10 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _block(rows: int, n_units: int) -> int:
+def _block(rows: int, n_units: int, block: int | None = None) -> int:
+    """Units per program: `block`, else BLOCK_OVERRIDE, else the rule (see MIN_BLOCK)."""
+    if block is not None:
+        return block
     if BLOCK_OVERRIDE is not None:
         return BLOCK_OVERRIDE
     block = min(MAX_BLOCK, _pow2(n_units))
@@ -425,10 +438,17 @@ def topk_selection_triton(
     first_pass: torch.Tensor | None = None,
     newest_forced: bool = True,
     tail_start: torch.Tensor | None = None,
+    block: int | None = None,
+    warps: int | None = None,
+    fused: str | None = None,
 ) -> Selection:
     """Triton version of `topk_selection` (same arguments and result; ties at the threshold
     keep the lowest unit ids). scores: float32 [B, H, n_units] on CUDA (or the CPU under
     TRITON_INTERPRET=1), any strides; seq_lens: int [B].
+
+    The launch shape, per call: `block` units per program (a power of two), `warps` per
+    program, `fused` "auto" or "off" (None: BLOCK_OVERRIDE / the rule, WARPS_OVERRIDE / the
+    rule, FUSED). The selection is the same whatever the shape.
 
     first_pass: a `first_pass_buffer` whose rows' first 256 entries the producer of the scores
     has filled with `first_digit_histogram` (same seq_lens, sink and recent window, clamped by
@@ -447,7 +467,7 @@ def topk_selection_triton(
     indices = torch.empty(b, h, width * unit, dtype=torch.int32, device=device)
     if rows == 0 or width == 0:
         return Selection(indices=indices, lengths=torch.zeros(b, h, dtype=torch.int32, device=device), page_size=unit)
-    block = _block(rows, n_units)
+    block = _block(rows, n_units, block)
     n_chunks = cdiv(n_units, block)
     if n_chunks * block * unit >= 2**31:
         raise ValueError(f"topk_selection: {n_units} units of {unit} tokens overflow int32 token ids")
@@ -466,7 +486,7 @@ def topk_selection_triton(
     common = (n_units, h, *scores.stride(), sink, recent, tails)
     rules = dict(HAS_TAIL=tail_start is not None, NEWEST_FORCED=newest_forced)
     use_pdl = pdl.enabled(device)
-    if first_pass is None and _fused_wanted(device):
+    if first_pass is None and _fused_wanted(device, fused):
 
         def fused_call(blk: int, warps: int) -> tuple[tuple, dict]:
             chunks = cdiv(n_units, blk)
@@ -478,7 +498,7 @@ def topk_selection_triton(
             return args, dict(UNIT=unit, BLOCK=blk, CBLOCK=_pow2(chunks), PDL=use_pdl, num_warps=warps, **rules,
                               launch_pdl=use_pdl, launch_cooperative_grid=True)
 
-        shape = _fused_shape(device, rows, n_units, unit, block, use_pdl, fused_call, tuple(rules.values()))
+        shape = _fused_shape(device, rows, n_units, unit, block, use_pdl, fused_call, tuple(rules.values()), warps)
         if shape is not None:
             args, opts = fused_call(*shape)
             launch(_topk_fused_kernel, (rows, cdiv(n_units, shape[0])), *args, **opts)
@@ -494,7 +514,7 @@ def topk_selection_triton(
     sure = scratch[rows * _STATE_ROW: rows * (_STATE_ROW + n_chunks)]
     suffix = scratch[rows * (_STATE_ROW + n_chunks):]
     grid = (rows, n_chunks)
-    warps = WARPS_OVERRIDE or (8 if block >= 2048 else 4)
+    warps = _warps(block, warps)
     first = 1 if first_pass is None else 2
     for p in range(first, _PASSES + 1):
         # the scores may be read before the wait unless the previous kernel wrote them (pass
