@@ -158,7 +158,9 @@ def finished(
 ) -> str | None:
     """Why the request stops after emitting `token` as its `num_generated`-th output token:
     "stop" (a stop token, or the model's end of sequence unless ignore_eos), "length"
-    (max_tokens reached), or None to go on. A stop token wins over the length, as in vLLM."""
+    (max_tokens reached), or None to go on. A stop token wins over the length, as in vLLM.
+    Stop strings need the text: the engine matches them (engine/stop.py), and they win over
+    the length too."""
     if token in params.stop_token_ids:
         return "stop"
     if not params.ignore_eos and eos_token_id is not None:

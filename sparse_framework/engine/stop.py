@@ -127,7 +127,9 @@ class RequestText:
         """The new text of the uncommitted ids, or "" while it is empty or ends in an incomplete
         character (vLLM's rule: decode with the context, take the context's text off)."""
         full = self._decode(self.ids[self._prefix_offset :])
-        context = self._decode(self.ids[self._prefix_offset : self._read_offset]) if self._read_offset > self._prefix_offset else ""
+        context = ""
+        if self._read_offset > self._prefix_offset:
+            context = self._decode(self.ids[self._prefix_offset : self._read_offset])
         if len(full) <= len(context) or full.endswith("\ufffd"):
             return ""
         return full[len(context) :]
