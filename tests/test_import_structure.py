@@ -4,7 +4,9 @@ Every import counts — at module level, inside functions (lazy) and under TYPE_
 each is a dependency a reader must follow and a circle a refactor can trip over.
 
     common                      types and helpers everyone shares (imports nothing above)
-    kernels                     Triton kernels and their torch references
+    kernels                     Triton kernels and their torch references; inside it, the
+                                `@triton.jit` code (kernels/triton/) and the torch twins
+                                (kernels/reference/) import none of the launch modules
     kv_store, algorithms,       the store and the three plugin families (backends may read
     adaptors, backends          the adaptors' metadata types)
     registry                    entry points, checked against the plugin base classes
@@ -45,6 +47,11 @@ ALLOWED: dict[str, set[str]] = {
     "toy_model": {"common"},
 }
 BELOW_ENGINE = ALLOWED["coordinator"] | {"coordinator"}
+# inside kernels: subpackage -> the modules it may import (prefixes), under the launch modules
+KERNEL_LAYERS: dict[str, set[str]] = {
+    "kernels.triton": {"kernels.triton"},
+    "kernels.reference": {"kernels.reference", "common"},
+}
 ALLOWED |= {
     "engine": BELOW_ENGINE | {"toy_model"},
     "integrations": BELOW_ENGINE | {"toy_model"},
@@ -166,6 +173,21 @@ def test_each_floor_imports_only_below_it(floor: str) -> None:
         if part(target) not in allowed and target not in allowed
     )
     assert wrong == [], f"{floor} may import only {sorted(allowed)}"
+
+
+@pytest.mark.parametrize("layer", sorted(KERNEL_LAYERS))
+def test_the_kernels_jit_code_and_torch_twins_import_no_launch_module(layer: str) -> None:
+    graph = import_graph()
+    assert any(mod.startswith(layer + ".") for mod in graph), layer
+    within = lambda mod, prefix: mod == prefix or mod.startswith(prefix + ".")  # noqa: E731
+    wrong = sorted(
+        f"{mod} -> {target}"
+        for mod, targets in graph.items()
+        if within(mod, layer)
+        for target in targets
+        if not any(within(target, allowed) for allowed in KERNEL_LAYERS[layer])
+    )
+    assert wrong == [], f"{layer} may import only {sorted(KERNEL_LAYERS[layer])}"
 
 
 def test_every_part_has_a_floor() -> None:

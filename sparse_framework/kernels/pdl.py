@@ -30,8 +30,8 @@ from __future__ import annotations
 from functools import cache
 
 import torch
-import triton
-import triton.language as tl
+
+from .triton.pdl import wait
 
 __all__ = ["MODES", "PDL", "enabled", "wait"]
 
@@ -53,10 +53,3 @@ def enabled(device: torch.device) -> bool:
     return PDL == "on" or _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@triton.jit
-def wait(PDL: tl.constexpr):
-    """With PDL: wait for the predecessor kernel (its writes visible), then let the successor
-    launch. Without: nothing (the launch itself waited)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
