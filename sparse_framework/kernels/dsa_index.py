@@ -7,24 +7,11 @@ result of its torch reference in `kernels/reference_scores.py`:
   dsa_prefill_index_scores  the indexer for a prefill chunk: n queries over one sequence's m
                         keys (the model's own keys, 16-bit or float32), [n, m]
 
-Its own module, apart from the other algorithms' scoring (`kernels/scoring.py`, which
-re-exports these functions beside their torch twins), because it is the one family with fp8
-keys: their decoding, the in-kernel query quantisation and its rounding, the fp8 dot and the
-launch shapes tuned for them. The launch shapes and the fp8 dot switch are arguments of the
-launchers (`tuning=`, `min_programs=`, `fp8_dot=`), by default the module constants below.
-
-fp8 keys are stored as uint8 bit patterns of float8_e4m3fn with one float32 scale per 128
-values (`quantize_fp8_blocks`); the kernel decodes them with Triton's fp8e4nv conversion
-where the GPU has it (sm_89+, and the interpreter) and with integer arithmetic elsewhere.
-
-DSA with fp8 keys quantises its queries too (DeepSeek's indexer does). Done in torch that is
-~16 tiny kernels per step, costlier than they look next to a ~50 µs scoring pass, so
-`dsa_index_scores_fp8q_triton` takes the raw queries and each program quantises its row's
-[H, Di] tile once (bit-exact with `quantize_fp8_blocks`: IEEE divisions, power-of-two scales
-by the same bit rule, e4m3 rounding ties to even), then loops over several token blocks with
-it. On sm_89+ GPUs the quantised tile and the key bits meet in an fp8 tensor-core dot (keys
-never decoded); elsewhere, and under the interpreter, both are decoded to float16 (exact).
-Measured times: docs/algorithms.md (benchmarks/selection.py).
+Its own module (`kernels/scoring.py` re-exports these functions) because it is the one family
+with fp8 keys: why, how they are decoded and how the queries are quantised in the kernel:
+docs/kernels.md, "DSA's lightning indexer". The launch shapes and the fp8 dot switch are
+arguments of the launchers (`tuning=`, `min_programs=`, `fp8_dot=`), by default the module
+constants below; FP8_DECODE picks the key decoding.
 """
 
 from __future__ import annotations

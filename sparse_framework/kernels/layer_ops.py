@@ -1,13 +1,5 @@
 """A decoder layer's elementwise work in three Triton kernels, where torch needs ~35 ops.
 
-Why: a Llama layer of the engine's decode step issued ~45 torch kernels outside attention
-(benchmarks/count_step_ops.py: RMSNorm 8 ops twice, RoPE 5 ops each for q and k, three q/k/v
-and two gate/up projections, SiLU, the product, two residual adds). In a decode step of a
-batch of 8 each is a few µs of almost no bytes: on the H100 ~1,500 of them per step cost
-~3.5 ms of GPU time beside the ~11 ms of bytes the step must read, and as many nodes to launch
-in its CUDA graph. With the projections fused (one q/k/v and one gate/up matmul: see
-engine/models/llama.py) and these three kernels a layer issues 8 kernels plus attention:
-
   add_rms_norm    residual += x (rounded to the activations' dtype, as torch's add is), then
                   RMSNorm of the sum: statistic in float32, normalised value rounded to the
                   dtype, times the weight rounded again (transformers' Llama numerics)
@@ -15,14 +7,11 @@ engine/models/llama.py) and these three kernels a layer issues 8 kernels plus at
                   token's cos/sin in float32, rounded once) and v (copied)
   silu_mul        silu(gate) * up from the packed gate/up output
 
-The residual add rounds as torch's does (bit-equal); RMSNorm may differ from torch by one bf16
-step where the float32 sum's order does; RoPE rounds once where torch's bf16 ops round each
-product and the sum, and the compiled SiLU product need not keep torch's intermediate
-rounding: both differ from the torch path by at most one bf16 step in a share of elements
-(tests/test_kernels_layer_ops.py measures it on CUDA; in float32 all agree to float32
-precision). The launchers check shapes and dtypes and never synchronise with the host,
-so a step using them captures in a CUDA graph. The tests (tests/test_kernels_layer_ops.py)
-compare each with its torch twin under TRITON_INTERPRET=1.
+Why (each torch op is a kernel of a few µs and a node of the step's CUDA graph) and how far
+the results may differ from torch's (at most one bf16 step): docs/kernels.md, "Layer ops".
+The launchers check shapes and dtypes and never synchronise with the host, so a step using
+them captures in a CUDA graph; tests/test_kernels_layer_ops.py compares each with its torch
+twin under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""Programmatic dependent launch (PDL) for the decode path's kernels, on sm_90+ GPUs.
-
-Why: a decode layer is a chain of ~12 small kernels (docs/performance.md), most of them a few
-microseconds long, so each one's launch and ramp-up — the time between its predecessor's last
-store and its own first useful load — is a visible share of the step. With PDL a kernel is
-launched (`launch_pdl=True`) while its predecessor still runs; its programs become resident,
-do what does not depend on the predecessor, and block in `griddepcontrol.wait` until the
-predecessor has completed and its writes are visible.
+"""Programmatic dependent launch (PDL) for the decode path's kernels, on sm_90+ GPUs: a kernel
+is launched (`launch_pdl=True`) while its predecessor still runs, and its programs block in
+`griddepcontrol.wait` (`wait`, kernels/triton/pdl.py) until the predecessor's writes are
+visible. Why (a decode layer is a chain of small kernels whose launch and ramp-up show):
+docs/kernels.md, "Programmatic dependent launch".
 
 The contract every kernel launched this way follows, so that a chain is safe whatever
 precedes it (an engine's own kernels included):

@@ -8,38 +8,14 @@
                      first `v_dim` (512) dims of each row.
   indexed_decode     the general form of the second: row numbers into paged K/V caches.
 
-Both run one kernel, `_decode_split_kernel`, whose only difference between the two modes is
-how token t of a sequence becomes a cache row (page_table[n, t // P] * P + t % P, or
-indices[n, t]) and which tokens are valid (t < length, or index >= 0). Why its shape:
-
-* Decode is bandwidth bound (one query row per head against thousands of keys), so every K/V
-  row must be read once. A program therefore takes ALL query rows that share a KV head — the
-  G = Hq // Hk heads of a GQA group times the s_q query tokens (MLA: up to 64 of its heads) —
-  as the M side of one `tl.dot`, padded to at least 16 rows (the smallest MMA tile).
-* One sequence of a few thousand tokens per (request, KV head) is far too little parallelism
-  for 132 SMs, so the token range is split (flash-decoding, split-K): each split writes its
-  normalised partial output and log-sum-exp to a float32 workspace and `_combine_kernel`
-  merges them by LSE. With one split the kernel writes the output directly.
-* Head dims that are not a power of two (MLA's 576) are cut into two power-of-two chunks
-  (512 + 64), so no lane of the big chunk is wasted on padding; the small chunk is masked.
-* MLA's V is a strided view of K's first 512 dims: when V is exactly K's first chunk the kernel
-  reuses the K tile instead of loading the same bytes again (`V_FROM_K`). Caches are only
-  ever addressed through their strides, never copied.
-* Softmax in base 2 (exp2) with float32 statistics and accumulators; rows that have seen no
-  token yet keep a running max of -inf without producing NaN, so empty sequences give zeros.
-* Products as in kernels/dot_modes.py (`_dot_mode`): 16-bit operands on tensor cores, float32
-  ones as tf32x3 (~float32 accuracy), all in float32 under the interpreter; the probabilities
-  are cast to V's dtype for P @ V (as FlashAttention does), accumulation stays float32.
-
-Rows that are not read (past a sequence's length, the tail of its last page, page-table
-entries past ceil(length / P), indices of -1) are masked at the load, never read, so whatever
-they hold (NaN included) cannot leak. Row numbers and page numbers that are read are trusted
-(not bounds-checked: that would cost a host sync).
+All three run one split kernel and a combine (kernels/triton/sparse_decode.py). Why their
+shape — every K/V row read once by a program holding all the query rows of its KV head, the
+token range split for parallelism, power-of-two head-dim chunks, MLA's V from the K tile,
+masked loads so that unread rows cannot leak: docs/kernels.md, "Sparse decode".
 
 Launch shapes: see `_tiles` and `choose_num_splits`; a `DecodeShape` passed as `shape=`
-(or scoped with `launch_shape`), by default the module constants below. They are first choices for an H100, not tuned on one yet.
-On the CPU the kernels run only under TRITON_INTERPRET=1 (tests); set it before this module is
-imported.
+(or scoped with `launch_shape`), by default the module constants below. On the CPU the
+kernels run only under TRITON_INTERPRET=1 (tests); set it before this module is imported.
 """
 
 from __future__ import annotations

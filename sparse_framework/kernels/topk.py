@@ -1,26 +1,12 @@
 """Triton version of `algorithms.base.topk_selection`: unit scores -> a Selection, with an
-exact radix select instead of torch.topk and a prefix-sum compaction, all on the device.
+exact radix select instead of torch.topk and a prefix-sum compaction, all on the device, with
+the torch path's semantics (ties at the threshold: the lowest unit ids win).
 
-Why: at decode the selection has few rows and long ones (DSA: 8 rows x 131072 tokens, top
-2048; Quest: 64 rows x 8192 pages, top 128). torch.topk parallelises poorly over so few rows,
-and the torch path runs ~15 full-size elementwise ops besides: 0.2-0.9 ms on an H100, more
-than the scoring kernels. Here every kernel runs on a (row, chunk) grid — several hundred
-programs whatever the row count — and reads the scores, which sit in L2, once.
-
-Semantics (identical to the torch path): a unit is *forced* if it holds a sink token, a token
-of the recent window or the newest token; the other valid units (id * unit < length) are
-*eligible*; the `budget_units` best eligible units are kept besides the forced ones. Two
-variants (see `topk_selection`): a per-row forced tail (`tail_start`, SnapKV's window and
-decoded tokens), and the newest unit counted inside the budget (`newest_forced=False`: it is
-forced only by the sink or recent window, else eligible and ranked above every score). NaN ranks
-as -finfo.max, ±inf as ±finfo.max (so NaN, -inf and -finfo.max tie), -0.0 equals +0.0. The
-kept unit ids, ascending, are cut to `min(width_units, n_units)` and expanded to tokens.
-Ties at the threshold — eligible units scoring exactly the budget-th best score — are broken
-deterministically: the lowest unit ids win. (torch.topk may keep other tied units; the set
-of kept *scores* is the same.)
-
-The algorithm (a radix select in four 8-bit passes and a prefix-sum compaction, fused into one
-cooperative launch where the grid fits), and why 8-bit digits: docs/kernels.md, "Top-k".
+Why: at decode the selection has few long rows, over which torch.topk parallelises poorly;
+here every kernel runs on a (row, chunk) grid and reads the scores once. The semantics, the
+algorithm (four 8-bit radix passes and a prefix-sum compaction, fused into one cooperative
+launch where the grid fits) and why 8-bit digits: docs/kernels.md, "Top-k". This module is
+the launch code; the `@triton.jit` code is kernels/triton/topk.py.
 """
 
 from __future__ import annotations
