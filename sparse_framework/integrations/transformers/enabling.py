@@ -18,6 +18,7 @@ from .compat import UnsupportedModelError, check_transformers_version
 from .handle import _ENABLED, SparseHandle
 from .model_info import LayerMap, _text_config, _uncompiled, is_mla
 
+
 def enable(
     model: Any,
     config: SparseConfig | dict[str, Any] | str | PathLike[str],
