@@ -16,7 +16,9 @@ Per config and shape (context x batch), on a fresh `LLM` (its start-up warm-up i
 Configs: `dense` (every request dense: Quest never selects), `defaults` ({"algorithm": "quest"}:
 backend auto, store resident, the cost policy, range_weight 0), `tuned` (the hand-tuned resident
 Quest of round 3: backend triton, sparse at any length), `hierarchical` (the same over the
-hierarchical store, host tier always on, a device buffer of 8192 tokens). Shapes: --shapes CTXxBATCH,...
+hierarchical store, host tier always on, a device buffer of 8192 tokens); `dense-fa` and
+`tuned-fa`: dense and tuned through the `flash_attn` backend (FlashAttention's paged decode over
+the page table: flash-attn 4/3, or vLLM's FA3 where vLLM is installed). Shapes: --shapes CTXxBATCH,...
 (default 16384x8 and batch 1 at 1K, 4K, 8K: the cost policy must never be slower than dense).
 """
 
@@ -48,6 +50,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "defaults": {"algorithm": "quest"},
     "tuned": {"algorithm": "quest", "backend": "triton", "store": "resident", "sparse_policy": "always",
               "min_sparse_prompt_len": 0, "extra": {"range_weight": 0.0}},
+    "dense-fa": {"algorithm": "quest", "backend": "flash_attn", "store": "resident", "sparse_policy": "always",
+                 "min_sparse_prompt_len": 1 << 30},
+    "tuned-fa": {"algorithm": "quest", "backend": "flash_attn", "store": "resident", "sparse_policy": "always",
+                 "min_sparse_prompt_len": 0, "extra": {"range_weight": 0.0}},
     "hierarchical": {"algorithm": "quest", "backend": "triton", "store": "hierarchical", "sparse_policy": "always",
                      "min_sparse_prompt_len": 0, "device_buffer_tokens": 8192, "extra": {"range_weight": 0.0}},
 }

@@ -15,6 +15,8 @@ Paths (each in its own process, so that no two share GPU memory or a CUDA contex
   engine-defaults       the engine, `{"algorithm": "quest"}` as a user writes it (step 16's defaults)
   engine-resident       the engine, Quest 2048 on the resident store, sparse at any length
   engine-hierarchical   the same on the hierarchical store (host tier always on)
+  engine-dense-fa       engine-dense through the `flash_attn` backend (FlashAttention's paged
+  engine-resident-fa    decode; vLLM's FA3 where vLLM is installed), and engine-resident so
 
 Timing, the same for every path, from outside (whole `generate` calls, warm run first):
   step     = (generate of N+1 tokens - generate of 1) / N, the median over --repeats;
@@ -43,9 +45,11 @@ from timing import current_commit  # noqa: E402
 
 VLLM_PATHS = {"vllm-dense": "dense", "vllm-plugin": "quest"}  # vllm_gpu.py perf's config names
 ENGINE_PATHS = {"engine-dense": "dense", "engine-defaults": "defaults", "engine-resident": "tuned",
-                "engine-hierarchical": "hierarchical"}  # defaults_gpu.py's config names
+                "engine-hierarchical": "hierarchical", "engine-dense-fa": "dense-fa",
+                "engine-resident-fa": "tuned-fa"}  # defaults_gpu.py's config names
 PATHS = {**VLLM_PATHS, **ENGINE_PATHS}
-GROUPS = {"vllm": list(VLLM_PATHS), "engine": list(ENGINE_PATHS), "all": list(PATHS)}
+GROUPS = {"vllm": list(VLLM_PATHS), "engine": ["engine-dense", "engine-defaults", "engine-resident",
+                                                 "engine-hierarchical"], "all": list(PATHS)}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from sparse_framework import ConfigError, KVLayout, Request
+from sparse_framework.common.errors import UnsupportedFeatureError
 from sparse_framework.adaptors.flash_attention import FlashAttentionAdaptor
 from sparse_framework.backends import flash_attn as fa_backend
 from sparse_framework.backends.flash_attn import FlashAttnBackend
@@ -186,3 +187,54 @@ def test_flash_attn_matches_torch_ref_on_the_gpu(config) -> None:
     for a, b in zip(got, ref):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("heads, page", [(1, 4), (2, 16)])
+def test_vllm_fa3_decode_is_the_varlen_call_over_the_block_table(monkeypatch, heads, page) -> None:
+    """vLLM's FlashAttention 3 (a stand-in varlen function computing with torch_ref) serves the
+    page table as a block table, one query per sequence, pinned to fa_version 3; the backend's
+    output equals torch_ref's, softcap included."""
+    import sys
+    import types
+
+    calls = []
+
+    def varlen(q, k, v, *, max_seqlen_q, cu_seqlens_q, max_seqlen_k, seqused_k, block_table, softmax_scale,
+               causal, softcap, fa_version):
+        calls.append(dict(q=q, cu=cu_seqlens_q, max_k=max_seqlen_k, causal=causal, version=fa_version))
+        assert max_seqlen_q == 1 and cu_seqlens_q.tolist() == list(range(q.shape[0] + 1))
+        cap = softcap if softcap else None
+        return paged_attention(q, k, v, block_table, seqused_k, softmax_scale, softcap=cap).to(q.dtype)
+
+    fake = types.ModuleType("vllm.vllm_flash_attn")
+    fake.flash_attn_varlen_func = varlen
+    fake.is_fa_version_supported = lambda version: version == 3
+    for name in ("flash_attn.cute", "flash_attn_interface"):
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", fake)
+    fa_backend._find_library.cache_clear()
+    try:
+        name, _ = fa_backend._find_library()
+        assert name == "vLLM's flash-attn 3"
+        b, hk, g, d, n_slots = 3, 2, 4, 16, 128
+        gen = torch.Generator().manual_seed(heads * 100 + page)
+        perm = torch.stack([torch.randperm(n_slots // page, generator=gen) for _ in range(b * heads)]).view(b, heads, -1)
+        slots = (perm[..., :3, None] * page + torch.arange(page)).flatten(-2).int()
+        lengths = torch.randint(1, 3 * page + 1, (b, heads), generator=gen).int()
+        slots = torch.where(torch.arange(3 * page) < lengths.unsqueeze(-1), slots, -1)
+        plan = FlashAttentionAdaptor().plan(slots, lengths, page_size=page, num_slots=n_slots)
+        cache_heads = 1 if heads > 1 else hk
+        pages = hk * n_slots // page if heads > 1 else n_slots // page
+        k_cache = torch.randn(pages, page, cache_heads, d, generator=gen)
+        v_cache = torch.randn(k_cache.shape, generator=gen)
+        q = torch.randn(b, hk * g, d, generator=gen)
+        for softcap in (None, 5.0):
+            out = FlashAttnBackend().run(q, k_cache, v_cache, plan, softcap=softcap)
+            torch.testing.assert_close(out, TorchRefBackend().run(q, k_cache, v_cache, plan, softcap=softcap))
+        assert calls[-1]["version"] == 3 and calls[-1]["causal"]
+        assert calls[-1]["max_k"] == plan.page_table.shape[1] * page
+        with pytest.raises(UnsupportedFeatureError, match="vLLM's flash-attn 3"):
+            FlashAttnBackend().run(q, k_cache, v_cache, plan, sinks=torch.zeros(hk * g))
+    finally:
+        fa_backend._find_library.cache_clear()

@@ -6,6 +6,9 @@ Which library is used, first found first:
                 TMA path; no split-KV there)
   flash-attn 3  `flash_attn_interface.flash_attn_with_kvcache(q, k, v, cache_seqlens=,
                 page_table=)` (the `hopper/` build)
+  vLLM's FA3    `vllm.vllm_flash_attn.flash_attn_varlen_func(q, k, v, seqused_k=, block_table=,
+                fa_version=3)`, one query per sequence: where vLLM is installed (its wheel
+                carries FlashAttention 3 for Hopper); softcap, no sinks
 flash-attn 2 alone is not enough: its paged KV needs pages of a multiple of 256 tokens, while
 a sparse selection is made of pages of `page_size` (Quest) or single tokens (DSA), so it is
 reported as unavailable with that reason.
@@ -64,12 +67,31 @@ def _find_library() -> tuple[str, Callable[..., Any]] | str:
     fa3 = _import("flash_attn_interface")
     if not isinstance(fa3, str):
         return "flash-attn 3", fa3.flash_attn_with_kvcache
+    vllm_fa = _import("vllm.vllm_flash_attn")
+    if not isinstance(vllm_fa, str) and vllm_fa.is_fa_version_supported(3):
+        return "vLLM's flash-attn 3", _vllm_fa3_decode(vllm_fa.flash_attn_varlen_func)
     if not isinstance(_import("flash_attn"), str):
         return (
             "only flash-attn 2 is installed, whose paged KV needs pages of a multiple of 256 "
             f"tokens (sparse selections use page_size or single tokens); {INSTALL} installs flash-attn 4"
         )
     return f"no flash-attn is installed (flash_attn.cute failed with {fa4}); {INSTALL}"
+
+
+def _vllm_fa3_decode(varlen: Callable[..., Any]) -> Callable[..., Any]:
+    """flash-attn 3's `flash_attn_with_kvcache` decode call (q [n, 1, heads, D]) made through
+    vLLM's varlen function: one query per sequence, the page table as its block table."""
+
+    def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, cache_seqlens: torch.Tensor,
+               page_table: torch.Tensor, softmax_scale: float, softcap: float = 0.0) -> torch.Tensor:
+        n, _, heads, d = q.shape
+        starts = torch.arange(n + 1, dtype=torch.int32, device=q.device)
+        out = varlen(q.reshape(n, heads, d), k_cache, v_cache, max_seqlen_q=1, cu_seqlens_q=starts,
+                     max_seqlen_k=page_table.shape[1] * k_cache.shape[1], seqused_k=cache_seqlens,
+                     block_table=page_table, softmax_scale=softmax_scale, causal=True, softcap=softcap, fa_version=3)
+        return out.view(n, 1, heads, -1)
+
+    return decode
 
 
 def _keywords(fn: Callable[..., Any]) -> frozenset[str]:
@@ -90,7 +112,7 @@ def _library() -> tuple[str, Callable[..., Any]]:
 
 
 class FlashAttnBackend(AttentionBackend):
-    """FlashAttention paged decode (flash-attn 4, else 3) over the adaptor's page table."""
+    """FlashAttention paged decode (flash-attn 4, else 3, else vLLM's 3) over the adaptor's page table."""
 
     metadata_formats = ("flash_attention",)
     device_types = ("cuda",)
@@ -105,9 +127,9 @@ class FlashAttnBackend(AttentionBackend):
     def availability(cls) -> tuple[bool, str]:
         """flash-attn 4 or 3 installed (looked up, not imported) and a CUDA GPU."""
         reasons = []
-        if all(module_missing(m, INSTALL) for m in ("flash_attn_interface", "flash_attn")):
+        if all(module_missing(m, INSTALL) for m in ("flash_attn_interface", "flash_attn", "vllm")):
             reasons.append(f"flash_attn not installed ({INSTALL})")
-        elif module_missing("flash_attn_interface", INSTALL) and module_missing("flash_attn.cute", INSTALL):
+        elif all(module_missing(m, INSTALL) for m in ("flash_attn_interface", "flash_attn.cute", "vllm")):
             reasons.append(f"only flash-attn 2 is installed, which cannot read sparse pages ({INSTALL})")
         if not torch.cuda.is_available():
             reasons.append("needs a CUDA GPU (none visible)")
