@@ -219,6 +219,7 @@ print("ok", registry.names("algorithm"))
 """
 
 
+@pytest.mark.slow
 def test_algorithms_run_without_triton_installed() -> None:
     """Triton is a GPU extra: on the CPU every algorithm runs on its torch reference, and only
     choosing impl "triton" (or CUDA) imports it."""
@@ -309,6 +310,7 @@ print("options ok")
 """
 
 
+@pytest.mark.slow
 def test_options_triton_interpreted_matches_torch() -> None:
     pytest.importorskip("triton")
     from helpers import run_interpreted

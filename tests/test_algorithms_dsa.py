@@ -244,6 +244,7 @@ print("dsa ok")
 """
 
 
+@pytest.mark.slow
 def test_select_with_triton_interpreted_matches_torch() -> None:
     pytest.importorskip("triton")
     run_interpreted(INTERPRETED, "dsa ok", timeout=600)

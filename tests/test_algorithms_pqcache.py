@@ -255,6 +255,7 @@ print("digest", digest(codebook_state(coord, a)[0]))
 """
 
 
+@pytest.mark.slow
 def test_another_process_builds_the_same_codebooks() -> None:
     """A fresh process (another hash salt, a fresh instance) builds the prompt's codebooks
     bit for bit as this one does after building another prompt first."""

@@ -28,6 +28,7 @@ def swept(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_every_cell_is_a_row_and_resume_skips_them(swept, capsys) -> None:
     rows = json.loads(swept.read_text())
     assert sorted(r["cell"] for r in rows) == sorted(
@@ -47,6 +48,7 @@ def test_every_cell_is_a_row_and_resume_skips_them(swept, capsys) -> None:
     assert "8 already in" in capsys.readouterr().out and swept.read_text() == before
 
 
+@pytest.mark.slow
 def test_failing_cells_are_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch) -> None:
     out = tmp_path / "r.json"
     calls = {"n": 0}
@@ -115,6 +117,7 @@ def test_bad_arguments_are_clear_errors() -> None:
         sweep.parse_args(["--device-memory-gib", "0"])
 
 
+@pytest.mark.slow
 def test_plots_and_page_from_the_json(swept, tmp_path) -> None:
     rows = json.loads(swept.read_text())
     rows.append({"cell": "96/dsa-resident/max", "length": 96, "config_name": "dsa-resident",

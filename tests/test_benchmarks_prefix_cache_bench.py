@@ -29,6 +29,7 @@ def results(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_every_cell_is_a_row_with_its_figures(results) -> None:
     data = json.loads(results.read_text())
     rows = {r["cell"]: r for r in data["results"]}
@@ -51,6 +52,7 @@ def test_every_cell_is_a_row_with_its_figures(results) -> None:
     assert {r["config"]["store"] for r in rows.values() if r["config_name"] == "quest-hier"} == {"hierarchical"}
 
 
+@pytest.mark.slow
 def test_the_cache_saves_prefill_and_changes_no_output(results) -> None:
     rows = {r["cell"]: r for r in json.loads(results.read_text())["results"]}
     for workload in ("shared-prefix", "chat"):
@@ -66,6 +68,7 @@ def test_the_cache_saves_prefill_and_changes_no_output(results) -> None:
     assert rows["shared-prefix/dense/cache-on"]["prefill_tokens_saved"] == 3 * 192
 
 
+@pytest.mark.slow
 def test_chat_prompts_extend_the_last_turn(results) -> None:
     rows = {r["cell"]: r for r in json.loads(results.read_text())["results"]}
     # turn t's prompt: 70 + t * (4 + 70) tokens
@@ -76,6 +79,7 @@ def test_chat_prompts_extend_the_last_turn(results) -> None:
     assert rows["chat/quest-hier/cache-on"]["prefill_tokens_saved"] == cached
 
 
+@pytest.mark.slow
 def test_resume_skips_finished_cells(results, capsys) -> None:
     before = results.read_text()
     assert bench.main([*SIZES, "--resume", "--out", str(results)]) == 0
@@ -84,7 +88,7 @@ def test_resume_skips_finished_cells(results, capsys) -> None:
     assert "cache-on:" not in out and "prefix cache: on vs off" in out
 
 
-@pytest.mark.parametrize("arrival", ["burst", "sequential"])
+@pytest.mark.parametrize("arrival", [pytest.param("burst", marks=pytest.mark.slow), "sequential"])
 def test_other_arrivals(tmp_path, arrival) -> None:
     out = tmp_path / "r.json"
     assert bench.main([*SIZES, "--workloads", "shared-prefix", "--configs", "quest-hier", "--arrival", arrival,
@@ -97,6 +101,7 @@ def test_other_arrivals(tmp_path, arrival) -> None:
         assert 0 <= on["prefill_tokens_saved"] <= 3 * 192
 
 
+@pytest.mark.slow
 def test_schedule_control_reruns_the_cache_off_with_half_the_tokens_per_step(tmp_path) -> None:
     out = tmp_path / "r.json"
     args = [*SIZES, "--workloads", "shared-prefix", "--configs", "dense", "--max-num-batched-tokens", "64",

@@ -38,6 +38,7 @@ def rows() -> list[dict]:
                           ignore_eos=True)
 
 
+@pytest.mark.slow
 def test_step_deltas_add_up_to_the_store_totals(rows) -> None:
     hier = [r for r in rows if r["store"] == "hierarchical"]
     assert len(hier) == 4 and {r["name"] for r in hier} == {"quest", "dsa"}
@@ -53,6 +54,7 @@ def test_step_deltas_add_up_to_the_store_totals(rows) -> None:
         assert r["pcie_floor_ms_per_step"] == pytest.approx(1e3 * r["bytes_per_step"] / 55e9)
 
 
+@pytest.mark.slow
 def test_hit_rates_are_rates(rows) -> None:
     for r in (r for r in rows if r["store"] == "hierarchical"):
         rates = [r["hit_rate"], r["hit_rate_first"], r["hit_rate_later"], *r["layer_hit_rate"].values(),
@@ -64,6 +66,7 @@ def test_hit_rates_are_rates(rows) -> None:
     assert by_buffer["quest", 4] > by_buffer["quest", 1] and by_buffer["dsa", 4] > by_buffer["dsa", 1]
 
 
+@pytest.mark.slow
 def test_hierarchical_answers_equal_the_resident_ones(rows) -> None:
     resident = {r["name"]: r for r in rows if r["store"] == "resident" and r["name"] != "dense"}
     for r in (r for r in rows if r["store"] == "hierarchical"):
@@ -93,6 +96,7 @@ def test_buffers_start_at_the_least_the_config_accepts() -> None:
     assert bench.buffer_tokens(base, 1) == least and bench.buffer_tokens(base, 4) == 2048
 
 
+@pytest.mark.slow
 def test_tables_fit_80_columns(rows) -> None:
     out = io.StringIO()
     console = Console(file=out, width=80)
@@ -112,6 +116,7 @@ def test_arguments() -> None:
         bench.parse_args(["--top-k", "half"])
 
 
+@pytest.mark.slow
 def test_snapkv_gets_a_reference_per_buffer() -> None:
     """SnapKV keeps as many decoded tokens as the buffer leaves room for, resident store or
     not: each buffer is compared with a resident run of the same device_buffer_tokens."""

@@ -387,7 +387,7 @@ def test_bench_tables_are_whole_at_80_columns() -> None:
     assert dropped <= {"TTFT p99", "TPOT p99", "preempt", "floor", "H2D GB/s", "host", "dev pools", "% peak"}
 
 
-@pytest.mark.parametrize("gib", ["80", "0.1"])
+@pytest.mark.parametrize("gib", ["80", pytest.param("0.1", marks=pytest.mark.slow)])
 def test_plan_engine_is_whole_at_80_columns(gib: str) -> None:
     """`plan --engine` (the memory plan, and the error when nothing fits) in an 80-column
     terminal: no line longer, no word or number split across lines."""

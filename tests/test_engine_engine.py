@@ -401,6 +401,7 @@ print("fused engine ok")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sparse", [SMALL, {**FULL, "store": "resident", "min_sparse_prompt_len": 1000}],
                          ids=["sparse-hierarchical", "dense-resident"])
 def test_fused_ops_give_the_same_tokens_interpreted(sparse) -> None:

@@ -57,6 +57,7 @@ def test_a_failed_conversion_leaves_nothing_behind(monkeypatch: pytest.MonkeyPat
     assert list((tmp_path / "models").iterdir()) == []  # no temporary directory left either
 
 
+@pytest.mark.slow
 @installed
 def test_converted_smollm2_runs_in_the_engine_as_in_transformers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Convert into an empty cache, then: the config names the architecture, the tied

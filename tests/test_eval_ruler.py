@@ -203,6 +203,7 @@ def test_the_shipped_ruler_experiments_load() -> None:
 
 
 # -- through the engine ---------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_full_budget_cell_answers_exactly_as_dense(model_dir: Path, tmp_path: Path) -> None:
     """Quest with top_k >= every request's length selects every token: the engine's greedy
     answers must be the dense baseline's, token for token (float32 on the CPU)."""

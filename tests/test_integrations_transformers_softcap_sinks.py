@@ -269,6 +269,7 @@ print("triton softcap sinks ok")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PARAMS)
 def test_triton_backend_applies_the_feature_interpreted(name) -> None:
     """The triton backend (interpreted on the CPU) at a full budget equals dense generate:

@@ -124,6 +124,7 @@ print("decode slots ok")
 """
 
 
+@pytest.mark.slow
 def test_kernels_equal_their_twins_interpreted() -> None:
     pytest.importorskip("triton")
     run_interpreted(INTERPRETED, "decode slots ok")

@@ -92,6 +92,7 @@ print("layer ops ok")
 """
 
 
+@pytest.mark.slow
 def test_layer_ops_and_fused_model_equal_torch_interpreted() -> None:
     pytest.importorskip("triton")
     run_interpreted(INTERPRETED, "layer ops ok")

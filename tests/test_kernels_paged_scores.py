@@ -91,6 +91,7 @@ print("paged ok")
 """
 
 
+@pytest.mark.slow
 def test_triton_interpreted_matches_the_torch_twin() -> None:
     pytest.importorskip("triton")
     run_interpreted(INTERPRETED, "paged ok", timeout=600)

@@ -176,6 +176,7 @@ print("copy missing ok")
 """
 
 
+@pytest.mark.slow
 def test_copy_missing_kernel_equals_a_torch_gather_interpreted() -> None:
     pytest.importorskip("triton")
     run_interpreted(INTERPRETED.replace("DEVICE_NAME", "cpu"), "copy missing ok")

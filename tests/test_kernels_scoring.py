@@ -411,6 +411,7 @@ print("interpreted ok")
 """
 
 
+@pytest.mark.slow
 def test_triton_kernels_interpreted_match_the_references() -> None:
     pytest.importorskip("triton")
     run_interpreted(INTERPRETED, "interpreted ok", timeout=600)
@@ -452,6 +453,7 @@ print("fp8q ok")
 """
 
 
+@pytest.mark.slow
 def test_triton_fp8q_interpreted_matches_the_torch_twin() -> None:
     pytest.importorskip("triton")
     run_interpreted(INTERPRETED_FP8Q.replace("MAX_EXAMPLES", "40"), "fp8q ok")
@@ -489,6 +491,7 @@ print("prefill ok")
 """
 
 
+@pytest.mark.slow
 def test_triton_prefill_index_interpreted_matches_the_torch_twin() -> None:
     pytest.importorskip("triton")
     run_interpreted(INTERPRETED_PREFILL.replace("MAX_EXAMPLES", "25"), "prefill ok")

@@ -364,6 +364,7 @@ print("interpreted ok")
 """
 
 
+@pytest.mark.slow
 def test_triton_kernels_interpreted_match_torch_ref() -> None:
     pytest.importorskip("triton")
     run_interpreted(INTERPRETED, "interpreted ok", timeout=600)
@@ -473,6 +474,7 @@ print("options ok")
 """
 
 
+@pytest.mark.slow
 def test_triton_softcap_and_sinks_interpreted_match_torch_ref() -> None:
     """Soft-capping and sinks in the Triton kernels (paged, indexed / MLA, split or not, per
     head or per sequence sinks) and the backend against torch_ref, under the interpreter;

@@ -182,6 +182,7 @@ print("interpreted ok")
 """
 
 
+@pytest.mark.slow
 def test_triton_topk_interpreted_matches_torch() -> None:
     pytest.importorskip("triton")
     run_interpreted(INTERPRETED.replace("MAX_EXAMPLES", "40"), "interpreted ok")
@@ -223,6 +224,7 @@ print("digits ok")
 """
 
 
+@pytest.mark.slow
 def test_triton_topk_interpreted_each_radix_digit() -> None:
     pytest.importorskip("triton")
     run_interpreted(INTERPRETED_DIGITS, "digits ok")

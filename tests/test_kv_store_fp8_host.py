@@ -98,6 +98,7 @@ print("fp8 copies ok")
 """
 
 
+@pytest.mark.slow
 def test_triton_copies_equal_the_torch_copies_bit_for_bit() -> None:
     """The quantising and dequantising Triton kernels (interpreted) write the same bytes and
     values as the torch path, skipping -1 offsets; the fused swap-in kernel's fp8 path is

@@ -420,6 +420,7 @@ print("parity ok")
 """
 
 
+@pytest.mark.slow
 def test_fused_kernels_match_the_torch_path_exactly() -> None:
     """Same selections and decode writes into a torch-path store and a fused-kernel store
     (interpreted): the same slots, maps, recency, counters, device and host rows after every

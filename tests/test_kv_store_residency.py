@@ -175,6 +175,7 @@ print("launch shapes ok")
 """
 
 
+@pytest.mark.slow
 def test_both_launch_shapes_and_the_side_stream_prefetch_copy_the_same_interpreted() -> None:
     pytest.importorskip("triton")
     run_interpreted(INTERPRETED, "launch shapes ok")

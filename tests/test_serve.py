@@ -387,6 +387,7 @@ def test_sigterm_drains_the_streams_in_flight_and_exits_0(faulty: Server) -> Non
 
 
 # -- the real model: chat -------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_chat_on_the_real_model() -> None:
     from sparse_framework.engine.models.catalog import default_model
 

@@ -37,6 +37,7 @@ def server() -> Iterator[Server]:
     assert s.stop() == 0
 
 
+@pytest.mark.slow
 def test_lm_eval_local_completions_runs_a_ruler_slice(server: Server) -> None:
     import lm_eval
 
