@@ -138,6 +138,26 @@ def test_the_stop_string_that_completes_first_wins() -> None:
         assert one.text == whole.text == reference("xabcd", stops) == want, stops
 
 
+def test_the_work_per_token_is_its_own_text_not_the_output_so_far() -> None:
+    """Each token decodes a window of a few ids (the uncommitted ones and their context) and
+    the stop strings are searched for in the new text and a tail, whatever the output's length."""
+    windows: list[int] = []
+
+    def decode(ids) -> str:  # type: ignore[no-untyped-def]
+        windows.append(len(ids))
+        return " ".join(map(str, ids))
+
+    ids = [i % 50 + 1 for i in range(2000)]
+    full = " ".join(map(str, ids))
+    text = RequestText(decode, stops=["49 50 1 2 3 4 5 6 7 8 9 10 11 13", "no such"])
+    for t in ids:
+        text.add(t)
+    assert text.text == full and not text.stopped and max(windows) <= 2
+    text = RequestText(decode, stops=[" 7 8 9", full[-9:]])
+    shown = "".join(text.add(t) for t in ids)
+    assert text.stopped and text.text == shown + text.flush() == full[: full.find(" 7 8 9")]
+
+
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
 def test_incremental_text_equals_the_reference_on_random_ids(data: st.DataObject) -> None:

@@ -62,7 +62,10 @@ class RequestText:
     ignored); `text` is the committed text (after a stop: the final, cut text); `visible` how
     much of it may be shown now; `marks[i]` that length after token i; `num_tokens` the tokens
     taken, up to the one that completed a stop string; `finish()` the whole text at the end
-    (with what was held); `flush()` the part of it not yet visible."""
+    (with what was held); `flush()` the part of it not yet visible.
+
+    The text is kept as the pieces committed (joined only when `text` is read), so a token
+    costs its own text, never a copy of the whole output."""
 
     def __init__(self, decode: Decode, stops: Sequence[str] = (), include_stop: bool = False) -> None:
         if any(not s for s in stops):
@@ -71,13 +74,16 @@ class RequestText:
         self.stops = tuple(stops)
         self.include_stop = include_stop
         self._longest = max(map(len, self.stops), default=0)
-        # proper prefixes of the stop strings, by their first character: the tail a stream holds back
+        # proper prefixes of the stop strings (and their first characters): the tails held back
         self._prefixes = {s[:k] for s in self.stops for k in range(1, len(s))}
         self._firsts = {s[0] for s in self.stops if len(s) > 1}
         self.ids: list[int] = []
         self._prefix_offset = 0  # ids[_prefix_offset:_read_offset]: the context of the next decode
-        self._read_offset = 0  # ids from here on are not committed to `text` yet
-        self.text = ""
+        self._read_offset = 0  # ids from here on are not committed to the text yet
+        self._pieces: list[str] = []  # the committed text, in pieces
+        self._joined: str | None = ""  # "".join(_pieces), once asked for (None: not yet)
+        self._length = 0  # of the committed text
+        self._tail = ""  # its last len(longest stop) - 1 characters: where a stop string may begin
         self.visible = 0
         self.marks: list[int] = []
         self.stopped = False
@@ -88,6 +94,13 @@ class RequestText:
     @property
     def num_tokens(self) -> int:
         return len(self.ids)
+
+    @property
+    def text(self) -> str:
+        if self._joined is None:
+            self._joined = "".join(self._pieces)
+            self._pieces = [self._joined]
+        return self._joined
 
     def add(self, token: int) -> str:
         if self.stopped or self._finished:
@@ -109,18 +122,22 @@ class RequestText:
             self._read_offset = len(self.ids)
             self._commit(full[len(context) :])
         self._finished = True
-        self.visible = len(self.text)
+        self.visible = self._length
         return self.text
 
     def flush(self) -> str:
         """At the end: the text not yet returned by `add` (held back, or still incomplete)."""
         self.finish()
-        return self._emit(len(self.text))
+        return self._emit(self._length)
 
     def deltas(self, start: int, end: int) -> list[str]:
         """The text each of tokens start..end-1 made visible (`marks`), for one chunk per token."""
-        return [self.text[(self.marks[i - 1] if i > 0 else 0) : self.marks[i]] if i < len(self.marks) else ""
-                for i in range(start, end)]
+        def mark(i: int) -> int:
+            return 0 if i < 0 else self.marks[min(i, len(self.marks) - 1)] if self.marks else 0
+
+        first = mark(start - 1)
+        text = self._since(first)
+        return [text[mark(i - 1) - first : mark(i) - first] if i < len(self.marks) else "" for i in range(start, end)]
 
     # -- inside ----------------------------------------------------------------------------------
     def _pending(self) -> str:
@@ -135,40 +152,60 @@ class RequestText:
         return full[len(context) :]
 
     def _commit(self, new: str) -> None:
-        old = len(self.text)
-        self.text += new
+        base = self._length - len(self._tail)  # where `window` begins in the text
+        window = self._tail + new
+        self._pieces.append(new)
+        self._joined = None
+        self._length += len(new)
         if not self.stops:
-            self.visible = len(self.text)
+            self.visible = self._length
             return
-        hit = self._find(max(0, old - self._longest + 1))
+        hit = self._find(window)
         if hit is not None:
-            start, stop = hit
+            at, stop = hit
+            cut = base + at + (len(stop) if self.include_stop else 0)
             self.stopped, self.stop_string = True, stop
-            self.text = self.text[: start + len(stop)] if self.include_stop else self.text[:start]
-            self.visible = len(self.text)
+            self._joined = self.text[:cut]  # once, at the stop
+            self._pieces, self._length = [self._joined], cut
+            self.visible = cut
             return
-        self.visible = len(self.text) - self._held()
+        self._tail = window[len(window) - min(len(window), self._longest - 1) :]
+        self.visible = self._length - self._held(window)
 
-    def _find(self, start: int) -> tuple[int, str] | None:
-        """The stop string that completes first in text[start:] (ties: the longer), as (its
-        position, it)."""
+    def _find(self, window: str) -> tuple[int, str] | None:
+        """The stop string that completes first in `window` (ties: the longer), as (its
+        position in the window, it). None was complete before the new text, so any found ends
+        in it."""
         best: tuple[int, int, str] | None = None
         for s in self.stops:
-            i = self.text.find(s, start)
+            i = window.find(s)
             if i >= 0 and (best is None or (i + len(s), i) < best[:2]):
                 best = (i + len(s), i, s)
         return None if best is None else (best[1], best[2])
 
-    def _held(self) -> int:
-        """The length of the longest tail of the text that is a proper prefix of a stop string."""
-        text = self.text
-        for k in range(min(len(text), self._longest - 1), 0, -1):
-            if text[-k] in self._firsts and text[-k:] in self._prefixes:
+    def _held(self, window: str) -> int:
+        """The length of the longest tail of the text (its last characters are the window's)
+        that is a proper prefix of a stop string."""
+        for k in range(min(len(window), self._longest - 1), 0, -1):
+            if window[-k] in self._firsts and window[-k:] in self._prefixes:
                 return k
         return 0
+
+    def _since(self, start: int) -> str:
+        """text[start:], from the last pieces only (`start` is near the end: O(what it returns))."""
+        if self._joined is not None:
+            return self._joined[start:]
+        need, parts, got = self._length - start, [], 0
+        for piece in reversed(self._pieces):
+            if got >= need:
+                break
+            parts.append(piece)
+            got += len(piece)
+        return "".join(reversed(parts))[got - need :]
 
     def _emit(self, upto: int) -> str:
         if upto <= self._sent:
             return ""
-        delta, self._sent = self.text[self._sent : upto], upto
+        delta = self._since(self._sent)[: upto - self._sent]
+        self._sent = upto
         return delta
