@@ -110,7 +110,7 @@ def both_shapes_copy_the_same(kind, unit, seed):
     sel = selection(st_, unit, seed)
     want = ref.ensure_resident(1, rb, sel)
     idx = sel.indices.contiguous()
-    slots, todo, n_todo = st_._plan_selection(1, b, idx, st_.counts[1])
+    slots, todo, n_todo = st_.residency._plan_selection(1, b, idx, st_.counts[1])
     assert torch.equal(slots, want) and int(n_todo.sum()) > 0
     before = tensors(st_)
     got = []
@@ -119,7 +119,7 @@ def both_shapes_copy_the_same(kind, unit, seed):
                                   (residency.NARROW_PROGRAMS, residency.NARROW_ROWS, residency.NARROW_WARPS)]:
         for p, x in zip([t for p in st_.pools for t in p.tensors], before):
             p.copy_(x)
-        st_._copy_missing(1, idx, slots, todo, n_todo, b.slot_ids, programs=programs, block_r=rows, warps=warps)
+        st_.residency._copy_missing(1, idx, slots, todo, n_todo, b.slot_ids, programs=programs, block_r=rows, warps=warps)
         got.append(tensors(st_))
     assert same(got[0], tensors(ref)), kind
     assert same(got[1], got[0]) and same(got[2], got[0]), kind
@@ -136,9 +136,9 @@ class Side:  # a CUDA stream or event stood in for: everything runs at once on t
 def side_stream_prefetch_equals_the_inline_one(kind, unit, seed):
     ref, inline, side = stores(kind, unit, ["torch", "triton", "triton"])
     shapes = []
-    copy = side[0]._copy_missing
-    side[0]._copy_missing = lambda *a, **kw: shapes.append((kw["programs"], kw["block_r"])) or copy(*a, **kw)
-    side[0]._prefetch_side = Side()
+    copy = side[0].residency._copy_missing
+    side[0].residency._copy_missing = lambda *a, **kw: shapes.append((kw["programs"], kw["block_r"])) or copy(*a, **kw)
+    side[0].residency._prefetch_side = Side()
     cuda = torch.cuda.current_stream, torch.cuda.stream, torch.cuda.Event
     torch.cuda.current_stream, torch.cuda.stream, torch.cuda.Event = (
         lambda device=None: Side(), lambda s: contextlib.nullcontext(), Side)
@@ -150,7 +150,7 @@ def side_stream_prefetch_equals_the_inline_one(kind, unit, seed):
         for s, b in (ref, inline, side):
             s.prefetch(1, b, predicted)
         assert shapes == [(residency.PREFETCH_PROGRAMS, residency.PREFETCH_ROWS)], shapes
-        assert 1 in side[0]._prefetches and not inline[0]._prefetches
+        assert 1 in side[0].residency._prefetches and not inline[0].residency._prefetches
         for s, b in (inline, side):
             assert same(tensors(s), tensors(ref[0])), kind
             assert torch.equal(s.l2s[..., :-1], ref[0].l2s[..., :-1])  # the last column: a trash column
@@ -160,7 +160,7 @@ def side_stream_prefetch_equals_the_inline_one(kind, unit, seed):
         # the layer's own selection then: joins the prefetch, copies what it missed (the decode path's shape)
         slots = [s.ensure_resident(1, b, own) for s, b in (ref, inline, side)]
         assert shapes[1:] == [residency.decode_copy_shape(side[0].row_elems)[:2]], shapes
-        assert not side[0]._prefetches
+        assert not side[0].residency._prefetches
         for s, sl in zip((inline[0], side[0]), slots[1:]):
             assert torch.equal(sl, slots[0]) and same(tensors(s), tensors(ref[0])), kind
             assert torch.equal(s.counts, ref[0].counts)

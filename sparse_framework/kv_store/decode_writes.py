@@ -91,7 +91,7 @@ class DecodeWrites:
         from ..kernels.decode_slots import new_token_units_triton
 
         idx, rows, lens = new_token_units_triton(sel, batch.seq_lens, batch.slot_ids, self.streams, self.unit)
-        slots, _, _ = self._plan_residency(layer, idx, rows, lens, self._uncounted, block_w=2)
+        slots, _, _ = self.residency.plan_residency(layer, idx, rows, lens, self._uncounted, block_w=2)
         self._write_and_queue(layer, batch, sel, slots, self.unit, data)
 
     def _write_and_queue(
@@ -149,7 +149,7 @@ class DecodeWrites:
 
     def end_step(self, batch: Batch) -> None:
         """Start this step's device→host writes (on a side stream on CUDA)."""
-        self._join_prefetch()  # a prefetch whose layer never asked for its rows (the step went dense)
+        self.residency.join_prefetch()  # a prefetch whose layer never asked for its rows (the step went dense)
         if not self._pending:
             return
         # one copy per device pool (its offsets address that pool's tensors)

@@ -35,7 +35,8 @@ import torch
 
 from ..common.arith import cdiv
 from ..common.layout import KVLayout
-from .pages import PageAllocator, allocate_pool
+from .copy import put_rows
+from .pages import PageAllocator, allocate_pool, paged_slots_rows
 
 SPARSE_LAYERS, DENSE_LAYERS, RESIDENT = "sparse_layers", "dense_layers", "resident"
 
@@ -179,3 +180,37 @@ class DevicePool:
             "used_bytes": self.used_pages * per_page,
             "rule": self.sizing.rule,
         }
+
+
+class DeviceRows:
+    """Where a stream's rows sit on the device: each layer's pool and the device page table.
+
+    `pools` are the store's pools and `pool_of` the pool of each layer (fixed at construction);
+    `table` [layers, max_requests, pages] int32 is the store's device page table, shared: the
+    store (`HierarchicalKVStore`, its one owner) maps and unmaps pages in it at admission,
+    growth, retract and release; the swap-in and the decode writes only read it."""
+
+    def __init__(
+        self, pools: list[DevicePool], pool_of: list[DevicePool], table: torch.Tensor, *, page_size: int, head_major: bool
+    ) -> None:
+        self.pools, self.pool_of, self.table = pools, pool_of, table
+        self.page_size, self.head_major = page_size, head_major
+
+    def slots(self, layer: int, slot_ids: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """Device slots of positions (logical tokens of a resident layer, or buffer positions
+        of a buffered one). slot_ids: [B]; pos: [B, ...] int, -1 kept. Returns `dtype`."""
+        return paged_slots_rows(self.table[layer], slot_ids, pos, self.page_size, dtype)
+
+    def offsets(self, layer: int, slots: torch.Tensor, head: torch.Tensor | int = 0) -> torch.Tensor:
+        """Flat element offsets, into the tensors of the layer's pool, of a stream's row at
+        device slots (-1 kept)."""
+        return self.pool_of[layer].offsets(layer, slots, head)
+
+    def buffers(self, layer: int) -> list[torch.Tensor]:
+        """The layer's device rows per stored tensor: [slots, kv_heads, dim], or head-major."""
+        return self.pool_of[layer].buffers(layer)
+
+    def put(self, layer: int, slots: torch.Tensor, rows: list[torch.Tensor]) -> None:
+        """rows[i]: [n, kv_heads, dim] to device slots [n] (all heads), or, in the head-major
+        layout, slots [n, kv_heads] (one slot per head)."""
+        put_rows(self.buffers(layer), slots, rows, self.head_major)

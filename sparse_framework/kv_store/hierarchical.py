@@ -19,9 +19,12 @@ Asynchronous host writes: a decode token's rows go to the device buffer at once 
 host at `end_step`, on a side CUDA stream; `begin_step` makes the compute stream wait for
 them, so no step reads a host row before its copy completed.
 
-The class is split for size: the decode writes are `decode_writes.DecodeWrites`, the swap-in
-of a selection (and the prefetch) `residency.BufferResidency`, both mixins over this class's
-state; admission, prefill, retract/resume and the accounting are here.
+The store is split in parts that own their state: the decode writes are
+`decode_writes.DecodeWrites`, the swap-in of a selection (and the prefetch)
+`residency.BufferResidency` (`self.residency`: the swap-in's counters, timing and prefetch
+copies); admission, prefill, retract/resume and the accounting are here. The store owns what
+they share and passes it to them: the slot maps (`SlotMaps`), the host pool (`HostPool`) and the
+device rows (`DeviceRows`: the pools and the device page table, which only the store maps).
 """
 
 from __future__ import annotations
@@ -30,11 +33,10 @@ import logging
 
 import torch
 
-from ..common.batch import Batch, Request
+from ..common.batch import Batch, Request, Selection
 from ..common.errors import CapacityError
 from ..common.transfer import tensor_to_device
 from .base import KVStore
-from .copy import put_rows
 from .decode_writes import DecodeWrites
 from .residency import BufferResidency
 from ..common.flashmla_format import pack_flashmla_fp8
@@ -42,8 +44,7 @@ from .fp8_host import check_host_kv_dtype, is_fp8_host
 from .host_pool import HostPool
 from ..common.arith import cdiv
 from ..common.layout import KVLayout, resolve_impl
-from .device_pools import DENSE_LAYERS, RESIDENT, DevicePool, buffer_pages, size_device_pools
-from .pages import paged_slots_rows
+from .device_pools import DENSE_LAYERS, RESIDENT, DevicePool, DeviceRows, buffer_pages, size_device_pools
 from .slot_maps import SlotMaps
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ _RESIDENT, _BUFFERED = "resident", "buffered"
 
 
 
-class HierarchicalKVStore(DecodeWrites, BufferResidency, KVStore):
+class HierarchicalKVStore(DecodeWrites, KVStore):
     """See the module docstring. `unit` is the selection granularity (page_size or 1)."""
 
     def __init__(
@@ -114,6 +115,9 @@ class HierarchicalKVStore(DecodeWrites, BufferResidency, KVStore):
         table_pages = max(self.max_pages, self.buffer_tokens // page_size)
         self.dev_table = torch.full((L, max_requests, table_pages), -1, dtype=torch.int32, device=dev)
         self._dev_pages: dict[tuple[int, int], torch.Tensor] = {}
+        # the pools and the page table, as the swap-in and the decode writes address them (the
+        # table is this store's: only _alloc_device / _free_device change it)
+        self.device_rows = DeviceRows(self.pools, self._pool, self.dev_table, page_size=page_size, head_major=per_kv_head)
 
         if host_capacity_tokens is None:
             host_capacity_tokens = 0 if resident_only else max_requests * self.max_pages * page_size
@@ -141,20 +145,15 @@ class HierarchicalKVStore(DecodeWrites, BufferResidency, KVStore):
         self.l2s, self.s2l, self.last_used = self.maps.l2s, self.maps.s2l, self.maps.last_used
         self.clock = self.maps.clock
 
-        # per layer: hits, misses (selected tokens), rows copied host -> device
-        self.counts = torch.zeros(L, 3, dtype=torch.int64, device=dev)
+        # the swap-in of selections and the prefetch (residency.py), with their counters
+        self.residency = BufferResidency(
+            layout=layout, maps=self.maps, device_rows=self.device_rows, host_pool=self.host_pool, unit=unit,
+            streams=self.streams, max_units=self.max_units, all_resident=resident_only, impl=self.impl, device=dev,
+        )
         self._uncounted = torch.zeros(3, dtype=torch.int64, device=dev)  # counters of the decode writes' placement
-        self.hits, self.misses, self.rows_in = self.counts[:, 0], self.counts[:, 1], self.counts[:, 2]
         self.rows_out = torch.zeros(L, dtype=torch.int64, device=dev)  # token rows device -> host
-        self.timing = True  # time swap-ins (turn off while capturing a CUDA graph)
-        self._swap_seconds = [0.0] * L
-        self._swap_events: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, dev off, host off)
         self._side = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
-        # prefetch(): per layer its hits, misses and rows copied; its copies' side stream and events
-        self.prefetch_counts = torch.zeros(L, 3, dtype=torch.int64, device=dev)
-        self._prefetch_side = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
-        self._prefetches: dict[int, tuple[torch.cuda.Event, tuple[torch.Tensor, ...]]] = {}
         self._writes_done: torch.cuda.Event | None = None
         self._retracted: set[int] = set()
         for pool in self.pools:
@@ -162,6 +161,51 @@ class HierarchicalKVStore(DecodeWrites, BufferResidency, KVStore):
                 "device KV pool of the %s: %d layer(s) x %d tokens = %.2f GiB (%s)",
                 pool.kind.replace("_", " "), len(pool.layers), pool.slots, pool.bytes / 2**30, pool.sizing.rule,
             )
+
+    # -- the swap-in (residency.py `BufferResidency`, which owns its counters) ----------------
+    def resident_slots(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
+        return self.residency.resident_slots(layer, batch, selection)
+
+    def ensure_resident(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
+        """Swap in the missing units of a selection of buffered rows; return device slots
+        (`BufferResidency.ensure_resident`)."""
+        return self.residency.ensure_resident(layer, batch, selection)
+
+    def prefetch(self, layer: int, batch: Batch, selection: Selection) -> None:
+        """Make a predicted selection of a later layer resident ahead of that layer's own
+        `ensure_resident` (`BufferResidency.prefetch`)."""
+        self.residency.prefetch(layer, batch, selection)
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """Per layer: hits, misses (selected tokens), rows copied host -> device [layers, 3]."""
+        return self.residency.counts
+
+    @property
+    def hits(self) -> torch.Tensor:
+        return self.residency.hits
+
+    @property
+    def misses(self) -> torch.Tensor:
+        return self.residency.misses
+
+    @property
+    def rows_in(self) -> torch.Tensor:
+        return self.residency.rows_in
+
+    @property
+    def prefetch_counts(self) -> torch.Tensor:
+        """Per layer: the prefetch's hits, misses and rows copied [layers, 3]."""
+        return self.residency.prefetch_counts
+
+    @property
+    def timing(self) -> bool:
+        """Whether swap-ins are timed (turn off while capturing a CUDA graph)."""
+        return self.residency.timing
+
+    @timing.setter
+    def timing(self, on: bool) -> None:
+        self.residency.timing = on
 
     # -- geometry -------------------------------------------------------------------------
     @property
@@ -181,7 +225,7 @@ class HierarchicalKVStore(DecodeWrites, BufferResidency, KVStore):
     def layer_buffers(self, layer: int) -> list[torch.Tensor]:
         """The layer's device rows per stored tensor (K and V, or the latent):
         [slots, kv_heads, dim], or [kv_heads, slots, dim] head-major."""
-        return self._pool[layer].buffers(layer)
+        return self.device_rows.buffers(layer)
 
     @property
     def row_elems(self) -> int:
@@ -205,12 +249,12 @@ class HierarchicalKVStore(DecodeWrites, BufferResidency, KVStore):
         """Device slots of positions (logical tokens of a resident layer, or buffer positions
         of a buffered one). slot_ids: [B]; pos: [B, ...] int, -1 kept. Returns `dtype`.
         In torch ops: the decode step's look-up (`resident_slots`) has its own kernel."""
-        return paged_slots_rows(self.dev_table[layer], slot_ids, pos, self.page_size, dtype)
+        return self.device_rows.slots(layer, slot_ids, pos, dtype)
 
     def _dev_off(self, layer: int, slots: torch.Tensor, head: torch.Tensor | int = 0) -> torch.Tensor:
         """Flat element offsets, into the tensors of the layer's pool, of a stream's row at
         device slots (-1 kept)."""
-        return self._pool[layer].offsets(layer, slots, head)
+        return self.device_rows.offsets(layer, slots, head)
 
     def _store(self, x: torch.Tensor) -> torch.Tensor:
         """Rows as stored: the layout's dtype; fp8 as bytes; an fp8 MLA latent packed into
@@ -226,7 +270,7 @@ class HierarchicalKVStore(DecodeWrites, BufferResidency, KVStore):
     def _write_dev(self, layer: int, slots: torch.Tensor, rows: list[torch.Tensor]) -> None:
         """rows[i]: [n, kv_heads, dim] to device slots [n] (all heads), or, in the head-major
         layout, slots [n, kv_heads] (one slot per head)."""
-        put_rows(self.layer_buffers(layer), slots, rows, self.head_major)
+        self.device_rows.put(layer, slots, rows)
 
     def _alloc_device(self, request: Request, layers: list[int], tokens_for: dict[str, int]) -> None:
         """All-or-nothing: allocate device pages for the given layers or raise unchanged."""
@@ -445,7 +489,7 @@ class HierarchicalKVStore(DecodeWrites, BufferResidency, KVStore):
         if rows is not None:
             self._write_dev(layer, slots, [x[tokens] for x in rows])
         else:
-            self._copy_in(layer, torch.tensor([r], device=self.device), tokens.unsqueeze(0), slots.unsqueeze(0))
+            self.residency.copy_in(layer, torch.tensor([r], device=self.device), tokens.unsqueeze(0), slots.unsqueeze(0))
 
     def write_prefill(self, layer: int, request: Request, k: torch.Tensor, v: torch.Tensor | None) -> None:
         rows = self._tensors(k, v)
@@ -494,7 +538,7 @@ class HierarchicalKVStore(DecodeWrites, BufferResidency, KVStore):
         tokens = torch.arange(request.seq_len, device=self.device).unsqueeze(0)
         for layer in range(self.layout.num_layers):
             if self.mode(request, layer) == _RESIDENT:
-                self._copy_in(layer, sid, tokens, self._phys(layer, sid, tokens))
+                self.residency.copy_in(layer, sid, tokens, self._phys(layer, sid, tokens))
             else:
                 self._fill_buffer(layer, request, None)
         if not self._keeps_host(request):
@@ -572,10 +616,7 @@ class HierarchicalKVStore(DecodeWrites, BufferResidency, KVStore):
         prefetch: `misses` are the selected rows the prediction did not bring in (copied on the
         critical path), `prefetch_rows` those it copied ahead (whether selected or not), and
         `bytes_in` counts both."""
-        for layer, start, end in self._swap_events:
-            end.synchronize()
-            self._swap_seconds[layer] += start.elapsed_time(end) / 1000
-        self._swap_events.clear()
+        swap_seconds = self.residency.swap_seconds()
         # bytes that crossed between the tiers, as the host stores them (fp8 host rows: fewer)
         row_bytes = self.host_pool.bytes_per_token_per_layer * self.row_heads // self.layout.num_kv_heads
         return [
@@ -587,7 +628,7 @@ class HierarchicalKVStore(DecodeWrites, BufferResidency, KVStore):
                 "bytes_in": int(self.rows_in[layer] + self.prefetch_counts[layer, 2]) * row_bytes,
                 "prefetch_rows": int(self.prefetch_counts[layer, 2]),
                 "bytes_out": int(self.rows_out[layer]) * row_bytes,
-                "swap_seconds": self._swap_seconds[layer],
+                "swap_seconds": swap_seconds[layer],
             }
             for layer in range(self.layout.num_layers)
         ]

@@ -1,8 +1,13 @@
-"""The hierarchical store's swap-in of a decode selection (`HierarchicalKVStore`'s, split out
-for size): look the selected units up in the buffer's maps, evict victims for the misses, copy
-the misses' rows host -> device (zero-copy on CUDA), and the prefetch of a predicted selection
-on a side stream. The methods read the store's state (`HierarchicalKVStore.__init__`); this
-class holds none.
+"""The hierarchical store's swap-in of a decode selection (`HierarchicalKVStore.residency`):
+look the selected units up in the buffer's maps, evict victims for the misses, copy the misses'
+rows host -> device (zero-copy on CUDA), and the prefetch of a predicted selection on a side
+stream.
+
+`BufferResidency` owns the swap-in's counters (hits, misses, rows copied in; the prefetch's),
+its timing and the prefetch's side stream and pending copies. What it shares is passed to it by
+the store, which owns it: the slot maps (`SlotMaps`: l2s, s2l, last_used, the recency clock;
+the decode writes place new tokens in them too), the device rows (`DeviceRows`: the pools and
+the store's page table) and the host pool.
 """
 
 from __future__ import annotations
@@ -13,6 +18,10 @@ import torch
 
 from ..common.arith import pow2
 from ..common.batch import Batch, Selection
+from ..common.layout import KVLayout
+from .device_pools import DeviceRows
+from .host_pool import HostPool
+from .slot_maps import SlotMaps
 
 # launch shape of copy_missing_kernel on the decode path: programs, columns of a tile, warps,
 # rows per loop iteration (BLOCK_R) (benchmarks/swap_in.py --copy-shapes sets these). One row
@@ -43,15 +52,62 @@ def decode_copy_shape(row_elems: int) -> tuple[int, int, int]:
 
 
 class BufferResidency:
-    """Mixin of `HierarchicalKVStore`: making selections resident (module docstring)."""
+    """Making selections of buffered rows resident, and the prefetch (module docstring).
+
+    layout, unit (selection granularity), streams (per request, or per KV head), max_units
+    (units of max_seq_len), all_resident (the resident store: nothing is ever swapped), impl
+    ("triton" or "torch") and device: the store's geometry. maps, device_rows, host_pool: the
+    store's, shared (module docstring).
+    """
+
+    def __init__(
+        self,
+        *,
+        layout: KVLayout,
+        maps: SlotMaps,
+        device_rows: DeviceRows,
+        host_pool: HostPool,
+        unit: int,
+        streams: int,
+        max_units: int,
+        all_resident: bool,
+        impl: str,
+        device: torch.device,
+    ) -> None:
+        self.layout, self.maps, self.device_rows, self.host_pool = layout, maps, device_rows, host_pool
+        self.unit, self.streams, self.max_units = unit, streams, max_units
+        self.all_resident, self.impl, self.device = all_resident, impl, device
+        self.page_size, self.head_major = device_rows.page_size, device_rows.head_major
+        self.buffer_units = maps.buffer_units
+        self.row_heads = 1 if self.head_major else layout.num_kv_heads  # KV heads in one stream's row
+        self.row_elems = layout.stored_head_dim * self.row_heads  # elements of one stream's row, one tensor
+        L = layout.num_layers
+        # per layer: hits, misses (selected tokens), rows copied host -> device
+        self.counts = torch.zeros(L, 3, dtype=torch.int64, device=device)
+        self.hits, self.misses, self.rows_in = self.counts[:, 0], self.counts[:, 1], self.counts[:, 2]
+        self.timing = True  # time swap-ins (turn off while capturing a CUDA graph)
+        self._swap_seconds = [0.0] * L
+        self._swap_events: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+        # prefetch(): per layer its hits, misses and rows copied; its copies' side stream and events
+        self.prefetch_counts = torch.zeros(L, 3, dtype=torch.int64, device=device)
+        self._prefetch_side = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._prefetches: dict[int, tuple[torch.cuda.Event, tuple[torch.Tensor, ...]]] = {}
+
+    def swap_seconds(self) -> list[float]:
+        """Per layer: seconds spent swapping in so far (waits for the timed CUDA events)."""
+        for layer, start, end in self._swap_events:
+            end.synchronize()
+            self._swap_seconds[layer] += start.elapsed_time(end) / 1000
+        self._swap_events.clear()
+        return list(self._swap_seconds)
 
     # -- selection --------------------------------------------------------------------------
     def resident_slots(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
         assert batch.slot_ids is not None
         if self.impl == "triton":  # one kernel instead of ~13 torch ops on the decode path
             from ..kernels.decode_slots import paged_slots_rows_triton
-            return paged_slots_rows_triton(self.dev_table[layer], batch.slot_ids, selection.indices, self.page_size, torch.int32)
-        return self._phys(layer, batch.slot_ids, selection.indices, torch.int32)
+            return paged_slots_rows_triton(self.device_rows.table[layer], batch.slot_ids, selection.indices, self.page_size, torch.int32)
+        return self.device_rows.slots(layer, batch.slot_ids, selection.indices, torch.int32)
 
     def ensure_resident(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
         """Swap in the missing units of a selection of buffered rows; return device slots.
@@ -65,7 +121,7 @@ class BufferResidency:
         assert batch.slot_ids is not None and batch.seq_lens is not None
         if self.all_resident:
             return self.resident_slots(layer, batch, selection)
-        self._join_prefetch(layer)
+        self.join_prefetch(layer)
         if self.impl == "triton":
             return self._ensure_resident_fused(layer, batch, selection)
         u = self.unit
@@ -77,7 +133,7 @@ class BufferResidency:
         rows = batch.slot_ids
         ri = rows.view(-1, 1, 1)
         hi = torch.arange(s, device=self.device).view(1, -1, 1)
-        cur = self.l2s[layer, ri, hi, units.clamp(min=0)].long()
+        cur = self.maps.l2s[layer, ri, hi, units.clamp(min=0)].long()
         hit = valid & (cur >= 0)
         miss = valid & (cur < 0)
         protect = torch.zeros(b, s, self.buffer_units + 1, dtype=torch.bool, device=self.device)
@@ -91,16 +147,16 @@ class BufferResidency:
         victim = victims.gather(-1, rank)
         self.maps.assign(layer, rows, units, miss, victim)
         bu = torch.where(hit, cur, torch.where(miss, victim, -1))  # [B, S, Wu]
-        self.last_used[layer, ri, hi, torch.where(valid, bu, self.buffer_units)] = self.clock
+        self.maps.last_used[layer, ri, hi, torch.where(valid, bu, self.buffer_units)] = self.maps.clock
         # token-level positions
         offs = torch.arange(u, device=self.device)
         tok_bu = (bu.unsqueeze(-1) * u + offs).flatten(-2)[..., :w]
         tok_bu = torch.where(idx >= 0, tok_bu, -1)
-        slots = self._phys(layer, rows, tok_bu)  # [B, S, W]
+        slots = self.device_rows.slots(layer, rows, tok_bu)  # [B, S, W]
         tok_miss = miss.unsqueeze(-1).expand(-1, -1, -1, u).flatten(-2)[..., :w] & (idx >= 0)
         src_tokens = torch.where(tok_miss, idx.long(), -1)
         start = self._timer() if self.timing else None
-        self._copy_in(layer, rows, src_tokens, torch.where(tok_miss, slots, -1))
+        self.copy_in(layer, rows, src_tokens, torch.where(tok_miss, slots, -1))
         if start is not None:
             self._stop_timer(layer, start)
         self.hits[layer] += (hit.unsqueeze(-1).expand(-1, -1, -1, u).flatten(-2)[..., :w] & (idx >= 0)).sum()
@@ -131,16 +187,16 @@ class BufferResidency:
 
         b, s, w = idx.shape
         use_pdl = pdl.enabled(idx.device)
-        host = [_as_kernel_arg(t) for t in self.host]
-        pool = self._pool[layer]
+        host = [_as_kernel_arg(t) for t in self.host_pool.tensors]
+        pool = self.device_rows.pool_of[layer]
         dev = pool.tensors
         two = len(dev) == 2
         hp = self.host_pool  # host rows: the device's, or fp8 ones the kernel dequantises (FP8_HOST)
         launch(copy_missing_kernel, (programs,),
-            todo, n_todo, idx, slots, rows, self.host_table,
+            todo, n_todo, idx, slots, rows, self.host_pool.host_table,
             host[0], dev[0], host[1] if two else host[0], dev[1] if two else dev[0],
-            s, w, self.page_size, self.host_table.shape[-1],
-            layer * self.host_slots * hp.row_elems, pool.layer_offset(layer),
+            s, w, self.page_size, self.host_pool.host_table.shape[-1],
+            layer * self.host_pool.host_slots * hp.row_elems, pool.layer_offset(layer),
             pool.slots, self.layout.num_kv_heads, b * s, BLOCK_S=pow2(b * s),
             HEAD_MAJOR=self.head_major, TWO=two, ROW=self.row_elems, COLS=min(COPY_COLS, pow2(self.row_elems)),
             PDL=use_pdl, HROW=hp.head_width * self.row_heads, FP8_HOST=hp.fp8, HEAD_DIM=self.layout.head_dim,
@@ -158,7 +214,7 @@ class BufferResidency:
         assert batch.slot_ids is not None and batch.seq_lens is not None
         if self.all_resident:
             return
-        self._join_prefetch(layer)
+        self.join_prefetch(layer)
         # never the unit of the newest token: `write_decode` places it (a fresh unit must be unmapped
         # there); selections list whole units in ascending order, so this cuts each one's tail
         newest = ((batch.seq_lens.long() - 1) // self.unit * self.unit).view(-1, 1, 1)
@@ -182,7 +238,7 @@ class BufferResidency:
         # the side stream's inputs stay referenced until the main stream has waited for it
         self._prefetches[layer] = (done, (idx, slots, todo, n_todo, batch.slot_ids, batch.seq_lens))
 
-    def _join_prefetch(self, layer: int | None = None) -> None:
+    def join_prefetch(self, layer: int | None = None) -> None:
         """The main stream waits for the prefetch copy of `layer` (None: of every layer)."""
         for key in list(self._prefetches) if layer is None else [layer]:
             pending = self._prefetches.pop(key, None)
@@ -194,10 +250,10 @@ class BufferResidency:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`_plan_residency` of a selection idx [B, S, W] of the batch's rows, counted in `counts`."""
         assert batch.slot_ids is not None and batch.seq_lens is not None
-        return self._plan_residency(layer, idx, batch.slot_ids, batch.seq_lens, counts,
+        return self.plan_residency(layer, idx, batch.slot_ids, batch.seq_lens, counts,
                                     block_w=pow2(-(-idx.shape[-1] // self.unit)))
 
-    def _plan_residency(
+    def plan_residency(
         self, layer: int, idx: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, counts: torch.Tensor, *,
         block_w: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -217,16 +273,16 @@ class BufferResidency:
         n_todo = torch.empty(b * s, dtype=torch.int32, device=self.device)  # every entry written
         use_pdl = pdl.enabled(idx.device)
         launch(plan_residency_kernel, (b * s,),
-            idx, rows, lens, self.l2s[layer], self.s2l[layer], self.last_used[layer],
-            self.clock, self.dev_table[layer], slots, todo, n_todo, scratch, counts,
-            s, w, -(-w // u), self.max_units, self.buffer_units, u, self.page_size, self.dev_table.shape[-1],
-            self.sink_tokens, self.recent_tokens,
+            idx, rows, lens, self.maps.l2s[layer], self.maps.s2l[layer], self.maps.last_used[layer],
+            self.maps.clock, self.device_rows.table[layer], slots, todo, n_todo, scratch, counts,
+            s, w, -(-w // u), self.max_units, self.buffer_units, u, self.page_size, self.device_rows.table.shape[-1],
+            self.maps.sink_tokens, self.maps.recent_tokens,
             BLOCK_W=block_w, BLOCK_B=block_b, BLOCK_U=pow2(u), PDL=use_pdl,
             num_warps=8 if block_b <= 2048 else 16, launch_pdl=use_pdl,
         )
         return slots, todo, n_todo
 
-    def _copy_in(self, layer: int, rows: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor) -> None:
+    def copy_in(self, layer: int, rows: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor) -> None:
         """Host→device copy of logical `tokens` [B, S, W] (or [B, W] for all streams) into
         device `slots` (same shape), -1 entries skipped."""
         if tokens.dim() == 2:
@@ -235,10 +291,10 @@ class BufferResidency:
         heads = torch.arange(self.streams, device=self.device).view(1, -1, 1) if self.head_major else 0
         host_rows = self.host_pool.rows(rows, tokens)
         src = self.host_pool.offsets(layer, host_rows, heads)
-        dst = self._dev_off(layer, slots, heads)
+        dst = self.device_rows.offsets(layer, slots, heads)
         src = torch.where(dst >= 0, src, -1).flatten()
         dst = dst.flatten()
-        for dev_buf, host_buf in zip(self._pool[layer].tensors, self.host):
+        for dev_buf, host_buf in zip(self.device_rows.pool_of[layer].tensors, self.host_pool.tensors):
             self.host_pool.read_rows(host_buf, dev_buf, src, dst, self.row_heads)
         self.rows_in[layer] += (src >= 0).sum()
 
