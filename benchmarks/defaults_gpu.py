@@ -128,7 +128,7 @@ def run_cell(name: str, ctx: int, batch: int, args: argparse.Namespace) -> dict[
     step_ms = (long - one) / (args.output_len - 1) * 1e3
     figures = hardware.gpu_figures(args.device) or hardware.DEFAULT
     tally = coord.dense_tally
-    sparse_steps = name != "dense" and (coord.config.sparse_policy == "always" or
+    sparse_steps = not name.startswith("dense") and (coord.config.sparse_policy == "always" or
                                         coord.policy.model.step_pays([ctx + args.output_len // 2] * batch))
     floor = floor_ms(figures, args.random, ctx, batch, sparse_steps, coord.config.top_k, weights)
     row = {"config": name, "config_as_written": CONFIGS[name], "resolved": coord.config.key(),
