@@ -65,7 +65,7 @@ def tokenizer_for(name: str):  # type: ignore[no-untyped-def]
 def make_llm(tokenizer, sparse=None, **options) -> LLM:  # type: ignore[no-untyped-def]
     vocab = 96 if tokenizer is None or isinstance(tokenizer, IdTokenizer) else len(tokenizer)
     return LLM.from_model(random_model(config(vocab), torch.float32, "cpu", seed=0), sparse, tokenizer=tokenizer,
-                          **{"max_num_seqs": 4, "max_model_len": 128, "max_num_batched_tokens": 64, **options})
+                          **{"max_num_seqs": 8, "max_model_len": 128, "max_num_batched_tokens": 64, **options})
 
 
 def params(seed: int, **kw) -> SamplingParams:  # type: ignore[no-untyped-def]
