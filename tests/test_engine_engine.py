@@ -201,6 +201,7 @@ def test_abort_frees_everything_and_the_others_finish(checkpoint) -> None:
     assert engine.abort("r1") is None
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_random_arrivals_lengths_and_aborts_never_lose_or_mix_requests(checkpoint, data) -> None:

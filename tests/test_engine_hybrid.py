@@ -99,7 +99,8 @@ def run(engine: Engine, batch: list[list[int]], params: SamplingParams = GREEDY)
     return run_batch(engine, batch, params)
 
 
-@pytest.mark.parametrize("sparse", list(SPARSE))
+@pytest.mark.parametrize("sparse", [s if s == "sparse-full-budget" else pytest.param(s, marks=pytest.mark.slow)
+                                    for s in SPARSE])  # resident, dense mode: -m slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_engine_equals_transformers_greedy_generate(checkpoints, name: str, sparse: str) -> None:
     """Four prompts at once, prefilled in chunks of at most 12 tokens beside decode rows."""
@@ -124,7 +125,7 @@ def test_the_window_binds(name: str) -> None:
                for p in prompts(LENS))
 
 
-@pytest.mark.parametrize("name", ["gemma2", "qwen2"])
+@pytest.mark.parametrize("name", [pytest.param("gemma2", marks=pytest.mark.slow), "qwen2"])
 def test_preempted_and_resumed_output_equals_the_unpreempted_one(checkpoints, name: str) -> None:
     """A device pool too small for every request to grow to its end: the scheduler retracts
     (full layers to the host; the ring row stays reserved with its window) and resumes, and

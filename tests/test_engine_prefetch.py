@@ -38,6 +38,7 @@ def run(model, config: ModelConfig, sparse: dict, prompts: list[list[int]], toke
     return outs, {k: sum(s.get(k, 0) for s in stats) for k in ("hits", "misses", "prefetch_rows", "bytes_in")}
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
 @given(page=st.sampled_from([4, 16]), top_k=st.sampled_from([32, 64]), extra_buffer=st.sampled_from([0, 64]),
        lens=st.lists(st.integers(90, 300), min_size=1, max_size=3), seed=st.integers(0, 2**16))

@@ -363,6 +363,7 @@ def test_borrowed_pages_are_read_not_written_nor_freed() -> None:
     assert store.host_alloc.used == 0
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                 HealthCheck.too_slow], database=None)
 @given(data=st.data())

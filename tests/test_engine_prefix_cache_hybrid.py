@@ -109,7 +109,8 @@ def shared_system_prompt(seed: int) -> list[list[int]]:
     return [a, system + tokens(3, g), a + tokens(14, g), system + tokens(6, g), a + tokens(5, g)]
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("config", [c if c == "sparse-full-budget" else pytest.param(c, marks=pytest.mark.slow)
+                                    for c in CONFIGS])  # dense mode, resident: -m slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_cache_on_equals_cache_off_one_after_another(checkpoints, name: str, config: str) -> None:
     sparse, extra = CONFIGS[config]

@@ -141,6 +141,7 @@ def test_arriving_together_with_eviction_under_a_small_host_pool() -> None:
     assert_no_keys_left(engine)
 
 
+@pytest.mark.slow
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
 @given(data=st.data())
 def test_random_arrivals_equal_the_cache_off(data) -> None:

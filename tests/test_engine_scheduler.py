@@ -688,5 +688,5 @@ class SchedulerMachine(RuleBasedStateMachine):
                     event("a preempted request finished")
 
 
-TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine = pytest.mark.slow(SchedulerMachine.TestCase)  # 300 runs of 40 steps
 TestSchedulerMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)

@@ -318,6 +318,7 @@ TestStoreMachine.settings = settings(
 )
 
 
+@pytest.mark.slow
 def test_state_machine_with_the_fused_kernels() -> None:
     """The same state machine over the fused Triton kernels, interpreted on the CPU."""
     pytest.importorskip("triton")
