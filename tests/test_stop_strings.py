@@ -124,7 +124,8 @@ def test_a_stream_holds_back_what_may_become_a_stop_string() -> None:
     assert [free.add(t) for t in (1, 2, 3, 4)] == ["Hello", " wor", "ld", ""]
     assert free.flush() == " END" and not free.stopped and free.deltas(0, 4) == ["Hello", " wor", "ld", ""]
     kept = RequestText(words, stops=("lo wo",), include_stop=True)
-    assert [kept.add(t) for t in (1, 2)] == ["Hel", "lo wo"] and kept.stopped and kept.text == "Hello wo"
+    # kept in the text, a stop string cuts only what follows it: nothing is held back
+    assert [kept.add(t) for t in (1, 2)] == ["Hello", " wo"] and kept.stopped and kept.text == "Hello wo"
 
 
 def test_the_stop_string_that_completes_first_wins() -> None:

@@ -22,8 +22,9 @@ Per token the work is bounded by the new text, not the output so far:
   token that completed it is the request's last (it stays in the token ids, as a stop token
   does);
 - for streaming, `visible` leaves out the tail that could still grow into a stop string, so a
-  client never sees text that a stop string later cuts; `marks` record how much was visible
-  after each token, for one delta per token.
+  client never sees text that a stop string later cuts (with `include_stop_str_in_output` there
+  is nothing to hold back: a stop string then cuts only text after it, which is new); `marks`
+  record how much was visible after each token, for one delta per token.
 
 At the request's end (`finish`), the text still held (a character never completed) is added and
 searched for a stop string too, so a stop string found only there still cuts the text.
@@ -170,7 +171,8 @@ class RequestText:
             self.visible = cut
             return
         self._tail = window[len(window) - min(len(window), self._longest - 1) :]
-        self.visible = self._length - self._held(window)
+        # kept in the text, a stop string cuts only what follows it: nothing shown is ever cut
+        self.visible = self._length - (0 if self.include_stop else self._held(window))
 
     def _find(self, window: str) -> tuple[int, str] | None:
         """The stop string that completes first in `window` (ties: the longer), as (its
