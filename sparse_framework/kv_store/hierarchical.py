@@ -20,7 +20,8 @@ host at `end_step`, on a side CUDA stream; `begin_step` makes the compute stream
 them, so no step reads a host row before its copy completed.
 
 The store is split in parts that own their state: the decode writes are
-`decode_writes.DecodeWrites`, the swap-in of a selection (and the prefetch)
+`decode_writes.DecodeWrites` (`self.writes`: the queue of host writes, their side stream and
+the rows written out), the swap-in of a selection (and the prefetch)
 `residency.BufferResidency` (`self.residency`: the swap-in's counters, timing and prefetch
 copies); admission, prefill, retract/resume and the accounting are here. The store owns what
 they share and passes it to them: the slot maps (`SlotMaps`), the host pool (`HostPool`) and the
@@ -52,7 +53,7 @@ _RESIDENT, _BUFFERED = "resident", "buffered"
 
 
 
-class HierarchicalKVStore(DecodeWrites, KVStore):
+class HierarchicalKVStore(KVStore):
     """See the module docstring. `unit` is the selection granularity (page_size or 1)."""
 
     def __init__(
@@ -150,17 +151,49 @@ class HierarchicalKVStore(DecodeWrites, KVStore):
             layout=layout, maps=self.maps, device_rows=self.device_rows, host_pool=self.host_pool, unit=unit,
             streams=self.streams, max_units=self.max_units, all_resident=resident_only, impl=self.impl, device=dev,
         )
-        self._uncounted = torch.zeros(3, dtype=torch.int64, device=dev)  # counters of the decode writes' placement
-        self.rows_out = torch.zeros(L, dtype=torch.int64, device=dev)  # token rows device -> host
-        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (layer, dev off, host off)
-        self._side = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
-        self._writes_done: torch.cuda.Event | None = None
+        # the decode writes and their queue of host writes (decode_writes.py)
+        self.writes = DecodeWrites(
+            layout=layout, maps=self.maps, device_rows=self.device_rows, host_pool=self.host_pool,
+            residency=self.residency, unit=unit, streams=self.streams, dense_layers=self.dense_layers,
+            all_resident=resident_only, impl=self.impl, device=dev,
+        )
         self._retracted: set[int] = set()
         for pool in self.pools:
             log.info(
                 "device KV pool of the %s: %d layer(s) x %d tokens = %.2f GiB (%s)",
                 pool.kind.replace("_", " "), len(pool.layers), pool.slots, pool.bytes / 2**30, pool.sizing.rule,
             )
+
+    # -- decode steps and writes (decode_writes.py `DecodeWrites`, which owns the host writes) ---
+    def begin_step(self, batch: Batch) -> None:
+        """Wait (on the GPU) for last step's host writes; advance the recency clock."""
+        self.writes.sync()
+        self.maps.clock += 1
+
+    def write_decode(self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor | None) -> None:
+        self.writes.write_decode(layer, batch, self._tensors(k, v))
+
+    def end_step(self, batch: Batch) -> None:
+        """Start this step's device→host writes (on a side stream on CUDA)."""
+        self.residency.join_prefetch()  # a prefetch whose layer never asked for its rows (the step went dense)
+        self.writes.end_step(batch)
+
+    def pending_mark(self) -> int:
+        """How many host writes are queued (`DecodeWrites.pending_mark`)."""
+        return self.writes.pending_mark()
+
+    def take_pending(self, mark: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Unqueue and return the host writes queued since `mark` (`DecodeWrites.take_pending`)."""
+        return self.writes.take_pending(mark)
+
+    def queue_pending(self, writes: list[tuple[int, torch.Tensor, torch.Tensor]] | None) -> None:
+        """Queue host writes again (`DecodeWrites.queue_pending`)."""
+        self.writes.queue_pending(writes)
+
+    @property
+    def rows_out(self) -> torch.Tensor:
+        """Per layer: token rows written device -> host."""
+        return self.writes.rows_out
 
     # -- the swap-in (residency.py `BufferResidency`, which owns its counters) ----------------
     def resident_slots(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
@@ -390,7 +423,7 @@ class HierarchicalKVStore(DecodeWrites, KVStore):
         (ordered after the side stream's host writes: no host synchronisation)."""
         if ids.numel() == 0:
             return
-        self._sync_writes()
+        self.writes.sync()
         rows = self.host_pool.rows_of_pages(ids).to(self.device)
         m, elems = rows.numel(), self.layout.stored_row_elems
         layers = torch.arange(self.layout.num_layers, device=self.device).view(-1, 1)
@@ -410,7 +443,7 @@ class HierarchicalKVStore(DecodeWrites, KVStore):
         ids = self.host_alloc.alloc(num_pages, self.page_size, f"prefix cache of {request.rid!r}")
         if num_pages == 0:
             return ids
-        self._sync_writes()
+        self.writes.sync()
         p = self.page_size
         sid = torch.tensor([request.slot], device=self.device)
         tokens = torch.arange(first_page * p, (first_page + num_pages) * p, device=self.device).unsqueeze(0)
@@ -464,7 +497,7 @@ class HierarchicalKVStore(DecodeWrites, KVStore):
             self._alloc_device(r, list(range(self.layout.num_layers)), self._device_tokens_for(r, r.seq_len))
 
     def release(self, request: Request) -> None:
-        self._sync_writes()
+        self.writes.sync()
         self._free_device(request)
         self.host_pool.free(request)
         self.maps.reset(request.slot)
@@ -511,7 +544,7 @@ class HierarchicalKVStore(DecodeWrites, KVStore):
     # -- retract / resume -------------------------------------------------------------------
     def retract(self, request: Request) -> None:
         """Preempt: free the request's device memory, keep (or make) its host copy."""
-        self._sync_writes()
+        self.writes.sync()
         if not self._keeps_host(request):  # resident-only requests get a host copy first
             self.host_pool.reserve(request, request.seq_len)
             sid = torch.tensor([request.slot], device=self.device)
