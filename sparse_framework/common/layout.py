@@ -54,7 +54,7 @@ class KVLayout:
 
     def __post_init__(self) -> None:
         # num_layers may be 0: a model whose every layer is sliding-window keeps nothing in
-        # the store (integrations/transformers.py), and the coordinator only tracks requests
+        # the store (integrations/transformers/enabling.py), and the coordinator only tracks requests
         if not isinstance(self.num_layers, int) or self.num_layers < 0:
             raise ValueError(f"KVLayout.num_layers must be a non-negative int, got {self.num_layers!r}")
         for name in ("num_kv_heads", "head_dim"):

@@ -159,8 +159,8 @@ def write_new_rows_triton(
     count: torch.Tensor, head_major: bool, write: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This step's token of batch rows `sel` [n] into its device slots, and the offsets of its
-    device→host copy, in one launch (the torch form: `HierarchicalKVStore._write_dev` then
-    `_queue_host_write`).
+    device→host copy, in one launch (the torch form: `DeviceRows.put` then
+    `DecodeWrites._queue_host_write`, kv_store/decode_writes.py).
 
     slots: [n, S] device slots per stream (S = KV heads in the head-major layout, else 1), or
     with `pick_unit` u > 0 [n, S, u] slots of the new token's unit, of which position

@@ -26,7 +26,8 @@ Attention here is plain torch in float32 (the window is small: a decode step rea
 window x kv_heads x head_dim per row and layer). It takes the two extra terms some
 sliding-window models have, logit soft-capping (Gemma 2) and per-head attention sinks
 (GPT-OSS's `s_aux`), so that those models need only the full-attention backends to support
-them (see `UnsupportedModelError` in integrations/transformers.py).
+them (see `_set_attention_options` in integrations/transformers/attention.py: a backend
+that cannot apply one refuses at enable).
 """
 
 from __future__ import annotations
