@@ -39,10 +39,13 @@ Then, with the official client:
   client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="secret")
   client.completions.create(model="reference", prompt="1 17 300", max_tokens=8)
 
-Requests take max_tokens, temperature, top_p, top_k, seed, stop (strings or token ids),
-stop_token_ids and ignore_eos; n > 1, logprobs and penalties are refused with a 400. A request
-the engine can never run (prompt + max_tokens beyond --max-model-len, larger than the pools) is
-a 400 with the engine's reason; a full waiting queue (--max-waiting) a 429 with Retry-After.
+Requests take max_tokens, temperature, top_p, top_k, seed, stop (strings or token ids; the
+request ends at the token that completes a stop string, its text cut before that string, or
+after it with include_stop_str_in_output: true), stop_token_ids, ignore_eos,
+include_stop_str_in_output and sparse; n > 1, logprobs and penalties are refused with a 400. A
+request the engine can never run (prompt + max_tokens beyond --max-model-len, larger than the
+pools) is a 400 with the engine's reason; a full waiting queue (--max-waiting) a 429 with
+Retry-After.
 """
 
 REFERENCE_NAME = "reference"
