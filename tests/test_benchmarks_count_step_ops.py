@@ -23,6 +23,7 @@ def _counts(config: str) -> dict[str, int]:
     return {name.strip(): int(n) for name, n in rows}
 
 
+@pytest.mark.slow
 def test_counts_per_part_of_a_decode_layer() -> None:
     pytest.importorskip("triton")
     hier = _counts('{"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "backend": "triton"}')

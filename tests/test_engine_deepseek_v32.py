@@ -72,7 +72,7 @@ def run(path, sparse: dict, batch: list[list[int]], **config) -> dict[str, list[
     return {o.request_id: o.token_ids for o in outs}
 
 
-@pytest.mark.parametrize("store", ["hierarchical", "resident"])
+@pytest.mark.parametrize("store", ["hierarchical", pytest.param("resident", marks=pytest.mark.slow)])
 def test_engine_equals_transformers_greedy_generate(checkpoint, store) -> None:
     """Three prompts at once (30, 5, 19 tokens), prefilled in chunks of at most 16 tokens beside
     decode rows: every token equal to the model's own greedy run."""

@@ -79,7 +79,7 @@ def test_continuous_batching_equals_one_request_at_a_time(checkpoint) -> None:
         assert together[f"r{i}"] == alone["r0"], f"r{i}"
 
 
-@pytest.mark.parametrize("chunk", [16, 64])
+@pytest.mark.parametrize("chunk", [16, pytest.param(64, marks=pytest.mark.slow)])
 def test_preempted_and_resumed_output_equals_the_unpreempted_one(checkpoint, chunk) -> None:
     """A device pool too small for every request to grow to its end: the scheduler preempts
     (retracting to the host) and resumes, and every request's tokens are those of a run with
@@ -98,7 +98,7 @@ def test_preempted_and_resumed_output_equals_the_unpreempted_one(checkpoint, chu
     assert tight.runner.coord.store.used_tokens() == 0 and not tight.runner.requests
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("async_scheduling", [pytest.param(False, marks=pytest.mark.slow), True], ids=["sync", "async"])
 def test_a_resident_store_without_host_room_ends_only_the_request_it_cannot_keep(checkpoint, async_scheduling,
                                                                                     caplog) -> None:
     """The resident store keeps no host pool unless host_capacity_tokens is given, so a request

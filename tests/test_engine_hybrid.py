@@ -125,7 +125,8 @@ def test_the_window_binds(name: str) -> None:
                for p in prompts(LENS))
 
 
-@pytest.mark.parametrize("name", [pytest.param("gemma2", marks=pytest.mark.slow), "qwen2"])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gemma2", "qwen2"])
 def test_preempted_and_resumed_output_equals_the_unpreempted_one(checkpoints, name: str) -> None:
     """A device pool too small for every request to grow to its end: the scheduler retracts
     (full layers to the host; the ring row stays reserved with its window) and resumes, and

@@ -46,7 +46,7 @@ def assert_empty(model: LLM) -> None:
     assert engine.runner.coord.store.used_tokens() == 0 and not engine.runner.staging.spans
 
 
-@pytest.mark.parametrize("where", ["between steps", "inside a step"])
+@pytest.mark.parametrize("where", [pytest.param("between steps", marks=pytest.mark.slow), "inside a step"])
 def test_an_interrupted_generate_frees_its_requests_and_the_next_one_runs(where) -> None:
     """Ctrl-C (KeyboardInterrupt) inside `generate` — from the progress callback between steps,
     or from the model in the middle of a step's forward — aborts that call's requests (their

@@ -140,7 +140,7 @@ def serve(engine: Engine, n: int, prompt_len: int, max_tokens: int) -> tuple[int
     return most, outs
 
 
-@pytest.mark.parametrize("bound", ["device", "host", "max_num_seqs"])
+@pytest.mark.parametrize("bound", ["device", "host", pytest.param("max_num_seqs", marks=pytest.mark.slow)])
 def test_engine_admits_exactly_the_planned_number_of_requests(model, bound) -> None:
     """N + 2 requests of max_model_len queued at once: N run together, never more, none lost."""
     n = {"device": 3, "host": 2, "max_num_seqs": 2}[bound]

@@ -149,7 +149,7 @@ def ranks() -> list[dict[str, Any]]:
     return parallel.spawn(_rank_work, world_size=2, backend="gloo")
 
 
-@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "dense" else n for n in SCENARIOS])
 def test_tp2_output_equals_tp1_token_for_token(ranks, name) -> None:
     """Dense, sparse (Quest at a binding budget: selections per KV head stay on their rank),
     DSA over the keys, biases, preemption and seeded sampling, with async scheduling

@@ -65,6 +65,7 @@ def test_samples_fit_their_context_and_contain_their_answers(model_dir: Path, to
         assert prompt_text(s, tokenizer, chat_template=False) == s.input + " " + s.gen_prefix
 
 
+@pytest.mark.slow
 def test_the_cache_round_trips(model_dir: Path, tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _needs_lm_eval()
     monkeypatch.setenv("SPARSE_FRAMEWORK_CACHE", str(tmp_path))
@@ -98,6 +99,7 @@ class WordTokenizer:
         return SimpleNamespace(input_ids=text.split())
 
 
+@pytest.mark.slow
 def test_generation_never_tries_to_download_nltk_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """lm-eval's prepare_niah calls nltk.download("punkt_tab") when it is imported on a machine
     without that resource: a network fetch. Generation must make none, whatever is installed."""

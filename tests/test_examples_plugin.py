@@ -229,6 +229,7 @@ def test_cli_runs_it_by_name(example_site: Path) -> None:
     assert "keynorm" in done.stdout and "sparse" in done.stdout
 
 
+@pytest.mark.slow
 def test_sparse_framework_eval_runs_it_on_the_reference_model(example_site: Path, tmp_path: Path) -> None:
     """The installed plugin, named in an experiment file, is swept by `sparse-framework eval`."""
     pytest.importorskip("transformers")

@@ -285,6 +285,7 @@ def test_mistral_with_a_window_that_never_binds() -> None:
 
 
 # -- clear errors at the right moment (issue 19, item 6) --------------------------------------
+@pytest.mark.slow
 def test_compiled_model_decodes_like_the_uncompiled_one(llama) -> None:
     """`model.compile()` used to end in "TypeError: 'SparseCache' object is not callable"
     (dynamo traced the cache update and replaced the weak reference to the cache)."""

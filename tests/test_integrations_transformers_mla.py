@@ -249,6 +249,7 @@ print("mla enabled fresh")
 """
 
 
+@pytest.mark.slow
 @needs_v32
 def test_mla_models_enable_in_a_fresh_interpreter_that_never_imported_the_mla_module() -> None:
     """`enable` imports the MLA module itself when it meets an MLA config: a fresh Python that

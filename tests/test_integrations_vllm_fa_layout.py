@@ -16,6 +16,7 @@ from sparse_framework.integrations.vllm.fa_layout import attend_paged, decode_ca
 from sparse_framework.integrations.vllm.paged import folded_page_table, load_vllm_config, paged_algorithm
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     lens=st.lists(st.integers(1, 200), min_size=1, max_size=3),

@@ -223,6 +223,7 @@ def test_select_with_a_host_bound_of_the_lengths_selects_the_same() -> None:
     assert torch.equal(exact.indices, bound.indices) and torch.equal(exact.lengths, bound.lengths)
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     lens=st.lists(st.integers(1, 400), min_size=1, max_size=4),

@@ -47,6 +47,7 @@ def case(lens, hkv, group, dim, bs, seed, algo, chunk=37):  # type: ignore[no-un
     return q, keys, values, table, k_cache, v_cache, state
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(**shapes, top_k=st.sampled_from([16, 48, 96]), sink=st.sampled_from([0, 8]), recent=st.sampled_from([0, 16]),
        newest_in_top_k=st.booleans())

@@ -242,6 +242,7 @@ def test_requests_that_can_never_run_are_400_with_the_reason(server: Server, kwa
         server.client().completions.create(**args)
 
 
+@pytest.mark.slow
 def test_the_sparse_field_chooses_the_requests_decoding(server: Server) -> None:
     """`sparse` true / false / null in the body is SamplingParams.sparse: a 480-token prompt
     (dense by the served config's rule, min_sparse_prompt_len 1024) gives LLM.generate's text
@@ -360,6 +361,7 @@ def faulty() -> Iterator[Server]:
     s.stop()
 
 
+@pytest.mark.slow
 def test_a_failed_step_fails_its_request_and_the_server_keeps_serving(faulty: Server, expected: list[str]) -> None:
     client = faulty.client()
     with pytest.raises(openai.InternalServerError, match="engine step failed: RuntimeError: injected fault"):

@@ -148,6 +148,7 @@ def server() -> Iterator[Server]:
     assert s.stop() == 0
 
 
+@pytest.mark.slow
 def test_a_sweep_of_two_rates_measures_every_request(server: Server) -> None:
     before = server.metrics().get("sparse_framework_generation_tokens_total", 0.0)
     spec = ServeBenchSpec(server.url, rates=(20.0, math.inf), num_prompts=N, input_len=INPUT_LEN,

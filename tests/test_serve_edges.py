@@ -267,6 +267,7 @@ sys.exit(serve(llm=llm, port=int(sys.argv[1]), log_level="warning", drain_timeou
 """
 
 
+@pytest.mark.slow
 def test_sigterm_past_the_drain_timeout_answers_503_and_ends_streams_with_an_error_event(tmp_path: Path) -> None:
     """(Before, the whole response was uvicorn's 500 text/plain and the stream was cut.)"""
     import signal
