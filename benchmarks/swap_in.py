@@ -34,8 +34,9 @@ from collections.abc import Callable
 import torch
 
 from sparse_framework import Batch, KVLayout, Request, Selection
-from sparse_framework.kv_store.copy import copy_rows
+from sparse_framework.kv_store.copy import RowCopyShape, copy_rows
 from sparse_framework.kv_store.hierarchical import HierarchicalKVStore
+from sparse_framework.kv_store.residency import CopyShapes
 from timing import capture, warm_up_aside, write_results
 
 PCIE_GBPS = 55.0  # measured pinned host -> device, contiguous (DESIGN.md)
@@ -128,23 +129,24 @@ def time_layers_graph(
     return times[args.warmup :], misses
 
 
-def bench(kind: str, batch: int, fraction: float, args: argparse.Namespace) -> dict:
-    """One configuration's figures; its store (pinned host pool above all) and graphs are
-    freed before the next one is built."""
-    res = measure(kind, batch, fraction, args)
+def bench(kind: str, batch: int, fraction: float, args: argparse.Namespace, shapes: CopyShapes | None = None) -> dict:
+    """One configuration's figures (the store's copy launch shapes: `shapes`, None for the
+    defaults); its store (pinned host pool above all) and graphs are freed before the next one
+    is built."""
+    res = measure(kind, batch, fraction, args, shapes)
     gc.collect()  # the store, its graphs and closures went with measure's frame
     torch.cuda.empty_cache()
     return res
 
 
-def measure(kind: str, batch: int, fraction: float, args: argparse.Namespace) -> dict:
+def measure(kind: str, batch: int, fraction: float, args: argparse.Namespace, shapes: CopyShapes | None = None) -> dict:
     layers = layers_within(args, kind, batch)
     layout = LAYOUTS[kind](layers)
     sel_n, context = args.selected, args.context
     store = HierarchicalKVStore(
         layout, page_size=64, device_buffer_tokens=sel_n + 64, sink_tokens=0, recent_tokens=0,
         unit=1, max_requests=batch, max_seq_len=context + 1,
-        device_capacity_tokens=batch * (sel_n + 64), host_capacity_tokens=batch * context,
+        device_capacity_tokens=batch * (sel_n + 64), host_capacity_tokens=batch * context, copy_shapes=shapes,
     )
     reqs = []
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -228,10 +230,7 @@ def measure(kind: str, batch: int, fraction: float, args: argparse.Namespace) ->
 def sweep_kernel(rows: int = 16384) -> list[dict]:
     """Time the copy kernel's launch parameters on random pinned-host rows (MHA K rows of
     1024 bf16 and MLA latents of 576 bf16)."""
-    import sparse_framework.kv_store.copy as copy_mod
-
     out = []
-    saved = copy_mod.TUNING
     for row in (1024, 576):
         host = torch.randn(200_000 * row // 64, 64).to(torch.bfloat16).flatten().pin_memory()
         n_host = host.numel() // row
@@ -241,13 +240,13 @@ def sweep_kernel(rows: int = 16384) -> list[dict]:
         for rpp in (1, 2, 4, 8, 16):
             for cols in (128, 256, 512, 1024):
                 for warps in (2, 4, 8):
-                    copy_mod.TUNING = (rpp, cols, warps)
-                    us = statistics.median(time_calls(lambda i: copy_rows(host, dev, src, dst, row), 25)[5:])
+                    shape = RowCopyShape(rpp, cols, warps)
+                    us = statistics.median(
+                        time_calls(lambda i: copy_rows(host, dev, src, dst, row, shape=shape), 25)[5:])
                     out.append({"row_elems": row, "rows_per_program": rpp, "cols": cols, "warps": warps,
                                 "us": us, "gbps": rows * row * 2 / us / 1e3})
         best = max((r for r in out if r["row_elems"] == row), key=lambda r: r["gbps"])
         print(f"row {row * 2} B: best {best}", flush=True)
-    copy_mod.TUNING = saved
     return out
 
 
@@ -294,15 +293,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results = []
     if args.copy_shapes:
-        import sparse_framework.kv_store.residency as hier  # the copy kernel's launch shape
-
-        shapes = {shape: copy_shape(shape) for shape in args.copy_shapes.split(",")}  # all checked first
+        # the decode path's (wide rows') copy, given to each store; its other shapes keep their defaults
+        fields = ("copy_programs", "copy_cols", "copy_warps", "copy_rows")
+        shapes = {shape: CopyShapes(**dict(zip(fields, copy_shape(shape))))
+                  for shape in args.copy_shapes.split(",")}  # all checked first
         for shape, launch_shape in shapes.items():
-            hier.COPY_PROGRAMS, hier.COPY_COLS, hier.COPY_WARPS, hier.COPY_ROWS = launch_shape
             for kind in args.layouts.split(","):
                 for batch in [int(x) for x in args.batches.split(",")]:
                     for fraction in [float(x) for x in args.misses.split(",")]:
-                        r = bench(kind, batch, fraction, args)
+                        r = bench(kind, batch, fraction, args, launch_shape)
                         print(f"copy {shape} {kind} B={batch} miss={fraction}: graph {r['graph_us']:.1f}us "
                               f"{r['graph_gbps']:.1f}GB/s eager {r['eager_us']:.1f}us | {r['graph_layers']}-layer "
                               f"graph {r['graph_per_layer_us']:.1f}us/layer {r['graph_per_layer_gbps']:.1f}GB/s",

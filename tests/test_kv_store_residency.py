@@ -1,7 +1,7 @@
 """kv_store/residency.py's launch shapes of the fused copy, interpreted on the CPU (a subprocess
 with TRITON_INTERPRET=1; hypothesis over layouts, units and selections): `_copy_missing` fills
-the buffer the same with the decode path's shapes (COPY_PROGRAMS x COPY_ROWS, and NARROW_PROGRAMS x
-NARROW_ROWS for one head's rows) and the prefetch's (PREFETCH_PROGRAMS x PREFETCH_ROWS), as the torch
+the buffer the same with the decode path's shapes (`CopyShapes`: copy_programs x copy_rows, and
+narrow_programs x narrow_rows for one head's rows) and the prefetch's (prefetch_programs x prefetch_rows), as the torch
 path does; and `prefetch` through its
 side-stream branch — the one that takes the prefetch's shape, reached on the CPU with the CUDA
 stream and event calls stood in for by synchronous no-ops — leaves the same buffer, maps and
@@ -11,41 +11,64 @@ tests/test_kv_store_hierarchical.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from helpers import run_interpreted
 
 from sparse_framework.kv_store import residency
+from sparse_framework.kv_store.residency import CopyShapes
+
+SHAPES = CopyShapes()  # the defaults
 
 
 def test_the_prefetch_copies_with_few_programs_of_many_rows() -> None:
     """The prefetch's copy must leave most SMs to the compute it overlaps (the module's comment),
     and BLOCK_R is a power of two (a tl.arange length)."""
-    assert residency.PREFETCH_PROGRAMS < residency.COPY_PROGRAMS
-    assert residency.PREFETCH_ROWS > residency.COPY_ROWS
-    for rows in (residency.COPY_ROWS, residency.PREFETCH_ROWS, residency.NARROW_ROWS):
+    assert SHAPES.prefetch_programs < SHAPES.copy_programs
+    assert SHAPES.prefetch_rows > SHAPES.copy_rows
+    for rows in (SHAPES.copy_rows, SHAPES.prefetch_rows, SHAPES.narrow_rows):
         assert rows >= 1 and rows & (rows - 1) == 0
 
 
 def test_one_heads_rows_take_the_narrow_copy_shape() -> None:
     """Llama-3-8B's rows: one KV head (128 bf16, head-major) takes the narrow shape; a token's
     8 heads (1,024) and an MLA latent (576) the decode path's wide one."""
-    narrow = (residency.NARROW_PROGRAMS, residency.NARROW_ROWS, residency.NARROW_WARPS)
-    wide = (residency.COPY_PROGRAMS, residency.COPY_ROWS, residency.COPY_WARPS)
+    narrow = (SHAPES.narrow_programs, SHAPES.narrow_rows, SHAPES.narrow_warps)
+    wide = (SHAPES.copy_programs, SHAPES.copy_rows, SHAPES.copy_warps)
     assert narrow != wide
-    assert residency.decode_copy_shape(128) == residency.decode_copy_shape(residency.NARROW_ROW) == narrow
-    assert residency.decode_copy_shape(1024) == residency.decode_copy_shape(576) == wide
-    assert residency.decode_copy_shape(residency.NARROW_ROW + 1) == wide
+    assert SHAPES.decode(128) == SHAPES.decode(SHAPES.narrow_row) == narrow
+    assert SHAPES.decode(1024) == SHAPES.decode(576) == wide
+    assert SHAPES.decode(SHAPES.narrow_row + 1) == wide
+    assert residency.decode_copy_shape(128) == narrow
+
+
+def test_copy_shapes_are_the_stores_and_checked() -> None:
+    """The launch shapes are an argument of the store (its swap-in's `copy_shapes`), defaults
+    otherwise; BLOCK_R and the tile's columns must be powers of two (tl.arange lengths)."""
+    from sparse_framework import KVLayout
+    from sparse_framework.kv_store.hierarchical import HierarchicalKVStore
+
+    kw = dict(page_size=4, device_buffer_tokens=24, sink_tokens=4, recent_tokens=6, max_requests=2, max_seq_len=64)
+    assert HierarchicalKVStore(KVLayout(2, 2, 4), **kw).residency.copy_shapes == SHAPES
+    mine = dataclasses.replace(SHAPES, copy_programs=5, prefetch_rows=4)
+    assert HierarchicalKVStore(KVLayout(2, 2, 4), copy_shapes=mine, **kw).residency.copy_shapes is mine
+    for bad in ({"copy_rows": 3}, {"copy_cols": 100}, {"narrow_programs": 0}):
+        with pytest.raises(ValueError, match="CopyShapes"):
+            dataclasses.replace(SHAPES, **bad)
 
 
 INTERPRETED = r"""
 import contextlib
+import dataclasses
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from sparse_framework import Batch, KVLayout, Request, Selection
-from sparse_framework.kv_store import residency
+from sparse_framework.kv_store.residency import CopyShapes
 from sparse_framework.kv_store.hierarchical import HierarchicalKVStore
 
+SHAPES = CopyShapes()
 few = settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
 KINDS = ["mha-token", "mha-head", "mla", "fp8host-token", "fp8host-head"]
 LENS = [45, 30]
@@ -114,9 +137,9 @@ def both_shapes_copy_the_same(kind, unit, seed):
     assert torch.equal(slots, want) and int(n_todo.sum()) > 0
     before = tensors(st_)
     got = []
-    for programs, rows, warps in [(residency.COPY_PROGRAMS, residency.COPY_ROWS, residency.COPY_WARPS),
-                                  (residency.PREFETCH_PROGRAMS, residency.PREFETCH_ROWS, residency.COPY_WARPS),
-                                  (residency.NARROW_PROGRAMS, residency.NARROW_ROWS, residency.NARROW_WARPS)]:
+    for programs, rows, warps in [(SHAPES.copy_programs, SHAPES.copy_rows, SHAPES.copy_warps),
+                                  (SHAPES.prefetch_programs, SHAPES.prefetch_rows, SHAPES.copy_warps),
+                                  (SHAPES.narrow_programs, SHAPES.narrow_rows, SHAPES.narrow_warps)]:
         for p, x in zip([t for p in st_.pools for t in p.tensors], before):
             p.copy_(x)
         st_.residency._copy_missing(1, idx, slots, todo, n_todo, b.slot_ids, programs=programs, block_r=rows, warps=warps)
@@ -142,14 +165,14 @@ def side_stream_prefetch_equals_the_inline_one(kind, unit, seed):
     cuda = torch.cuda.current_stream, torch.cuda.stream, torch.cuda.Event
     torch.cuda.current_stream, torch.cuda.stream, torch.cuda.Event = (
         lambda device=None: Side(), lambda s: contextlib.nullcontext(), Side)
-    wide = residency.COPY_PROGRAMS, residency.NARROW_PROGRAMS
-    # narrowed for the interpreter (both_shapes_copy_the_same runs the real ones)
-    residency.COPY_PROGRAMS = residency.NARROW_PROGRAMS = 5
+    # narrowed for the interpreter (both_shapes_copy_the_same runs the real ones), on the stores' swap-ins
+    for s, _ in (inline, side):
+        s.residency.copy_shapes = dataclasses.replace(SHAPES, copy_programs=5, narrow_programs=5)
     try:
         predicted, own = selection(ref[0], unit, seed), selection(ref[0], unit, seed + 1)
         for s, b in (ref, inline, side):
             s.prefetch(1, b, predicted)
-        assert shapes == [(residency.PREFETCH_PROGRAMS, residency.PREFETCH_ROWS)], shapes
+        assert shapes == [(SHAPES.prefetch_programs, SHAPES.prefetch_rows)], shapes
         assert 1 in side[0].residency._prefetches and not inline[0].residency._prefetches
         for s, b in (inline, side):
             assert same(tensors(s), tensors(ref[0])), kind
@@ -159,14 +182,13 @@ def side_stream_prefetch_equals_the_inline_one(kind, unit, seed):
         assert int(ref[0].prefetch_counts[1, 1]) > 0  # the prediction missed rows, and they were copied
         # the layer's own selection then: joins the prefetch, copies what it missed (the decode path's shape)
         slots = [s.ensure_resident(1, b, own) for s, b in (ref, inline, side)]
-        assert shapes[1:] == [residency.decode_copy_shape(side[0].row_elems)[:2]], shapes
+        assert shapes[1:] == [side[0].residency.copy_shapes.decode(side[0].row_elems)[:2]], shapes
         assert not side[0].residency._prefetches
         for s, sl in zip((inline[0], side[0]), slots[1:]):
             assert torch.equal(sl, slots[0]) and same(tensors(s), tensors(ref[0])), kind
             assert torch.equal(s.counts, ref[0].counts)
     finally:
         torch.cuda.current_stream, torch.cuda.stream, torch.cuda.Event = cuda
-        residency.COPY_PROGRAMS, residency.NARROW_PROGRAMS = wide
 
 
 both_shapes_copy_the_same()

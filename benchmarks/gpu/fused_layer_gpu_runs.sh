@@ -17,8 +17,8 @@
 #       predicted and swapped in on a side stream): the CUDA prefetch tests, the 16K x 8 timeline
 #       and bench, and the 32K memory-bound maximum
 #   bash benchmarks/gpu/fused_layer_gpu_runs.sh prefetch-grid
-#       the prefetch's copy on a small grid of many-row programs (PREFETCH_PROGRAMS x PREFETCH_ROWS
-#       of kv_store/residency.py, so that it leaves the SMs to the compute it should overlap): the
+#       the prefetch's copy on a small grid of many-row programs (prefetch_programs x prefetch_rows
+#       of kv_store/residency.py's CopyShapes, so that it leaves the SMs to the compute it should overlap): the
 #       compiled copy kernel's and the prefetch's GPU tests, the 16K x 8 timeline with and without
 #       prefetch (overlap shows as kernel time above the step's wall time), bench off / on at the
 #       default shape and two others (PROGRAMS:ROWS), and the 32K memory-bound maximum off / on
@@ -34,11 +34,11 @@
 #   bash benchmarks/gpu/fused_layer_gpu_runs.sh timeline32k
 #       the kernel timeline of the hierarchical step at the 32K memory-bound maximum (24 x 32K)
 #   bash benchmarks/gpu/fused_layer_gpu_runs.sh copy-grid PROGRAMS:ROWS:WARPS...
-#       the decode path's swap-in copy (COPY_* and NARROW_* PROGRAMS, ROWS, WARPS of
-#       kv_store/residency.py) at each launch shape given: the hierarchical 16K x 8 timeline,
+#       the decode path's swap-in copy (copy_* and narrow_* programs, rows, warps of
+#       kv_store/residency.py's CopyShapes) at each launch shape given: the hierarchical 16K x 8 timeline,
 #       `copy_missing_kernel`'s GPU time per step beside the step's
 #   bash benchmarks/gpu/fused_layer_gpu_runs.sh narrow-copy
-#       one head's rows copied with the narrow shape (NARROW_* of kv_store/residency.py, the
+#       one head's rows copied with the narrow shape (narrow_* of residency.py's CopyShapes, the
 #       default) and, at 16K x 8, with the wide one they took before stop 41 (2,048 x 1 x 8); the
 #       32K memory-bound maximum with the narrow shape
 #   bash benchmarks/gpu/fused_layer_gpu_runs.sh recheck
@@ -70,16 +70,19 @@ bench() {  # bench NAME LIMIT_S CONFIG bench arguments...
     tail -n 14 "$OUT/$name.log" | cut -c1-100 | sed "s/^/    /"
 }
 
-# a Python prelude: argv[1] names settings of kv_store/residency.py ("A,B"), argv[2] their
-# integer values ("1:2"); what follows in the same -c string then sees argv[3:]
-SET_RESIDENCY='import sys
-import sparse_framework.kv_store.residency as r
-for name, value in zip(sys.argv[1].split(","), sys.argv[2].split(":"), strict=True):
-    getattr(r, name)  # a misspelt name fails here, not silently
-    setattr(r, name, int(value))
+# a Python prelude: argv[1] names fields of the copy launch shapes (`CopyShapes` of
+# kv_store/residency.py, "a,b"), argv[2] their integer values ("1:2"); every hierarchical store
+# built after it is given those shapes (its copy_shapes keyword); what follows in the same -c
+# string then sees argv[3:]
+SET_RESIDENCY='import dataclasses, functools, sys
+from sparse_framework.kv_store.hierarchical import HierarchicalKVStore
+from sparse_framework.kv_store.residency import CopyShapes
+values = dict(zip(sys.argv[1].split(","), map(int, sys.argv[2].split(":")), strict=True))
+shapes = dataclasses.replace(CopyShapes(), **values)  # a misspelt name fails here, not silently
+HierarchicalKVStore.__init__ = functools.partialmethod(HierarchicalKVStore.__init__, copy_shapes=shapes)
 '
 
-bench_with() {  # bench_with NAMES VALUES bench's arguments...: bench with those residency settings
+bench_with() {  # bench_with NAMES VALUES bench's arguments...: bench with those copy launch shapes
     local names=$1 values=$2
     shift 2
     local CLI=(python3 -c "$SET_RESIDENCY"'from sparse_framework.cli.main import main
@@ -99,7 +102,7 @@ profile_grid() {  # profile_grid PROGRAMS:ROWS:WARPS NAME CONFIG: profile with t
 sys.path.insert(0, "benchmarks")
 sys.argv = ["profile_engine_step.py", *sys.argv[3:]]
 runpy.run_path("benchmarks/profile_engine_step.py", run_name="__main__")' \
-        COPY_PROGRAMS,COPY_ROWS,COPY_WARPS,NARROW_PROGRAMS,NARROW_ROWS,NARROW_WARPS "$shape:$shape" --config "$config" \
+        copy_programs,copy_rows,copy_warps,narrow_programs,narrow_rows,narrow_warps "$shape:$shape" --config "$config" \
         --batch 8 --context 16384 --cuda-graphs --top 25 --json "$OUT/$name.json"
     grep -E "^decode step|hit rate|copy_missing" "$OUT/$name.log" | cut -c1-110 | sed 's/^/    /'
 }
@@ -139,7 +142,7 @@ case ${1:-} in
         bench quest_hier_prefetch_off_16k_x8 100 "$HIER" --input-len 16384 --num-prompts 8
         bench quest_hier_prefetch_grid_on_16k_x8 100 "$HIER_PF" --input-len 16384 --num-prompts 8
         for shape in 32:16 8:64; do
-            bench_with PREFETCH_PROGRAMS,PREFETCH_ROWS "$shape" "quest_hier_prefetch_grid_${shape/:/x}_16k_x8" 100 \
+            bench_with prefetch_programs,prefetch_rows "$shape" "quest_hier_prefetch_grid_${shape/:/x}_16k_x8" 100 \
                 "$HIER_PF" --input-len 16384 --num-prompts 8
         done
         for pf in off on; do
@@ -167,7 +170,7 @@ case ${1:-} in
         done ;;
     narrow-copy)
         bench quest_hier_16k_x8_narrow 100 "$HIER" --input-len 16384 --num-prompts 8
-        bench_with NARROW_PROGRAMS,NARROW_ROWS,NARROW_WARPS 2048:1:8 quest_hier_16k_x8_wide 100 "$HIER" \
+        bench_with narrow_programs,narrow_rows,narrow_warps 2048:1:8 quest_hier_16k_x8_wide 100 "$HIER" \
             --input-len 16384 --num-prompts 8
         bench quest_hier_32k_max_narrow 240 "$HIER" --input-len 32768 --num-prompts 24 --max-num-seqs 24 \
             --gpu-memory-utilization 0.9 ;;

@@ -9,6 +9,7 @@ logic is exercised in CI.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -61,6 +62,20 @@ def span_index(off: torch.Tensor, live: torch.Tensor, width: int) -> torch.Tenso
     return (off[live].unsqueeze(1) + torch.arange(width, device=off.device)).reshape(-1)
 
 
+@dataclass(frozen=True)
+class RowCopyShape:
+    """The launch shape of `copy_rows`' kernel: rows per program, columns per inner step, warps.
+    The defaults were measured on an H100 by benchmarks/swap_in.py --sweep-kernel, which passes
+    others as `copy_rows(..., shape=)`."""
+
+    rows_per_program: int = 1
+    cols: int = 128
+    warps: int = 4
+
+
+ROW_COPY_SHAPE = RowCopyShape()
+
+
 def copy_rows(
     src: torch.Tensor,
     dst: torch.Tensor,
@@ -68,6 +83,8 @@ def copy_rows(
     dst_off: torch.Tensor,
     row: int,
     impl: str = "auto",
+    *,
+    shape: RowCopyShape | None = None,
 ) -> None:
     """For every i with src_off[i] >= 0 and dst_off[i] >= 0 copy `row` contiguous elements
     from flat element offset src_off[i] of `src` to dst_off[i] of `dst`. Offsets: int64 [N] on the device that
@@ -75,7 +92,8 @@ def copy_rows(
 
     No host synchronisation on CUDA: entries with a negative offset are skipped in the kernel.
     impl: "auto" (Triton when a tensor is on CUDA, else torch), "torch" or "triton" (on the
-    CPU only under TRITON_INTERPRET=1, for tests).
+    CPU only under TRITON_INTERPRET=1, for tests). shape: the kernel's launch shape
+    (`RowCopyShape`; None: `TUNING`, the defaults).
     """
     if src.dtype != dst.dtype:
         raise TypeError(f"copy_rows: src is {src.dtype}, dst is {dst.dtype}")
@@ -90,8 +108,10 @@ def copy_rows(
     n = src_off.numel()
     if n == 0:
         return
-    rows_per_program, cols, warps = TUNING
-    cols = min(cols, pow2(row))
+    if shape is None:
+        shape = RowCopyShape(*TUNING)
+    rows_per_program, warps = shape.rows_per_program, shape.warps
+    cols = min(shape.cols, pow2(row))
     grid = (-(-n // rows_per_program),)
     launch(copy_rows_kernel, grid,
         _as_kernel_arg(src), _as_kernel_arg(dst), src_off, dst_off, n,
@@ -99,9 +119,9 @@ def copy_rows(
     )
 
 
-# (rows per program, columns per inner step, warps), measured on an H100 by
-# benchmarks/swap_in.py --sweep-kernel
-TUNING = (1, 128, 4)
+# the default launch shape as a tuple (rows per program, columns per inner step, warps):
+# benchmarks/host_read_granularity.py still sweeps by overwriting it; pass `shape=` instead
+TUNING = (ROW_COPY_SHAPE.rows_per_program, ROW_COPY_SHAPE.cols, ROW_COPY_SHAPE.warps)
 
 
 def write_token_rows(

@@ -39,7 +39,7 @@ from ..common.errors import CapacityError
 from ..common.transfer import tensor_to_device
 from .base import KVStore
 from .decode_writes import DecodeWrites
-from .residency import BufferResidency
+from .residency import BufferResidency, CopyShapes
 from ..common.flashmla_format import pack_flashmla_fp8
 from .fp8_host import check_host_kv_dtype, is_fp8_host
 from .host_pool import HostPool
@@ -76,6 +76,7 @@ class HierarchicalKVStore(KVStore):
         resident_only: bool = False,
         impl: str = "auto",
         host_kv_dtype: str = "auto",
+        copy_shapes: CopyShapes | None = None,
     ) -> None:
         if page_size % unit:
             raise ValueError(f"unit ({unit}) must divide page_size ({page_size})")
@@ -146,10 +147,12 @@ class HierarchicalKVStore(KVStore):
         self.l2s, self.s2l, self.last_used = self.maps.l2s, self.maps.s2l, self.maps.last_used
         self.clock = self.maps.clock
 
-        # the swap-in of selections and the prefetch (residency.py), with their counters
+        # the swap-in of selections and the prefetch (residency.py), with their counters and the
+        # launch shapes of its copies (copy_shapes: `CopyShapes`, None for the measured defaults)
         self.residency = BufferResidency(
             layout=layout, maps=self.maps, device_rows=self.device_rows, host_pool=self.host_pool, unit=unit,
             streams=self.streams, max_units=self.max_units, all_resident=resident_only, impl=self.impl, device=dev,
+            copy_shapes=copy_shapes,
         )
         # the decode writes and their queue of host writes (decode_writes.py)
         self.writes = DecodeWrites(

@@ -13,6 +13,7 @@ the store's page table) and the host pool.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -23,32 +24,64 @@ from .device_pools import DeviceRows
 from .host_pool import HostPool
 from .slot_maps import SlotMaps
 
-# launch shape of copy_missing_kernel on the decode path: programs, columns of a tile, warps,
-# rows per loop iteration (BLOCK_R) (benchmarks/swap_in.py --copy-shapes sets these). One row
-# per iteration: two measured no faster with a grid this wide (docs/kv_store.md).
-COPY_PROGRAMS, COPY_COLS, COPY_WARPS, COPY_ROWS = 2048, 1024, 8, 1
-# Rows of at most NARROW_ROW elements (one KV head's row in the head-major layout: Quest, SnapKV,
-# PQCache; 256 bytes for Llama-3-8B) take their own shape: 8 warps on a [1, 128] tile leave most
-# threads idle and one 256-byte PCIe read in flight per program. 1,024 programs of 4 warps with 8
-# rows an iteration cut the 16K x 8 step's copy from 2.52 to 2.03 ms (docs/engine.md, "Stop 41";
-# `fused_layer_gpu_runs.sh copy-grid`); wider rows keep the shape above, measured on them.
-NARROW_ROW = 256
-NARROW_PROGRAMS, NARROW_WARPS, NARROW_ROWS = 1024, 4, 8
-# The prefetch's copy on its side stream (columns and warps as above): it is there to overlap the
-# main stream's compute, but COPY_PROGRAMS persistent programs hold every SM until the whole copy is
-# done, so the layer's GEMMs could not run beside it (stop 38 measured no overlap). A few programs
-# leave most SMs to the compute (16 of the H100's 132), and many rows per iteration keep each one's
-# PCIe reads in flight: 32 head-major rows of 128 bf16 are 8 KiB a tensor per program. On the H100
-# the copy then overlaps (docs/engine.md, "Stop 40"); 16 x 32, 32 x 16 and 8 x 64 step within 2%.
-PREFETCH_PROGRAMS, PREFETCH_ROWS = 16, 32
+@dataclass(frozen=True)
+class CopyShapes:
+    """The launch shapes of `copy_missing_kernel`, held by the `BufferResidency` that launches it
+    (its `copy_shapes`, default today's measured values; `HierarchicalKVStore(copy_shapes=...)`,
+    or a benchmark sets one on the instance: benchmarks/swap_in.py --copy-shapes,
+    benchmarks/gpu/fused_layer_gpu_runs.sh).
+
+    copy_programs, copy_cols, copy_warps, copy_rows: the decode path's copy: programs, columns
+    of a tile, warps, rows per loop iteration (BLOCK_R). One row per iteration: two measured no
+    faster with a grid this wide (docs/kv_store.md).
+
+    narrow_row, narrow_programs, narrow_warps, narrow_rows: rows of at most `narrow_row`
+    elements (one KV head's row in the head-major layout: Quest, SnapKV, PQCache; 256 bytes for
+    Llama-3-8B) take their own shape: 8 warps on a [1, 128] tile leave most threads idle and one
+    256-byte PCIe read in flight per program. 1,024 programs of 4 warps with 8 rows an iteration
+    cut the 16K x 8 step's copy from 2.52 to 2.03 ms (docs/engine.md, "Stop 41";
+    `fused_layer_gpu_runs.sh copy-grid`); wider rows keep the shape above, measured on them.
+
+    prefetch_programs, prefetch_rows: the prefetch's copy on its side stream (columns and warps:
+    copy_cols, copy_warps). It is there to overlap the main stream's compute, but copy_programs
+    persistent programs hold every SM until the whole copy is done, so the layer's GEMMs could
+    not run beside it (stop 38 measured no overlap). A few programs leave most SMs to the
+    compute (16 of the H100's 132), and many rows per iteration keep each one's PCIe reads in
+    flight: 32 head-major rows of 128 bf16 are 8 KiB a tensor per program. On the H100 the copy
+    then overlaps (docs/engine.md, "Stop 40"); 16 x 32, 32 x 16 and 8 x 64 step within 2%.
+    """
+
+    copy_programs: int = 2048
+    copy_cols: int = 1024
+    copy_warps: int = 8
+    copy_rows: int = 1
+    narrow_row: int = 256
+    narrow_programs: int = 1024
+    narrow_warps: int = 4
+    narrow_rows: int = 8
+    prefetch_programs: int = 16
+    prefetch_rows: int = 32
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"CopyShapes.{name} must be a positive int, got {value!r}")
+        for name in ("copy_cols", "copy_rows", "narrow_rows", "prefetch_rows"):  # tl.arange lengths
+            value = getattr(self, name)
+            if value & (value - 1):
+                raise ValueError(f"CopyShapes.{name} must be a power of two, got {value}")
+
+    def decode(self, row_elems: int) -> tuple[int, int, int]:
+        """The decode path's copy launch for rows of `row_elems` elements: (programs, rows per
+        loop iteration, warps), the narrow rows' shape or the others' (the class docstring)."""
+        if row_elems <= self.narrow_row:
+            return self.narrow_programs, self.narrow_rows, self.narrow_warps
+        return self.copy_programs, self.copy_rows, self.copy_warps
 
 
-def decode_copy_shape(row_elems: int) -> tuple[int, int, int]:
-    """The decode path's copy launch for rows of `row_elems` elements: (programs, rows per loop
-    iteration, warps), the narrow rows' shape or the others' (the comments above)."""
-    if row_elems <= NARROW_ROW:
-        return NARROW_PROGRAMS, NARROW_ROWS, NARROW_WARPS
-    return COPY_PROGRAMS, COPY_ROWS, COPY_WARPS
+def decode_copy_shape(row_elems: int, shapes: CopyShapes = CopyShapes()) -> tuple[int, int, int]:
+    """`shapes.decode(row_elems)` (default: the default shapes)."""
+    return shapes.decode(row_elems)
 
 
 class BufferResidency:
@@ -57,7 +90,9 @@ class BufferResidency:
     layout, unit (selection granularity), streams (per request, or per KV head), max_units
     (units of max_seq_len), all_resident (the resident store: nothing is ever swapped), impl
     ("triton" or "torch") and device: the store's geometry. maps, device_rows, host_pool: the
-    store's, shared (module docstring).
+    store's, shared (module docstring). copy_shapes: the launch shapes of the fused copy
+    (`CopyShapes`, default its defaults); an attribute, so a benchmark may set another on the
+    instance.
     """
 
     def __init__(
@@ -73,7 +108,9 @@ class BufferResidency:
         all_resident: bool,
         impl: str,
         device: torch.device,
+        copy_shapes: CopyShapes | None = None,
     ) -> None:
+        self.copy_shapes = CopyShapes() if copy_shapes is None else copy_shapes
         self.layout, self.maps, self.device_rows, self.host_pool = layout, maps, device_rows, host_pool
         self.unit, self.streams, self.max_units = unit, streams, max_units
         self.all_resident, self.impl, self.device = all_resident, impl, device
@@ -168,7 +205,7 @@ class BufferResidency:
         idx = selection.indices.contiguous()
         start = self._timer() if self.timing else None
         slots, todo, n_todo = self._plan_selection(layer, batch, idx, self.counts[layer])
-        programs, block_r, warps = decode_copy_shape(self.row_elems)
+        programs, block_r, warps = self.copy_shapes.decode(self.row_elems)
         self._copy_missing(layer, idx, slots, todo, n_todo, batch.slot_ids, programs=programs, block_r=block_r, warps=warps)
         if start is not None:
             self._stop_timer(layer, start)
@@ -198,7 +235,7 @@ class BufferResidency:
             s, w, self.page_size, self.host_pool.host_table.shape[-1],
             layer * self.host_pool.host_slots * hp.row_elems, pool.layer_offset(layer),
             pool.slots, self.layout.num_kv_heads, b * s, BLOCK_S=pow2(b * s),
-            HEAD_MAJOR=self.head_major, TWO=two, ROW=self.row_elems, COLS=min(COPY_COLS, pow2(self.row_elems)),
+            HEAD_MAJOR=self.head_major, TWO=two, ROW=self.row_elems, COLS=min(self.copy_shapes.copy_cols, pow2(self.row_elems)),
             PDL=use_pdl, HROW=hp.head_width * self.row_heads, FP8_HOST=hp.fp8, HEAD_DIM=self.layout.head_dim,
             BLOCK_R=block_r, num_warps=warps, launch_pdl=use_pdl,
         )
@@ -230,9 +267,10 @@ class BufferResidency:
         slots, todo, n_todo = self._plan_selection(layer, batch, idx, self.prefetch_counts[layer])
         side = self._prefetch_side
         side.wait_stream(torch.cuda.current_stream(self.device))
+        shapes = self.copy_shapes
         with torch.cuda.stream(side):
             self._copy_missing(layer, idx, slots, todo, n_todo, batch.slot_ids,
-                               programs=PREFETCH_PROGRAMS, block_r=PREFETCH_ROWS, warps=COPY_WARPS)
+                               programs=shapes.prefetch_programs, block_r=shapes.prefetch_rows, warps=shapes.copy_warps)
         done = torch.cuda.Event()
         done.record(side)
         # the side stream's inputs stay referenced until the main stream has waited for it
