@@ -51,15 +51,12 @@ def measure(timer: Timer, host: torch.Tensor, row_bytes: int, run: int, total: i
     src = offsets(host.numel() // row, rows, run, row, stride=stride)
     dst = torch.arange(rows, device="cuda", dtype=torch.int64) * row
     dev = torch.empty(rows * row, dtype=torch.bfloat16, device="cuda")
-    saved, best = copy_mod.TUNING, None
-    try:
-        for shape in SHAPES:
-            copy_mod.TUNING = shape
-            us = timer(lambda: copy_mod.copy_rows(host, dev, src, dst, row))
-            if best is None or us < best[0]:
-                best = (us, shape)
-    finally:
-        copy_mod.TUNING = saved
+    best = None
+    for shape in SHAPES:
+        launch = copy_mod.RowCopyShape(*shape)
+        us = timer(lambda: copy_mod.copy_rows(host, dev, src, dst, row, shape=launch))
+        if best is None or us < best[0]:
+            best = (us, shape)
     assert best is not None
     probe = src[:4096]  # the copy is checked, not only timed
     want = host.view(-1, row)[(probe // row).cpu()]

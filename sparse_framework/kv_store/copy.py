@@ -93,7 +93,7 @@ def copy_rows(
     No host synchronisation on CUDA: entries with a negative offset are skipped in the kernel.
     impl: "auto" (Triton when a tensor is on CUDA, else torch), "torch" or "triton" (on the
     CPU only under TRITON_INTERPRET=1, for tests). shape: the kernel's launch shape
-    (`RowCopyShape`; None: `TUNING`, the defaults).
+    (`RowCopyShape`; None: `ROW_COPY_SHAPE`, the defaults).
     """
     if src.dtype != dst.dtype:
         raise TypeError(f"copy_rows: src is {src.dtype}, dst is {dst.dtype}")
@@ -109,7 +109,7 @@ def copy_rows(
     if n == 0:
         return
     if shape is None:
-        shape = RowCopyShape(*TUNING)
+        shape = ROW_COPY_SHAPE
     rows_per_program, warps = shape.rows_per_program, shape.warps
     cols = min(shape.cols, pow2(row))
     grid = (-(-n // rows_per_program),)
@@ -118,10 +118,6 @@ def copy_rows(
         ROW=row, ROWS_PER_PROGRAM=rows_per_program, COLS=cols, num_warps=warps,
     )
 
-
-# the default launch shape as a tuple (rows per program, columns per inner step, warps):
-# benchmarks/host_read_granularity.py still sweeps by overwriting it; pass `shape=` instead
-TUNING = (ROW_COPY_SHAPE.rows_per_program, ROW_COPY_SHAPE.cols, ROW_COPY_SHAPE.warps)
 
 
 def write_token_rows(

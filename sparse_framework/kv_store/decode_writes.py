@@ -139,7 +139,7 @@ class DecodeWrites:
         self, layer: int, batch: Batch, sel: torch.Tensor, slots: torch.Tensor, pick_unit: int,
         data: list[torch.Tensor], write: bool = True,
     ) -> None:
-        """`_write_dev` then `_queue_host_write` of rows `sel` in one launch (kernels/decode_slots.py
+        """`DeviceRows.put` then `_queue_host_write` of rows `sel` in one launch (kernels/decode_slots.py
         `write_new_rows_triton`; slots [n, S] or, with pick_unit, the new token's unit [n, S, u])."""
         from ..kernels.decode_slots import write_new_rows_triton
 

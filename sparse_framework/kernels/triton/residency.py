@@ -179,7 +179,7 @@ def copy_missing_kernel(
     keeps one row per iteration over a grid that fills every SM (two MLA rows measured no
     faster there, docs/kv_store.md); the prefetch's copy on its side stream runs a few
     programs of many rows each, so that the compute it should overlap keeps the other SMs
-    (kv_store/residency.py, PREFETCH_PROGRAMS). BLOCK_R = 1 walks the rows as the one-row
+    (kv_store/residency.py, CopyShapes.prefetch_programs). BLOCK_R = 1 walks the rows as the one-row
     loop before it did (its loads now [1]-vectors, masked).
 
     FP8_HOST (kv_store/fp8_host.py): the host rows are fp8 with a scale byte after each
