@@ -172,7 +172,7 @@ class SparseCoordinator:
             store_kind=cfg.store,
         )
         self._step_dense = False  # forward_begin: the policy made this step's selecting requests dense
-        self._options: dict[int, AttentionOptions] = {}  # layers with softcap / sinks (set_attention_options)
+        self._options: dict[int, AttentionOptions] = {}  # layers with scale / softcap / sinks (set_attention_options)
         self.graphs: DecodeGraphs | None = None
         if decode_graphs:
             self.store.timing = False  # no timing events inside a graph
@@ -217,19 +217,25 @@ class SparseCoordinator:
         self.lifecycle.on_request_end(request)
 
     def set_attention_options(
-        self, layer: int, *, softcap: float | None = None, sinks: torch.Tensor | None = None
+        self, layer: int, *, softcap: float | None = None, sinks: torch.Tensor | None = None,
+        scale: float | None = None,
     ) -> None:
-        """Set a layer's logit soft-capping and attention-sink logits (attention_options.py):
-        softcap, a float > 0 (Gemma 2's `attn_logit_softcapping`), applied to the scaled
-        logits; sinks, a floating tensor [num_q_heads] on the layout's device (GPT-OSS's
-        `sinks`). Both None restores the default. They apply from the next call of the layer
+        """Set a layer's q·k scale, logit soft-capping and attention-sink logits (options.py):
+        scale, a float > 0 (logits are scale · q·k; None, or 1/sqrt(head_dim), is the
+        default 1/sqrt(head_dim): a host whose model scales otherwise, e.g. Gemma's
+        query_pre_attn_scalar, sets it here instead of multiplying q); softcap, a float > 0
+        (Gemma 2's `attn_logit_softcapping`), applied to the scaled logits; sinks, a floating
+        tensor [num_q_heads] on the layout's device (GPT-OSS's `sinks`). All None restores
+        the default; each call replaces all three. They apply from the next call of the layer
         on, at prefill (`attend`) and decode (the backend's run; a decode graph captured
-        before is not reused: the options are part of its key). Refused with ConfigError
-        naming the field for a bad value, and with UnsupportedFeatureError (a ConfigError)
-        when the configured backend cannot apply an option."""
+        before is not reused: the options are part of its key). The algorithm keeps seeing
+        q x (scale · sqrt(head_dim)) (`AttentionOptions.query_factor`), so that its q·k/sqrt(D)
+        is the model's logit as before. Refused with ConfigError naming the field for a bad
+        value, and with UnsupportedFeatureError (a ConfigError) when the configured backend
+        cannot apply an option."""
         if not isinstance(layer, int) or not 0 <= layer < self.layout.num_layers:
             raise ConfigError(f"layer must be in 0..{self.layout.num_layers - 1}, got {layer!r}")
-        options = AttentionOptions.make(softcap, sinks, self.layout.device)
+        options = AttentionOptions.make(softcap, sinks, self.layout.device, scale, self.layout.head_dim)
         if options.is_default:
             self._options.pop(layer, None)
             return
@@ -240,8 +246,15 @@ class SparseCoordinator:
         self._options[layer] = options
 
     def attention_options(self, layer: int) -> AttentionOptions:
-        """The layer's options (the default, both None, unless set)."""
+        """The layer's options (the default, all None, unless set)."""
         return self._options.get(layer, DEFAULT)
+
+    def _algorithm_queries(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q as the algorithm takes it: x (scale · sqrt(D)) for a layer with a scale, so that
+        its q·k/sqrt(D) is the model's logit (an algorithm's softmax sees what it saw when
+        hosts multiplied q themselves); q itself otherwise."""
+        factor = self.attention_options(layer).query_factor(q.shape[-1])
+        return q if factor is None else q * factor
 
     def memory_stats(self) -> list[dict[str, Any]]:
         """Per pool (device pools by layer kind, then the host pool): kind, layers, tokens per
@@ -366,7 +379,8 @@ class SparseCoordinator:
         if not self.prefetching or layer in self.dense_layers or sub is None or self._step_dense:
             return
         with self.steps.work("prefetch", layer):
-            predicted = self.algorithm.select(layer, _rows(batch, q.to(self.layout.dtype)), sub)
+            queries = self._algorithm_queries(layer, q).to(self.layout.dtype)
+            predicted = self.algorithm.select(layer, _rows(batch, queries), sub)
             self.store.prefetch(layer, sub, predicted)
 
     def attention_begin(
@@ -451,8 +465,9 @@ class SparseCoordinator:
 
     def attend(self, layer: int, q: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """Run attention for the layer: the configured backend at decode; dense causal
-        attention (float32) at prefill. Returns q's shape and dtype. A layer replayed from a
-        decode graph already holds its output (`metadata.output`), which is returned."""
+        attention (float32) at prefill; both with the layer's options (scale, softcap, sinks).
+        Returns q's shape and dtype. A layer replayed from a decode graph already holds its
+        output (`metadata.output`), which is returned."""
         if metadata.is_prefill:
             if q.shape[0] != sum(metadata.plan):
                 raise ValueError(f"attend at prefill needs every prompt query ({sum(metadata.plan)} rows), got "
@@ -465,8 +480,8 @@ class SparseCoordinator:
         return self._run_backend(q, metadata, self.attention_options(layer))
 
     def _run_backend(self, q: torch.Tensor, meta: AttentionMetadata, options: AttentionOptions) -> torch.Tensor:
-        """The backend's decode attention; the layer's options passed only when set, so that
-        the default call (and backends without them) stay as they are."""
+        """The backend's decode attention; the layer's options (scale, softcap, sinks) passed
+        only when set, so that the default call (and backends without them) stay as they are."""
         if options.is_default:
             return self.backend.run(q, meta.k_cache, meta.v_cache, meta.plan)
         options.check_heads(q.shape[-2])
@@ -495,7 +510,8 @@ class SparseCoordinator:
             for r, q_len in zip(batch.requests, q_lens):
                 if not r.dense:
                     rows = slice(offset, offset + r.prompt_len)
-                    queries = q[q_offset : q_offset + q_len] if self.algorithm.needs_prefill_queries else None
+                    queries = (self._algorithm_queries(layer, q[q_offset : q_offset + q_len])
+                               if self.algorithm.needs_prefill_queries else None)
                     inputs = {name: t[rows] for name, t in pending["inputs"].items()}
                     self.algorithm.build(layer, r, pending["k"][rows], queries, inputs=inputs)
                 offset += r.prompt_len
@@ -521,7 +537,7 @@ class SparseCoordinator:
             everything = _dense_selection(batch, self._heads, self.store.page_size)
             return everything, self.store.resident_slots(layer, batch, everything)
         step_inputs = {name: _rows(batch, t) for name, t in inputs.items()}
-        chosen = self.algorithm.select(layer, _rows(batch, q), sub, inputs=step_inputs)
+        chosen = self.algorithm.select(layer, self._algorithm_queries(layer, _rows(batch, q)), sub, inputs=step_inputs)
         slots = self.store.ensure_resident(layer, sub, chosen)
         if sub is batch:
             return chosen, slots

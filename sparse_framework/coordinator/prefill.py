@@ -19,10 +19,11 @@ def causal_prefill(
 ) -> torch.Tensor:
     """Dense causal attention per request over packed rows, float32 accumulation; queries in
     chunks so that memory stays at [q_heads, chunk, prompt_len]. `options`: the layer's
-    softcap / sinks, as `common.softmax.softcap_and_sink_softmax` applies them."""
+    scale (None: 1/sqrt(D)) and softcap / sinks, as `common.softmax.softcap_and_sink_softmax`
+    applies them."""
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
     group = q.shape[1] // k.shape[1]
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if options.scale is None else options.scale
     offset = 0
     for n in lens:
         ks = k[offset : offset + n].float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
@@ -33,7 +34,7 @@ def causal_prefill(
             scores = (qs @ ks[:, :stop].transpose(1, 2)) * scale
             rows = torch.arange(start, stop, device=q.device).unsqueeze(1)
             future = torch.arange(stop, device=q.device).unsqueeze(0) > rows
-            if options.is_default:
+            if options.softcap is None and options.sinks is None:
                 probs = scores.masked_fill(future, float("-inf")).softmax(-1)
             else:
                 sinks = None if options.sinks is None else options.sinks.view(-1, 1).expand(-1, stop - start)

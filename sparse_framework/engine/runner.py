@@ -28,9 +28,9 @@ preempted while still prefilling is admitted again from token 0 (or from its cac
 whose window the prefix cache writes back) and rewrites its window.
 
 Attention terms per layer come from the model's config: q·k is scaled by
-`attention_scale` (the coordinator always scales by 1/sqrt(D), so its q is multiplied by
-attention_scale x sqrt(D)), and `attn_logit_softcapping` is set as the coordinator's
-attention option of every store layer and applied by the ring and the prefill chunks.
+`attention_scale` and soft-capped by `attn_logit_softcapping`, both set as the coordinator's
+attention options of every store layer (`set_attention_options(scale=, softcap=)`; q goes to
+it as the model computed it) and applied by the ring and the prefill chunks.
 
 MLA models (`layout.is_mla`, DeepSeek-V3.2) call an `MLAAttend` instead (engine/models/mla.py):
 decode rows go to the coordinator in absorbed form (queries folded through W_UK, one latent
@@ -53,7 +53,6 @@ host pages, and the staging span of the whole prompt) and grows one token per de
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -221,11 +220,19 @@ class ModelRunner:
         self._q_rows = algo.prefill_query_rows  # None: every prompt query; 0: none
         self._q_tails: dict[str, torch.Tensor] = {}  # rid -> [layers, rows, Hq, D]: the queries build reads
 
+    def _set_mla_scale(self) -> None:
+        """MLA: the absorbed queries carry the model's softmax scale (absorbed_queries), so
+        the coordinator's logits are their plain dot with a latent row: scale 1 on every layer."""
+        for layer in range(self.layout.num_layers):
+            self.coord.set_attention_options(layer, softcap=self.softcap, scale=1.0)
+
     def _layers(self, config: ModelConfig | None, layout: KVLayout, rows: int, max_model_len: int) -> None:
         """The layer map, the sliding-window ring, the attention scale and soft-cap."""
         if not isinstance(config, ModelConfig):
             self.layers, self.scale, self.softcap = LayerMap.all_full(layout.num_layers), None, None
-            self.ring, self._q_factor = None, None
+            self.ring = None
+            if self.mla is not None:
+                self._set_mla_scale()
             return
         self.layers = config.layer_map(max_model_len)
         if len(self.layers.full) != layout.num_layers:
@@ -235,11 +242,11 @@ class ModelRunner:
                 "ModelConfig.kv_layout(dtype, device, max_model_len))"
             )
         self.scale, self.softcap = config.attention_scale, config.attn_logit_softcapping
-        factor = self.scale * math.sqrt(layout.head_dim)  # the coordinator scales by 1/sqrt(D)
-        self._q_factor = None if math.isclose(factor, 1.0, rel_tol=1e-9) else factor
-        if self.softcap is not None:
-            for layer in range(layout.num_layers):
-                self.coord.set_attention_options(layer, softcap=self.softcap)
+        if self.mla is not None:
+            self._set_mla_scale()
+        elif self.scale is not None or self.softcap is not None:
+            for layer in range(layout.num_layers):  # a scale of 1/sqrt(D) is stored as the default
+                self.coord.set_attention_options(layer, softcap=self.softcap, scale=self.scale)
         self.ring = None
         if self.layers.sliding:
             assert self.layers.window is not None
@@ -370,24 +377,22 @@ class ModelRunner:
         if self.mla is not None:
             return self._mla_attend_fn(batch, num_decode, prefill)
         coord, staging, ring_of, store_of = self.coord, self.staging, self.layers.ring, self.layers.store
-        factor = self._q_factor
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             ring_layer = ring_of.get(layer)
             if ring_layer is not None:
                 return self._attend_sliding(ring_layer, batch, num_decode, prefill, q, k, v)
-            layer = store_of[layer]
-            qc = q if factor is None else q * factor  # the coordinator's scale is 1/sqrt(D)
+            layer = store_of[layer]  # q as is: the coordinator scales by the layer's attention_scale
             if not prefill and batch is not None:  # decode rows only: the coordinator's output is the layer's
-                meta = coord.attention_begin(layer, qc, k, v, batch)
-                out = coord.attend(layer, qc, meta)
+                meta = coord.attention_begin(layer, q, k, v, batch)
+                out = coord.attend(layer, q, meta)
                 coord.attention_end(layer, out, batch)
                 return out
             out = torch.empty_like(q)
             if batch is not None:
                 b = num_decode
-                meta = coord.attention_begin(layer, qc[:b], k[:b], v[:b], batch)
-                out[:b] = coord.attend(layer, qc[:b], meta)
+                meta = coord.attention_begin(layer, q[:b], k[:b], v[:b], batch)
+                out[:b] = coord.attend(layer, q[:b], meta)
                 coord.attention_end(layer, out[:b], batch)
             offset = num_decode
             for chunk in prefill:
@@ -399,13 +404,13 @@ class ModelRunner:
                     out[rows] = self._chunk_attention(q[rows], pk, pv, self.scale)
                 else:
                     out[rows] = chunk_attention(q[rows], pk, pv, scale=self.scale, softcap=self.softcap)
-                self._keep_queries(layer, chunk, qc[rows])
+                self._keep_queries(layer, chunk, q[rows])
                 offset += n
             return out
 
         if not prefill and batch is not None and coord.prefetching:
             def predict(layer: int, q: torch.Tensor) -> None:
-                coord.prefetch(store_of[layer], q if factor is None else q * factor, batch)
+                coord.prefetch(store_of[layer], q, batch)
 
             # the model layers whose selection a prefetch can predict (sparse, in the store)
             predict.layers = frozenset(  # type: ignore[attr-defined]
@@ -448,15 +453,14 @@ class ModelRunner:
         coordinator, prefill chunks expanded over their staged prefix."""
         coord, staging, lay, dtype = self.coord, self.staging, self.layout, self.dtype
         algo = coord.algorithm
-        # the coordinator scales q·k by 1/sqrt(latent dim); absorbed queries carry the model's scale
-        unscale = math.sqrt(lay.head_dim)
+        # absorbed queries carry the model's scale: the coordinator's layers have scale 1 (_set_mla_scale)
 
         def attend(layer: int, x: MLAInputs) -> torch.Tensor:
             t, h = x.q_nope.shape[:2]
             out = x.q_nope.new_empty((t, h, x.kv_b.shape[1] - x.nope_dim))
             if batch is not None:
                 b = slice(0, num_decode)
-                q = (x.absorbed_queries(b) * unscale).to(dtype)
+                q = x.absorbed_queries(b).to(dtype)
                 k = x.latent[b].unsqueeze(1).to(dtype).contiguous()  # [B, 1, Dl]; an fp8 store packs it
                 inputs = None
                 if algo.decode_inputs:
@@ -475,7 +479,7 @@ class ModelRunner:
                 q_pos = torch.arange(chunk.start, chunk.start + n, device=out.device)
                 out[rows] = mla_prefill_attention(x, rows, q_pos, latent[:, 0], index_k).to(out.dtype)
                 if chunk.rid in self._q_tails:
-                    self._keep_queries(layer, chunk, (x.absorbed_queries(rows) * unscale).to(dtype))
+                    self._keep_queries(layer, chunk, x.absorbed_queries(rows).to(dtype))
                 offset += n
             return out
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +29,9 @@ class AttentionEvent:
     """One layer of one forward, as the coordinator saw it (for `SparseHandle.observer`).
 
     prefill: q/k/v are the packed prompt tokens [tokens, heads, D] of `batch` (row after row,
-    pad tokens dropped), `out` and `selection` are None. decode: q [B, Hq, D] (already scaled
-    so that q·k/sqrt(D) is the model's logit), k/v [B, Hkv, D] this step's new token, `out`
+    pad tokens dropped), `out` and `selection` are None. decode: q [B, Hq, D] (scaled so that
+    q·k/sqrt(D) is the model's logit, as the algorithm sees it; the coordinator itself takes
+    the model's q and the layer's scale), k/v [B, Hkv, D] this step's new token, `out`
     [B, Hq, D] the sparse attention output and `selection` what it attended to."""
 
     layer: int
@@ -210,21 +210,20 @@ class SparseCache(Cache):
         if batch is None:
             raise RuntimeError(f"layer {layer} ran before layer 0 of this forward")
         scale = d**-0.5 if scaling is None else scaling
-        factor = scale * math.sqrt(d)  # the coordinator scales q·k by 1/sqrt(D): scale q instead
-        rescale = (lambda q: q) if math.isclose(factor, 1.0, rel_tol=1e-9) else (lambda q: q * factor)
         ring = layers.ring.get(layer)
         if ring is None:
             self._check_options(layer, softcap, sinks)
+            self._set_scale(layers.store[layer], scale)
         with torch.no_grad():
             if ring is not None:
                 out = self._sliding_layer(module, ring, batch, query, key, value, attention_mask, scale, kwargs,
                                           softcap, sinks)
             elif batch.is_prefill:
-                out = self._prefill_layer(module, layer, batch, query, key, value, attention_mask, scale, rescale, kwargs,
+                out = self._prefill_layer(module, layer, batch, query, key, value, attention_mask, scale, kwargs,
                                           softcap, sinks)
             else:
                 at = layers.store[layer]
-                q = rescale(query[:, :, 0].contiguous())
+                q = query[:, :, 0].contiguous()
                 k, v = key[:, :, 0].contiguous(), value[:, :, 0].contiguous()
                 meta = coord.attention_begin(at, q, k, v, batch)
                 attended = coord.attend(at, q, meta)
@@ -232,7 +231,8 @@ class SparseCache(Cache):
                 assert meta.selection is not None
                 self.handle._record(layer, meta.selection, batch)
                 if self.handle.observer is not None:
-                    self.handle.observer(AttentionEvent(layer, batch, q, k, v, attended, meta.selection))
+                    self.handle.observer(AttentionEvent(layer, batch, _logit_scaled(q, scale), k, v, attended,
+                                                        meta.selection))
                 out = attended.unsqueeze(1)
         if layer == layers.num_layers - 1:
             coord.forward_end(batch)
@@ -252,10 +252,19 @@ class SparseCache(Cache):
                 f"and {'no ' if options.sinks is None else ''}sinks for it (changed after enable? enable again)"
             )
 
+    def _set_scale(self, at: int, scale: float) -> None:
+        """Give the coordinator's store layer `at` the model's q·k scale, once (its other
+        options, set at enable, kept): q then goes to it as the model computed it."""
+        coord = self.handle.coordinator
+        options = coord.attention_options(at)
+        factor = scale * math.sqrt(coord.layout.head_dim)
+        if options.scale == (None if math.isclose(factor, 1.0, rel_tol=1e-9) else scale):
+            return
+        coord.set_attention_options(at, softcap=options.softcap, sinks=options.sinks, scale=scale)
+
     def _prefill_layer(
         self, module: Any, layer: int, batch: Batch, query: torch.Tensor, key: torch.Tensor,
-        value: torch.Tensor, attention_mask: torch.Tensor | None, scale: float,
-        rescale: Callable[[torch.Tensor], torch.Tensor], kwargs: dict[str, Any],
+        value: torch.Tensor, attention_mask: torch.Tensor | None, scale: float, kwargs: dict[str, Any],
         softcap: float | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store the packed prompt (pad tokens dropped) and attend densely over the padded
@@ -267,10 +276,10 @@ class SparseCache(Cache):
             return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[-1]).index_select(0, rows)
 
         coord, at = self.handle.coordinator, self.handle.layers.store[layer]
-        q, k, v = rescale(packed(query)), packed(key), packed(value)
+        q, k, v = packed(query), packed(key), packed(value)
         coord.attention_begin(at, q, k, v, batch)
         if self.handle.observer is not None:
-            self.handle.observer(AttentionEvent(layer, batch, q, k, v))
+            self.handle.observer(AttentionEvent(layer, batch, _logit_scaled(q, scale), k, v))
         out = _dense(module, query, key, value, attention_mask, scale, kwargs, softcap, sinks)
         coord.attention_end(at, out.reshape(-1, out.shape[2], out.shape[3]).index_select(0, rows), batch)
         return out
@@ -343,3 +352,10 @@ def _prompt_tokens(mask: torch.Tensor | None, b: int, n: int, device: str | torc
     else:
         raise ValueError(f"unexpected attention mask of shape {list(mask.shape)}")
     return valid.expand(b, n).to(device)
+
+
+def _logit_scaled(q: torch.Tensor, scale: float) -> torch.Tensor:
+    """q x (scale · sqrt(D)), whose q·k/sqrt(D) is the model's logit (what `AttentionEvent`
+    holds); q itself when the factor is 1."""
+    factor = scale * math.sqrt(q.shape[-1])
+    return q if math.isclose(factor, 1.0, rel_tol=1e-9) else q * factor

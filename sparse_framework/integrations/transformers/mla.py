@@ -55,7 +55,6 @@ the model's business here); layers that reuse the previous layer's top-k (`index
 
 from __future__ import annotations
 
-import math
 import sys
 from typing import Any
 
@@ -71,7 +70,7 @@ from ...common.errors import ConfigError
 from ...common.layout import KVLayout
 from ...coordinator.core import SparseCoordinator
 from ..index_mask import fold_indices
-from .cache import AttentionEvent, SparseCache
+from .cache import AttentionEvent, SparseCache, _logit_scaled
 from .compat import UnsupportedModelError
 from .handle import SparseHandle
 
@@ -292,6 +291,7 @@ class MLASparseCache(SparseCache):
         rows = self.live.prompt_rows
         assert rows is not None
         coord = self.handle.coordinator
+        self._set_scale(layer, 1.0)  # absorbed queries carry the model's scale (as at decode)
         packed = latent.reshape(-1, latent.shape[-1]).index_select(0, rows).unsqueeze(1)  # [T, 1, Dl]
         if coord.algorithm.needs_prefill_queries:
             q = absorb_queries(module, query.transpose(1, 2).reshape(-1, *query.shape[1::2]).index_select(0, rows), scale)
@@ -316,8 +316,9 @@ class MLASparseCache(SparseCache):
         """Absorbed MLA over the selected latent rows: [B, 1, H, v_head_dim]."""
         coord = self.handle.coordinator
         lay = coord.layout
-        # the coordinator scales q·k by 1/sqrt(latent dim): the model's scale goes into q
-        q = (absorb_queries(module, query[:, :, 0], scale) * math.sqrt(lay.head_dim)).to(lay.dtype)
+        # the absorbed queries carry the model's scale: the coordinator's layer has scale 1
+        self._set_scale(layer, 1.0)
+        q = absorb_queries(module, query[:, :, 0], scale).to(lay.dtype)
         k = latent[:, 0].unsqueeze(1).contiguous()  # [B, 1, Dl]
         inputs = None
         if coord.algorithm.decode_inputs:
@@ -332,7 +333,8 @@ class MLASparseCache(SparseCache):
         assert meta.selection is not None
         self.handle._record(layer, meta.selection, batch)
         if self.handle.observer is not None:
-            self.handle.observer(AttentionEvent(layer, batch, q, k, k[..., : lay.v_head_dim], attended, meta.selection))
+            self.handle.observer(AttentionEvent(layer, batch, _logit_scaled(q, 1.0), k, k[..., : lay.v_head_dim], attended,
+                                                meta.selection))
         return expand_values(module, attended).unsqueeze(1).to(query.dtype)
 
 
