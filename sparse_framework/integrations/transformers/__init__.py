@@ -37,8 +37,8 @@ How it plugs in
     decode   attention_begin (store the new K/V, select, make resident, plan) + attend (the
              configured backend) + attention_end, one query token per row.
   Layer 0 of a forward opens the step (`forward_begin`), the last layer closes it
-  (`forward_end`). The coordinator scales q·k by 1/sqrt(head_dim); a model with another
-  scale (Gemma's query_pre_attn_scalar) has its queries multiplied to match. Calls that do
+  (`forward_end`). The cache sets the model's q·k scaling (Gemma's query_pre_attn_scalar, say)
+  as each full layer's coordinator option `scale`, so queries pass as computed. Calls that do
   not come through a SparseCache (`model(...)` with no cache or a DynamicCache,
   `use_cache=False`) get transformers' sdpa attention: dense, unchanged, and counted as dense
   layer-steps in `handle.stats()["dense"]` with the reason.
