@@ -39,7 +39,7 @@ class CopyShapes:
     elements (one KV head's row in the head-major layout: Quest, SnapKV, PQCache; 256 bytes for
     Llama-3-8B) take their own shape: 8 warps on a [1, 128] tile leave most threads idle and one
     256-byte PCIe read in flight per program. 1,024 programs of 4 warps with 8 rows an iteration
-    cut the 16K x 8 step's copy from 2.52 to 2.03 ms (docs/engine.md, "Stop 41";
+    cut the 16K x 8 step's copy from 2.52 to 2.03 ms (docs/changelog.md, "Stop 41";
     `fused_layer_gpu_runs.sh copy-grid`); wider rows keep the shape above, measured on them.
 
     prefetch_programs, prefetch_rows: the prefetch's copy on its side stream (columns and warps:
@@ -48,7 +48,7 @@ class CopyShapes:
     not run beside it (stop 38 measured no overlap). A few programs leave most SMs to the
     compute (16 of the H100's 132), and many rows per iteration keep each one's PCIe reads in
     flight: 32 head-major rows of 128 bf16 are 8 KiB a tensor per program. On the H100 the copy
-    then overlaps (docs/engine.md, "Stop 40"); 16 x 32, 32 x 16 and 8 x 64 step within 2%.
+    then overlaps (docs/changelog.md, "Stop 40"); 16 x 32, 32 x 16 and 8 x 64 step within 2%.
     """
 
     copy_programs: int = 2048
