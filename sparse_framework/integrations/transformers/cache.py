@@ -204,11 +204,7 @@ class SparseCache(Cache):
         layer = module.layer_idx
         coord, live, layers = self.handle.coordinator, self.live, self.handle.layers
         b, hq, n, d = query.shape
-        if layer == 0:
-            self._open_step(attention_mask, b, n)
-        batch = live.batch
-        if batch is None:
-            raise RuntimeError(f"layer {layer} ran before layer 0 of this forward")
+        batch = self._step_batch(layer, attention_mask, b, n)
         scale = d**-0.5 if scaling is None else scaling
         ring = layers.ring.get(layer)
         if ring is None:
@@ -313,6 +309,16 @@ class SparseCache(Cache):
         attended = windows.attend(ring, query[:, :, 0], batch.slot_ids, batch.seq_lens, scale, softcap=softcap, sinks=sinks)
         self.handle._sliding_steps += len(batch)
         return attended.unsqueeze(1)
+
+    def _step_batch(self, layer: int, attention_mask: torch.Tensor | None, b: int, n: int) -> Batch:
+        """This forward's batch: opened by layer 0, read by the later layers (an error if a later
+        layer runs first)."""
+        if layer == 0:
+            self._open_step(attention_mask, b, n)
+        batch = self.live.batch
+        if batch is None:
+            raise RuntimeError(f"layer {layer} ran before layer 0 of this forward")
+        return batch
 
     def _open_step(self, attention_mask: torch.Tensor | None, b: int, n: int) -> None:
         """Layer 0 of a forward (checked by `_check_step`): begin the requests at prefill, then

@@ -263,11 +263,7 @@ class MLASparseCache(SparseCache):
         layer = module.layer_idx
         coord, live = self.handle.coordinator, self.live
         b, h, n, d = query.shape
-        if layer == 0:
-            self._open_step(attention_mask, b, n)
-        batch = live.batch
-        if batch is None:
-            raise RuntimeError(f"layer {layer} ran before layer 0 of this forward")
+        batch = self._step_batch(layer, attention_mask, b, n)
         scale = d**-0.5 if scaling is None else scaling
         latent = torch.cat([c, k_rot], dim=-1)[:, 0]  # [B, n, kv_lora_rank + rope], post-RoPE
         with torch.no_grad():
