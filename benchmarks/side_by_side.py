@@ -41,7 +41,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from timing import current_commit  # noqa: E402
+from timing import current_commit, gpu_name  # noqa: E402
 
 VLLM_PATHS = {"vllm-dense": "dense", "vllm-plugin": "quest"}  # vllm_gpu.py perf's config names
 ENGINE_PATHS = {"engine-dense": "dense", "engine-defaults": "defaults", "engine-resident": "tuned",
@@ -175,14 +175,6 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def device_name() -> str:
-    try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=30).stdout.splitlines()[0].strip()
-    except (OSError, IndexError, subprocess.SubprocessError):
-        return "unknown (no nvidia-smi)"
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -203,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             for n in args.path_list:
                 if n in ENGINE_PATHS:
                     rows += run_engine(n, args, tmp)
-        doc = {"command": command, "commit": current_commit() or None, "device": device_name(),
+        doc = {"command": command, "commit": current_commit() or None, "device": gpu_name() or "unknown (no nvidia-smi)",
                "output_len": args.output_len, "repeats": args.repeats, "rows": rows}
     print("\n" + table(rows))
     print("step = (generate N+1 - generate 1) / N, median; floor = (weights + KV read) / HBM; "

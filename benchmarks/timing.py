@@ -121,6 +121,17 @@ def current_commit() -> str | None:
     return done.stdout.strip() or None
 
 
+def gpu_name() -> str | None:
+    """The first GPU's name from nvidia-smi (no CUDA context opened), None where it says none."""
+    import subprocess
+
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout.splitlines()[0].strip()
+    except (OSError, IndexError, subprocess.SubprocessError):
+        return None
+
+
 def write_results(path: str, meta: dict[str, Any], results: list, script: str, argv: list[str] | None) -> None:
     """Write a benchmark's {"meta", "results"} JSON to `path` (its folder made if missing),
     with the command line that produced it and the commit in meta (benchmarks/FIGURES.md)."""

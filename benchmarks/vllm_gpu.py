@@ -54,18 +54,17 @@ sys.path.insert(0, str(ROOT))
 
 from sparse_framework.common import hardware  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from timing import gpu_name  # noqa: E402
+
 CONFIG_ENV = "SPARSE_FRAMEWORK_VLLM_CONFIG"
 
 
 def _gpu_hbm_tb_s() -> float:
     """The HBM ceiling of the GPU the children run on, found by name through nvidia-smi (this
     parent opens no CUDA context of its own); the default GPU's where none is found."""
-    try:
-        name = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=30).stdout.splitlines()[0]
-    except (OSError, IndexError, subprocess.SubprocessError):
-        return hardware.DEFAULT.hbm_tb_s
-    return (hardware.figures_for_name(name) or hardware.DEFAULT).hbm_tb_s
+    name = gpu_name()
+    return ((name and hardware.figures_for_name(name)) or hardware.DEFAULT).hbm_tb_s
 
 
 HBM_TB_S = _gpu_hbm_tb_s()  # common/hardware.py
