@@ -29,6 +29,7 @@ A library without one raises UnsupportedFeatureError naming it.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import math
@@ -67,15 +68,25 @@ def _find_library() -> tuple[str, Callable[..., Any]] | str:
     fa3 = _import("flash_attn_interface")
     if not isinstance(fa3, str):
         return "flash-attn 3", fa3.flash_attn_with_kvcache
-    vllm_fa = _import("vllm.vllm_flash_attn")
-    if not isinstance(vllm_fa, str) and vllm_fa.is_fa_version_supported(3):
-        return "vLLM's flash-attn 3", _vllm_fa3_decode(vllm_fa.flash_attn_varlen_func)
+    try:
+        return "vLLM's flash-attn 3", _vllm_fa3_decode(vllm_fa3_varlen())
+    except Exception:  # no vLLM, or none with FA3 for this GPU: the messages below name flash-attn
+        pass
     if not isinstance(_import("flash_attn"), str):
         return (
             "only flash-attn 2 is installed, whose paged KV needs pages of a multiple of 256 "
             f"tokens (sparse selections use page_size or single tokens); {INSTALL} installs flash-attn 4"
         )
     return f"no flash-attn is installed (flash_attn.cute failed with {fa4}); {INSTALL}"
+
+
+def vllm_fa3_varlen() -> Callable[..., Any]:
+    """vLLM's FlashAttention 3 varlen function pinned to version 3 (its default, 2, may be left
+    out of vLLM's Hopper builds); ImportError (or the import's own error) saying why not."""
+    module = importlib.import_module("vllm.vllm_flash_attn")
+    if not module.is_fa_version_supported(3):
+        raise ImportError(f"FA3 unsupported here: {module.fa_version_unsupported_reason(3)}")
+    return functools.partial(module.flash_attn_varlen_func, fa_version=3)
 
 
 def _vllm_fa3_decode(varlen: Callable[..., Any]) -> Callable[..., Any]:
@@ -88,7 +99,7 @@ def _vllm_fa3_decode(varlen: Callable[..., Any]) -> Callable[..., Any]:
         starts = torch.arange(n + 1, dtype=torch.int32, device=q.device)
         out = varlen(q.reshape(n, heads, d), k_cache, v_cache, max_seqlen_q=1, cu_seqlens_q=starts,
                      max_seqlen_k=page_table.shape[1] * k_cache.shape[1], seqused_k=cache_seqlens,
-                     block_table=page_table, softmax_scale=softmax_scale, causal=True, softcap=softcap, fa_version=3)
+                     block_table=page_table, softmax_scale=softmax_scale, causal=True, softcap=softcap)
         return out.view(n, 1, heads, -1)
 
     return decode

@@ -31,7 +31,6 @@ Each needs CUDA and fp16/bf16; anything else (the CPU, float32) takes SDPA.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
 import math
@@ -41,6 +40,7 @@ from typing import Any
 
 import torch
 
+from ..backends.flash_attn import vllm_fa3_varlen
 from ..common.errors import ConfigError
 from ..common.transfer import to_device
 from .staging import chunk_attention
@@ -68,19 +68,10 @@ def find_varlen() -> tuple[str, Callable[..., Any]] | str:
             continue
         return label, fn
     try:
-        return "vLLM's flash-attn 3", _vllm_fa3()
+        return "vLLM's flash-attn 3", vllm_fa3_varlen()
     except Exception as exc:  # no vLLM, or a vLLM without FA3 for this GPU
         reasons.append(f"vllm.vllm_flash_attn: {type(exc).__name__}: {exc}".splitlines()[0])
     return "no flash-attn with a varlen kernel is installed (" + "; ".join(reasons) + f"); {INSTALL}"
-
-
-def _vllm_fa3() -> Callable[..., Any]:
-    """vLLM's FlashAttention 3 varlen function, pinned to version 3 (its default is 2, whose
-    build vLLM's Hopper bundles may leave out)."""
-    module = importlib.import_module("vllm.vllm_flash_attn")
-    if not module.is_fa_version_supported(3):
-        raise ImportError(f"FA3 unsupported here: {module.fa_version_unsupported_reason(3)}")
-    return functools.partial(module.flash_attn_varlen_func, fa_version=3)
 
 
 def choose(mode: str, device: torch.device, dtype: torch.dtype) -> tuple[str, ChunkAttention]:
