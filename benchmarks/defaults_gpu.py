@@ -50,13 +50,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "defaults": {"algorithm": "quest"},
     "tuned": {"algorithm": "quest", "backend": "triton", "store": "resident", "sparse_policy": "always",
               "min_sparse_prompt_len": 0, "extra": {"range_weight": 0.0}},
-    "dense-fa": {"algorithm": "quest", "backend": "flash_attn", "store": "resident", "sparse_policy": "always",
-                 "min_sparse_prompt_len": 1 << 30},
-    "tuned-fa": {"algorithm": "quest", "backend": "flash_attn", "store": "resident", "sparse_policy": "always",
-                 "min_sparse_prompt_len": 0, "extra": {"range_weight": 0.0}},
     "hierarchical": {"algorithm": "quest", "backend": "triton", "store": "hierarchical", "sparse_policy": "always",
                      "min_sparse_prompt_len": 0, "device_buffer_tokens": 8192, "extra": {"range_weight": 0.0}},
 }
+CONFIGS.update({f"{name}-fa": {**CONFIGS[name], "backend": "flash_attn"} for name in ("dense", "tuned")})
 SHAPES = "16384x8,1024x1,4096x1,8192x1"
 
 
