@@ -132,6 +132,15 @@ def test_dataset_file(tmp_path: Path) -> None:
     (["--slo-ttft-ms", "-1"], "--slo-ttft-ms must be > 0"),
     (["--out", "/nonexistent/dir/report.json"], "--out '/nonexistent/dir/report.json': the directory"),
     (["--base-url", "http://127.0.0.1:1"], "cannot ask the server its model .* is it running"),
+    # the concurrency sweep (tests/test_serve_curve.py)
+    (["--max-concurrency", "2", "4", "--request-rate", "8"], "--request-rate: a concurrency sweep .* offers every"),
+    (["--max-concurrency", "2", "four"], "--max-concurrency takes whole numbers >= 1 of requests in flight, got 'four'"),
+    (["--max-concurrency", "0,2"], "--max-concurrency takes whole numbers >= 1 .* got 0"),
+    (["--max-concurrency", "2", "2"], "--max-concurrency: a value given twice"),
+    (["--max-concurrency", "2", "4", "--num-prompts", "5"], "--num-prompts: a concurrency sweep sends"),
+    (["--prompts-per-concurrency", "2"], "--prompts-per-concurrency and --min-prompts belong to a concurrency sweep"),
+    (["--max-concurrency", "2", "--min-prompts", "0"], "--min-prompts must be >= 1"),
+    (["--meta", "memory_max"], "--meta takes KEY=VALUE, got 'memory_max'"),
 ])
 def test_bad_arguments_name_the_flag(argv: list[str], match: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench-serve", "--no-progress", *argv]) == 2

@@ -6,7 +6,10 @@ tokenization, streaming, the event loop) under a controlled load, in the shape o
 
 - load: requests arrive as a Poisson process at each `--request-rate` (`inf`: all at once),
   optionally at most `--max-concurrency` in flight; every rate of a sweep sends the same
-  prompts, so rates compare;
+  prompts, so rates compare. Or a concurrency sweep (the serving curve, issue 46): several
+  `--max-concurrency` values, each a run of every request offered at once with at most N in
+  flight and K x N of the same prompts (`--prompts-per-concurrency` K, at least
+  `--min-prompts`), so that a point stays near N in flight for several requests' lifetimes;
 - prompts: synthetic, of exact token counts drawn from a length distribution and built with the
   served model's own tokenizer (text that re-tokenizes to exactly that count, else the token
   ids themselves, which /v1/completions takes), or a JSONL file of {"prompt", "max_tokens"};
@@ -19,7 +22,11 @@ tokenization, streaming, the event loop) under a controlled load, in the shape o
   (--slo-ttft-ms, --slo-tpot-ms) per second;
 - failures (connection refused, timeouts, HTTP 4xx/5xx, an error event inside a stream) are
   counted per rate and kind with the first message, never raised: a benchmark that overloads
-  a server should say how, not stop.
+  a server should say how, not stop;
+- the JSON report carries the command, the commit of the code that ran (`$SF_COMMIT` where the
+  tree travelled without .git, else `git rev-parse`), a `--label` and `--meta KEY=VALUE` facts,
+  so that curves of several servers can be joined later (benchmarks/plot_serving_curve.py); with
+  `--out` it is rewritten after every point, so a run cut short keeps the points it finished.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import json
 import math
 import os
 import random
+import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -48,6 +56,7 @@ if TYPE_CHECKING:
 
 PROMPT_FORMATS = ("text", "ids")
 PERCENTILES = (50, 99)
+MODES = ("rate", "concurrency")  # the report's "mode": a --request-rate sweep or a --max-concurrency sweep
 
 BENCH_SERVE_HELP = """\
 Drive a running OpenAI-compatible server (sparse-framework serve, or any other) with streamed
@@ -58,6 +67,14 @@ p99), request and output-token throughput, and goodput under SLOs, per request r
   sparse-framework serve --model reference --port 8000 &
   sparse-framework bench-serve --base-url http://127.0.0.1:8000 --request-rate 2 8 inf \\
       --num-prompts 50 --input-len 256 --output-len 32 --slo-ttft-ms 500 --slo-tpot-ms 50 --out bench.json
+
+A concurrency sweep (the serving curve: output tok/s against requests in flight): several
+--max-concurrency values; each is a run at --request-rate inf with at most N in flight and
+K x N prompts (--prompts-per-concurrency K, at least --min-prompts), the same prompts at every N:
+
+  sparse-framework bench-serve --max-concurrency 1 2 4 8 16 --prompts-per-concurrency 4 \\
+      --input-len 256 --output-len 64 --label mine --out curve.json
+  python benchmarks/plot_serving_curve.py curve.json other.json --png docs/serving_curve/curve.png
 
 Prompts are built with the served model's tokenizer (--tokenizer, default the served model's
 name: a catalog model, a checkpoint directory or `reference`) to exact token counts; or read
@@ -105,13 +122,25 @@ class RequestResult:
 
 
 @dataclass(frozen=True)
+class Point:
+    """One run of a sweep: requests arrive at `rate` per second (inf: all at once), at most
+    `max_concurrency` in flight (None: no limit), the first `num_prompts` of the prompts."""
+
+    rate: float
+    max_concurrency: int | None
+    num_prompts: int
+
+
+@dataclass(frozen=True)
 class ServeBenchSpec:
     """The benchmark's options; `__post_init__` refuses a bad value with the flag's name.
 
     rates: requests per second (math.inf: all at once); input/output lengths as `bench`'s
     (a mean, a distribution, range_ratio R: [L(1-R), L(1+R)]); dataset: a JSONL file instead
     of synthetic prompts (num_prompts None: all its lines); model/tokenizer: None asks the
-    server (GET /v1/models) and uses the served name."""
+    server (GET /v1/models) and uses the served name. concurrencies: a concurrency sweep (each
+    at rate inf, max(prompts_per_concurrency x N, min_prompts) prompts); max_concurrency: the
+    cap of every rate of a rate sweep. label and meta: what the report says it measured."""
 
     base_url: str
     rates: tuple[float, ...] = (math.inf,)
@@ -133,6 +162,11 @@ class ServeBenchSpec:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     timeout: float = 600.0
+    concurrencies: tuple[int, ...] = ()
+    prompts_per_concurrency: int = 4
+    min_prompts: int = 8
+    label: str | None = None
+    meta: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -142,10 +176,27 @@ class ServeBenchSpec:
         for rate in self.rates:
             if not (isinstance(rate, (int, float)) and rate > 0) or math.isnan(rate):
                 raise ConfigError(f"--request-rate must be positive numbers of requests per second or inf, got {rate!r}")
-        for name in ("num_prompts", "input_len", "output_len", "max_concurrency"):
+        for name in ("num_prompts", "input_len", "output_len", "max_concurrency", "prompts_per_concurrency",
+                     "min_prompts"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if self.concurrencies:
+            bad = [c for c in self.concurrencies if not isinstance(c, int) or isinstance(c, bool) or c < 1]
+            if bad:
+                raise ConfigError(f"--max-concurrency takes whole numbers >= 1 of requests in flight, got {bad[0]!r}")
+            if len(set(self.concurrencies)) != len(self.concurrencies):
+                raise ConfigError(f"--max-concurrency: a value given twice in {list(self.concurrencies)}")
+            if self.max_concurrency is not None:
+                raise ConfigError("--max-concurrency: give one value (a cap on every rate of a rate sweep) or a "
+                                  "concurrency sweep, not both")
+            if self.rates != (math.inf,):
+                raise ConfigError("--request-rate: a concurrency sweep (several --max-concurrency values, or "
+                                  "--prompts-per-concurrency) offers every request at once (rate inf); give either "
+                                  "a --request-rate sweep with one --max-concurrency cap, or a --max-concurrency sweep")
+            if self.num_prompts is not None:
+                raise ConfigError("--num-prompts: a concurrency sweep sends --prompts-per-concurrency x N prompts at "
+                                  "concurrency N (at least --min-prompts); set those instead")
         for name in ("input_len_dist", "output_len_dist"):
             value = getattr(self, name)
             if value is not None and value not in LENGTH_DISTRIBUTIONS:
@@ -163,6 +214,20 @@ class ServeBenchSpec:
                 raise ConfigError(f"--{name.replace('_', '-')} must be > 0, got {value}")
         if self.dataset is not None and not Path(self.dataset).is_file():
             raise ConfigError(f"--dataset {self.dataset!r}: no such file")
+
+    @property
+    def mode(self) -> str:
+        """"concurrency" for a --max-concurrency sweep, "rate" for a --request-rate sweep."""
+        return "concurrency" if self.concurrencies else "rate"
+
+    def points(self, available: int | None = None) -> list[Point]:
+        """The runs in order: one per rate, or one per concurrency with its prompt count
+        (`available`: the prompts of a rate sweep, its every run sends them all)."""
+        if self.concurrencies:
+            return [Point(math.inf, c, max(self.prompts_per_concurrency * c, self.min_prompts))
+                    for c in self.concurrencies]
+        n = available if available is not None else (self.num_prompts or 100)
+        return [Point(rate, self.max_concurrency, n) for rate in self.rates]
 
     @property
     def root(self) -> str:
@@ -214,13 +279,14 @@ def load_tokenizer_for(name: str) -> Any:
     return tokenizer
 
 
-def synthetic_requests(spec: ServeBenchSpec, tokenizer: Any) -> list[BenchRequest]:
-    """`spec.num_prompts` prompts of drawn lengths (seeded) of random ordinary tokens (no
-    special ones), as text that the tokenizer turns back into exactly that many tokens, or as
-    the ids when no such text is found in a few rounds (or with --prompt-format ids)."""
+def synthetic_requests(spec: ServeBenchSpec, tokenizer: Any, n: int | None = None) -> list[BenchRequest]:
+    """`n` (default `spec.num_prompts`, else 100) prompts of drawn lengths (seeded) of random
+    ordinary tokens (no special ones), as text that the tokenizer turns back into exactly that
+    many tokens, or as the ids when no such text is found in a few rounds (or with
+    --prompt-format ids). Seeded draws in order: the first k of n are those of any n >= k."""
     import torch
 
-    n = spec.num_prompts or 100
+    n = n or spec.num_prompts or 100
     gens = [torch.Generator().manual_seed(spec.seed * 4 + i) for i in range(2)]
     inputs = draw_lengths(spec.input_len_dist, spec.input_len, spec.range_ratio, n, gens[0])
     outputs = draw_lengths(spec.output_len_dist or spec.input_len_dist, spec.output_len, spec.range_ratio, n, gens[1])
@@ -382,20 +448,23 @@ def _reason(body: str | dict[str, Any]) -> str:
     return str(err if err is not None else body)
 
 
-async def run_rate(spec: ServeBenchSpec, requests: Sequence[BenchRequest], rate: float, model: str | None,
-                   on_done: Callable[[RequestResult], None] | None = None) -> tuple[list[RequestResult], float]:
-    """Send `requests` at Poisson arrivals of `rate` (seeded) and wait for all; the results in
-    request order and the duration from the first send to the last answer (s)."""
+async def run_point(spec: ServeBenchSpec, requests: Sequence[BenchRequest], point: Point, model: str | None,
+                    on_done: Callable[[RequestResult], None] | None = None) -> tuple[list[RequestResult], float, int]:
+    """Send `requests` at Poisson arrivals of the point's rate (seeded), at most its
+    max_concurrency in flight, and wait for all; the results in request order, the duration from
+    the first send to the last answer (s) and the most requests that were in flight at once (a
+    request is in flight from its send to the end of its answer)."""
     import httpx
 
-    offsets = poisson_arrivals(len(requests), rate, spec.seed)
+    offsets = poisson_arrivals(len(requests), point.rate, spec.seed)
     url = spec.root + "/v1/completions"
     common: dict[str, Any] = {"temperature": spec.temperature, "stream": True, "stream_options": {"include_usage": True}}
     if model is not None:
         common["model"] = model
     if spec.ignore_eos:
         common["ignore_eos"] = True
-    gate = asyncio.Semaphore(spec.max_concurrency or len(requests) or 1)
+    gate = asyncio.Semaphore(point.max_concurrency or len(requests) or 1)
+    flight = {"now": 0, "max": 0}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(spec.timeout, connect=10.0)) as client:
         t0 = time.perf_counter()
@@ -406,7 +475,12 @@ async def run_rate(spec: ServeBenchSpec, requests: Sequence[BenchRequest], rate:
                 await asyncio.sleep(delay)
             async with gate:
                 body = {**common, "prompt": requests[i].prompt, "max_tokens": requests[i].max_tokens}
-                result = await send(client, url, body, spec.headers)
+                flight["now"] += 1
+                flight["max"] = max(flight["max"], flight["now"])
+                try:
+                    result = await send(client, url, body, spec.headers)
+                finally:
+                    flight["now"] -= 1
             if result.ok and not result.prompt_tokens and requests[i].prompt_len:
                 result.prompt_tokens = requests[i].prompt_len
             if on_done is not None:
@@ -415,7 +489,7 @@ async def run_rate(spec: ServeBenchSpec, requests: Sequence[BenchRequest], rate:
 
         results = await asyncio.gather(*(one(i) for i in range(len(requests))))
         duration = time.perf_counter() - t0
-    return list(results), duration
+    return list(results), duration, flight["max"]
 
 
 def served_model(spec: ServeBenchSpec) -> str:
@@ -437,30 +511,59 @@ def served_model(spec: ServeBenchSpec) -> str:
 
 
 def benchmark(spec: ServeBenchSpec, on_rate: Callable[[float, int], None] | None = None,
-              on_done: Callable[[RequestResult], None] | None = None) -> dict[str, Any]:
-    """The whole sweep: the requests built once, then each rate in turn (`on_rate(rate, n)`
-    before it, `on_done(result)` after each request); the JSON-ready report."""
+              on_done: Callable[[RequestResult], None] | None = None,
+              on_point: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """The whole sweep: the requests built once (as many as the largest point sends; each point
+    sends the first of them), then each point in turn (`on_rate(rate, n)` before it, `on_done`
+    after each request, `on_point(report so far)` after it); the JSON-ready report."""
     model = spec.model or served_model(spec)
+    wanted = max(p.num_prompts for p in spec.points()) if spec.concurrencies else spec.num_prompts
     if spec.dataset is not None:
-        requests, tokenizer_name = dataset_requests(spec.dataset, spec.num_prompts, spec.output_len), None
+        requests, tokenizer_name = dataset_requests(spec.dataset, wanted, spec.output_len), None
     else:
         tokenizer_name = spec.tokenizer or model
-        requests = synthetic_requests(spec, load_tokenizer_for(tokenizer_name))
-    runs = []
-    for rate in spec.rates:
-        if on_rate is not None:
-            on_rate(rate, len(requests))
-        results, duration = asyncio.run(run_rate(spec, requests, rate, model, on_done))
-        runs.append({"request_rate": "inf" if math.isinf(rate) else rate, **summarize(results, duration, spec.slo_ttft_ms, spec.slo_tpot_ms),
-                     "requests": [request_row(r) for r in results]})
-    return {
+        requests = synthetic_requests(spec, load_tokenizer_for(tokenizer_name), wanted)
+    report: dict[str, Any] = {
+        "label": spec.label or model, "mode": spec.mode, "commit": source_commit(), "command": None,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "meta": dict(spec.meta),
         "base_url": spec.root, "model": model, "tokenizer": tokenizer_name, "dataset": spec.dataset,
         "num_prompts": len(requests), "input_len": spec.input_len, "output_len": spec.output_len,
         "input_len_dist": spec.input_len_dist, "output_len_dist": spec.output_len_dist or spec.input_len_dist,
         "range_ratio": spec.range_ratio, "prompt_format": spec.prompt_format, "ignore_eos": spec.ignore_eos,
-        "temperature": spec.temperature, "max_concurrency": spec.max_concurrency, "seed": spec.seed,
-        "slo_ttft_ms": spec.slo_ttft_ms, "slo_tpot_ms": spec.slo_tpot_ms, "runs": runs,
+        "temperature": spec.temperature, "max_concurrency": spec.max_concurrency,
+        "concurrencies": list(spec.concurrencies) or None,
+        "prompts_per_concurrency": spec.prompts_per_concurrency if spec.concurrencies else None,
+        "min_prompts": spec.min_prompts if spec.concurrencies else None, "seed": spec.seed,
+        "slo_ttft_ms": spec.slo_ttft_ms, "slo_tpot_ms": spec.slo_tpot_ms, "runs": [],
     }
+    for point in spec.points(len(requests)):
+        if on_rate is not None:
+            on_rate(point.rate, point.num_prompts)
+        sent = requests[:point.num_prompts]
+        results, duration, in_flight = asyncio.run(run_point(spec, sent, point, model, on_done))
+        report["runs"].append({
+            "request_rate": "inf" if math.isinf(point.rate) else point.rate, "max_concurrency": point.max_concurrency,
+            "max_in_flight": in_flight, **summarize(results, duration, spec.slo_ttft_ms, spec.slo_tpot_ms),
+            "requests": [request_row(r) for r in results]})
+        if on_point is not None:
+            on_point(report)
+    return report
+
+
+def source_commit() -> str | None:
+    """The commit of the code that runs: $SF_COMMIT where the tree travelled without .git (the
+    GPU machine's packed tree), else `git rev-parse HEAD` beside this file; None when neither
+    says (an installed wheel)."""
+    import subprocess
+
+    if os.environ.get("SF_COMMIT"):
+        return os.environ["SF_COMMIT"]
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else None
 
 
 def request_row(r: RequestResult) -> dict[str, Any]:
@@ -487,8 +590,17 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--request-rate", nargs="+", default=["inf"], metavar="RATE",
                    help="Poisson arrivals per second; several (or comma-separated) make a sweep; inf = all at once "
                    "(default inf)")
-    b.add_argument("--max-concurrency", type=int, help="requests in flight at most (default: no limit)")
-    b.add_argument("--num-prompts", type=int, help="requests per rate (default 100; with --dataset: its lines)")
+    b.add_argument("--max-concurrency", nargs="+", metavar="N",
+                   help="requests in flight at most (default: no limit). One value caps every rate of the rate sweep; "
+                   "several (or comma-separated, or one with --prompts-per-concurrency) make a concurrency sweep: "
+                   "each N a run of every request offered at once, at most N in flight, the same prompts")
+    b.add_argument("--prompts-per-concurrency", type=int, metavar="K",
+                   help="a concurrency sweep sends K x N prompts at concurrency N (default 4), so that each point "
+                   "stays near N in flight for K requests' lifetimes")
+    b.add_argument("--min-prompts", type=int, metavar="M",
+                   help="a concurrency sweep sends at least M prompts at any N (default 8)")
+    b.add_argument("--num-prompts", type=int, help="requests per rate of a rate sweep (default 100; with --dataset: "
+                   "its lines)")
     b.add_argument("--input-len", type=int, default=256, help="prompt tokens, the mean (default 256)")
     b.add_argument("--output-len", type=int, default=32, help="max_tokens, the mean (default 32)")
     b.add_argument("--input-len-dist", choices=LENGTH_DISTRIBUTIONS, default="fixed",
@@ -506,8 +618,35 @@ def add_parser(sub: Any) -> None:
     b.add_argument("--slo-ttft-ms", type=float, help="goodput's TTFT bound (ms)")
     b.add_argument("--slo-tpot-ms", type=float, help="goodput's TPOT bound (ms)")
     b.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take (default 600)")
-    b.add_argument("--out", metavar="PATH", help="write the report as JSON")
+    b.add_argument("--label", help="the report's name for this server and config, the line's name in "
+                   "benchmarks/plot_serving_curve.py (default: the served model's name)")
+    b.add_argument("--meta", action="append", default=[], metavar="KEY=VALUE",
+                   help="a fact to keep in the report's 'meta' (repeatable), e.g. memory_max=23 (the server's "
+                   "memory-bound maximum of requests, which the plot marks) or config='{...}'")
+    b.add_argument("--out", metavar="PATH", help="write the report as JSON (rewritten after every point)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def parse_concurrencies(values: Sequence[str] | None) -> tuple[int, ...]:
+    """--max-concurrency's values, space- or comma-separated, as whole numbers."""
+    out = []
+    for text in (v.strip() for value in values or () for v in value.split(",") if v.strip()):
+        try:
+            out.append(int(text))
+        except ValueError:
+            raise ConfigError(f"--max-concurrency takes whole numbers >= 1 of requests in flight, got {text!r}") from None
+    return tuple(out)
+
+
+def parse_meta(values: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """--meta KEY=VALUE pairs, in order (a key given again: the last value)."""
+    pairs: dict[str, str] = {}
+    for text in values:
+        key, eq, value = text.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"--meta takes KEY=VALUE, got {text!r}")
+        pairs[key.strip()] = value
+    return tuple(pairs.items())
 
 
 def parse_rates(values: Sequence[str]) -> tuple[float, ...]:
@@ -528,14 +667,22 @@ def run(args: argparse.Namespace, console: Console) -> int:
         raise ConfigError("bench-serve needs httpx: pip install httpx") from None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    caps = parse_concurrencies(args.max_concurrency)
+    sweep = len(caps) > 1 or args.prompts_per_concurrency is not None or args.min_prompts is not None
+    if sweep and not caps:
+        raise ConfigError("--prompts-per-concurrency and --min-prompts belong to a concurrency sweep: give the "
+                          "concurrencies with --max-concurrency N [N ...]")
     spec = ServeBenchSpec(
         base_url=args.base_url, rates=parse_rates(args.request_rate), num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, input_len_dist=args.input_len_dist,
         output_len_dist=args.output_len_dist, range_ratio=args.range_ratio, dataset=args.dataset, model=args.model,
         tokenizer=args.tokenizer, api_key=args.api_key or os.environ.get("SPARSE_FRAMEWORK_API_KEY"),
-        prompt_format=args.prompt_format, max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
-        temperature=args.temperature, seed=args.seed, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-        timeout=args.timeout)
+        prompt_format=args.prompt_format, max_concurrency=None if sweep or not caps else caps[0],
+        ignore_eos=args.ignore_eos, temperature=args.temperature, seed=args.seed, slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms, timeout=args.timeout, concurrencies=caps if sweep else (),
+        prompts_per_concurrency=4 if args.prompts_per_concurrency is None else args.prompts_per_concurrency,
+        min_prompts=8 if args.min_prompts is None else args.min_prompts, label=args.label,
+        meta=parse_meta(args.meta))
     if args.out and not Path(args.out).resolve().parent.is_dir():
         raise ConfigError(f"--out {args.out!r}: the directory {str(Path(args.out).resolve().parent)!r} does not exist")
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -543,19 +690,29 @@ def run(args: argparse.Namespace, console: Console) -> int:
                         transient=True)
     bar: dict[str, Any] = {"task": None, "failed": 0}
 
-    def on_rate(rate: float, n: int) -> None:  # one bar per rate, moved by each answer
+    caps_left = list(spec.concurrencies)
+
+    def on_rate(rate: float, n: int) -> None:  # one bar per point, moved by each answer
         if bar["task"] is not None:
             progress.remove_task(bar["task"])
-        bar.update(task=progress.add_task(f"rate {rate_text(rate)} req/s", total=n, failed=0), failed=0)
+        what = f"concurrency {caps_left.pop(0)}" if caps_left else f"rate {rate_text(rate)} req/s"
+        bar.update(task=progress.add_task(what, total=n, failed=0), failed=0)
 
     def on_done(r: RequestResult) -> None:
         bar["failed"] += not r.ok
         progress.update(bar["task"], advance=1, failed=bar["failed"])
 
+    command = command_line(args)
+
+    def on_point(report: dict[str, Any]) -> None:  # a run cut short keeps the points it finished
+        report["command"] = command
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=1))
+
     with progress:
-        report = benchmark(spec, on_rate, on_done)
-    report["command"] = " ".join(["sparse-framework", *sys.argv[1:]])
-    for table in report_tables(report):
+        report = benchmark(spec, on_rate, on_done, on_point)
+    report["command"] = command
+    for table in (curve_tables if spec.concurrencies else report_tables)(report):
         console.print(table)
     for line in error_lines(report):
         console.print(line, highlight=False, markup=False)
@@ -563,6 +720,30 @@ def run(args: argparse.Namespace, console: Console) -> int:
         Path(args.out).write_text(json.dumps(report, indent=1))
         console.print(f"report written to {args.out}")
     return 0 if any(run["completed"] for run in report["runs"]) else 1  # 1: nothing was measured
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command as typed (sys.argv) when run from the shell, else rebuilt from the parsed
+    options that differ from their defaults (called from Python: `main([...])`)."""
+    if sys.argv[1:2] == ["bench-serve"]:
+        return " ".join(["sparse-framework", *map(shlex.quote, sys.argv[1:])])
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    defaults = vars(parser.parse_args(["bench-serve"]))
+    words = ["sparse-framework", "bench-serve"]
+    for key, value in vars(args).items():
+        flag = "--" + key.replace("_", "-")
+        if key not in defaults or value == defaults[key] or key == "command":
+            continue
+        if isinstance(value, bool):  # store_true / store_false flags
+            words.append({"ignore_eos": "--no-ignore-eos"}.get(key, flag))
+        elif key == "meta":  # repeated: one flag per pair
+            words += [w for pair in value for w in (flag, pair)]
+        elif isinstance(value, list):
+            words += [flag, *map(str, value)]
+        else:
+            words += [flag, str(value)]
+    return " ".join(map(shlex.quote, words))
 
 
 def report_tables(report: dict[str, Any]) -> list[Table]:
@@ -591,9 +772,35 @@ def report_tables(report: dict[str, Any]) -> list[Table]:
     return [first, second]
 
 
+def curve_tables(report: dict[str, Any]) -> list[Table]:
+    """A concurrency sweep in one table of one row per N, within 80 columns: throughput, then
+    TTFT and TPOT p50/p99 (ms)."""
+    from ..common.tables import new_table
+
+    k, floor = report.get("prompts_per_concurrency"), report.get("min_prompts")
+    table = new_table(f"bench-serve: {report['label']}, concurrency sweep",
+                      f"N: at most N in flight, {k} x N requests (at least {floor}) offered at once; out tok/s over "
+                      "the point's duration (first send to last answer); TTFT to the first token, TPOT per output "
+                      "token after it (ms)", tight=True, drop=("time s",))
+    for col in ("N", "ok", "failed", "time s", "out tok/s", "TTFT p50", "p99", "TPOT p50", "p99"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for run in report["runs"]:
+        table.add_row(str(run["max_concurrency"]), f"{run['completed']}/{run['sent']}", str(run["failed"]),
+                      f"{run['duration_s']:.1f}", _num(run["output_throughput"], ",.1f"),
+                      *(_ms(run[key][f"p{q}"]) for key in ("ttft_ms", "tpot_ms") for q in PERCENTILES))
+    return [table]
+
+
+def run_name(report: dict[str, Any], run: dict[str, Any]) -> str:
+    """A run as the error lines name it: "concurrency N" in a concurrency sweep, else "rate R"."""
+    if report.get("mode") == "concurrency":
+        return f"concurrency {run['max_concurrency']}"
+    return f"rate {rate_text(run['request_rate'])}"
+
+
 def error_lines(report: dict[str, Any]) -> list[str]:
-    """One line per rate and kind of failure: how many, and the first reason."""
-    return [f"rate {rate_text(run['request_rate'])}: {e['count']} x {kind}: {e['message']}"
+    """One line per run and kind of failure: how many, and the first reason."""
+    return [f"{run_name(report, run)}: {e['count']} x {kind}: {e['message']}"
             for run in report["runs"] for kind, e in run["errors"].items()]
 
 
