@@ -8,8 +8,9 @@ Inputs: bench-serve JSON reports of concurrency sweeps (each names its line with
 curve files this script wrote (--json), so curves measured in different device calls join into
 one. Outputs, each optional:
 - --png: output tok/s against concurrency (log2 axis), one line per label; a point with failed
-  requests is drawn as an x; a dotted vertical line in the line's colour marks the server's
-  memory-bound maximum where its report says it (bench-serve --meta memory_max=N);
+  requests is drawn as an x; a dotted vertical line in the line's colour marks the requests the
+  server runs at once by its memory plan, where its report says it (bench-serve --meta
+  max_running=N, else memory_max=N);
 - --md: a markdown page: the workload, a table of output tok/s (one row per concurrency, one
   column per label), then per label TTFT and TPOT p50/p99 and failures; the PNG embedded
   (path relative to the page) when both are written;
@@ -84,12 +85,16 @@ def load(paths: list[str]) -> list[dict[str, Any]]:
     return series
 
 
-def memory_max(s: dict[str, Any]) -> int | None:
-    """The server's memory-bound maximum of requests from the run's --meta memory_max=N, if any."""
-    try:
-        return int(float(s.get("meta", {}).get("memory_max")))
-    except (TypeError, ValueError):
-        return None
+def max_running(s: dict[str, Any]) -> int | None:
+    """The requests the server runs at once by its memory plan, from the run's --meta
+    max_running=N (else memory_max=N), if it says."""
+    meta = s.get("meta") or {}
+    for key in ("max_running", "memory_max"):
+        try:
+            return int(float(meta[key]))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return None
 
 
 def workloads(series: list[dict[str, Any]]) -> list[str]:
@@ -122,8 +127,8 @@ def plot(series: list[dict[str, Any]], png: Path, title: str) -> None:
         color = f"C{i % 10}"
         xs, ys = [p["concurrency"] for p in pts], [p["output_throughput"] for p in pts]
         ticks.update(xs)
-        top = memory_max(s)
-        name = s["label"] + (f" (memory max {top})" if top else "")
+        top = max_running(s)
+        name = s["label"] + (f" (runs {top} at once)" if top else "")
         ax.plot(xs, ys, "-o", color=color, label=name, markersize=4)
         bad = [p for p in pts if p.get("failed")]
         if bad:
@@ -144,7 +149,6 @@ def plot(series: list[dict[str, Any]], png: Path, title: str) -> None:
     ax.legend(fontsize=8, loc="upper left")
     fig.text(0.01, 0.01, "; ".join(workloads(series)), fontsize=7, alpha=0.8)
     fig.tight_layout(rect=(0, 0.03, 1, 1))
-    png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png)
     plt.close(fig)
 
@@ -181,8 +185,8 @@ def markdown(series: list[dict[str, Any]], title: str, png: Path | None, md: Pat
                          + " |")
     lines += ["", "Runs:", ""]
     for s in series:
-        top = memory_max(s)
-        facts = [f"commit `{s.get('commit') or '?'}`"] + ([f"memory-bound maximum {top}"] if top else [])
+        top = max_running(s)
+        facts = [f"commit `{s.get('commit') or '?'}`"] + ([f"runs at most {top} requests at once"] if top else [])
         lines.append(f"- {s['label']}: {', '.join(facts)}; `{s.get('command') or '?'}`")
     return "\n".join(lines) + "\n"
 
@@ -210,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             raise CurveError("nothing to write: give --png, --md and/or --json")
         if args.png and not args.png.endswith(".png"):
             raise CurveError(f"--png {args.png!r}: the path must end in .png")
-        for flag in ("md", "json"):
+        for flag in ("png", "md", "json"):
             path = getattr(args, flag)
             if path and not Path(path).resolve().parent.is_dir():
                 raise CurveError(f"--{flag} {path!r}: the directory {str(Path(path).resolve().parent)!r} does not exist")

@@ -201,7 +201,7 @@ def test_the_command_sweeps_concurrency_and_writes_the_curve(server: Server, tmp
 
 
 # -- the plot --------------------------------------------------------------------------------------
-def synthetic_report(label: str, tok_s: list[float], failed_at: int | None = None, memory_max: int | None = None,
+def synthetic_report(label: str, tok_s: list[float], failed_at: int | None = None, max_running: int | None = None,
                      caps: tuple[int, ...] = (1, 4, 16, 32)) -> dict[str, Any]:
     runs = []
     for c, t in zip(caps, tok_s):
@@ -212,7 +212,8 @@ def synthetic_report(label: str, tok_s: list[float], failed_at: int | None = Non
                      "tpot_ms": {"mean": 1.0, "p50": 5.0 + c, "p99": 6.0 + c},
                      "errors": {"HTTP 429": {"count": failed, "message": "full"}} if failed else {}})
     return {"label": label, "mode": "concurrency", "commit": "abc1234", "command": f"sparse-framework bench-serve --label {label}",
-            "meta": {"memory_max": str(memory_max)} if memory_max else {}, "model": "llama-3-8b",
+            "meta": {"memory_max": str(max_running + 5), "max_running": str(max_running)} if max_running else {},
+            "model": "llama-3-8b",
             "input_len": 32768, "output_len": 1024, "prompts_per_concurrency": 1, "min_prompts": 1, "runs": runs}
 
 
@@ -220,11 +221,12 @@ def test_the_plot_script_draws_one_line_per_label_and_tables_them(tmp_path: Path
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     plot = load_benchmark("plot_serving_curve")
     a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
-    a.write_text(json.dumps(synthetic_report("vllm-dense", [70.0, 260.0, 700.0, 810.0], memory_max=24)))
+    a.write_text(json.dumps(synthetic_report("vllm-dense", [70.0, 260.0, 700.0, 810.0], max_running=24)))
     b.write_text(json.dumps(synthetic_report("engine-resident", [60.0, 250.0, 900.0, 1234.5], failed_at=32,
-                                             memory_max=21)))
+                                             max_running=21)))
     c.write_text(json.dumps(synthetic_report("engine-dense", [55.0, 200.0], caps=(1, 4))))
     png, md, curve = tmp_path / "docs" / "curve.png", tmp_path / "curve.md", tmp_path / "curve.json"
+    png.parent.mkdir()
     assert plot.main([str(a), str(b), "--png", str(png), "--md", str(md), "--json", str(curve)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     page = md.read_text()
@@ -232,7 +234,7 @@ def test_the_plot_script_draws_one_line_per_label_and_tables_them(tmp_path: Path
     assert "| N | vllm-dense | engine-resident |" in page
     assert "| 32 | 810.0 | 1,234.5* |" in page and "| 1 | 70.0 | 60.0 |" in page
     assert "| engine-resident | 32 | 29/32 | 32 | 1,234.5 | 3,200.0 | 4,800.0 | 37.0 | 38.0 |" in page
-    assert "memory-bound maximum 21" in page and "32768-token prompts, 1024 output tokens" in page
+    assert "runs at most 21 requests at once" in page and "32768-token prompts, 1024 output tokens" in page
     joined = json.loads(curve.read_text())
     assert [s["label"] for s in joined["series"]] == ["vllm-dense", "engine-resident"]
     assert [p["concurrency"] for p in joined["series"][0]["points"]] == [1, 4, 16, 32]
@@ -248,6 +250,7 @@ def test_the_plot_script_draws_one_line_per_label_and_tables_them(tmp_path: Path
                         ([str(tmp_path / "rate.json"), "--md", str(md)], "a rate sweep .* --max-concurrency 1 2 4"),
                         ([str(a)], "nothing to write"),
                         ([str(a), "--png", str(tmp_path / "x.svg")], "must end in .png"),
+                        ([str(a), "--png", str(tmp_path / "no" / "x.png")], "--png .*: the directory .* does not exist"),
                         ([str(tmp_path / "none.json"), "--md", str(md)], "no such file")]:
         assert plot.main(argv) == 2
         err = capsys.readouterr().err
