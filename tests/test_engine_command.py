@@ -54,7 +54,7 @@ def test_prompts_from_a_file_jsonl_and_stdin(console, tmp_path, monkeypatch) -> 
 
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--model", "/no/such/dir", "--prompts", "-"],
-     "model directory not found: /no/such/dir (model names: smollm2-135m-instruct)"),
+     "model directory not found: /no/such/dir (model names: smollm2-135m-instruct, gemma3-270m)"),
     (["generate", "--model", "reference", "--temperature", "-1"], "SamplingParams.temperature=-1.0 is invalid"),
     (["generate", "--model", "reference", "--max-tokens", "0"], "--max-tokens must be >= 1, got 0"),
     (["generate", "--model", "reference", "--prompts", "/no/such/file"], "--prompts /no/such/file: no such file"),

