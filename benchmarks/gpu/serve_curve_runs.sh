@@ -70,6 +70,9 @@ PROMPTS_PER_CONCURRENCY=${PROMPTS_PER_CONCURRENCY:-1}
 MIN_PROMPTS=${MIN_PROMPTS:-1}
 BUDGET_S=${BUDGET_S:-560}
 ENGINE_FLAGS=${ENGINE_FLAGS:---device cuda --cuda-graphs --gpu-memory-utilization 0.9}
+VLLM_FLAGS=${VLLM_FLAGS:---dtype bfloat16 --gpu-memory-utilization 0.9 --max-num-batched-tokens 16384}
+VLLM_PY=${VLLM_PY:-python3}
+SERVED=llama-3-8b           # the served name, also bench-serve's tokenizer (ids over the shape's vocabulary)
 # what the GPU image lacks for the two servers (pins: vLLM 0.26's bundle where it has them)
 STACK_WHEELS=(pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
               typing-extensions==4.16.0 starlette==1.10.0 uvicorn==0.54.0 watchfiles==1.3.0
@@ -147,7 +150,7 @@ bench() {  # bench NAME MEMORY_MAX MAX_RUNNING CONFIG_TEXT: the sweep against th
     # shellcheck disable=SC2086  # the list is several words
     timeout "$limit" python3 -m sparse_framework.cli.main bench-serve --base-url "http://127.0.0.1:$PORT" \
         --max-concurrency $list --prompts-per-concurrency "$PROMPTS_PER_CONCURRENCY" --min-prompts "$MIN_PROMPTS" \
-        --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --prompt-format ids --tokenizer "${TOKENIZER:-llama-3-8b}" \
+        --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --prompt-format ids --tokenizer "$SERVED" \
         --timeout 900 --label "$name" --meta "memory_max=$top" --meta "max_running=$running" --meta "config=$config" --meta "device=$(gpu)" \
         --no-progress --out "$OUT/$name.json" </dev/null >"$OUT/$name.bench.log" 2>&1
     echo "$name: bench-serve rc=$? ($((SECONDS - START)) s into the call)"
@@ -197,26 +200,27 @@ PY
 }
 
 vllm_one() {  # vllm_one NAME PLUGIN_CONFIG_JSON_OR_EMPTY: vLLM's OpenAI server, sweep, stop
-    local name=$1 sparse=$2 log="$OUT/$1.server.log" top running pid extra=()
+    local name=$1 sparse=$2 log="$OUT/$1.server.log" top running pid extra=() envs=()
     if (($(left) < 150)); then echo "$name: skipped, $(left) s left"; return; fi
     if [[ -n $sparse ]]; then  # the plugin: on with the variable; its counters over /collective_rpc
+        envs=(SPARSE_FRAMEWORK_VLLM_CONFIG="$sparse" VLLM_SERVER_DEV_MODE=1)
         extra=(--worker-extension-cls sparse_framework.integrations.vllm.WorkerReport)
     fi
     # prefix caching off: every point sends the same prompts, which a prefix cache would serve
     # from the previous point (the engine caches no prefix by default either)
-    SPARSE_FRAMEWORK_VLLM_CONFIG=$sparse VLLM_SERVER_DEV_MODE=${sparse:+1} setsid python3 -m vllm.entrypoints.openai.api_server \
-        --model $MODEL_DIR --served-model-name llama-3-8b --load-format dummy --skip-tokenizer-init \
-        --dtype bfloat16 --max-model-len $((INPUT_LEN + OUTPUT_LEN)) --max-num-seqs 128 \
-        --max-num-batched-tokens 16384 --gpu-memory-utilization 0.9 --no-enable-prefix-caching --seed 0 \
-        --host 127.0.0.1 --port "$PORT" "${extra[@]}" </dev/null >"$log" 2>&1 &
+    # shellcheck disable=SC2086  # VLLM_FLAGS are several words
+    env -u SPARSE_FRAMEWORK_VLLM_CONFIG -u VLLM_SERVER_DEV_MODE "${envs[@]}" setsid "$VLLM_PY" -m vllm.entrypoints.openai.api_server \
+        --model $MODEL_DIR --served-model-name "$SERVED" --load-format dummy --skip-tokenizer-init \
+        --max-model-len $((INPUT_LEN + OUTPUT_LEN)) --max-num-seqs 128 --no-enable-prefix-caching --seed 0 \
+        --host 127.0.0.1 --port "$PORT" $VLLM_FLAGS "${extra[@]}" </dev/null >"$log" 2>&1 &
     pid=$!
     if wait_ready "$name" "$pid" "$log" 300; then
         # "Maximum concurrency for 33,808 tokens per request: 24.13x": the KV cache's bound
         top=$(sed -n 's/.*Maximum concurrency for [0-9,]* tokens per request: \([0-9]*\).*/\1/p' "$log" | head -n 1)
         running=$top
         [[ -n $top ]] && ((top > 128)) && running=128  # (--max-num-seqs)
-        grep -E "Maximum concurrency|GPU KV cache size|attention backend|CUDAGraphMode|sparse_framework" "$log" |
-            head -n 8 | sed 's/^/    /'
+        grep -E "Maximum concurrency|KV cache size|Using .*backend|sparse_framework:|Graph capturing finished" "$log" |
+            head -n 8 | cut -c 1-220 | sed 's/^/    /'
         bench "$name" "$top" "$running" "${sparse:-vLLM dense}"
         fetch "http://127.0.0.1:$PORT/metrics" >"$OUT/$name.metrics.txt" 2>/dev/null
         if [[ -n $sparse ]]; then
@@ -225,7 +229,11 @@ r = urllib.request.Request(sys.argv[1], data=json.dumps({"method": "sparse_frame
                            headers={"Content-Type": "application/json"})
 body = urllib.request.urlopen(r, timeout=30).read().decode()
 open(sys.argv[2], "w").write(body)
-print("    plugin counters:", body[:400])' "http://127.0.0.1:$PORT/collective_rpc" "$OUT/$name.plugin_report.json" ||
+print("    plugin counters:", body[:400])
+stats = [r.get("stats", {}) for r in json.loads(body).get("results", [])]
+if not sum(s.get("sparse_rows", 0) for s in stats):
+    print("    WARNING: the plugin decoded no row sparsely (forward_calls %d): not what vllm-plugin means"
+          % sum(s.get("forward_calls", 0) for s in stats))' "http://127.0.0.1:$PORT/collective_rpc" "$OUT/$name.plugin_report.json" ||
                 echo "    (the plugin's counters could not be read)"
         fi
     fi
@@ -276,8 +284,22 @@ print(json.dumps({**QUEST, "top_k": 2048, "sink_tokens": 16, "recent_tokens": 64
     tiny)  # a dry run of the engine half in this checkout (any device): `tiny`, torch_ref, CPU
         mkdir -p "$OUT"
         ENGINE_FLAGS=${TINY_ENGINE_FLAGS:---device cpu} INPUT_LEN=${TINY_INPUT_LEN:-200} OUTPUT_LEN=${TINY_OUTPUT_LEN:-8}
-        CONCURRENCY=${TINY_CONCURRENCY:-1 2 4} PROMPTS_PER_CONCURRENCY=2 MIN_PROMPTS=2 TOKENIZER=tiny
+        CONCURRENCY=${TINY_CONCURRENCY:-1 2 4} PROMPTS_PER_CONCURRENCY=2 MIN_PROMPTS=2 SERVED=tiny
         engine_one tiny-dense '{"algorithm": "quest", "store": "resident", "min_sparse_prompt_len": 1000000000}' --random tiny
         engine_one tiny-quest '{"algorithm": "quest", "top_k": 64, "page_size": 16, "device_buffer_tokens": 192, "min_sparse_prompt_len": 0}' --random tiny ;;
+    vllm-tiny)  # a dry run of the vLLM half on the CPU: vLLM from $VLLM_PY, a tiny Llama, dummy weights
+        mkdir -p "$OUT"
+        VLLM_PY=${VLLM_PY/#python3//work/vllm-venv/bin/python} INPUT_LEN=200 OUTPUT_LEN=8 SERVED=tiny MODEL_DIR=/tmp/tiny_llama_dummy
+        VLLM_FLAGS="--dtype float32 --enforce-eager --block-size 32 --kv-cache-memory-bytes 268435456"
+        CONCURRENCY=${TINY_CONCURRENCY:-auto} PROMPTS_PER_CONCURRENCY=1 MIN_PROMPTS=2
+        python3 -c 'import json, sys; sys.path.insert(0, "benchmarks")
+from pathlib import Path
+from vllm_gpu import LLAMA_8B
+from sparse_framework.engine.models.random_shapes import RANDOM_MODELS
+shape = {**RANDOM_MODELS["tiny"], "hidden_size": 128, "head_dim": 32}  # (vLLM CPU attention: head_dim >= 32)
+Path(sys.argv[1]).mkdir(parents=True, exist_ok=True)
+(Path(sys.argv[1]) / "config.json").write_text(json.dumps({**shape, **LLAMA_8B, "torch_dtype": "float32"}))' "$MODEL_DIR" || exit 1
+        vllm_one vllm-tiny-dense ""
+        vllm_one vllm-tiny-plugin '{"algorithm": "quest", "top_k": 64, "min_sparse_prompt_len": 0}' ;;
     *) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; exit 2 ;;
 esac
