@@ -56,7 +56,6 @@ if TYPE_CHECKING:
 
 PROMPT_FORMATS = ("text", "ids")
 PERCENTILES = (50, 99)
-MODES = ("rate", "concurrency")  # the report's "mode": a --request-rate sweep or a --max-concurrency sweep
 
 BENCH_SERVE_HELP = """\
 Drive a running OpenAI-compatible server (sparse-framework serve, or any other) with streamed
@@ -217,7 +216,7 @@ class ServeBenchSpec:
 
     @property
     def mode(self) -> str:
-        """"concurrency" for a --max-concurrency sweep, "rate" for a --request-rate sweep."""
+        """The report's "mode": "concurrency" for a --max-concurrency sweep, else "rate"."""
         return "concurrency" if self.concurrencies else "rate"
 
     def points(self, available: int | None = None) -> list[Point]:
