@@ -4,8 +4,9 @@
 # and with this project's plugin), all driven by the same `sparse-framework bench-serve
 # --max-concurrency ...` over the same prompts: 32K-token prompts (token ids), long outputs
 # (ignore_eos), Llama-3-8B shape with random (engine) or dummy (vLLM) bf16 weights. One JSON
-# report per server and config in $OUT, with the server's log and its /metrics at the end
-# beside it (and the plugin's counters for vllm-plugin). Plotting happens HERE afterwards.
+# report per server and config in $OUT (NAME.json), with the server's log, bench-serve's output
+# and its /metrics at the end beside it (NAME.server.log, .bench.log, .metrics.txt; and
+# vllm-plugin.plugin_counters.txt, the plugin's counters). Plotting happens HERE afterwards.
 #
 #   HERE:   PART_MIB=40 bash benchmarks/gpu/vllm_gpu_bundle.sh    # vLLM's bundle in 3 parts (once)
 #           bash benchmarks/gpu/serve_curve_runs.sh pack          # HEAD as .gpu_carry/tree + the server wheels
@@ -33,10 +34,11 @@
 #
 # Knobs (environment): INPUT_LEN (32768), OUTPUT_LEN (1024), CONCURRENCY ("auto": 1, 4, 16 below
 # M, the requests the server runs at once, then the first multiple of 8 above M; M read from the
-# server's log: the engine's memory plan (its memory-bound maximum, or --max-num-seqs 128 if
-# lower), vLLM's "Maximum concurrency" line; or a list, e.g. "1 2 4 8 16 32"), PROMPTS_PER_CONCURRENCY (1), MIN_PROMPTS (1), BUDGET_S (560: the call's
-# seconds; a config that cannot start in what is left is skipped, and bench-serve is stopped
-# before the call's end: its JSON keeps every point finished, being rewritten after each).
+# server's log: the engine's memory plan (its memory-bound maximum, or MAX_NUM_SEQS, 64, if
+# lower), vLLM's "Maximum concurrency" line; or a list, e.g. "1 2 4 8 16 32"),
+# PROMPTS_PER_CONCURRENCY (1), MIN_PROMPTS (1), BUDGET_S (560: the call's seconds; a config that
+# cannot start in what is left is skipped, and bench-serve is stopped before the call's end: its
+# JSON keeps every point finished, being rewritten after each).
 #
 # The arithmetic (H200; docs/side_by_side.md, 32K x 8: prefill 1.2 s per prompt for vLLM, 1.34
 # for the engine; decode step 12.94 ms vLLM dense, 11.01 the plugin, 16.42 engine dense, 8.3-8.4
@@ -62,6 +64,9 @@ TREE=/tmp/sbs_tree          # side_by_side_runs.sh's: one unpacked tree and one 
 SITE=/tmp/sf_site
 STACK=/tmp/serve_stack_site
 MODEL_DIR=/tmp/llama3_8b_dummy
+# rows asked of both servers: above every 8B maximum at 32K (~21-24), so memory bounds them, as
+# serve_gpu_sweep.sh's 64 (the engine sizes its captured graphs for it)
+MAX_NUM_SEQS=${MAX_NUM_SEQS:-64}
 PORT=${PORT:-8123}
 INPUT_LEN=${INPUT_LEN:-32768}
 OUTPUT_LEN=${OUTPUT_LEN:-1024}
@@ -170,12 +175,12 @@ engine_one() {  # engine_one NAME CONFIG_JSON MODEL_ARGS...: serve, sweep, stop
 logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
 logging.getLogger("sparse_framework.engine").setLevel(logging.INFO)
 from sparse_framework.cli.main import main
-sys.exit(main(sys.argv[1:]))' serve "$@" $ENGINE_FLAGS --max-num-seqs 128 --max-num-batched-tokens 16384 \
+sys.exit(main(sys.argv[1:]))' serve "$@" $ENGINE_FLAGS --max-num-seqs "$MAX_NUM_SEQS" --max-num-batched-tokens 16384 \
         --max-model-len $((INPUT_LEN + OUTPUT_LEN)) --max-waiting 4096 --drain-timeout 5 --config "$config" \
         --port "$PORT" --log-level warning </dev/null >"$log" 2>&1 &
     pid=$!
     if wait_ready "$name" "$pid" "$log" 240; then
-        # "requests: memory-bound maximum M (device), max_num_seqs 128: R rows (...)": R run at once
+        # "requests: memory-bound maximum M (device), max_num_seqs 64: R rows (...)": R run at once
         top=$(sed -n 's/.*requests: memory-bound maximum \([0-9]*\).*/\1/p' "$log" | head -n 1)
         running=$(sed -n 's/.*requests: memory-bound maximum .*: \([0-9]*\) rows.*/\1/p' "$log" | head -n 1)
         grep -A 10 "memory plan:" "$log" | head -n 10 | sed 's/^/    /'
@@ -211,14 +216,14 @@ vllm_one() {  # vllm_one NAME PLUGIN_CONFIG_JSON_OR_EMPTY: vLLM's OpenAI server,
     # shellcheck disable=SC2086  # VLLM_FLAGS are several words
     env -u SPARSE_FRAMEWORK_VLLM_CONFIG -u VLLM_SERVER_DEV_MODE "${envs[@]}" setsid "$VLLM_PY" -m vllm.entrypoints.openai.api_server \
         --model $MODEL_DIR --served-model-name "$SERVED" --load-format dummy --skip-tokenizer-init \
-        --max-model-len $((INPUT_LEN + OUTPUT_LEN)) --max-num-seqs 128 --no-enable-prefix-caching --seed 0 \
+        --max-model-len $((INPUT_LEN + OUTPUT_LEN)) --max-num-seqs "$MAX_NUM_SEQS" --no-enable-prefix-caching --seed 0 \
         --host 127.0.0.1 --port "$PORT" $VLLM_FLAGS "${extra[@]}" </dev/null >"$log" 2>&1 &
     pid=$!
     if wait_ready "$name" "$pid" "$log" 300; then
         # "Maximum concurrency for 33,808 tokens per request: 24.13x": the KV cache's bound
         top=$(sed -n 's/.*Maximum concurrency for [0-9,]* tokens per request: \([0-9]*\).*/\1/p' "$log" | head -n 1)
         running=$top
-        [[ -n $top ]] && ((top > 128)) && running=128  # (--max-num-seqs)
+        [[ -n $top ]] && ((top > MAX_NUM_SEQS)) && running=$MAX_NUM_SEQS
         grep -E "Maximum concurrency|KV cache size|Using .*backend|sparse_framework:|Graph capturing finished" "$log" |
             head -n 8 | cut -c 1-220 | sed 's/^/    /'
         bench "$name" "$top" "$running" "${sparse:-vLLM dense}"
@@ -233,7 +238,7 @@ print("    plugin counters:", body[:400])
 stats = [r.get("stats", {}) for r in json.loads(body).get("results", [])]
 if not sum(s.get("sparse_rows", 0) for s in stats):
     print("    WARNING: the plugin decoded no row sparsely (forward_calls %d): not what vllm-plugin means"
-          % sum(s.get("forward_calls", 0) for s in stats))' "http://127.0.0.1:$PORT/collective_rpc" "$OUT/$name.plugin_report.json" ||
+          % sum(s.get("forward_calls", 0) for s in stats))' "http://127.0.0.1:$PORT/collective_rpc" "$OUT/$name.plugin_counters.txt" ||
                 echo "    (the plugin's counters could not be read)"
         fi
     fi
@@ -300,6 +305,7 @@ shape = {**RANDOM_MODELS["tiny"], "hidden_size": 128, "head_dim": 32}  # (vLLM C
 Path(sys.argv[1]).mkdir(parents=True, exist_ok=True)
 (Path(sys.argv[1]) / "config.json").write_text(json.dumps({**shape, **LLAMA_8B, "torch_dtype": "float32"}))' "$MODEL_DIR" || exit 1
         vllm_one vllm-tiny-dense ""
-        vllm_one vllm-tiny-plugin '{"algorithm": "quest", "top_k": 64, "min_sparse_prompt_len": 0}' ;;
+        # (both of tiny's layers would be dense under Quest's default dense_first_layers 2)
+        vllm_one vllm-tiny-plugin '{"algorithm": "quest", "top_k": 64, "min_sparse_prompt_len": 0, "extra": {"dense_first_layers": 0}}' ;;
     *) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "$0"; exit 2 ;;
 esac
