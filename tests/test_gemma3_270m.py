@@ -97,6 +97,26 @@ def test_the_gemma3_config_gets_the_keys_the_gguf_loader_leaves_out() -> None:
     assert config == {"layer_types": ["sliding_attention", "full_attention"], "rope_theta": 5.0, "sliding_window_pattern": 2}
 
 
+class _Tokenizer:
+    """Encodes characters as ids, with or without a BOS of its own (as Gemma's or SmolLM2's)."""
+
+    bos_token, bos_token_id = "<bos>", 2
+
+    def __init__(self, adds_bos: bool) -> None:
+        self.adds_bos = adds_bos
+
+    def encode(self, text: str) -> list[int]:
+        return [self.bos_token_id] * self.adds_bos + [ord(c) for c in text]
+
+
+def test_a_template_that_opens_with_bos_is_not_given_a_second_one() -> None:
+    from sparse_framework.cli.engine import _without_doubled_bos
+
+    assert _without_doubled_bos(_Tokenizer(adds_bos=True), "<bos><start_of_turn>user") == "<start_of_turn>user"
+    assert _without_doubled_bos(_Tokenizer(adds_bos=False), "<bos><start_of_turn>user") == "<bos><start_of_turn>user"
+    assert _without_doubled_bos(_Tokenizer(adds_bos=True), "<|im_start|>user") == "<|im_start|>user"
+
+
 @installed
 def test_is_installed_is_cheap_and_the_gguf_is_joined_into_the_projects_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv(catalog.CACHE_ENV, str(tmp_path))
@@ -154,6 +174,7 @@ def test_the_engine_runs_gemma3_as_transformers_does(converted: Path) -> None:
     answers otherwise, so an engine that ignored the window would fail here)."""
     import transformers
 
+    from sparse_framework.cli.engine import chat_prompt
     from sparse_framework.engine import LLM, SamplingParams
 
     config = {"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "min_sparse_prompt_len": 10**9}
@@ -163,6 +184,7 @@ def test_the_engine_runs_gemma3_as_transformers_does(converted: Path) -> None:
                                    add_generation_prompt=True)
     assert chat.startswith("<bos><start_of_turn>user\n") and chat.endswith("<start_of_turn>model\n")
     chat_ids = tok.encode(chat, add_special_tokens=False)  # the template opens with <bos> itself
+    assert llm.encode(chat_prompt(tok, "Name three colours.")) == chat_ids  # `generate`'s chat path: one <bos>
     prompts = [tok.encode("The capital of France is"), tok.encode("def fibonacci(n):"), chat_ids, tok.encode(SECRET)]
     assert chat_ids[:2] == [2, 105] and 1024 < len(prompts[-1]) < 2048 - SLOW_TOKENS
     outs = llm.generate(prompts, SamplingParams(max_tokens=SLOW_TOKENS, temperature=0))

@@ -318,7 +318,18 @@ def chat_prompt(tokenizer: Any, prompt: Any) -> Any:
     if not isinstance(text, str) or getattr(tokenizer, "chat_template", None) is None:
         return text + prefix if isinstance(text, str) else text
     head = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-    return head + prefix
+    return _without_doubled_bos(tokenizer, head) + prefix
+
+
+def _without_doubled_bos(tokenizer: Any, text: str) -> str:
+    """A templated text less its leading BOS where encoding adds one: templates that open with
+    {{ bos_token }} (Gemma 3's, Llama 3's) are meant for encoding without special tokens, the
+    engine encodes text with them, and a doubled BOS changes a Gemma's answers."""
+    bos = getattr(tokenizer, "bos_token", None)
+    if not bos or not text.startswith(bos):
+        return text
+    adds_bos = list(tokenizer.encode("")) == [tokenizer.bos_token_id]
+    return text[len(bos):] if adds_bos else text
 
 
 def text_demo_prompts(checkpoint: Path, tokenizer: Any) -> tuple[list[tuple[str, str]], list[str]]:
