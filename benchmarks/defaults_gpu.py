@@ -53,6 +53,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "hierarchical": {"algorithm": "quest", "backend": "triton", "store": "hierarchical", "sparse_policy": "always",
                      "min_sparse_prompt_len": 0, "device_buffer_tokens": 8192, "extra": {"range_weight": 0.0}},
 }
+# the hybrid store (issue 46) with tuned's settings: while every request fits nothing spills
+CONFIGS["hybrid"] = {**CONFIGS["tuned"], "store": "hybrid"}
 CONFIGS.update({f"{name}-fa": {**CONFIGS[name], "backend": "flash_attn"} for name in ("dense", "tuned")})
 SHAPES = "16384x8,1024x1,4096x1,8192x1"
 

@@ -44,11 +44,12 @@ class SparseConfig(BaseModel):
         "auto", description="registered attention backend name, or auto: the fastest installed one for the "
         "device (triton on CUDA, torch_ref on the CPU), resolved when the layout is known and reported"
     )
-    store: Literal["hierarchical", "resident"] = Field(
+    store: Literal["hierarchical", "resident", "hybrid"] = Field(
         "resident",
-        description="resident: every token on the device (the fastest while everything fits); hierarchical: "
-        "full KV on the host, a fixed device buffer per request (more long requests per GPU, slower per step: "
-        "pick it for capacity, docs/kv_store.md)",
+        description="resident: every token on the device (the fastest while everything fits); hybrid: the "
+        "resident store until the device pool runs short, then running requests spill to the host tier "
+        "(pressure only); hierarchical: full KV on the host, a fixed device buffer per request (more long "
+        "requests per GPU, slower per step), docs/kv_store.md",
     )
     adaptor: str | None = Field(
         None, description="metadata adaptor; default: the one the backend consumes"

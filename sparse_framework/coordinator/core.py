@@ -155,6 +155,7 @@ class SparseCoordinator:
             host_capacity_tokens=host_capacity_tokens,
             min_sparse_prompt_len=cfg.min_sparse_prompt_len,
             resident_only=cfg.store == "resident",
+            hybrid=cfg.store == "hybrid",
             host_kv_dtype=cfg.host_kv_dtype,
         )
         self.max_seq_len = max_seq_len
@@ -288,9 +289,10 @@ class SparseCoordinator:
             if not batch.is_prefill:
                 self.store.grow(batch)  # all or nothing; pages kept on a later error are reused
             batch.prepare(self.layout.device)
-            self._step_dense = self.policy.step_dense(batch)
+            # (a dense step reads every token on the device: not with a spilled row)
+            self._step_dense = self.policy.step_dense(batch) and not self.store.buffers_rows_of(batch)
             if self.graphs is not None and not batch.is_prefill:
-                batch.composition = self.graphs.bind(batch)
+                batch.composition = self.graphs.bind(batch) + self.store.decode_key(batch)
                 if self.policy.per_step:  # a graph of the step's choice: the selection is in it or not
                     batch.composition += (self._step_dense,)
             self.store.begin_step(batch)

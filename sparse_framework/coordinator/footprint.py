@@ -84,7 +84,7 @@ def coordinator_parts(
         num_layers=L, dense_layers=dense_layer_set(config, L), page_size=p,
         device_buffer_tokens=config.device_buffer_tokens, min_sparse_prompt_len=config.min_sparse_prompt_len,
         max_requests=max_requests, max_seq_len=max_seq_len, resident_only=resident,
-        capacity_tokens=device_capacity_tokens,
+        capacity_tokens=device_capacity_tokens, hybrid=config.store == "hybrid",
     )
     if host_capacity_tokens is None:
         host_capacity_tokens = 0 if resident else max_requests * max_pages * p

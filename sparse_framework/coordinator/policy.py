@@ -147,7 +147,9 @@ class SparsePolicy:
     def __init__(self, config: SparseConfig, layout: KVLayout, *, max_requests: int, max_seq_len: int) -> None:
         self.mode = config.sparse_policy
         self.min_sparse_prompt_len = config.min_sparse_prompt_len
-        self.resident = config.store == "resident"
+        # the hybrid store's requests are whole on the device until spilled: decided as the
+        # resident store's (a step with a spilled row stays sparse: the coordinator asks the store)
+        self.resident = config.store in ("resident", "hybrid")
         self.max_requests, self.max_seq_len = max_requests, max_seq_len
         self.model = CostModel.for_config(config, layout)
         self.cost = self.mode == "cost"

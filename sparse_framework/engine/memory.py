@@ -25,6 +25,12 @@ never waits on a pool that the plan said had room.
 
 The host budget is `host_memory_bytes`, or HOST_MEMORY_FRACTION of the host's MemAvailable.
 
+The hybrid store (`"store": "hybrid"`) is planned as the hierarchical store — a row is what a
+spilled request needs: its buffer on the device, its whole KV on the host — so it admits as
+many requests as the host tier can hold; then every byte of the device budget left over goes
+to its sparse layers' pool (`device_capacity_tokens`, at most every row whole), where requests
+stay whole until admission needs the room (kv_store/spills.py).
+
 `plan_for` takes those inputs from a loaded model and a device (the weights from its
 parameters, the device's memory from CUDA or a given `device_memory_bytes`): it is what the
 engine runs with `gpu_memory_utilization`, and what `bench` and benchmarks/engine_sweep.py
@@ -367,6 +373,9 @@ def plan_engine_memory(
                          selected_tokens=min(algo.max_selected_tokens(config), max_model_len), streams=streams,
                          cuda_graphs=cuda_graphs, decode_graphs=decode_graphs)
     budget = int(gpu_memory_utilization * device_total_bytes) - weight_bytes - activations - staging - other - graphs
+    hybrid = config.store == "hybrid"
+    if hybrid:  # rows as the hierarchical store's (a spilled request's needs); the rest: hybrid_pool
+        config = config.model_copy(update={"store": "hierarchical"})
     per_device, per_host = request_bytes(config, layout, max_model_len)
     per_device += model.sliding_ring_bytes(  # sliding layers' ring row
         compute_dtype, max_model_len, config.page_size if prefix_caching else 0)
@@ -380,6 +389,9 @@ def plan_engine_memory(
     most = by_device if by_host is None else min(by_device, by_host)
     rows = min(max_num_seqs, most)
     device_tokens, host_tokens = _capacity_tokens(config, layout, rows, max_model_len)
+    extra = 0
+    if hybrid and rows and device_tokens is not None:
+        device_tokens, extra = hybrid_pool(config, layout, rows, max_model_len, device_tokens, budget - rows * per_device)
     return EngineMemoryPlan(
         max_model_len=max_model_len, max_num_batched_tokens=tokens, max_num_seqs=max_num_seqs,
         gpu_memory_utilization=gpu_memory_utilization, device_total_bytes=device_total_bytes,
@@ -390,7 +402,7 @@ def plan_engine_memory(
         host_bytes_per_request=per_host, requests_by_device=by_device, requests_by_host=by_host, max_requests=most,
         limited_by="device" if by_host is None or by_device <= by_host else "host", num_seqs=rows,
         device_capacity_tokens=device_tokens, host_capacity_tokens=host_tokens,
-        device_pool_bytes=rows * per_device, host_pool_bytes=rows * pool_per_host,
+        device_pool_bytes=rows * per_device + extra, host_pool_bytes=rows * pool_per_host,
         prefix_cache_host_bytes=rows * side if pool_per_host else 0, graph_bytes=graphs,
         host_kv_dtype=config.host_kv_dtype,
     )
@@ -448,6 +460,22 @@ def _query_tail_bytes(config: SparseConfig, model: ModelConfig, layout: KVLayout
     if not config.algorithm_class.needs_prefill_queries:
         return 0
     return staged * layout.num_layers * model.num_heads * layout.head_dim * layout.dtype.itemsize
+
+
+def hybrid_pool(
+    config: SparseConfig, layout: KVLayout, rows: int, max_model_len: int, share_tokens: int, left_bytes: int
+) -> tuple[int, int]:
+    """(device_capacity_tokens, bytes beyond the rows' shares) of a hybrid store's sparse layers'
+    pool: the rows' buffer shares (`share_tokens`) plus what `left_bytes` of device budget
+    holds, at most `rows` whole requests."""
+    p = config.page_size
+    dense = dense_layer_set(config, layout.num_layers)
+    sparse_layers = layout.num_layers - len([layer for layer in dense if layer < layout.num_layers])
+    per_token = sparse_layers * layout.bytes_per_token_per_layer
+    whole = rows * cdiv(max_model_len, p) * p
+    more = (max(0, left_bytes) // per_token) // p * p if per_token else 0
+    tokens = min(whole, share_tokens + more)
+    return tokens, (tokens - share_tokens) * per_token
 
 
 def _capacity_tokens(config: SparseConfig, layout: KVLayout, rows: int, max_model_len: int) -> tuple[int | None, int | None]:

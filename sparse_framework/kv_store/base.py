@@ -51,6 +51,11 @@ class KVStore(ABC):
     def end_step(self, batch: Batch) -> None:
         """End of a forward pass (start asynchronous writes)."""
 
+    def decode_key(self, batch: Batch) -> tuple:
+        """What a decode step's captured graph depends on in the store's state beyond the
+        batch's composition (the hybrid store: whether a row is spilled); () for none."""
+        return ()
+
     @abstractmethod
     def grow(self, batch: Batch) -> None:
         """Make room for this decode step's new token of every request (after `seq_len` was

@@ -70,7 +70,8 @@ class DecodeWrites:
         """The batch's new token rows (`data`: K and V, or the latent, [batch, kv_heads, dim]
         each, as stored) to the device, their host copy queued for `end_step`."""
         assert batch.seq_lens is not None and batch.slot_ids is not None
-        if self.all_resident or layer in self.dense_layers or batch.num_sparse == 0:
+        buffering = self.residency.buffers_rows_of(batch)  # False: every row resident in every layer
+        if not buffering or layer in self.dense_layers or batch.num_sparse == 0:
             # the whole batch is resident in this layer: find the slots and write, one kernel on CUDA
             if self.impl == "triton":
                 from ..kernels.decode_slots import write_token_rows_triton as write
@@ -82,7 +83,7 @@ class DecodeWrites:
                 self.device_rows.buffers(layer), self.device_rows.table[layer], batch.slot_ids, batch.seq_lens,
                 data, self.page_size, self.head_major,
             )
-            if not self.all_resident and batch.num_sparse:
+            if buffering and batch.num_sparse:
                 everything = torch.arange(len(batch), device=self.device)
                 # every stream's host copy (head-major: one per KV head, all at the token's slot)
                 per_stream = slots.view(-1, 1).expand(-1, self.streams)
@@ -109,6 +110,9 @@ class DecodeWrites:
         rows, p = batch.slot_ids[buffered], batch.seq_lens[buffered].long() - 1
         unit = (p // self.unit).view(-1, 1, 1).expand(-1, self.streams, 1)  # [n, S, 1]
         fresh = (p % self.unit == 0).view(-1, 1, 1).expand(-1, self.streams, 1)
+        spilled = self.residency.spills.rows(rows) if self.residency.spills.enabled else None
+        if spilled is not None:  # a hybrid store's resident rows take no buffer unit
+            fresh = fresh & spilled.view(-1, 1, 1)
         heads = torch.arange(self.streams, device=self.device).view(1, -1)
         existing = self.maps.l2s[layer, rows.view(-1, 1), heads, unit[..., 0]].long().unsqueeze(-1)
         nothing = torch.zeros(rows.numel(), self.streams, self.buffer_units, dtype=torch.bool, device=self.device)
@@ -116,7 +120,11 @@ class DecodeWrites:
         self.maps.assign(layer, rows, unit, fresh, victim)
         bu = torch.where(fresh, victim, existing)[..., 0]  # [n, S]
         self.maps.last_used[layer, rows.view(-1, 1), heads, bu] = self.maps.clock
-        slots = self.device_rows.slots(layer, rows, bu * self.unit + (p % self.unit).view(-1, 1))  # [n, S]
+        pos = torch.where(bu >= 0, bu * self.unit + (p % self.unit).view(-1, 1), -1)  # -1: not placed (resident)
+        slots = self.device_rows.slots(layer, rows, pos)  # [n, S]
+        if spilled is not None:  # ... but their token's own slot, through the page table
+            own = self.device_rows.slots(layer, rows, p.view(-1, 1)).expand(-1, self.streams)
+            slots = torch.where(spilled.view(-1, 1), slots, own)
         self.device_rows.put(layer, slots if self.head_major else slots[:, 0], [x[buffered] for x in data])
         self._queue_host_write(layer, batch, buffered, slots)
 

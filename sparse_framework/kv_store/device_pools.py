@@ -23,6 +23,10 @@ cdiv(max_seq_len, page_size)):
   resident       the resident store (`"store": "resident"`), every layer: max_requests ×
                  max_pages (every token on the device), or `device_capacity_tokens`.
 
+The hybrid store (`"store": "hybrid"`) has the hierarchical store's two kinds, but its sparse
+layers' pool defaults to max_requests × max_pages, as the resident store's: requests stay
+whole on the device while they fit, and only under pressure shrink to their buffer (spills.py).
+
 `size_device_pools` is plain arithmetic, shared by the store and `plan_capacity`, so that
 `sparse-framework plan` counts exactly what the store allocates.
 """
@@ -88,10 +92,12 @@ def size_device_pools(
     max_seq_len: int,
     resident_only: bool = False,
     capacity_tokens: int | None = None,
+    hybrid: bool = False,
 ) -> list[PoolSizing]:
     """The pools a store with these settings allocates (see the module docstring); kinds
     without layers are left out. `capacity_tokens` (device_capacity_tokens) replaces the
-    default size of the sparse layers' pool, or of the resident store's."""
+    default size of the sparse layers' pool, or of the resident store's. `hybrid`: the
+    hybrid store's (the sparse layers' pool holds every request whole by default)."""
     max_pages = cdiv(max_seq_len, page_size)
     full = f"max_requests {max_requests} x max_seq_len {max_seq_len}"
     given = None if capacity_tokens is None else (cdiv(capacity_tokens, page_size), f"device_capacity_tokens {capacity_tokens}")
@@ -111,6 +117,8 @@ def size_device_pools(
             f"max_requests {max_requests} x {share * page_size} tokens (the larger of device_buffer_tokens "
             f"{device_buffer_tokens} and min_sparse_prompt_len {min_sparse_prompt_len}, in pages, at most max_seq_len)",
         )
+        if hybrid:
+            default = (max_requests * max_pages, f"{full}: every request whole while it fits (hybrid store)")
         pages, rule = given or default
         pools.append(PoolSizing(SPARSE_LAYERS, sparse, pages, page_size, rule))
     if dense:

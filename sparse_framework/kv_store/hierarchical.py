@@ -47,6 +47,7 @@ from ..common.arith import cdiv
 from ..common.layout import KVLayout, resolve_impl
 from .device_pools import DENSE_LAYERS, RESIDENT, DevicePool, DeviceRows, buffer_pages, size_device_pools
 from .slot_maps import SlotMaps
+from .spills import SpilledRequests
 
 log = logging.getLogger(__name__)
 _RESIDENT, _BUFFERED = "resident", "buffered"
@@ -74,12 +75,15 @@ class HierarchicalKVStore(KVStore):
         min_sparse_prompt_len: int | None = None,
         pin_memory: bool | None = None,
         resident_only: bool = False,
+        hybrid: bool = False,
         impl: str = "auto",
         host_kv_dtype: str = "auto",
         copy_shapes: CopyShapes | None = None,
     ) -> None:
         if page_size % unit:
             raise ValueError(f"unit ({unit}) must divide page_size ({page_size})")
+        if hybrid and resident_only:
+            raise ValueError("a store is hybrid or resident-only, not both")
         self.layout = layout
         self.page_size = page_size
         self.unit = unit
@@ -108,7 +112,7 @@ class HierarchicalKVStore(KVStore):
             num_layers=L, dense_layers=self.dense_layers, page_size=page_size,
             device_buffer_tokens=device_buffer_tokens, min_sparse_prompt_len=self.min_sparse_prompt_len,
             max_requests=max_requests, max_seq_len=max_seq_len, resident_only=resident_only,
-            capacity_tokens=device_capacity_tokens,
+            capacity_tokens=device_capacity_tokens, hybrid=hybrid,
         )
         knobs = {DENSE_LAYERS: "fewer dense_layers"}
         self.pools = [DevicePool(s, layout, head_major=per_kv_head, knob=knobs.get(s.kind, "device_capacity_tokens")) for s in sizings]
@@ -146,12 +150,16 @@ class HierarchicalKVStore(KVStore):
         )
         self.l2s, self.s2l, self.last_used = self.maps.l2s, self.maps.s2l, self.maps.last_used
         self.clock = self.maps.clock
+        # a hybrid store's requests spilled to the host tier (spills.py); never any otherwise
+        self.hybrid = hybrid
+        self.spills = SpilledRequests(max_requests, dev, enabled=hybrid)
+        self.spill_count = 0  # requests spilled so far (stats)
 
         # the swap-in of selections and the prefetch (residency.py), with their counters and the
         # launch shapes of its copies (copy_shapes: `CopyShapes`, None for the measured defaults)
         self.residency = BufferResidency(
-            layout=layout, maps=self.maps, device_rows=self.device_rows, host_pool=self.host_pool, unit=unit,
-            streams=self.streams, max_units=self.max_units, all_resident=resident_only, impl=self.impl, device=dev,
+            layout=layout, maps=self.maps, device_rows=self.device_rows, host_pool=self.host_pool,
+            spills=self.spills, unit=unit, streams=self.streams, max_units=self.max_units, all_resident=resident_only, impl=self.impl, device=dev,
             copy_shapes=copy_shapes,
         )
         # the decode writes and their queue of host writes (decode_writes.py)
@@ -161,6 +169,7 @@ class HierarchicalKVStore(KVStore):
             all_resident=resident_only, impl=self.impl, device=dev,
         )
         self._retracted: set[int] = set()
+        self._live: dict[int, Request] = {}  # admitted requests by state row (the hybrid store spills among them)
         for pool in self.pools:
             log.info(
                 "device KV pool of the %s: %d layer(s) x %d tokens = %.2f GiB (%s)",
@@ -274,12 +283,27 @@ class HierarchicalKVStore(KVStore):
         return 1 if self.head_major else self.layout.num_kv_heads
 
     def _keeps_host(self, request: Request) -> bool:
-        """Sparse requests keep every token on the host; resident-only ones do not."""
-        return not (self.all_resident or request.dense)
+        """Sparse requests keep every token on the host; resident-only ones do not, nor do a
+        hybrid store's until they are spilled."""
+        if self.all_resident or request.dense:
+            return False
+        return not self.hybrid or request.slot in self.spills
 
     def mode(self, request: Request, layer: int) -> str:
         resident = self.all_resident or request.dense or layer in self.dense_layers
+        if self.hybrid and request.slot not in self.spills:
+            resident = True
         return _RESIDENT if resident else _BUFFERED
+
+    def decode_key(self, batch: Batch) -> tuple:
+        """What a captured decode graph of this batch depends on beyond its composition:
+        whether a row is buffered (a hybrid store's spilled request), which picks the path."""
+        return (self.buffers_rows_of(batch),) if self.hybrid else ()
+
+    def buffers_rows_of(self, batch: Batch) -> bool:
+        """Whether a row of the batch is buffered in the sparse layers: a sparse request of the
+        hierarchical store, a spilled one of the hybrid store; never in the resident store."""
+        return self.residency.buffers_rows_of(batch)
 
     def _phys(self, layer: int, slot_ids: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """Device slots of positions (logical tokens of a resident layer, or buffer positions
@@ -379,7 +403,39 @@ class HierarchicalKVStore(KVStore):
         `request.cached_len` tokens (a prefix cache's, engine/prefix_cache.py). A request that
         keeps its K/V on the host maps them read-only as its first pages (borrowed: never
         written, never freed by it) and reserves pages for the rest only; `write_prefill`
-        then offloads only the tokens after them. Others keep nothing on the host."""
+        then offloads only the tokens after them. Others keep nothing on the host.
+
+        A hybrid store admits a request whole on the device; where the sparse layers' pool
+        lacks the room, it first spills running requests (`make_room`), and if that cannot
+        make it, it admits a sparse request spilled (its prompt to the host, a buffer on the
+        device)."""
+        self._live[request.slot] = request
+        try:
+            if not self.hybrid:
+                self._admit(request, cached_pages)
+                return
+            self.spills.mark(request.slot, False)
+            if self.make_room(cdiv(request.prompt_len, self.page_size), keep=request):
+                try:
+                    self._admit(request, cached_pages)
+                    return
+                except CapacityError:
+                    if request.dense:
+                        raise
+            elif request.dense:
+                self._admit(request, cached_pages)  # raises the CapacityError that says why
+            self.spills.mark(request.slot, True)  # no room to be whole: admitted to the host tier
+            try:
+                self._admit(request, cached_pages)
+            except CapacityError:
+                self.spills.mark(request.slot, False)
+                raise
+            self.spill_count += 1
+        except CapacityError:
+            del self._live[request.slot]
+            raise
+
+    def _admit(self, request: Request, cached_pages: torch.Tensor | None) -> None:
         layers = list(range(self.layout.num_layers))
         try:
             if self._keeps_host(request):
@@ -403,7 +459,7 @@ class HierarchicalKVStore(KVStore):
         min_sparse_prompt_len dense)."""
         if dense is None:
             dense = prompt_len < self.min_sparse_prompt_len
-        return not (self.all_resident or dense)
+        return not (self.all_resident or self.hybrid or dense)  # a hybrid store admits requests whole
 
     def host_page_ids(self, request: Request) -> torch.Tensor:
         """The request's host pages in logical order (borrowed ones included)."""
@@ -460,8 +516,9 @@ class HierarchicalKVStore(KVStore):
                     self.host_pool.write_rows(dev_buf, host_buf, src, dst, self.row_heads)
         return ids
 
-    def _growth_error(self, starting: list[Request]) -> CapacityError | None:
-        """Why the requests `starting` a new page cannot each get one (None: they can)."""
+    def _growth_error(self, starting: list[Request], spare: int = 0) -> CapacityError | None:
+        """Why the requests `starting` a new page cannot each get one (None: they can), with
+        `spare` more free pages in each sparse layer (what spills would free)."""
         host_need = sum(1 for r in starting if self._keeps_host(r))
         if host_need > self.host_alloc.free:
             try:
@@ -470,16 +527,30 @@ class HierarchicalKVStore(KVStore):
                 return exc
         for layer in range(self.layout.num_layers):
             growing = [r for r in starting if self.mode(r, layer) == _RESIDENT]
-            if len(growing) > self.dev_alloc[layer].free:
+            if len(growing) > self.dev_alloc[layer].free + (0 if layer in self.dense_layers else spare):
                 who = ", ".join(repr(r.rid) for r in growing[:4]) + (", ..." if len(growing) > 4 else "")
                 return self._no_room(layer, len(growing), f"request(s) {who}", any(r.dense for r in growing))
         return None
 
     def can_grow(self, requests: list[Request]) -> bool:
-        """Whether one more token of each request (its next decode step) finds room; changes
-        nothing. What an engine asks before a step, to preempt instead of failing it."""
+        """Whether one more token of each request (its next decode step) finds room. What an
+        engine asks before a step, to preempt instead of failing it; it changes nothing, but a
+        hybrid store spills running requests (`make_room`) where that makes the room."""
         starting = [r for r in requests if self.needs_page(r)]
-        return not starting or self._growth_error(starting) is None
+        if not starting or self._growth_error(starting) is None:
+            return True
+        if not self.hybrid:
+            return False
+        spare = sum(freed for freed, _ in self._spillable())
+        if self._growth_error(starting, spare) is not None:
+            return False
+        self.make_room(self._sparse_growth(starting))
+        return self._growth_error(starting) is None
+
+    def _sparse_growth(self, starting: list[Request]) -> int:
+        """Pages the requests starting one need in each sparse layer (the whole ones)."""
+        layers = self._sparse_layers()
+        return sum(1 for r in starting if self.mode(r, layers[0]) == _RESIDENT) if layers else 0
 
     def needs_page(self, request: Request) -> bool:
         """Whether the request's next decode token starts a new page (the only growth that
@@ -492,6 +563,10 @@ class HierarchicalKVStore(KVStore):
         if not starting:
             return
         error = self._growth_error(starting)
+        if error is not None and self.hybrid:  # spill (the batch's rows as before this step)
+            advanced = {r.slot for r in batch.requests}
+            self.make_room(self._sparse_growth(starting), advanced=advanced)
+            error = self._growth_error(starting)
         if error is not None:
             raise error
         for r in starting:
@@ -505,6 +580,98 @@ class HierarchicalKVStore(KVStore):
         self.host_pool.free(request)
         self.maps.reset(request.slot)
         self._retracted.discard(request.slot)
+        self.spills.mark(request.slot, False)
+        self._live.pop(request.slot, None)
+
+    # -- the hybrid store's spills (spills.py) ------------------------------------------------
+    def _sparse_layers(self) -> list[int]:
+        return [layer for layer in range(self.layout.num_layers) if layer not in self.dense_layers]
+
+    def _sparse_pages(self, request: Request) -> int:
+        """Device pages the request holds in one sparse layer."""
+        layers = self._sparse_layers()
+        ids = self._dev_pages.get((layers[0], request.slot)) if layers else None
+        return 0 if ids is None else ids.numel()
+
+    def _spillable(self, keep: Request | None = None) -> list[tuple[int, Request]]:
+        """Running requests a spill would shrink, with the pages per sparse layer it frees,
+        the most first (fewest spills for the room): whole, sparse, holding more than a buffer."""
+        buffer = self.buffer_tokens // self.page_size
+        found = []
+        for slot, r in self._live.items():
+            if r is keep or r.dense or slot in self.spills or slot in self._retracted or r.seq_len < r.prompt_len:
+                continue  # (a prompt not handed over yet has nothing to spill: it is admitted again whole)
+            freed = self._sparse_pages(r) - buffer
+            if freed > 0:
+                found.append((freed, r))
+        return sorted(found, key=lambda x: -x[0])
+
+    def make_room(self, pages: int, keep: Request | None = None, advanced: set[int] = frozenset()) -> bool:  # type: ignore[assignment]
+        """Free `pages` pages in every sparse layer of a hybrid store, spilling running
+        requests (the largest first) if needed; True when the room is there. Spills nobody
+        when spilling everyone it could would still not make the room. Not `keep`.
+        `advanced`: state rows whose seq_len already counts a token not written yet (a step
+        being begun: `grow`), spilled as they were before it."""
+        layers = self._sparse_layers()
+        if not layers:
+            return True
+        short = pages - min(self.dev_alloc[layer].free for layer in layers)
+        if short <= 0:
+            return True
+        victims = []
+        for freed, r in self._spillable(keep):
+            if short <= 0:
+                break
+            victims.append(r)
+            short -= freed
+        if short > 0:
+            return False
+        for r in victims:
+            if r.slot in advanced:  # its newest token is not written yet: spill what is
+                r.seq_len -= 1
+                try:
+                    self.spill(r)
+                finally:
+                    r.seq_len += 1
+            else:
+                self.spill(r)
+        return True
+
+    def spill(self, request: Request) -> None:
+        """Move a whole request of a hybrid store to the host tier: every layer's K/V to its
+        host pages, then its sparse layers shrink to a buffer refilled with the sink and the
+        recent window (as after `resume`); later selections swap in what they need. Lossless:
+        attention reads the same rows (fp8 host rows: their round trip). CapacityError, with
+        nothing changed, when the host pool has no room for it."""
+        if not self.hybrid or request.dense or request.slot in self.spills or request.slot in self._retracted:
+            raise ValueError(f"request {request.rid!r}: only a live, whole, sparse request of a hybrid store spills")
+        self.writes.sync()
+        self.host_pool.reserve(request, request.seq_len)
+        self._copy_to_host(request)
+        layers = self._sparse_layers()
+        for layer in layers:
+            self.dev_alloc[layer].release(self._dev_pages.pop((layer, request.slot)))
+        self.dev_table[layers, request.slot] = -1
+        self.spills.mark(request.slot, True)
+        self.maps.reset(request.slot)
+        self._alloc_device(request, layers, self._device_tokens_for(request, request.seq_len))
+        for layer in layers:
+            self._fill_buffer(layer, request, None)
+        self.spill_count += 1
+
+    def _copy_to_host(self, request: Request) -> None:
+        """Every layer's device rows of a request that keeps nothing on the host yet into its
+        (reserved) host pages."""
+        sid = torch.tensor([request.slot], device=self.device)
+        tokens = torch.arange(request.seq_len, device=self.device).unsqueeze(0)
+        host_rows = self.host_pool.rows(sid, tokens)
+        for layer in range(self.layout.num_layers):
+            slots = self._phys(layer, sid, tokens)
+            for h in range(self.streams):
+                src = self._dev_off(layer, slots, h).flatten()
+                dst = self.host_pool.offsets(layer, host_rows, h).flatten()
+                for dev_buf, host_buf in zip(self._pool[layer].tensors, self.host):
+                    self.host_pool.write_rows(dev_buf, host_buf, src, dst, self.row_heads)
 
     # -- prefill ----------------------------------------------------------------------------
     def _fill_buffer(self, layer: int, request: Request, rows: list[torch.Tensor] | None) -> None:
@@ -550,16 +717,7 @@ class HierarchicalKVStore(KVStore):
         self.writes.sync()
         if not self._keeps_host(request):  # resident-only requests get a host copy first
             self.host_pool.reserve(request, request.seq_len)
-            sid = torch.tensor([request.slot], device=self.device)
-            tokens = torch.arange(request.seq_len, device=self.device).unsqueeze(0)
-            host_rows = self.host_pool.rows(sid, tokens)
-            for layer in range(self.layout.num_layers):
-                slots = self._phys(layer, sid, tokens)
-                for h in range(self.streams):
-                    src = self._dev_off(layer, slots, h).flatten()
-                    dst = self.host_pool.offsets(layer, host_rows, h).flatten()
-                    for dev_buf, host_buf in zip(self._pool[layer].tensors, self.host):
-                        self.host_pool.write_rows(dev_buf, host_buf, src, dst, self.row_heads)
+            self._copy_to_host(request)
         self._free_device(request)
         self.maps.reset(request.slot)
         self._retracted.add(request.slot)

@@ -22,6 +22,7 @@ from ..common.batch import Batch, Selection
 from ..common.layout import KVLayout
 from .device_pools import DeviceRows
 from .host_pool import HostPool
+from .spills import SpilledRequests
 from .slot_maps import SlotMaps
 
 @dataclass(frozen=True)
@@ -89,8 +90,9 @@ class BufferResidency:
 
     layout, unit (selection granularity), streams (per request, or per KV head), max_units
     (units of max_seq_len), all_resident (the resident store: nothing is ever swapped), impl
-    ("triton" or "torch") and device: the store's geometry. maps, device_rows, host_pool: the
-    store's, shared (module docstring). copy_shapes: the launch shapes of the fused copy
+    ("triton" or "torch") and device: the store's geometry. maps, device_rows, host_pool and
+    spills (a hybrid store's spilled requests: only their rows are buffered): the store's,
+    shared (module docstring). copy_shapes: the launch shapes of the fused copy
     (`CopyShapes`, default its defaults); an attribute, so a benchmark may set another on the
     instance.
     """
@@ -102,6 +104,7 @@ class BufferResidency:
         maps: SlotMaps,
         device_rows: DeviceRows,
         host_pool: HostPool,
+        spills: SpilledRequests,
         unit: int,
         streams: int,
         max_units: int,
@@ -112,6 +115,7 @@ class BufferResidency:
     ) -> None:
         self.copy_shapes = CopyShapes() if copy_shapes is None else copy_shapes
         self.layout, self.maps, self.device_rows, self.host_pool = layout, maps, device_rows, host_pool
+        self.spills = spills
         self.unit, self.streams, self.max_units = unit, streams, max_units
         self.all_resident, self.impl, self.device = all_resident, impl, device
         self.page_size, self.head_major = device_rows.page_size, device_rows.head_major
@@ -156,13 +160,18 @@ class BufferResidency:
         4. stamp recency and count hits, misses and rows moved.
         """
         assert batch.slot_ids is not None and batch.seq_lens is not None
-        if self.all_resident:
+        if self.all_resident or not self.buffers_rows_of(batch):
             return self.resident_slots(layer, batch, selection)
         self.join_prefetch(layer)
         if self.impl == "triton":
             return self._ensure_resident_fused(layer, batch, selection)
         u = self.unit
         idx = selection.indices
+        resident = None
+        if self.spills.enabled:  # a hybrid store's resident rows: page-table look-ups, no swap
+            resident = ~self.spills.rows(batch.slot_ids).view(-1, 1, 1)
+            looked_up = self.resident_slots(layer, batch, selection)
+            idx = torch.where(resident, -1, idx)
         b, s, w = idx.shape
         first = idx[..., ::u]
         units = first.long().div(u, rounding_mode="floor")  # [B, S, Wu], -1 stays -1
@@ -198,7 +207,17 @@ class BufferResidency:
             self._stop_timer(layer, start)
         self.hits[layer] += (hit.unsqueeze(-1).expand(-1, -1, -1, u).flatten(-2)[..., :w] & (idx >= 0)).sum()
         self.misses[layer] += tok_miss.sum()
+        if resident is not None:
+            return torch.where(resident, looked_up, slots.to(torch.int32))
         return slots.to(torch.int32)
+
+    def buffers_rows_of(self, batch: Batch) -> bool:
+        """Whether any row of the batch is buffered in the sparse layers (a hybrid store: only
+        its spilled requests; the resident store: none), so that a batch without any runs the
+        resident store's path."""
+        if self.all_resident:
+            return False
+        return not self.spills.enabled or self.spills.any_in(batch)
 
     def _ensure_resident_fused(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
         """`ensure_resident` in two kernel launches (kernels/residency.py)."""
@@ -249,7 +268,7 @@ class BufferResidency:
         its own selection then finds the prefetched rows resident and copies what the
         prediction missed. Nothing else changes: a prefetch only moves rows into the buffer."""
         assert batch.slot_ids is not None and batch.seq_lens is not None
-        if self.all_resident:
+        if not self.buffers_rows_of(batch):
             return
         self.join_prefetch(layer)
         # never the unit of the newest token: `write_decode` places it (a fresh unit must be unmapped
@@ -312,10 +331,10 @@ class BufferResidency:
         use_pdl = pdl.enabled(idx.device)
         launch(plan_residency_kernel, (b * s,),
             idx, rows, lens, self.maps.l2s[layer], self.maps.s2l[layer], self.maps.last_used[layer],
-            self.maps.clock, self.device_rows.table[layer], slots, todo, n_todo, scratch, counts,
+            self.maps.clock, self.device_rows.table[layer], slots, todo, n_todo, scratch, counts, self.spills.flags,
             s, w, -(-w // u), self.max_units, self.buffer_units, u, self.page_size, self.device_rows.table.shape[-1],
             self.maps.sink_tokens, self.maps.recent_tokens,
-            BLOCK_W=block_w, BLOCK_B=block_b, BLOCK_U=pow2(u), PDL=use_pdl,
+            BLOCK_W=block_w, BLOCK_B=block_b, BLOCK_U=pow2(u), PDL=use_pdl, HYBRID=self.spills.enabled,
             num_warps=8 if block_b <= 2048 else 16, launch_pdl=use_pdl,
         )
         return slots, todo, n_todo

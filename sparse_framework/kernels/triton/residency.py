@@ -41,17 +41,52 @@ def plan_residency_kernel(
     n_todo_ptr,  # out int32 [B * S]: entries of each stream in todo (always written)
     scratch_ptr,  # int64 [B * S, BLOCK_B]
     count_ptr,  # int64 [3]: hits, misses (tokens), rows copied
+    spilled_ptr,  # int32 [R]: 1 where the row is spilled (HYBRID; else never read)
     S, W, WU, MAXU, UB, U, P, TP_DEV, SINK, RECENT,
     BLOCK_W: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_U: tl.constexpr,
     PDL: tl.constexpr,
+    HYBRID: tl.constexpr,
 ):
     pdl.wait(PDL)
     pid = tl.program_id(0)
     b = pid // S
     h = pid % S
     r = tl.load(rows_ptr + b)
+    resident = False
+    if HYBRID:  # a hybrid store's row that is not spilled holds every token in its pages
+        resident = tl.load(spilled_ptr + r) == 0
+    if resident:
+        _resident_slots(idx_ptr, dev_table_ptr, slots_ptr, n_todo_ptr, pid, r, W, WU, U, P, TP_DEV,
+                        BLOCK_W, BLOCK_U)
+    else:
+        _plan_buffered(idx_ptr, lens_ptr, l2s_ptr, s2l_ptr, used_ptr, clock_ptr, dev_table_ptr, slots_ptr,
+                       todo_ptr, n_todo_ptr, scratch_ptr, count_ptr, pid, b, h, r,
+                       S, W, WU, MAXU, UB, U, P, TP_DEV, SINK, RECENT, BLOCK_W, BLOCK_B, BLOCK_U)
+
+
+@triton.jit
+def _resident_slots(idx_ptr, dev_table_ptr, slots_ptr, n_todo_ptr, pid, r, W, WU, U, P, TP_DEV,
+                    BLOCK_W: tl.constexpr, BLOCK_U: tl.constexpr):
+    """A resident row's selected tokens: their slots through the page table; nothing to copy."""
+    w = tl.arange(0, BLOCK_W)
+    o = tl.arange(0, BLOCK_U)
+    entry = w[:, None] * U + o[None, :]
+    in_sel = (w[:, None] < WU) & (o[None, :] < U) & (entry < W)
+    tok = tl.load(idx_ptr + pid * W + entry, mask=in_sel, other=-1)
+    page = tl.load(dev_table_ptr + r * TP_DEV + tok // P, mask=tok >= 0, other=-1).to(tl.int64)
+    slot = tl.where(page >= 0, page * P + tok % P, -1)
+    tl.store(slots_ptr + pid * W + entry, slot.to(tl.int32), mask=in_sel)
+    tl.store(n_todo_ptr + pid, 0)
+
+
+@triton.jit
+def _plan_buffered(idx_ptr, lens_ptr, l2s_ptr, s2l_ptr, used_ptr, clock_ptr, dev_table_ptr, slots_ptr,
+                   todo_ptr, n_todo_ptr, scratch_ptr, count_ptr, pid, b, h, r,
+                   S, W, WU, MAXU, UB, U, P, TP_DEV, SINK, RECENT,
+                   BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_U: tl.constexpr):
+    """A buffered row's plan (the module docstring)."""
     length = tl.load(lens_ptr + b)
     clock = tl.load(clock_ptr)
     l2s = l2s_ptr + (r * S + h) * (MAXU + 1)
