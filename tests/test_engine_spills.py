@@ -167,3 +167,23 @@ def test_the_memory_plan_admits_as_the_host_tier_holds_and_gives_the_rest_of_the
     assert most == n > resident.num_seqs and engine.runner.coord.store.spill_count > 0
     assert sorted(o.request_id for o in outs) == sorted(f"r{i}" for i in range(n))
     assert all(o.finish_reason == "length" for o in outs) and engine.scheduler.num_preemptions == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
+def test_on_cuda_spills_under_pressure_give_the_resident_stores_tokens(checkpoint, graphs) -> None:
+    """On the GPU (the fused kernels, pinned host rows; whole-step CUDA graphs keyed apart for
+    batches with a spilled row): the same tokens as the resident store with room for all."""
+    _, path = checkpoint
+    batch = prompts([70, 52, 90, 61], seed=5)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    outs = {}
+    for store, cap in (("resident", None), ("hybrid", 160)):
+        model = load_model(path, dtype=torch.float32, device="cuda")
+        engine = Engine(model, model.config, {**SMALL, "store": store}, EngineConfig(
+            max_num_seqs=4, max_model_len=160, device_capacity_tokens=cap, cuda_graphs=graphs))
+        outs[store] = run_batch(engine, batch, params)
+        if store == "hybrid":
+            assert engine.runner.coord.store.spill_count > 0
+    assert outs["hybrid"] == outs["resident"]

@@ -29,6 +29,8 @@ MAX_REQ, MAX_LEN = 3, 48
 # the state machine runs the torch implementation here, and the fused Triton kernels under
 # the interpreter in a subprocess (test_state_machine_with_the_fused_kernels)
 IMPL = os.environ.get("SPARSE_FRAMEWORK_STORE_IMPL", "torch")
+# and on a CUDA device (the fused kernels for real, pinned host rows): test_state_machine_on_cuda
+DEVICE = os.environ.get("SPARSE_FRAMEWORK_STORE_DEVICE", "cpu")
 EXAMPLES = int(os.environ.get("SPARSE_FRAMEWORK_STORE_EXAMPLES", "40"))
 
 
@@ -58,11 +60,11 @@ class StoreMachine(RuleBasedStateMachine):
     )
     def setup(self, kind, page, page_unit, sink, recent, extra, dense_layer, seed, store) -> None:
         if kind == "mla":
-            self.layout = KVLayout.mla(2, latent_dim=6, v_head_dim=4)
+            self.layout = KVLayout.mla(2, latent_dim=6, v_head_dim=4, device=DEVICE)
         elif kind == "mla-fp8":  # FlashMLA's 656-byte rows: the truth is the packed rows
-            self.layout = KVLayout.mla(2, dtype=torch.float8_e4m3fn)
+            self.layout = KVLayout.mla(2, dtype=torch.float8_e4m3fn, device=DEVICE)
         else:
-            self.layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=3)
+            self.layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=3, device=DEVICE)
         self.unit = page if page_unit else 1
         pinned_units = -(-sink // self.unit) + -(-recent // self.unit) + 1
         buffer_tokens = (pinned_units + extra + 1) * self.unit
@@ -96,11 +98,13 @@ class StoreMachine(RuleBasedStateMachine):
         return [r for rid, r in self.active.items() if rid not in self.retracted]
 
     def kv(self, rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        rows = [x.to(DEVICE) for x in rows]  # (the truth stays on the CPU)
         return rows[0], (rows[1] if len(rows) > 1 else None)
 
     def same(self, got: torch.Tensor, want: torch.Tensor) -> bool:
         """Device rows [..., dim] are the written ones; with fp8 host rows each may instead be
         its fp8 round trip (it came back from the host: a swap-in, a resume)."""
+        got = got.cpu()
         if not self.fp8_host:
             return torch.equal(got, want)
         back = dequantize_rows(quantize_rows(want), want.dtype)
@@ -125,7 +129,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.active[r.rid] = r
         self.truth[r.rid] = []
         batch = Batch([r], is_prefill=True)
-        batch.prepare("cpu")
+        batch.prepare(DEVICE)
         self.store.begin_step(batch)
         for layer in range(2):
             rows = self.rand(length)
@@ -152,7 +156,7 @@ class StoreMachine(RuleBasedStateMachine):
                 r.seq_len -= 1
             return
         batch = Batch(reqs)
-        batch.prepare("cpu")
+        batch.prepare(DEVICE)
         self.store.begin_step(batch)
         for layer in range(2):
             rows = self.rand(len(reqs))
@@ -179,17 +183,18 @@ class StoreMachine(RuleBasedStateMachine):
             if not group:
                 continue
             batch = Batch(group)
-            batch.prepare("cpu")
+            batch.prepare(DEVICE)
             sel = self.random_selection(data, group, full=not is_buffered)
             before = self.store.hits[layer] + self.store.misses[layer]
+            on_device = Selection(sel.indices.to(DEVICE), sel.lengths.to(DEVICE), sel.page_size)
             if is_buffered:
-                slots = self.store.ensure_resident(layer, batch, sel)
+                slots = self.store.ensure_resident(layer, batch, on_device).cpu()
                 # hits and misses: the buffered rows' selected tokens (a hybrid's whole rows swap nothing)
                 swapped = torch.tensor([self.store.mode(r, layer) == "buffered" for r in group])
                 valid = int((sel.indices >= 0)[swapped].sum())
                 assert int(self.store.hits[layer] + self.store.misses[layer] - before) == valid
             else:
-                slots = self.store.resident_slots(layer, batch, sel)
+                slots = self.store.resident_slots(layer, batch, on_device).cpu()
             self.check_rows(layer, group, sel, slots)
 
     def random_selection(self, data, reqs: list[Request], full: bool) -> Selection:
@@ -223,7 +228,7 @@ class StoreMachine(RuleBasedStateMachine):
         for i, r in enumerate(reqs):
             for h in range(slots.shape[1]):
                 n = int(sel.lengths[i, h])
-                toks, sl = sel.indices[i, h, :n].long(), slots[i, h, :n].long()
+                toks, sl = sel.indices[i, h, :n].long(), slots[i, h, :n].long().to(DEVICE)
                 if self.store.head_major:
                     got = [buf[h, sl] for buf in self.store.layer_buffers(layer)]
                     want = [t[toks, h] for t in self.truth[r.rid][layer]]
@@ -287,8 +292,8 @@ class StoreMachine(RuleBasedStateMachine):
                 if st_.mode(r, layer) != "buffered":
                     continue
                 for h in range(st_.streams):
-                    l2s = st_.l2s[layer, r.slot, h, : st_.max_units]
-                    s2l = st_.s2l[layer, r.slot, h, : st_.buffer_units]
+                    l2s = st_.l2s[layer, r.slot, h, : st_.max_units].cpu()
+                    s2l = st_.s2l[layer, r.slot, h, : st_.buffer_units].cpu()
                     mapped = (l2s >= 0).nonzero().flatten()
                     assert torch.equal(s2l[l2s[mapped].long()].long(), mapped)
                     owned = (s2l >= 0).nonzero().flatten()
@@ -324,15 +329,15 @@ class StoreMachine(RuleBasedStateMachine):
                 pinned = {x for x in range(n_units) if x * u < st_.sink_tokens}
                 pinned |= set(range(max(0, r.seq_len - st_.recent_tokens) // u, n_units)) | {n_units - 1}
                 for h in range(st_.streams):
-                    l2s = st_.l2s[layer, r.slot, h]
+                    l2s = st_.l2s[layer, r.slot, h].cpu()
                     for x in pinned:
                         assert int(l2s[x]) >= 0, f"pinned unit {x} of {r.rid} evicted"
                     # every mapped unit's rows equal the truth
                     for x in (l2s[: st_.max_units] >= 0).nonzero().flatten().tolist():
                         bu = int(l2s[x])
                         toks = torch.arange(x * u, min((x + 1) * u, r.seq_len))
-                        pos = bu * u + torch.arange(toks.numel())
-                        slots = st_._phys(layer, torch.tensor([r.slot]), pos.unsqueeze(0))[0]
+                        pos = (bu * u + torch.arange(toks.numel())).to(DEVICE)
+                        slots = st_._phys(layer, torch.tensor([r.slot], device=DEVICE), pos.unsqueeze(0))[0]
                         got = [buf[h, slots] if st_.head_major else buf[slots] for buf in st_.layer_buffers(layer)]
                         want = [t[toks, h] if st_.head_major else t[toks] for t in self.truth[r.rid][layer]]
                         for g, w in zip(got, want):
@@ -349,7 +354,8 @@ class StoreMachine(RuleBasedStateMachine):
         for r in self.active.values():
             if not st_._keeps_host(r):
                 continue
-            rows = st_.host_pool.rows(torch.tensor([r.slot]), torch.arange(r.seq_len).unsqueeze(0))[0]
+            rows = st_.host_pool.rows(torch.tensor([r.slot], device=DEVICE),
+                                      torch.arange(r.seq_len, device=DEVICE).unsqueeze(0))[0].cpu()
             for layer in range(2):
                 for host, want in zip(st_.host, self.truth[r.rid][layer]):
                     got = host[layer, rows]
@@ -368,6 +374,23 @@ TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = settings(
     max_examples=EXAMPLES, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_state_machine_on_cuda() -> None:
+    """The same state machine on a CUDA device: the fused kernels compiled, the host rows pinned
+    and read over PCIe, the decode writes' host copies on their side stream."""
+    if DEVICE == "cuda":
+        pytest.skip("already running on CUDA")
+    env = {**os.environ, "SPARSE_FRAMEWORK_STORE_DEVICE": "cuda", "SPARSE_FRAMEWORK_STORE_IMPL": "triton",
+           "SPARSE_FRAMEWORK_STORE_EXAMPLES": os.environ.get("SPARSE_FRAMEWORK_STORE_EXAMPLES_CUDA", "100")}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", "TestStoreMachine"],
+        capture_output=True, text=True, env=env, timeout=1200,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "1 passed" in done.stdout
 
 
 @pytest.mark.slow
@@ -503,7 +526,7 @@ def test_lru_evicts_the_least_recently_used_unpinned_unit() -> None:
     kv = torch.randn(40, 2, 4), torch.randn(40, 2, 4)
     store.write_prefill(0, r, *kv)
     batch = Batch([r])
-    batch.prepare("cpu")
+    batch.prepare(DEVICE)
 
     def pick(units: list[int]) -> torch.Tensor:
         toks = [t for x in units for t in range(4 * x, 4 * x + 4)]
@@ -571,7 +594,7 @@ def test_fp8_rows_are_stored_as_bytes_and_read_back_exactly() -> None:
     k = torch.randn(20, 1, 8).to(torch.float8_e4m3fn)
     store.write_prefill(0, r, k, k)
     batch = Batch([r])
-    batch.prepare("cpu")
+    batch.prepare(DEVICE)
     sel = Selection(torch.tensor([[[0, 1, 7, 18, 19]]], dtype=torch.int32), torch.tensor([[5]], dtype=torch.int32))
     slots = store.ensure_resident(0, batch, sel)
     kc, _ = store.paged_view(0, 1)
@@ -600,7 +623,7 @@ def test_fp8_mla_latents_are_held_as_flashmla_rows_on_both_tiers() -> None:
         r.seq_len = t + 1
         store.grow(Batch([r]))
         batch = Batch([r])
-        batch.prepare("cpu")
+        batch.prepare(DEVICE)
         store.begin_step(batch)
         store.write_decode(0, batch, lat[t : t + 1], None)
         store.end_step(batch)
@@ -611,7 +634,7 @@ def test_fp8_mla_latents_are_held_as_flashmla_rows_on_both_tiers() -> None:
     sel = Selection(torch.tensor([[[0, 1, 2, 3, 8, 9, 10, 11, 36, 37, 38, 39]]], dtype=torch.int32),
                     torch.tensor([[12]], dtype=torch.int32), 4)
     batch = Batch([r])
-    batch.prepare("cpu")
+    batch.prepare(DEVICE)
     store.begin_step(batch)
     slots = store.ensure_resident(0, batch, sel)
     k, v = store.paged_view(0, 4)
