@@ -55,6 +55,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 # the hybrid store (issue 46) with tuned's settings: while every request fits nothing spills
 CONFIGS["hybrid"] = {**CONFIGS["tuned"], "store": "hybrid"}
+# ... with fp8 host rows: about twice the requests the host tier holds (a serving curve's maximum)
+CONFIGS["hybrid-fp8"] = {**CONFIGS["hybrid"], "host_kv_dtype": "fp8_e4m3"}
 CONFIGS.update({f"{name}-fa": {**CONFIGS[name], "backend": "flash_attn"} for name in ("dense", "tuned")})
 SHAPES = "16384x8,1024x1,4096x1,8192x1"
 

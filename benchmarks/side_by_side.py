@@ -16,6 +16,7 @@ Paths (each in its own process, so that no two share GPU memory or a CUDA contex
   engine-resident       the engine, Quest 2048 on the resident store, sparse at any length
   engine-hierarchical   the same on the hierarchical store (host tier always on)
   engine-hybrid         the same on the hybrid store (host tier under pressure only; none here)
+  engine-hybrid-fp8     the same with fp8 host rows (twice the requests the host tier holds)
   engine-dense-fa       engine-dense through the `flash_attn` backend (FlashAttention's paged
   engine-resident-fa    decode; vLLM's FA3 where vLLM is installed), and engine-resident so
 
@@ -47,7 +48,8 @@ from timing import current_commit, gpu_name  # noqa: E402
 VLLM_PATHS = {"vllm-dense": "dense", "vllm-plugin": "quest"}  # vllm_gpu.py perf's config names
 ENGINE_PATHS = {"engine-dense": "dense", "engine-defaults": "defaults", "engine-resident": "tuned",
                 "engine-hierarchical": "hierarchical", "engine-dense-fa": "dense-fa",
-                "engine-resident-fa": "tuned-fa", "engine-hybrid": "hybrid"}  # defaults_gpu.py's config names
+                "engine-resident-fa": "tuned-fa", "engine-hybrid": "hybrid",
+                "engine-hybrid-fp8": "hybrid-fp8"}  # defaults_gpu.py's config names
 PATHS = {**VLLM_PATHS, **ENGINE_PATHS}
 GROUPS = {"vllm": list(VLLM_PATHS), "engine": ["engine-dense", "engine-defaults", "engine-resident",
                                                  "engine-hierarchical"], "all": list(PATHS)}
