@@ -110,7 +110,7 @@ class _Tokenizer:
 
 
 def test_a_template_that_opens_with_bos_is_not_given_a_second_one() -> None:
-    from sparse_framework.cli.engine import _without_doubled_bos
+    from sparse_framework.common.chat import without_doubled_bos as _without_doubled_bos
 
     assert _without_doubled_bos(_Tokenizer(adds_bos=True), "<bos><start_of_turn>user") == "<start_of_turn>user"
     assert _without_doubled_bos(_Tokenizer(adds_bos=False), "<bos><start_of_turn>user") == "<bos><start_of_turn>user"
@@ -203,3 +203,24 @@ def test_the_engine_runs_gemma3_as_transformers_does(converted: Path) -> None:
         assert ours.token_ids == want[: len(ours.token_ids)] and ours.token_ids, (tok.decode(ours.token_ids), tok.decode(want))
     assert "TANGERINE" in outs[-1].text, outs[-1].text
     assert greedy(windowless, prompts[-1]) != outs[-1].token_ids  # the sliding window changes this answer
+
+
+class _TemplatedTokenizer(_Tokenizer):
+    """A tokenizer whose chat template opens with {{ bos_token }} (as Gemma 3's)."""
+
+    chat_template = "{{ bos_token }}..."
+
+    def apply_chat_template(self, turns, tokenize: bool, add_generation_prompt: bool) -> str:  # noqa: ANN001
+        return self.bos_token + "".join(f"<{t['role']}>{t['content']}" for t in turns) + "<model>"
+
+
+def test_the_server_and_ruler_give_one_bos_too() -> None:
+    """/v1/chat/completions' text and RULER's chat prompts go through the same template helper."""
+    from sparse_framework.eval.ruler import RulerSample, prompt_text
+    from sparse_framework.serve.protocol import Limits, chat_text
+
+    tok = _TemplatedTokenizer(adds_bos=True)
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    assert chat_text(body, tok, "m", Limits(max_model_len=64, chars_per_token=32, max_prompts=1)) == "<user>hi<model>"
+    sample = RulerSample(task="t", context=8, index=0, input="hi", gen_prefix="A:", outputs=("x",), length=4)
+    assert prompt_text(sample, tok, chat_template=True) == "<user>hi<model>A:"

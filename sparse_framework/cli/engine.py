@@ -19,6 +19,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ..common.chat import chat_text
 from ..common.errors import ConfigError
 from ..common.tables import new_table
 from ..config import load_config
@@ -317,19 +318,7 @@ def chat_prompt(tokenizer: Any, prompt: Any) -> Any:
     text, prefix = prompt if isinstance(prompt, tuple) else (prompt, "")
     if not isinstance(text, str) or getattr(tokenizer, "chat_template", None) is None:
         return text + prefix if isinstance(text, str) else text
-    head = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-    return _without_doubled_bos(tokenizer, head) + prefix
-
-
-def _without_doubled_bos(tokenizer: Any, text: str) -> str:
-    """A templated text less its leading BOS where encoding adds one: templates that open with
-    {{ bos_token }} (Gemma 3's, Llama 3's) are meant for encoding without special tokens, the
-    engine encodes text with them, and a doubled BOS changes a Gemma's answers."""
-    bos = getattr(tokenizer, "bos_token", None)
-    if not bos or not text.startswith(bos):
-        return text
-    adds_bos = list(tokenizer.encode("")) == [tokenizer.bos_token_id]
-    return text[len(bos):] if adds_bos else text
+    return chat_text(tokenizer, [{"role": "user", "content": text}]) + prefix
 
 
 def text_demo_prompts(checkpoint: Path, tokenizer: Any) -> tuple[list[tuple[str, str]], list[str]]:

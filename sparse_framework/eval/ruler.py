@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ..common.chat import chat_text
 from ..common.errors import ConfigError
 
 
@@ -244,8 +245,7 @@ def prompt_text(sample: RulerSample, tokenizer: Any, chat_template: bool) -> str
         return sample.input + (" " + sample.gen_prefix if sample.gen_prefix else "")
     if getattr(tokenizer, "chat_template", None) is None:
         raise ConfigError("chat_template is true but the model's tokenizer has none; set it false")
-    head = tokenizer.apply_chat_template([{"role": "user", "content": sample.input}], tokenize=False, add_generation_prompt=True)
-    return head + sample.gen_prefix
+    return chat_text(tokenizer, [{"role": "user", "content": sample.input}]) + sample.gen_prefix
 
 
 def score(prediction: str, outputs: tuple[str, ...] | list[str]) -> float:

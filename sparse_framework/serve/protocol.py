@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..common.chat import chat_text as templated_chat
 from ..common.errors import ConfigError
 from ..engine.sampling import SamplingParams
 
@@ -305,7 +306,7 @@ def chat_text(body: Mapping[str, Any], tokenizer: Any, model: str, limits: Limit
         raise bad(f"model {model!r} has no chat template, so /v1/chat/completions cannot format a conversation "
                   "for it; use /v1/completions with a prompt")
     try:
-        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        return templated_chat(tokenizer, turns)
     except Exception as exc:  # noqa: BLE001 - the template's own refusal (roles out of order ...)
         raise bad(f"the chat template refused the messages: {str(exc)[:300]}", "messages") from None
 
