@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -192,12 +191,10 @@ def markdown(series: list[dict[str, Any]], title: str, png: Path | None, md: Pat
 
 
 def current_commit() -> str | None:
-    try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parent)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip() or None
+    """HEAD's commit ($SF_COMMIT where set): `bench-serve`'s own lookup."""
+    from sparse_framework.bench.online import source_commit
+
+    return source_commit()
 
 
 def main(argv: list[str] | None = None) -> int:

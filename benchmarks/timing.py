@@ -107,18 +107,10 @@ class Timer:
 
 def current_commit() -> str | None:
     """The checkout's commit: $SF_COMMIT where the tree travelled without .git (the GPU machine),
-    else `git rev-parse HEAD`; None when neither says."""
-    import os
-    import subprocess
+    else `git rev-parse HEAD`; None when neither says (`bench-serve`'s own lookup)."""
+    from sparse_framework.bench.online import source_commit
 
-    if os.environ.get("SF_COMMIT"):
-        return os.environ["SF_COMMIT"]
-    try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parent)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip() or None
+    return source_commit()
 
 
 def gpu_name() -> str | None:

@@ -126,3 +126,37 @@ def run_batch(engine, batch: list[list[int]], params, prefix: str = "r") -> dict
     outs = engine.run_to_completion()
     assert all(o.finish_reason == "length" for o in outs), [(o.request_id, o.error) for o in outs]
     return {o.request_id: o.token_ids for o in outs}
+
+
+# A tiny Llama for the engine's end-to-end tests (tests/test_engine_engine.py, test_engine_spills.py):
+# saved once per module by `tiny_llama_checkpoint`, prompts of random ids by `random_prompts`.
+TINY_LLAMA_VOCAB = 96
+TINY_LLAMA = dict(vocab_size=TINY_LLAMA_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=10_000.0,
+                  eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
+
+def tiny_llama_checkpoint(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """(the transformers model, its saved directory): seeded, so every module gets the same."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA)).eval()
+    path = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(path, safe_serialization=True)
+    return model, path
+
+
+def random_prompts(lens: list[int], seed: int = 0, vocab: int = TINY_LLAMA_VOCAB) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def tiny_engine(path, sparse: dict, max_model_len: int, **config):  # type: ignore[no-untyped-def]
+    """An Engine over a saved checkpoint in float32 on the CPU, 4 request rows by default."""
+    from sparse_framework.engine.engine import Engine
+    from sparse_framework.engine.engine_config import EngineConfig
+    from sparse_framework.engine.models import load_model
+
+    model = load_model(path, dtype=torch.float32)
+    return Engine(model, model.config, sparse, EngineConfig(**{"max_num_seqs": 4, "max_model_len": max_model_len, **config}))

@@ -15,12 +15,10 @@ from sparse_framework.engine.engine import PENDING, Engine
 from sparse_framework.engine.engine_config import EngineConfig
 from sparse_framework.engine.models import load_model
 from sparse_framework.engine.sampling import SamplingParams
-from helpers import HIERARCHICAL_ALWAYS, run_batch
+from helpers import HIERARCHICAL_ALWAYS, TINY_LLAMA, TINY_LLAMA_VOCAB, random_prompts, run_batch, tiny_engine, tiny_llama_checkpoint
 
-VOCAB = 96
-TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, rope_theta=10_000.0, eos_token_id=None,
-            bos_token_id=None, pad_token_id=None)
+VOCAB = TINY_LLAMA_VOCAB
+TINY = TINY_LLAMA
 FULL = {**HIERARCHICAL_ALWAYS, "algorithm": "quest", "top_k": 256, "page_size": 4, "sink_tokens": 4, "recent_tokens": 8,
         "device_buffer_tokens": 512, "min_sparse_prompt_len": 0, "extra": {"dense_first_layers": 0}}
 SMALL = {**FULL, "top_k": 8, "device_buffer_tokens": 48}
@@ -29,21 +27,14 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
-    path = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(path, safe_serialization=True)
-    return model, path
+    return tiny_llama_checkpoint(tmp_path_factory)
 
 
-def prompts(lens: list[int], seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lens]
+prompts = random_prompts
 
 
 def engine_for(path, sparse: dict, **config) -> Engine:
-    model = load_model(path, dtype=torch.float32)
-    return Engine(model, model.config, sparse, EngineConfig(**{"max_num_seqs": 4, "max_model_len": 128, **config}))
+    return tiny_engine(path, sparse, 128, **config)
 
 
 def run(engine: Engine, batch: list[list[int]], params: SamplingParams = GREEDY) -> dict[str, list[int]]:

@@ -35,6 +35,10 @@ CONFIGS = {
     "sparse-small-budget": (SMALL, {}),
     "dense-mode": ({**FULL, "min_sparse_prompt_len": 1000}, {}),
     "resident": ({**FULL, "store": "resident"}, {"host_capacity_tokens": 1024}),
+    # the hybrid store: whole requests export their pages to the cache; in a pool of about two
+    # whole requests, admissions spill and spilled requests lend their host pages
+    "hybrid": ({**SMALL, "store": "hybrid"}, {}),
+    "hybrid-tight": ({**SMALL, "store": "hybrid", "device_buffer_tokens": 28}, {"device_capacity_tokens": 96}),
     "pqcache": ({**SMALL, "algorithm": "pqcache", "top_k": 12, "extra": {}}, {}),
     "dsa-keys": ({**SMALL, "algorithm": "dsa", "top_k": 12, "extra": {"source": "keys"}}, {}),
     "snapkv": ({**FULL, "algorithm": "snapkv", "top_k": 12, "device_buffer_tokens": 48, "extra": {"window": 6}}, {}),
@@ -128,7 +132,7 @@ def test_cache_on_equals_cache_off_one_after_another(path, name) -> None:
     assert_empty_after_clear(engine)
 
 
-@pytest.mark.parametrize("name", ["sparse-small-budget", "dense-mode"])
+@pytest.mark.parametrize("name", ["sparse-small-budget", "dense-mode", "hybrid-tight"])
 def test_cache_on_equals_cache_off_arriving_together(path, name) -> None:
     """All requests queued at once, two running at a time: the later ones are admitted after
     the first prompts were handed over, so they hit pages inserted while those still decode."""
@@ -138,6 +142,8 @@ def test_cache_on_equals_cache_off_arriving_together(path, name) -> None:
     engine = engine_for(path, sparse, True, max_num_seqs=2, **extra)
     assert together(engine, batch) == off
     assert engine.prefix_cache.stats.hits >= 2
+    if name == "hybrid-tight":
+        assert engine.runner.coord.store.spill_count > 0
     assert_empty_after_clear(engine)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -15,12 +14,8 @@ from sparse_framework.engine.engine import Engine
 from sparse_framework.engine.engine_config import EngineConfig
 from sparse_framework.engine.models import load_model
 from sparse_framework.engine.sampling import SamplingParams
-from helpers import run_batch
+from helpers import random_prompts, run_batch, tiny_engine, tiny_llama_checkpoint
 
-VOCAB = 96
-TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, rope_theta=10_000.0, eos_token_id=None,
-            bos_token_id=None, pad_token_id=None)
 # a budget that binds (8 pages of 4 tokens), a 48-token buffer once spilled; both layers sparse
 SMALL = {"algorithm": "quest", "sparse_policy": "always", "top_k": 32, "page_size": 4, "sink_tokens": 4,
          "recent_tokens": 8, "device_buffer_tokens": 48, "min_sparse_prompt_len": 0,
@@ -30,26 +25,16 @@ COVERING = {**SMALL, "top_k": 112, "device_buffer_tokens": 128}  # every context
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
-    path = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(path, safe_serialization=True)
-    return model, path
-
-
-def prompts(lens: list[int], seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lens]
+    return tiny_llama_checkpoint(tmp_path_factory)
 
 
 def engine_for(path, sparse: dict, **config) -> Engine:
-    model = load_model(path, dtype=torch.float32)
-    return Engine(model, model.config, sparse, EngineConfig(**{"max_num_seqs": 4, "max_model_len": 160, **config}))
+    return tiny_engine(path, sparse, 160, **config)
 
 
 def test_while_everything_fits_nothing_spills_and_no_host_room_is_used(checkpoint) -> None:
     _, path = checkpoint
-    batch = prompts([70, 33, 90], seed=1)
+    batch = random_prompts([70, 33, 90], seed=1)
     params = SamplingParams(max_tokens=10, temperature=0.0)
     hybrid = engine_for(path, {**SMALL, "store": "hybrid"})
     resident = engine_for(path, {**SMALL, "store": "resident"})
@@ -68,7 +53,7 @@ def test_under_pressure_requests_spill_and_generate_as_the_resident_store_would(
     requests (the largest first) or come in spilled, growth spills; every token equals the
     resident store's with room for all, and every request ran at once (nobody preempted)."""
     _, path = checkpoint
-    batch = prompts([70, 52, 90, 61], seed=3)
+    batch = random_prompts([70, 52, 90, 61], seed=3)
     params = SamplingParams(max_tokens=24, temperature=0.0)
     roomy = run_batch(engine_for(path, {**SMALL, "store": "resident"}), batch, params)
     tight = engine_for(path, {**SMALL, "store": "hybrid"}, device_capacity_tokens=capacity)
@@ -85,7 +70,7 @@ def test_at_a_covering_budget_spilled_requests_equal_transformers(checkpoint) ->
     the context, so pressure never spills there: the test spills them itself): the tokens are
     transformers' own."""
     model, path = checkpoint
-    batch = prompts([70, 45, 90], seed=4)
+    batch = random_prompts([70, 45, 90], seed=4)
     new = 12
     engine = engine_for(path, {**COVERING, "store": "hybrid"}, max_num_batched_tokens=32, max_prefill_chunk=32)
     for i, p in enumerate(batch):
@@ -110,7 +95,7 @@ def test_a_request_spilled_after_its_prefill_swaps_in_exactly_as_the_hierarchica
     the sink and the recent window, as the hierarchical store's admission leaves it), every
     request makes the same selections with the same hits and misses, and the same tokens."""
     _, path = checkpoint
-    batch = prompts([70, 52, 90], seed=3)
+    batch = random_prompts([70, 52, 90], seed=3)
     seen = {}
     for store in ("hierarchical", "hybrid"):
         engine = engine_for(path, {**SMALL, "store": store}, max_num_batched_tokens=256)
@@ -137,7 +122,7 @@ def test_random_lengths_and_pools_spill_without_changing_a_token(checkpoint, dat
     lens = data.draw(st.lists(st.integers(20, 100), min_size=n, max_size=n))
     outs = data.draw(st.lists(st.integers(1, 30), min_size=n, max_size=n))
     capacity = data.draw(st.sampled_from([96, 128, 200, 320]))
-    batch = prompts(lens, seed=data.draw(st.integers(0, 1000)))
+    batch = random_prompts(lens, seed=data.draw(st.integers(0, 1000)))
     want, got = {}, {}
     for store, cap in (("resident", None), ("hybrid", capacity)):
         engine = engine_for(path, {**SMALL, "store": store}, device_capacity_tokens=cap, max_num_batched_tokens=48)
@@ -200,7 +185,7 @@ def test_on_cuda_spills_under_pressure_give_the_resident_stores_tokens(checkpoin
     """On the GPU (the fused kernels, pinned host rows; whole-step CUDA graphs keyed apart for
     batches with a spilled row): the same tokens as the resident store with room for all."""
     _, path = checkpoint
-    batch = prompts([70, 52, 90, 61], seed=5)
+    batch = random_prompts([70, 52, 90, 61], seed=5)
     params = SamplingParams(max_tokens=24, temperature=0.0)
     outs = {}
     for store, cap in (("resident", None), ("hybrid", 160)):

@@ -92,16 +92,10 @@ fetch() {  # fetch URL: its body on stdout, non-zero unless 200 (no curl needed)
     python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())' "$1"
 }
 
+# shellcheck source=benchmarks/gpu/packed_tree.sh
+source "$HERE/benchmarks/gpu/packed_tree.sh"
 unpack() {  # the packed tree into $TREE (as side_by_side_runs.sh does), this project into $SITE
-    local commit
-    commit=$(cat "$HERE/.gpu_carry/tree/COMMIT")
-    if [[ ! -f $TREE/.packed || $(cat $TREE/.packed) != "$commit" ]]; then
-        rm -rf $TREE $SITE && mkdir -p $TREE
-        python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
-            "$HERE/.gpu_carry/tree/tree.tar.xz" $TREE
-        echo "$commit" >$TREE/.packed
-    fi
-    export SF_COMMIT=$commit
+    unpack_tree "$HERE" $TREE $SITE
     if [[ ! -f $STACK/.done ]]; then
         ls "$HERE"/.gpu_carry/serve_stack/*.whl >/dev/null 2>&1 || { echo "no .gpu_carry/serve_stack: carry it"; exit 1; }
         rm -rf $STACK

@@ -24,16 +24,10 @@ TREE=/tmp/sbs_tree
 SITE=/tmp/sf_site
 export PYTHONUNBUFFERED=1
 
-unpack() {  # the packed tree into $TREE and this project into $SITE (entry points registered)
-    local commit
-    commit=$(cat "$HERE/.gpu_carry/tree/COMMIT")
-    if [[ ! -f $TREE/.packed || $(cat $TREE/.packed) != "$commit" ]]; then
-        rm -rf $TREE $SITE && mkdir -p $TREE
-        python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
-            "$HERE/.gpu_carry/tree/tree.tar.xz" $TREE
-        echo "$commit" >$TREE/.packed
-    fi
-    export SF_COMMIT=$commit
+# shellcheck source=benchmarks/gpu/packed_tree.sh
+source "$HERE/benchmarks/gpu/packed_tree.sh"
+unpack() {  # the packed tree into $TREE (this project is installed into $SITE by `install`)
+    unpack_tree "$HERE" $TREE $SITE
 }
 
 install() {  # after vLLM's site is joined (it brings pydantic, which this project needs)
