@@ -172,7 +172,7 @@ BASE: dict[str, Any] = {"algorithms": ["quest"], "budgets": ["1/8"], "contexts":
     [
         ({"task": "qa_squad"}, r"`workloads.0.ruler.task`.*must be one of niah_single_1, niah_multikey_2, .*ruler_fwe"),
         ({"task": "niah_single_1", "model": "no-such-model"},
-         r"`workloads.0.ruler.model`.*catalog model name \(smollm2-135m-instruct\) or a local checkpoint directory"),
+         r"`workloads.0.ruler.model`.*catalog model name \(smollm2-135m-instruct, gemma3-270m\) or a local checkpoint directory"),
         ({"task": "niah_single_1", "samples": 0}, r"`workloads.0.ruler.samples`"),
         ({"task": "niah_single_1", "engine": {"max_num_seqs": 4}}, r"'max_num_seqs' is set by the workload's own key"),
         ({"task": "niah_single_1", "engine": {"cuda_graph": True}}, r"unknown engine option 'cuda_graph'; allowed: .*cuda_graphs"),
