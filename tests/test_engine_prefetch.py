@@ -30,12 +30,28 @@ def quest(prefetch: str, page: int, top_k: int, buffer: int) -> dict:
             "extra": {"dense_first_layers": 1}, "prefetch": prefetch}
 
 
-def run(model, config: ModelConfig, sparse: dict, prompts: list[list[int]], tokens: int):  # type: ignore[no-untyped-def]
+def run(model, config: ModelConfig, sparse: dict, prompts: list[list[int]], tokens: int, **engine):  # type: ignore[no-untyped-def]
     engine = Engine(model, config, sparse, EngineConfig(max_num_seqs=len(prompts), max_num_batched_tokens=256,
-                                                        max_model_len=max(map(len, prompts)) + tokens + 8))
+                                                        max_model_len=max(map(len, prompts)) + tokens + 8, **engine))
     outs = run_batch(engine, prompts, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
     stats = engine.runner.coord.store.stats()
-    return outs, {k: sum(s.get(k, 0) for s in stats) for k in ("hits", "misses", "prefetch_rows", "bytes_in")}
+    counts = {k: sum(s.get(k, 0) for s in stats) for k in ("hits", "misses", "prefetch_rows", "bytes_in")}
+    return outs, {**counts, "spills": engine.runner.coord.store.spill_count}
+
+
+def test_prefetch_on_the_hybrid_store_under_pressure_changes_no_token() -> None:
+    """The hybrid store's spilled requests take the prefetch as the hierarchical store's do (the
+    plan kernel's whole rows take none): the same tokens with and without it, rows prefetched."""
+    config = ModelConfig.from_hf(TINY)
+    model = random_model(config, torch.float32, seed=3)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (200, 150, 260)]
+    page, top_k = 4, 32
+    hybrid = {**quest("off", page, top_k, top_k + 4 * page), "store": "hybrid"}
+    off, s_off = run(model, config, hybrid, prompts, 16, device_capacity_tokens=400)
+    on, s_on = run(model, config, {**hybrid, "prefetch": "early_query"}, prompts, 16, device_capacity_tokens=400)
+    assert on == off
+    assert s_on["spills"] > 0 and s_on["prefetch_rows"] > 0 and s_off["prefetch_rows"] == 0
 
 
 @pytest.mark.slow
