@@ -251,6 +251,13 @@ case ${1:-} in
     engine)
         mkdir -p "$OUT"
         unpack
+        # where vLLM's bundle was joined on this machine (the vllm group ran first), the engine
+        # takes vLLM's FlashAttention 3 for its prefill chunks, as in side_by_side.py; else SDPA
+        # serves a prompt's later chunks (2x slower: stop 50's curve ran so, its TTFT 2.2x vLLM's)
+        if [[ -d /tmp/vllm_site ]]; then
+            eval "$(bash "$TREE/benchmarks/gpu/vllm_gpu_install.sh" env)"
+            echo "engine: vLLM's site joined (/tmp/vllm_site): FlashAttention 3 for prefill"
+        fi
         mapfile -t lines < <(engine_configs "${2:-engine-dense,engine-defaults,engine-resident}")
         ((${#lines[@]})) || exit 1
         for line in "${lines[@]}"; do
