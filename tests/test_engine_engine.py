@@ -34,7 +34,7 @@ prompts = random_prompts
 
 
 def engine_for(path, sparse: dict, **config) -> Engine:
-    return tiny_engine(path, sparse, 128, **config)
+    return tiny_engine(path, sparse, **{"max_model_len": 128, **config})
 
 
 def run(engine: Engine, batch: list[list[int]], params: SamplingParams = GREEDY) -> dict[str, list[int]]:

@@ -29,7 +29,7 @@ def checkpoint(tmp_path_factory):
 
 
 def engine_for(path, sparse: dict, **config) -> Engine:
-    return tiny_engine(path, sparse, 160, **config)
+    return tiny_engine(path, sparse, **{"max_model_len": 160, **config})
 
 
 def test_while_everything_fits_nothing_spills_and_no_host_room_is_used(checkpoint) -> None:
