@@ -65,6 +65,25 @@ def test_under_pressure_requests_spill_and_generate_as_the_resident_store_would(
     assert store.used_tokens() == 0 and store.host_alloc.used == 0 and not store.spills.slots
 
 
+def test_room_freed_by_finished_requests_makes_spilled_requests_whole_again(checkpoint) -> None:
+    """Eight requests for a pool of about six whole ones: admissions spill; six end early, and
+    the room they free (beyond one more whole request's) makes a spilled one whole again; every
+    token is the resident store's."""
+    _, path = checkpoint
+    batch = random_prompts([96, 92, 99, 95, 97, 94, 98, 93], seed=7)
+    lengths = [12, 30, 12, 12, 30, 12, 12, 12]
+    want, got = {}, {}
+    for store, cap in (("resident", None), ("hybrid", 640)):
+        engine = engine_for(path, {**SMALL, "store": store}, max_num_seqs=8, max_model_len=128,
+                            device_capacity_tokens=cap, max_num_batched_tokens=256)
+        for i, (p, n) in enumerate(zip(batch, lengths)):
+            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=n, temperature=0.0))
+        (want if store == "resident" else got).update((o.request_id, o.token_ids) for o in engine.run_to_completion())
+    kv = engine.runner.coord.store
+    assert kv.spill_count > 0 and kv.promote_count > 0
+    assert got == want
+
+
 def test_at_a_covering_budget_spilled_requests_equal_transformers(checkpoint) -> None:
     """Every request spilled once it is prefilled (a covering budget needs a buffer as long as
     the context, so pressure never spills there: the test spills them itself): the tokens are
@@ -75,13 +94,14 @@ def test_at_a_covering_budget_spilled_requests_equal_transformers(checkpoint) ->
     engine = engine_for(path, {**COVERING, "store": "hybrid"}, max_num_batched_tokens=32, max_prefill_chunk=32)
     for i, p in enumerate(batch):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=new, temperature=0.0))
-    store, got = engine.runner.coord.store, {}
+    store, got, spilled = engine.runner.coord.store, {}, set()
     while engine.has_unfinished():
         for out in engine.step():  # (step returns the requests that finished in it)
             got[out.request_id] = out.token_ids
         for r in engine.runner.requests.values():
-            if r.seq_len >= r.prompt_len and r.slot not in store.spills:
+            if r.seq_len >= r.prompt_len and r.rid not in spilled:  # once each (room freed later promotes)
                 store.spill(r)
+                spilled.add(r.rid)
     assert store.spill_count == len(batch)
     for i, p in enumerate(batch):
         ids = torch.tensor([p])
@@ -98,7 +118,8 @@ def test_a_request_spilled_after_its_prefill_swaps_in_exactly_as_the_hierarchica
     batch = random_prompts([70, 52, 90], seed=3)
     seen = {}
     for store in ("hierarchical", "hybrid"):
-        engine = engine_for(path, {**SMALL, "store": store}, max_num_batched_tokens=256)
+        # (a pool without the room to make a spilled request whole again: they stay spilled)
+        engine = engine_for(path, {**SMALL, "store": store}, max_num_batched_tokens=256, device_capacity_tokens=240)
         for i, p in enumerate(batch):
             engine.add_request(f"r{i}", p, SamplingParams(max_tokens=30, temperature=0.0))
         kv, got = engine.runner.coord.store, {}
@@ -111,7 +132,7 @@ def test_a_request_spilled_after_its_prefill_swaps_in_exactly_as_the_hierarchica
         counts = kv.stats()
         seen[store] = (got, sum(c["hits"] for c in counts), sum(c["misses"] for c in counts))
     assert seen["hybrid"] == seen["hierarchical"]
-    assert seen["hybrid"][2] > 0  # (swaps happened: the budget binds)
+    assert seen["hybrid"][2] > 0 and kv.promote_count == 0  # (swaps happened: the budget binds)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -262,6 +262,19 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.store.mode(r, 0) == ("resident" if 0 in self.store.dense_layers else "buffered")
         assert self.store.device_tokens(r) < MAX_LEN or 1 in self.store.dense_layers
 
+    @precondition(lambda self: self.hybrid and any(r.slot in self.store.spills for r in self.live()))
+    @rule(data=st.data())
+    def promote(self, data) -> None:
+        """A spilled request of a hybrid store made whole again (where the pool has the room)."""
+        r = data.draw(st.sampled_from([r for r in self.live() if r.slot in self.store.spills]))
+        used = [a.used for a in self.store.dev_alloc]
+        try:
+            self.store.promote(r)
+        except CapacityError:  # no room: nothing changed
+            assert [a.used for a in self.store.dev_alloc] == used and r.slot in self.store.spills
+            return
+        assert self.store.mode(r, 0) == "resident" and self.store.host_tokens(r) == 0
+
     @precondition(lambda self: bool(self.retracted))
     @rule(data=st.data())
     def resume(self, data) -> None:

@@ -154,6 +154,7 @@ class HierarchicalKVStore(KVStore):
         self.hybrid = hybrid
         self.spills = SpilledRequests(max_requests, dev, enabled=hybrid)
         self.spill_count = 0  # requests spilled so far (stats)
+        self.promote_count = 0  # spilled requests made whole again (stats)
 
         # the swap-in of selections and the prefetch (residency.py), with their counters and the
         # launch shapes of its copies (copy_shapes: `CopyShapes`, None for the measured defaults)
@@ -582,6 +583,8 @@ class HierarchicalKVStore(KVStore):
         self._retracted.discard(request.slot)
         self.spills.mark(request.slot, False)
         self._live.pop(request.slot, None)
+        if self.hybrid and self.spills.slots:
+            self._promote_while_room()
 
     # -- the hybrid store's spills (spills.py) ------------------------------------------------
     def _sparse_layers(self) -> list[int]:
@@ -658,6 +661,50 @@ class HierarchicalKVStore(KVStore):
         for layer in layers:
             self._fill_buffer(layer, request, None)
         self.spill_count += 1
+
+    def _promote_while_room(self) -> None:
+        """Make spilled requests whole again, the smallest first, while the sparse layers' pool
+        keeps the room of one more whole request of max_seq_len after each: room freed by a
+        finished request goes to the spilled ones, but not the room the next admission needs,
+        which would spill them again at once."""
+        layers = self._sparse_layers()
+        if not layers:
+            return
+        buffer = self.buffer_tokens // self.page_size
+        waiting = sorted((r for slot, r in self._live.items() if slot in self.spills and slot not in self._retracted),
+                         key=lambda r: r.seq_len)
+        for r in waiting:
+            need = cdiv(r.seq_len, self.page_size) - buffer
+            if min(self.dev_alloc[layer].free for layer in layers) - need < self.max_pages:
+                return
+            self.promote(r)
+
+    def promote(self, request: Request) -> None:
+        """Make a spilled request of a hybrid store whole on the device again: its sparse layers'
+        buffers are released, every token is copied back from its host pages, which are freed
+        (it keeps nothing on the host, as before its spill). Lossless. CapacityError, with
+        nothing changed, when the sparse layers' pool lacks the room."""
+        if request.slot not in self.spills or request.slot in self._retracted:
+            raise ValueError(f"request {request.rid!r}: only a live, spilled request of a hybrid store is promoted")
+        layers = self._sparse_layers()
+        need = cdiv(request.seq_len, self.page_size) - self._sparse_pages(request)
+        short = [layer for layer in layers if self.dev_alloc[layer].free < need]
+        if short:
+            raise self._no_room(short[0], need, f"request {request.rid!r} made whole", False)
+        self.writes.sync()  # its last decode tokens' host copies land before they are read back
+        for layer in layers:
+            self.dev_alloc[layer].release(self._dev_pages.pop((layer, request.slot)))
+        self.dev_table[layers, request.slot] = -1
+        self.spills.mark(request.slot, False)
+        self.maps.reset(request.slot)
+        self._alloc_device(request, layers, self._device_tokens_for(request, request.seq_len))
+        sid = torch.tensor([request.slot], device=self.device)
+        tokens = torch.arange(request.seq_len, device=self.device).unsqueeze(0)
+        for layer in layers:
+            self.residency.copy_in(layer, sid, tokens, self._phys(layer, sid, tokens))
+        # later writes to these host pages are queued after this copy (resume's argument)
+        self.host_pool.free(request)
+        self.promote_count += 1
 
     def _copy_to_host(self, request: Request) -> None:
         """Every layer's device rows of a request that keeps nothing on the host yet into its
