@@ -651,16 +651,22 @@ class HierarchicalKVStore(KVStore):
         self.writes.sync()
         self.host_pool.reserve(request, request.seq_len)
         self._copy_to_host(request)
+        for layer in self._switch_tier(request, spilled=True):
+            self._fill_buffer(layer, request, None)
+        self.spill_count += 1
+
+    def _switch_tier(self, request: Request, spilled: bool) -> list[int]:
+        """Re-place a request's sparse layers on the device for its new tier (spilled: a buffer;
+        whole: every token): their pages released and taken anew, the maps reset; the rows are
+        the caller's to copy. Returns the sparse layers."""
         layers = self._sparse_layers()
         for layer in layers:
             self.dev_alloc[layer].release(self._dev_pages.pop((layer, request.slot)))
         self.dev_table[layers, request.slot] = -1
-        self.spills.mark(request.slot, True)
+        self.spills.mark(request.slot, spilled)
         self.maps.reset(request.slot)
         self._alloc_device(request, layers, self._device_tokens_for(request, request.seq_len))
-        for layer in layers:
-            self._fill_buffer(layer, request, None)
-        self.spill_count += 1
+        return layers
 
     def _promote_while_room(self) -> None:
         """Make spilled requests whole again, the smallest first, while the sparse layers' pool
@@ -692,12 +698,7 @@ class HierarchicalKVStore(KVStore):
         if short:
             raise self._no_room(short[0], need, f"request {request.rid!r} made whole", False)
         self.writes.sync()  # its last decode tokens' host copies land before they are read back
-        for layer in layers:
-            self.dev_alloc[layer].release(self._dev_pages.pop((layer, request.slot)))
-        self.dev_table[layers, request.slot] = -1
-        self.spills.mark(request.slot, False)
-        self.maps.reset(request.slot)
-        self._alloc_device(request, layers, self._device_tokens_for(request, request.seq_len))
+        self._switch_tier(request, spilled=False)
         sid = torch.tensor([request.slot], device=self.device)
         tokens = torch.arange(request.seq_len, device=self.device).unsqueeze(0)
         for layer in layers:
