@@ -63,7 +63,7 @@ COUNTS = ("n", "actual", "hit", "pred", "miss", "miss_hit", "fetch", "fetch_wast
 
 # -- metrics (pure functions: tests/test_benchmarks_selection_prediction.py) ------------------
 def page_scores(q: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, range_weight: float) -> torch.Tensor:
-    """Quest's page score, the engine's rule (kernels/reference_scores.py): per query head
+    """Quest's page score, the engine's rule (kernels/reference/scores.py): per query head
     q·(min+max)/2 + range_weight·Σ_d |q_d|·(max_d − min_d)/2, summed over the GQA group.
     q [Hq, D]; lo, hi [Hkv, P, D] -> [Hkv, P]."""
     hk, _, d = lo.shape

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparse_framework.algorithms.base import topk_selection
-from sparse_framework.kernels.reference_scores import reduce_groups
+from sparse_framework.kernels.reference.scores import reduce_groups
 
 
 def forced_tokens(length: int, sink: int, recent: int, newest: bool = True, tail: int | None = None) -> set[int]:

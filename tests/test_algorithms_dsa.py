@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from sparse_framework import ConfigError, KVLayout, Request
 from sparse_framework.algorithms.dsa import DSA
 from sparse_framework.config import load_config
-from sparse_framework.kernels.reference_scores import dequantize_fp8_blocks, quantize_fp8_blocks
+from sparse_framework.kernels.reference.scores import dequantize_fp8_blocks, quantize_fp8_blocks
 from helpers import batch_of, run_interpreted
 
 MAX_REQUESTS, MAX_SEQ_LEN = 4, 96

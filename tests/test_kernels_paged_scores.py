@@ -10,7 +10,7 @@ from helpers import run_interpreted
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparse_framework.kernels.reference_scores import quest_paged_scores_torch
+from sparse_framework.kernels.reference.scores import quest_paged_scores_torch
 
 
 def float64_scores(q, page_min, page_max, table, n_pages, how, w):  # type: ignore[no-untyped-def]
@@ -66,7 +66,7 @@ def test_bad_shapes_are_refused_with_the_argument_named() -> None:
 INTERPRETED = r"""
 import torch
 from sparse_framework.kernels.paged_scores import quest_paged_scores_triton
-from sparse_framework.kernels.reference_scores import quest_paged_scores_torch
+from sparse_framework.kernels.reference.scores import quest_paged_scores_torch
 
 g = torch.Generator().manual_seed(0)
 cases = [(2, 2, 2, 16, 40, 37, 30, "max", 1.0), (1, 1, 3, 24, 10, 10, 10, "mean", 0.5),

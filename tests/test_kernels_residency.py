@@ -1,4 +1,4 @@
-"""kernels/residency.py `copy_missing_kernel` against a plain torch gather, interpreted on the
+"""kernels/triton/residency.py `copy_missing_kernel` against a plain torch gather, interpreted on the
 CPU (a subprocess with TRITON_INTERPRET=1): hand-made to-do lists (several streams with uneven
 counts, none at all, counts that are not multiples of the rows per iteration), copied by small
 grids (1 and 3 programs) with BLOCK_R 1, 2, 4 and 8 rows per loop iteration and tiles narrower
@@ -82,7 +82,7 @@ INTERPRETED = r"""
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from sparse_framework.common.arith import pow2
-from sparse_framework.kernels.residency import copy_missing_kernel
+from sparse_framework.kernels.triton.residency import copy_missing_kernel
 from sparse_framework.kv_store.fp8_host import quantize_rows
 from test_kernels_residency import gather, missed_rows
 

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 from helpers import batch_of, run_interpreted
 from sparse_framework import KVLayout, Request, load_config
-from sparse_framework.kernels.reference_scores import reduce_groups
+from sparse_framework.kernels.reference.scores import reduce_groups
 from sparse_framework.algorithms.pqcache import PQCache
 from sparse_framework.algorithms.quest import Quest
-from sparse_framework.kernels.reference_scores import ceil_pow2
+from sparse_framework.kernels.reference.scores import ceil_pow2
 from sparse_framework.algorithms.snapkv import SnapKVOptions, snapkv_votes
 from sparse_framework.kernels import dsa_index as dsa, scoring as sc
 

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ..common.batch import Batch, Request, Selection
 from ..common.layout import KVLayout, resolve_impl
-from ..kernels.reference_scores import reduce_groups
+from ..kernels.reference.scores import reduce_groups
 
 if TYPE_CHECKING:
     from ..common.settings import SparseSettings
@@ -343,10 +343,10 @@ def group_probabilities(
 
 def scoring_kernel(name: str, impl: str, device: str | torch.device) -> Callable[..., torch.Tensor]:
     """The scoring function `name` for `impl` ("auto": Triton on CUDA): the Triton kernel
-    `kernels.scoring.<name>_triton` or the torch reference `reference_scores.<name>_torch`.
+    `kernels.scoring.<name>_triton` or the torch reference `reference.scores.<name>_torch`.
     Triton is imported only when chosen, so the algorithms run where it is not installed."""
     if resolve_impl(impl, device) == "triton":
         from ..kernels import scoring
         return getattr(scoring, f"{name}_triton")
-    from ..kernels import reference_scores
+    from ..kernels.reference import scores as reference_scores
     return getattr(reference_scores, f"{name}_torch")

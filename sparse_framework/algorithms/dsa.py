@@ -47,7 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..common.batch import Batch, Request, Selection
 from ..common.layout import resolve_impl
-from ..kernels.reference_scores import FP8_BLOCK, quantize_fp8_blocks
+from ..kernels.reference.scores import FP8_BLOCK, quantize_fp8_blocks
 from .base import NO_INPUTS, Inputs, ScoringAlgorithm, group_probabilities, key_dtype, scoring_kernel
 
 # whether the Triton indexer also runs the top-k's first radix pass (one launch fewer per

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..common.batch import Batch, Request, Selection
 from ..common.layout import resolve_impl
-from ..kernels.reference_scores import reduce_groups
+from ..kernels.reference.scores import reduce_groups
 from .base import NO_INPUTS, Inputs, ScoringAlgorithm, scoring_kernel
 
 

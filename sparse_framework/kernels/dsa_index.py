@@ -1,5 +1,5 @@
 """Triton kernels of DeepSeek's lightning indexer (DSA), each with the signature and float32
-result of its torch reference in `kernels/reference_scores.py`:
+result of its torch reference in `kernels/reference/scores.py`:
 
   dsa_index_scores      Σ_h w_h · ReLU(q_h · k_t) per token, bf16 or fp8 keys
   dsa_index_scores_fp8q the same over fp8 keys, the raw queries quantised like the keys in

@@ -8,7 +8,7 @@ under a full CUDA graph that gather's buffer spans every block of the table at e
 batch size. The Triton kernel reads each bound once, through the table: one program per
 (request, KV head, run of pages), the scores of `quest_scores` (same formula, reductions and
 `range_weight`), float32 [B, Hkv, n_pages]. The torch twin, `quest_paged_scores_torch`, is
-in `reference_scores.py` (it runs without Triton).
+in `reference/scores.py` (it runs without Triton).
 
 Table entries are clamped into [0, num_blocks) (a table row past a request's blocks holds
 whatever vLLM left there; the top-k ignores those pages by length).

@@ -1,5 +1,5 @@
 """Triton kernels of the algorithms' scoring hot paths (`*_triton`), each with the signature
-and float32 result of its torch reference in `kernels/reference_scores.py` (re-exported
+and float32 result of its torch reference in `kernels/reference/scores.py` (re-exported
 here as `*_torch`):
 
   quest_scores          Σ_d max(q_d·min_d, q_d·max_d) per page, combined over a GQA group

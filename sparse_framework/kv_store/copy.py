@@ -102,7 +102,7 @@ def copy_rows(
         d = span_index(dst_off, live, row)
         dst.view(-1)[d.to(dst.device)] = src.view(-1)[span_index(src_off, live, row).to(src.device)].to(dst.device)
         return
-    from ..kernels.copy_rows import copy_rows_kernel
+    from ..kernels.triton.copy_rows import copy_rows_kernel
     from ..kernels.launch import launch
 
     n = src_off.numel()

@@ -26,7 +26,7 @@ value), per token and KV head. Why this scale:
 - a power of two, stored as its exponent byte (not a float32 or bf16 scale): dividing by it
   is exact, so the only rounding is e4m3's; dequantised values (4 significant bits times a
   power of two) are exact in bfloat16 and float32; the torch path and the Triton kernels
-  (integer code on the float32 bits, kernels/fp8_host.py) agree bit for bit; and it costs one
+  (integer code on the float32 bits, kernels/triton/fp8_host.py) agree bit for bit; and it costs one
   byte per head row, not two or four (a power of two loses nothing here: e4m3's relative
   precision is the same in every binade).
 
@@ -100,7 +100,7 @@ def _scale_exponent(amax: torch.Tensor) -> torch.Tensor:
 
 def _encode_e4m3(y: torch.Tensor) -> torch.Tensor:
     """float32 y (|y| <= 448) -> float8_e4m3fn bits as uint8, round to nearest even: the same
-    integer code as kernels/fp8_host.py `encode_e4m3` (equal to `y.to(torch.float8_e4m3fn)`)."""
+    integer code as kernels/triton/fp8_host.py `encode_e4m3` (equal to `y.to(torch.float8_e4m3fn)`)."""
     b = y.contiguous().view(torch.int32)
     sign = (b >> 24) & 0x80
     a = b & 0x7FFFFFFF
@@ -154,7 +154,7 @@ def copy_to_host(
     if dst.dtype != torch.uint8 or not src.dtype.is_floating_point:
         raise TypeError(f"copy_to_host: float rows into uint8 host rows, got {src.dtype} -> {dst.dtype}")
     if uses_triton(src, dst, src_off, dst_off, impl, "copy_to_host"):
-        from ..kernels.fp8_host import quant_rows_kernel
+        from ..kernels.triton.fp8_host import quant_rows_kernel
 
         _launch(quant_rows_kernel, src, dst, src_off, dst_off, heads, head_dim)
         return
@@ -175,7 +175,7 @@ def copy_from_host(
     if src.dtype != torch.uint8 or not dst.dtype.is_floating_point:
         raise TypeError(f"copy_from_host: uint8 host rows into float rows, got {src.dtype} -> {dst.dtype}")
     if uses_triton(src, dst, src_off, dst_off, impl, "copy_from_host"):
-        from ..kernels.fp8_host import dequant_rows_kernel
+        from ..kernels.triton.fp8_host import dequant_rows_kernel
 
         _launch(dequant_rows_kernel, src, dst, src_off, dst_off, heads, head_dim)
         return

@@ -94,7 +94,7 @@ class HierarchicalKVStore(KVStore):
         self.sink_tokens, self.recent_tokens = sink_tokens, recent_tokens
         self.dense_layers = frozenset(dense_layers)
         self.all_resident = resident_only
-        # "triton": the fused kernels of kernels/residency.py (CUDA, or the CPU interpreter);
+        # "triton": the fused kernels of kernels/triton/residency.py (CUDA, or the CPU interpreter);
         # "torch": the same algorithm in torch ops, the reference.
         self.impl = resolve_impl(impl, layout.device)
         self.max_requests, self.max_seq_len = max_requests, max_seq_len

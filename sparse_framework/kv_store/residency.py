@@ -220,7 +220,7 @@ class BufferResidency:
         return not self.spills.enabled or self.spills.any_in(batch)
 
     def _ensure_resident_fused(self, layer: int, batch: Batch, selection: Selection) -> torch.Tensor:
-        """`ensure_resident` in two kernel launches (kernels/residency.py)."""
+        """`ensure_resident` in two kernel launches (kernels/triton/residency.py)."""
         idx = selection.indices.contiguous()
         start = self._timer() if self.timing else None
         slots, todo, n_todo = self._plan_selection(layer, batch, idx, self.counts[layer])
@@ -238,7 +238,7 @@ class BufferResidency:
         by a grid of `programs` of `warps` warps copying `block_r` rows per loop iteration each (BLOCK_R)."""
         from ..kernels import pdl
         from ..kernels.launch import launch
-        from ..kernels.residency import copy_missing_kernel
+        from ..kernels.triton.residency import copy_missing_kernel
         from .copy import _as_kernel_arg
 
         b, s, w = idx.shape
@@ -319,7 +319,7 @@ class BufferResidency:
         missed entries, their count per stream); hits and misses are added to `counts` [3]."""
         from ..kernels import pdl
         from ..kernels.launch import launch
-        from ..kernels.residency import plan_residency_kernel
+        from ..kernels.triton.residency import plan_residency_kernel
 
         b, s, w = idx.shape
         u = self.unit

@@ -4,7 +4,7 @@ Per layer, request and stream: logical unit → buffer unit (`l2s`), its inverse
 the step each buffer unit was last used (`last_used`), all device tensors with one trash
 column at the end, so that masked updates write there instead of being filtered (no host
 synchronisation). The torch reference of the victim choice lives here; the fused kernels of
-kernels/residency.py implement the same rules.
+kernels/triton/residency.py implement the same rules.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class SlotMaps:
         recent, newest) unit). With `need` (int [B, S]), only each stream's need[b, s] first
         are chosen (fewer if fewer may go) and they come in ascending unit order, then
         `buffer_units` (the trash column) fills the row: the order the fused kernel produces
-        without sorting (it finds the need-th oldest age by bisection, kernels/residency.py).
+        without sorting (it finds the need-th oldest age by bisection, kernels/triton/residency.py).
         rows: [B] state rows; protect: bool [B, S, buffer_units]. -> int64 [B, S, count]."""
         owner = self.s2l[layer, rows, :, : self.buffer_units].long()  # [B, S, Ub]
         lens = seq_lens.long().view(-1, 1, 1)

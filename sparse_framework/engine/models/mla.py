@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from ...common.errors import ConfigError
-from ...kernels.reference_scores import dsa_prefill_index_scores_torch
+from ...kernels.reference.scores import dsa_prefill_index_scores_torch
 
 INDEX_SCORE_BYTES = 2**30  # a prefill block's float32 index scores at most (mla_prefill_attention)
 PREFILL_BLOCK_FUSED = 1024  # queries per block where the fused indexer kernel runs (CUDA)

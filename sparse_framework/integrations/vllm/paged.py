@@ -35,7 +35,7 @@ from ...common.batch import Selection
 from ...common.errors import ConfigError
 from ...common.layout import resolve_impl
 from ...config import MAX_CONTEXT_TOKENS, SparseConfig, dense_layer_set, load_config, read_json_object
-from ...kernels.reference_scores import quest_paged_scores_torch
+from ...kernels.reference.scores import quest_paged_scores_torch
 # the twins' base, below this module (paged_base.py); `paged.PagedAlgorithm` is that class
 from .paged_base import CONFIG_ENV, PagedAlgorithm, PagedState, _block_rows, representation_dtype
 

@@ -1,7 +1,7 @@
 """Torch references of the algorithms' scoring hot paths — what the algorithms compute when
 not on CUDA, and what the Triton kernels of `kernels/scoring.py` (DSA's: `kernels/dsa_index.py`)
 are tested against. Kept apart from the kernels so that importing an algorithm never needs
-Triton; `kernels/reference_scores.py` re-exports the public names.
+Triton (the algorithms, the engine and the vLLM plugin import them from here).
 
   quest_scores          Σ_d max(q_d·min_d, q_d·max_d) per page, combined over a GQA group
                         (with `range_weight` w < 1: minus (1 − w)·Σ_d |q_d|·(max_d − min_d)/2)
