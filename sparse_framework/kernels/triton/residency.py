@@ -219,7 +219,7 @@ def copy_missing_kernel(
 
     FP8_HOST (kv_store/fp8_host.py): the host rows are fp8 with a scale byte after each
     head's HEAD_DIM values, dequantised to the device's dtype on the way
-    (kernels/fp8_host.py `decode_e4m3`)."""
+    (kernels/triton/fp8_host.py `decode_e4m3`)."""
     pdl.wait(PDL)
     si = tl.arange(0, BLOCK_S)
     count = tl.load(n_todo_ptr + si, mask=si < NS, other=0)
