@@ -31,6 +31,7 @@ device rows (`DeviceRows`: the pools and the device page table, which only the s
 from __future__ import annotations
 
 import logging
+from collections.abc import Set as AbstractSet
 
 import torch
 
@@ -93,6 +94,7 @@ class HierarchicalKVStore(KVStore):
         self.buffer_units = self.buffer_tokens // unit
         self.sink_tokens, self.recent_tokens = sink_tokens, recent_tokens
         self.dense_layers = frozenset(dense_layers)
+        self.sparse_layers = [layer for layer in range(layout.num_layers) if layer not in self.dense_layers]
         self.all_resident = resident_only
         # "triton": the fused kernels of kernels/triton/residency.py (CUDA, or the CPU interpreter);
         # "torch": the same algorithm in torch ops, the reference.
@@ -416,15 +418,14 @@ class HierarchicalKVStore(KVStore):
                 self._admit(request, cached_pages)
                 return
             self.spills.mark(request.slot, False)
-            if self.make_room(cdiv(request.prompt_len, self.page_size), keep=request):
+            # whole where there is (or spilling makes) the room; a dense request only whole
+            if self.make_room(cdiv(request.prompt_len, self.page_size), keep=request) or request.dense:
                 try:
                     self._admit(request, cached_pages)
                     return
                 except CapacityError:
-                    if request.dense:
+                    if request.dense:  # (the error says why)
                         raise
-            elif request.dense:
-                self._admit(request, cached_pages)  # raises the CapacityError that says why
             self.spills.mark(request.slot, True)  # no room to be whole: admitted to the host tier
             try:
                 self._admit(request, cached_pages)
@@ -550,7 +551,7 @@ class HierarchicalKVStore(KVStore):
 
     def _sparse_growth(self, starting: list[Request]) -> int:
         """Pages the requests starting one need in each sparse layer (the whole ones)."""
-        layers = self._sparse_layers()
+        layers = self.sparse_layers
         return sum(1 for r in starting if self.mode(r, layers[0]) == _RESIDENT) if layers else 0
 
     def needs_page(self, request: Request) -> bool:
@@ -587,14 +588,15 @@ class HierarchicalKVStore(KVStore):
             self._promote_while_room()
 
     # -- the hybrid store's spills (spills.py) ------------------------------------------------
-    def _sparse_layers(self) -> list[int]:
-        return [layer for layer in range(self.layout.num_layers) if layer not in self.dense_layers]
-
     def _sparse_pages(self, request: Request) -> int:
         """Device pages the request holds in one sparse layer."""
-        layers = self._sparse_layers()
+        layers = self.sparse_layers
         ids = self._dev_pages.get((layers[0], request.slot)) if layers else None
         return 0 if ids is None else ids.numel()
+
+    def _sparse_free(self) -> int:
+        """Free pages in every sparse layer (the fewest of any)."""
+        return min(self.dev_alloc[layer].free for layer in self.sparse_layers)
 
     def _spillable(self, keep: Request | None = None) -> list[tuple[int, Request]]:
         """Running requests a spill would shrink, with the pages per sparse layer it frees,
@@ -609,16 +611,15 @@ class HierarchicalKVStore(KVStore):
                 found.append((freed, r))
         return sorted(found, key=lambda x: -x[0])
 
-    def make_room(self, pages: int, keep: Request | None = None, advanced: set[int] = frozenset()) -> bool:  # type: ignore[assignment]
+    def make_room(self, pages: int, keep: Request | None = None, advanced: AbstractSet[int] = frozenset()) -> bool:
         """Free `pages` pages in every sparse layer of a hybrid store, spilling running
         requests (the largest first) if needed; True when the room is there. Spills nobody
         when spilling everyone it could would still not make the room. Not `keep`.
         `advanced`: state rows whose seq_len already counts a token not written yet (a step
         being begun: `grow`), spilled as they were before it."""
-        layers = self._sparse_layers()
-        if not layers:
+        if not self.sparse_layers:
             return True
-        short = pages - min(self.dev_alloc[layer].free for layer in layers)
+        short = pages - self._sparse_free()
         if short <= 0:
             return True
         victims = []
@@ -659,7 +660,7 @@ class HierarchicalKVStore(KVStore):
         """Re-place a request's sparse layers on the device for its new tier (spilled: a buffer;
         whole: every token): their pages released and taken anew, the maps reset; the rows are
         the caller's to copy. Returns the sparse layers."""
-        layers = self._sparse_layers()
+        layers = self.sparse_layers
         for layer in layers:
             self.dev_alloc[layer].release(self._dev_pages.pop((layer, request.slot)))
         self.dev_table[layers, request.slot] = -1
@@ -673,17 +674,18 @@ class HierarchicalKVStore(KVStore):
         keeps the room of one more whole request of max_seq_len after each: room freed by a
         finished request goes to the spilled ones, but not the room the next admission needs,
         which would spill them again at once."""
-        layers = self._sparse_layers()
-        if not layers:
+        if not self.sparse_layers:
             return
-        buffer = self.buffer_tokens // self.page_size
         waiting = sorted((r for slot, r in self._live.items() if slot in self.spills and slot not in self._retracted),
                          key=lambda r: r.seq_len)
         for r in waiting:
-            need = cdiv(r.seq_len, self.page_size) - buffer
-            if min(self.dev_alloc[layer].free for layer in layers) - need < self.max_pages:
+            if self._sparse_free() - self._promotion_pages(r) < self.max_pages:
                 return
             self.promote(r)
+
+    def _promotion_pages(self, request: Request) -> int:
+        """Pages per sparse layer a spilled request takes beyond its buffer when made whole."""
+        return cdiv(request.seq_len, self.page_size) - self._sparse_pages(request)
 
     def promote(self, request: Request) -> None:
         """Make a spilled request of a hybrid store whole on the device again: its sparse layers'
@@ -692,8 +694,8 @@ class HierarchicalKVStore(KVStore):
         nothing changed, when the sparse layers' pool lacks the room."""
         if request.slot not in self.spills or request.slot in self._retracted:
             raise ValueError(f"request {request.rid!r}: only a live, spilled request of a hybrid store is promoted")
-        layers = self._sparse_layers()
-        need = cdiv(request.seq_len, self.page_size) - self._sparse_pages(request)
+        layers = self.sparse_layers
+        need = self._promotion_pages(request)
         short = [layer for layer in layers if self.dev_alloc[layer].free < need]
         if short:
             raise self._no_room(short[0], need, f"request {request.rid!r} made whole", False)

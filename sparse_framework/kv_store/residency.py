@@ -160,7 +160,7 @@ class BufferResidency:
         4. stamp recency and count hits, misses and rows moved.
         """
         assert batch.slot_ids is not None and batch.seq_lens is not None
-        if self.all_resident or not self.buffers_rows_of(batch):
+        if not self.buffers_rows_of(batch):  # (the resident store, or a hybrid batch without a spilled row)
             return self.resident_slots(layer, batch, selection)
         self.join_prefetch(layer)
         if self.impl == "triton":
