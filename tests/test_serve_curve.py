@@ -22,7 +22,7 @@ pytest.importorskip("uvicorn")
 from helpers import load_benchmark  # noqa: E402
 from test_serve import Server, free_port, reference_server  # noqa: E402
 
-from sparse_framework.bench.online import ServeBenchSpec, benchmark, curve_tables, error_lines  # noqa: E402
+from sparse_framework.bench.online import Point, ServeBenchSpec, benchmark, curve_tables, error_lines  # noqa: E402
 from sparse_framework.cli.main import main  # noqa: E402
 from sparse_framework.common.errors import ConfigError  # noqa: E402
 
@@ -105,15 +105,15 @@ def test_each_point_holds_at_most_n_streams_open_and_reaches_n(fake: FakeServer)
     seen: list[tuple[int, list[Any]]] = []
     partial: list[int] = []
 
-    def before(rate: float, n: int) -> None:
-        assert math.isinf(rate)
+    def before(point: Point) -> None:
+        assert math.isinf(point.rate)
         fake.reset()
 
     def after(report: dict[str, Any]) -> None:
         seen.append((fake.most, list(fake.prompts)))
         partial.append(len(report["runs"]))
 
-    report = benchmark(spec, on_rate=before, on_point=after)
+    report = benchmark(spec, on_start=before, on_point=after)
     assert partial == [1, 2, 3]
     assert [most for most, _ in seen] == list(caps)  # the server saw exactly N open at the peak
     counts = [max(2 * c, 3) for c in caps]

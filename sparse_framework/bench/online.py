@@ -509,11 +509,11 @@ def served_model(spec: ServeBenchSpec) -> str:
         raise ConfigError(f"--base-url {spec.base_url}: GET /v1/models did not list a model; pass --model") from None
 
 
-def benchmark(spec: ServeBenchSpec, on_rate: Callable[[float, int], None] | None = None,
+def benchmark(spec: ServeBenchSpec, on_start: Callable[[Point], None] | None = None,
               on_done: Callable[[RequestResult], None] | None = None,
               on_point: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """The whole sweep: the requests built once (as many as the largest point sends; each point
-    sends the first of them), then each point in turn (`on_rate(rate, n)` before it, `on_done`
+    sends the first of them), then each point in turn (`on_start(point)` before it, `on_done`
     after each request, `on_point(report so far)` after it); the JSON-ready report."""
     model = spec.model or served_model(spec)
     wanted = max(p.num_prompts for p in spec.points()) if spec.concurrencies else spec.num_prompts
@@ -536,8 +536,8 @@ def benchmark(spec: ServeBenchSpec, on_rate: Callable[[float, int], None] | None
         "slo_ttft_ms": spec.slo_ttft_ms, "slo_tpot_ms": spec.slo_tpot_ms, "runs": [],
     }
     for point in spec.points(len(requests)):
-        if on_rate is not None:
-            on_rate(point.rate, point.num_prompts)
+        if on_start is not None:
+            on_start(point)
         sent = requests[:point.num_prompts]
         results, duration, in_flight = asyncio.run(run_point(spec, sent, point, model, on_done))
         report["runs"].append({
@@ -689,13 +689,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
                         transient=True)
     bar: dict[str, Any] = {"task": None, "failed": 0}
 
-    caps_left = list(spec.concurrencies)
-
-    def on_rate(rate: float, n: int) -> None:  # one bar per point, moved by each answer
+    def on_start(point: Point) -> None:  # one bar per point, moved by each answer
         if bar["task"] is not None:
             progress.remove_task(bar["task"])
-        what = f"concurrency {caps_left.pop(0)}" if caps_left else f"rate {rate_text(rate)} req/s"
-        bar.update(task=progress.add_task(what, total=n, failed=0), failed=0)
+        what = f"concurrency {point.max_concurrency}" if spec.concurrencies else f"rate {rate_text(point.rate)} req/s"
+        bar.update(task=progress.add_task(what, total=point.num_prompts, failed=0), failed=0)
 
     def on_done(r: RequestResult) -> None:
         bar["failed"] += not r.ok
@@ -709,7 +707,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             Path(args.out).write_text(json.dumps(report, indent=1))
 
     with progress:
-        report = benchmark(spec, on_rate, on_done, on_point)
+        report = benchmark(spec, on_start, on_done, on_point)
     report["command"] = command
     for table in (curve_tables if spec.concurrencies else report_tables)(report):
         console.print(table)
