@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# RULER at 8K, 16K and 32K on Gemma 3 270M on the H200 (issue 47): experiments/ruler_32k_gpu.json
+# on one GPU, resumable across device calls. The results live in $KEEP on the warm machine (a
+# warm machine keeps /tmp between calls) and are copied to $OUT at the end of every call; copy
+# that file over benchmarks/results/ruler_32k_gpu.jsonl here and render the page with
+# `sparse-framework eval experiments/ruler_32k_gpu.json --out benchmarks/results/ruler_32k_gpu.jsonl
+#  --plots docs/ruler_32k --markdown docs/ruler_32k.md --report-only`.
+#
+# Before the first call: the model, by gemma3_gpu.sh (split HERE; stash 1..N and convert THERE),
+# and the prompts, drawn HERE with lm-eval (the GPU machine has none) into the project cache and
+# packed:  tar -C ~/.cache/sparse-framework -cJf .gpu_carry/gemma3_ruler/ruler.tar.xz ruler/<tokenizer>
+#
+#   run(command="LIMIT=540 bash benchmarks/gpu/ruler_32k_runs.sh",
+#       carry=[".gpu_carry/gemma3_ruler", ".gpu_carry/whl"])       # again until every cell is in
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+LIMIT=${LIMIT:-540}
+EXP=${EXP:-experiments/ruler_32k_gpu.json}
+KEEP=${KEEP:-/tmp/ruler_32k}
+OUT=${OUT:-$KEEP/out}
+eval "$(bash benchmarks/gpu/smollm2_gpu.sh env)"
+SITE=${PYTHONPATH%%:*}
+mkdir -p "$KEEP" "$OUT" "$SPARSE_FRAMEWORK_CACHE"
+[[ -f $SPARSE_FRAMEWORK_CACHE/models/gemma3-270m/config.json ]] \
+    || { echo "gemma3-270m is not converted here: run gemma3_gpu.sh stash/convert first" >&2; exit 2; }
+[[ -f $KEEP/results.jsonl ]] || cp benchmarks/results/ruler_32k_gpu.jsonl "$KEEP/results.jsonl"
+tar -xJf .gpu_carry/gemma3_ruler/ruler.tar.xz -C "$SPARSE_FRAMEWORK_CACHE"
+if [[ ! -x $SITE/bin/sparse-framework || $(cat "$KEEP/commit" 2>/dev/null) != "${SF_COMMIT:-tree}" ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" --upgrade .gpu_carry/whl/*.whl
+    python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target "$SITE" --upgrade .
+    echo "${SF_COMMIT:-tree}" >"$KEEP/commit"
+fi
+before=$(wc -l <"$KEEP/results.jsonl")
+start=$SECONDS
+# context by context (the experiment file runs task by task): a call cut by its limit leaves
+# whole shorter contexts rather than every context short of its last tasks; a cell's id does
+# not depend on the experiment's other contexts, so --report-only on $EXP finds them all
+for ctx in $(python3 -c "import json, sys; print(*json.load(open(sys.argv[1]))['contexts'])" "$EXP"); do
+    left=$((LIMIT - (SECONDS - start)))
+    ((left > 10)) || break
+    python3 -c "import json, sys; e = json.load(open(sys.argv[1])); e['contexts'] = [int(sys.argv[2])]; json.dump(e, open(sys.argv[3], 'w'))" \
+        "$EXP" "$ctx" "$KEEP/exp_$ctx.json"
+    timeout "$left" "$SITE/bin/sparse-framework" eval "$KEEP/exp_$ctx.json" --device cuda --out "$KEEP/results.jsonl" \
+        --no-progress >>"$KEEP/eval.log" 2>&1
+    echo "eval $ctx: rc=$? at $((SECONDS - start)) s; cells $before -> $(wc -l <"$KEEP/results.jsonl")"
+done
+tail -n 5 "$KEEP/eval.log"
+cp "$KEEP/results.jsonl" "$OUT/ruler_32k_gpu.jsonl" && cp "$KEEP/eval.log" "$OUT/"
