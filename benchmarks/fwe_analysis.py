@@ -1,0 +1,407 @@
+"""Why sparse decode loses RULER on a real model: what each selection keeps of the tokens the
+answer needs, per layer and KV head (issue 47, step 3).
+
+The capture is `quest_analysis.py`'s (transformers with a recording attention function; the
+prompt dense, then the gold answer teacher-forced: the decode queries as the engine sees
+them), on raw prompts by default (`--chat` for the chat template). The marked tokens are
+
+  ruler_fwe      every token of every occurrence in the prompt of the three answer words
+                 (`sample.outputs`, the most frequent coded words): counting needs them all
+  niah_*         the needle's value tokens (`quest_analysis.find_needle`)
+
+and for each decode query, layer, KV head, selection and budget (1/x of the context) it
+measures
+
+  token share   the share of the marked tokens the selection keeps
+  occ. share    the share of the occurrences kept whole (every token of the word)
+  mass share    the share of the marked tokens' attention mass (the group's mean softmax)
+                that the selection keeps
+  marked mass   the dense attention mass on the marked tokens (how much the layer looks)
+
+Selections (sink + recent forced, the same token budget): Quest's bound ("quest sum
+(default)"), Quest with range_weight 0 ("mid sum", the page midpoint), Quest's GQA "max"
+reduction, pages of 8 and 4, the exact page max ("oracle page"), the exact token top-k of the
+group's attention mass ("oracle token", a DSA indexer at its best) and, on NIAH prompts,
+SnapKV's prefill-time selection (the last `window` prompt queries vote, pooled, fixed for the
+whole decode; its options in `SNAPKV_SETS`). `--pqcache` also runs `pqcache_analysis.analyse`
+on the same captures (a forward at 8K costs minutes on a CPU, so one capture serves both).
+
+    python benchmarks/fwe_analysis.py --task ruler_fwe --contexts 4096 --samples 8
+    python benchmarks/fwe_analysis.py --task niah_single_1 --contexts 4096,8192 --samples 2 --pqcache \\
+        --json benchmarks/results/ruler_losses_cpu_niah.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from quest_analysis import (  # noqa: E402
+    MODEL, Captured, Recorder, Variant, find_needle, load, pages_to_tokens, select_pages, variant_scores,
+)
+
+from sparse_framework.algorithms.snapkv import SnapKVOptions, snapkv_votes  # noqa: E402
+from sparse_framework.common.tables import new_table  # noqa: E402
+
+DEFAULT_JSON = "benchmarks/results/ruler_losses_cpu.json"
+PAGE_VARIANTS = [
+    Variant("quest sum (default)"),
+    Variant("mid sum", score="mid"),
+    Variant("quest max", reduce="max"),
+    Variant("quest page 8", page=8),
+    Variant("oracle page", score="oracle"),
+    Variant("mid page 8", score="mid", page=8),
+    Variant("mid page 4", score="mid", page=4),
+    Variant("oracle page 4", score="oracle", page=4),
+]
+ORACLE_TOKEN = "oracle token"
+SNAPKV_SETS: dict[str, dict[str, Any]] = {
+    "snapkv (w32 k7 max)": {},
+    "snapkv window 64": {"window": 64},
+    "snapkv gqa max": {"gqa_reduce": "max"},
+    "snapkv kernel 1": {"kernel_size": 1},
+}
+
+
+# -- marked tokens -----------------------------------------------------------------------------
+def word_spans(text: str, words: list[str] | tuple[str, ...]) -> dict[str, list[tuple[int, int]]]:
+    """Character spans of every whole-word occurrence of each word (letters on neither side:
+    "abc" is not found inside "xabc")."""
+    return {w: [(m.start(), m.end()) for m in re.finditer(rf"(?<![A-Za-z]){re.escape(w)}(?![A-Za-z])", text)]
+            for w in words}
+
+
+def span_tokens(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[list[int]]:
+    """For each character span, the tokens whose [start, end) offsets overlap it (a token that
+    holds the leading space and the word's first letters counts)."""
+    out: list[list[int]] = []
+    starts = [s for s, _ in offsets]
+    for a, b in spans:
+        toks, i = [], max(0, _bisect(starts, a) - 1)
+        while i < len(offsets) and offsets[i][0] < b:
+            s, e = offsets[i]
+            if e > a and e > s:
+                toks.append(i)
+            i += 1
+        out.append(toks)
+    return out
+
+
+def _bisect(xs: list[int], x: int) -> int:
+    import bisect
+
+    return bisect.bisect_right(xs, x)
+
+
+def occurrences(tok: Any, text: str, words: list[str] | tuple[str, ...]) -> tuple[list[int], dict[str, list[list[int]]]]:
+    """The prompt's token ids and, per word, the token positions of each of its occurrences."""
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    spans = word_spans(text, words)
+    return enc.input_ids, {w: span_tokens(enc.offset_mapping, spans[w]) for w in words}
+
+
+@dataclass
+class Shares:
+    """Per KV head [Hkv]: token share, whole-occurrence share, mass share kept (nan where the
+    marked tokens have no mass)."""
+
+    token: torch.Tensor
+    occurrence: torch.Tensor
+    mass: torch.Tensor
+
+
+def kept_shares(keep: torch.Tensor, occ: list[list[int]], mass: torch.Tensor) -> Shares:
+    """keep bool [Hkv, n], occ: token positions per occurrence (< n), mass [Hkv, n] ->
+    what `keep` retains of the marked tokens (`Shares`)."""
+    pos = sorted({p for o in occ for p in o})
+    if not pos:
+        nan = torch.full((keep.shape[0],), float("nan"))
+        return Shares(nan, nan, nan)
+    idx = torch.tensor(pos)
+    token = keep[:, idx].float().mean(-1)
+    occ = [o for o in occ if o]
+    flat = torch.tensor([p for o in occ for p in o])
+    owner = torch.tensor([i for i, o in enumerate(occ) for _ in o])
+    missed = torch.zeros(keep.shape[0], len(occ)).index_add_(1, owner, (~keep[:, flat]).float())
+    whole = (missed == 0).float().mean(-1)
+    m = mass[:, idx]
+    tot = m.sum(-1)
+    kept = (m * keep[:, idx]).sum(-1)
+    return Shares(token, whole, torch.where(tot > 0, kept / tot.clamp(min=1e-30), torch.full_like(tot, float("nan"))))
+
+
+# -- selections --------------------------------------------------------------------------------
+def forced_tokens(t: int, sink: int, recent: int) -> torch.Tensor:
+    """bool [t+1]: the sink tokens, the recent window and the newest token."""
+    f = torch.zeros(t + 1, dtype=torch.bool)
+    f[: min(sink, t + 1)] = True
+    f[max(0, t + 1 - max(recent, 1)):] = True
+    return f
+
+
+def token_topk(scores: torch.Tensor, t: int, budget: int, sink: int, recent: int) -> torch.Tensor:
+    """scores [Hkv, >=t+1] -> bool [Hkv, t+1]: the forced tokens plus the best `budget` others."""
+    forced = forced_tokens(t, sink, recent)
+    s = scores[:, : t + 1].masked_fill(forced, float("-inf"))
+    keep = forced.expand(scores.shape[0], -1).clone()
+    k = min(budget, int((~forced).sum()))
+    if k > 0:
+        keep.scatter_(-1, s.topk(k, -1).indices, True)
+    return keep
+
+
+def snapkv_keep(votes: torch.Tensor, window_start: int, t: int, budget: int, sink: int, recent: int) -> torch.Tensor:
+    """SnapKV's "on_top" selection at decode position t: votes [Hkv, window_start] (the prompt
+    before its observation window) -> bool [Hkv, t+1]: the best `budget` votes plus sink,
+    recent, the window and every decoded token."""
+    hk = votes.shape[0]
+    scores = torch.full((hk, t + 1), float("-inf"))
+    scores[:, :window_start] = votes[:, :window_start]
+    keep = token_topk(scores, t, budget, sink, recent)
+    keep[:, window_start:] = True
+    return keep
+
+
+# -- capture -----------------------------------------------------------------------------------
+@torch.no_grad()
+def capture(model: Any, tok: Any, rec: Recorder, sample: Any, chat: bool, device: str, window: int = 64
+            ) -> tuple[Captured, dict[str, list[list[int]]], list[torch.Tensor]]:
+    """Dense prefill of the prompt, then the gold answer teacher-forced (fwe: the three words,
+    comma separated; NIAH: the value). Returns the capture, the marked occurrences per word,
+    and per layer the prompt's last `window` queries [window, Hq, D] (SnapKV's voters)."""
+    from sparse_framework.eval.ruler import prompt_text
+
+    text = prompt_text(sample, tok, chat)
+    if sample.task == "ruler_fwe":
+        ids, occ = occurrences(tok, text, sample.outputs)
+        answer = tok(" " + ", ".join(sample.outputs), add_special_tokens=False).input_ids
+    else:
+        ids = tok(text, add_special_tokens=False).input_ids
+        answer = tok(" " + sample.outputs[0], add_special_tokens=False).input_ids
+        needle = find_needle(ids, answer)
+        occ = {sample.outputs[0]: [needle]} if needle else {}
+    rec.mode, rec.q, rec.k = "capture", {}, {}
+    out = model(torch.tensor([ids], device=device), use_cache=True)
+    n_layers = len(rec.k)
+    voters = [rec.q[i][:, -window:].transpose(0, 1).float().cpu() for i in range(n_layers)]
+    cache, first = out.past_key_values, int(out.logits[0, -1].argmax())
+    rec.q, rec.k = {}, {}
+    step_cache = copy.deepcopy(cache)
+    model(torch.tensor([answer[:-1]], device=device), past_key_values=step_cache, use_cache=True)
+    keys = [rec.k[i].transpose(0, 1).float().cpu() for i in range(n_layers)]
+    queries = [rec.q[i].transpose(0, 1).float().cpu() for i in range(n_layers)]
+    del step_cache, cache
+    p = len(ids)
+    flat = sorted({x for o in occ.values() for y in o for x in y})
+    return (Captured(keys, queries, list(range(p, p + len(answer) - 1)), flat, p, None, first,
+                     {"task": sample.task, "index": sample.index, "answer": list(sample.outputs)}), occ, voters)
+
+
+# -- analysis ----------------------------------------------------------------------------------
+def analyse(c: Captured, occ: dict[str, list[list[int]]], voters: list[torch.Tensor], budgets: list[int], sink: int,
+            recent: int, snapkv: bool) -> dict[str, Any]:
+    """Per layer: the marked tokens' dense mass, and per selection and budget the mean over
+    decode queries of each KV head's `Shares` (plus, for fwe, per answer word's token share)."""
+    allocc = [o for w in occ.values() for o in w]
+    res: dict[str, Any] = {"marked_tokens": len({p for o in allocc for p in o}), "occurrences": len(allocc),
+                           "per_word_occurrences": {w: len(v) for w, v in occ.items()}, "layers": []}
+    for layer in range(len(c.keys)):
+        k_all = c.keys[layer]
+        hk, d = k_all.shape[1], k_all.shape[2]
+        votes: dict[str, torch.Tensor] = {}
+        if snapkv:
+            for name, opts in SNAPKV_SETS.items():
+                o = SnapKVOptions(**opts)
+                votes[name] = snapkv_votes(k_all[: c.prompt_len], voters[layer], o, "torch")
+        acc: dict[str, list[torch.Tensor]] = {}
+        for i, t in enumerate(c.positions):
+            q = c.queries[layer][i]
+            mass = (torch.einsum("hgd,nhd->hgn", q.view(hk, -1, d), k_all[: t + 1]) / math.sqrt(d)).softmax(-1).mean(1)
+            marked = torch.zeros(t + 1, dtype=torch.bool)
+            marked[[p for p in c.needle if p <= t]] = True
+            acc.setdefault("marked_mass", []).append((mass * marked).sum(-1))
+            keeps: dict[str, torch.Tensor] = {}
+            memo: dict = {}
+            for v in PAGE_VARIANTS:
+                red, forced = variant_scores(v, q, k_all, t, sink, recent, None, memo)
+                for b in budgets:
+                    keeps[f"{v.name}|{b}"] = pages_to_tokens(select_pages(red, forced, b // v.page), v.page, t)
+            for b in budgets:
+                keeps[f"{ORACLE_TOKEN}|{b}"] = token_topk(mass, t, b, sink, recent)
+                for name, vt in votes.items():
+                    keeps[f"{name}|{b}"] = snapkv_keep(vt, vt.shape[-1], t, b, sink, recent)
+            for key, keep in keeps.items():
+                s = kept_shares(keep, allocc, mass)
+                for m in ("token", "occurrence", "mass"):
+                    acc.setdefault(f"{m}|{key}", []).append(getattr(s, m))
+                if len(occ) > 1:
+                    for w, wo in occ.items():
+                        acc.setdefault(f"word {w}|{key}", []).append(kept_shares(keep, wo, mass).token)
+        row: dict[str, Any] = {"layer": layer, "sel": {}}
+        for name, vals in acc.items():
+            per_head = torch.stack(vals).nanmean(0).tolist()
+            if "|" not in name:
+                row[name] = per_head
+                continue
+            metric, sel, b = name.split("|")
+            row["sel"].setdefault(f"{sel}|{b}", {})[metric] = per_head
+        res["layers"].append(row)
+    return res
+
+
+def merge(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mean over prompts, per layer, selection, metric and KV head (per-word keys differ
+    between prompts: folded into "word 1..3" by the order of `outputs`)."""
+    def fold(r: dict[str, Any]) -> dict[str, Any]:
+        words = list(r["per_word_occurrences"])
+        out = []
+        for row in r["layers"]:
+            sel = {}
+            for key, ms in row["sel"].items():
+                sel[key] = {(f"word {words.index(m[5:]) + 1}" if m.startswith("word ") else m): v for m, v in ms.items()}
+            out.append({**row, "sel": sel})
+        return out
+
+    folded = [fold(r) for r in results]
+
+    def mean(xs: list[list[float]]) -> list[float]:
+        t = torch.tensor(xs)
+        return t.nanmean(0).tolist()
+
+    out = []
+    for i in range(len(folded[0])):
+        rows = [f[i] for f in folded]
+        m: dict[str, Any] = {"layer": i, "marked_mass": mean([r["marked_mass"] for r in rows]), "sel": {}}
+        for key in rows[0]["sel"]:
+            m["sel"][key] = {metric: mean([r["sel"][key][metric] for r in rows]) for metric in rows[0]["sel"][key]}
+        out.append(m)
+    return out
+
+
+def _avg(xs: list[float]) -> float:
+    v = [x for x in xs if not math.isnan(x)]
+    return sum(v) / len(v) if v else float("nan")
+
+
+# -- report ------------------------------------------------------------------------------------
+def print_run(console: Console, run: dict[str, Any], dense_first: int) -> None:
+    """The summary over sparse layers, and per layer the token share of the main selections."""
+    layers = run["layers"]
+    sels = list(layers[0]["sel"])
+    t = new_table(f"{run['task']} {run['context']}: marked tokens kept, mean over layers >= {dense_first} "
+                  f"and KV heads ({run['marked_tokens']:.0f} marked tokens, {run['occurrences']:.0f} occ.)", tight=True)
+    for col in ("selection", "budget", "fits", "token", "occ.", "mass", "head min"):
+        t.add_column(col, justify="right")
+    for key in sels:
+        name, b = key.split("|")
+        vals = {m: _avg([_avg(r["sel"][key][m]) for r in layers[dense_first:]]) for m in ("token", "occurrence", "mass")}
+        heads = [_avg([r["sel"][key]["token"][h] for r in layers[dense_first:]]) for h in range(len(layers[0]["marked_mass"]))]
+        fits = min(1.0, int(b) / max(run["marked_tokens"], 1))  # the most a budget of b can hold
+        t.add_row(name, b, f"{fits:.3f}", f"{vals['token']:.3f}", f"{vals['occurrence']:.3f}", f"{vals['mass']:.3f}", f"{min(heads):.3f}")
+    console.print(t)
+    main = [s for s in ("quest sum (default)", "mid sum", "oracle page", ORACLE_TOKEN, "snapkv (w32 k7 max)")
+            if any(k.startswith(s + "|") for k in sels)]
+    for b in run["budgets"]:
+        lt = new_table(f"per layer, budget {b}: token share kept (mass share)", tight=True)
+        lt.add_column("L", justify="right")
+        lt.add_column("mass on", justify="right")
+        for n in main:
+            lt.add_column(n.replace(" (default)", "").replace(" (w32 k7 max)", ""), justify="right")
+        for r in layers:
+            cells = [str(r["layer"]), f"{_avg(r['marked_mass']):.3f}"]
+            for n in main:
+                m = r["sel"][f"{n}|{b}"]
+                cells.append(f"{_avg(m['token']):.2f} ({_avg(m['mass']):.2f})")
+            lt.add_row(*cells)
+        console.print(lt)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    ap.add_argument("--task", default="ruler_fwe", help="ruler_fwe or a niah task")
+    ap.add_argument("--contexts", default="4096", help="context lengths, comma separated")
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fractions", default="8,32", help="budgets as 1/x of the context, comma separated")
+    ap.add_argument("--sink", type=int, default=16)
+    ap.add_argument("--recent", type=int, default=64)
+    ap.add_argument("--dense-first", type=int, default=2, help="layers left out of the summary (dense_first_layers)")
+    ap.add_argument("--chat", action="store_true", help="prompts through the chat template (default: raw)")
+    ap.add_argument("--snapkv", action="store_true", help="add SnapKV's prefill selections (default on for NIAH)")
+    ap.add_argument("--pqcache", action="store_true", help="also run pqcache_analysis.analyse on each capture")
+    ap.add_argument("--pq-sets", default="default (M2 b6 it20),bits 8", help="PQCache option sets (names)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--json", default=DEFAULT_JSON)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    console = Console(width=80)
+    from sparse_framework.engine.models.catalog import resolve_model
+    from sparse_framework.eval.ruler import ruler_samples
+
+    model, tok, rec, _ = load("cpu", torch.float32)
+    snap = args.snapkv or args.task.startswith("niah")
+    report: dict[str, Any] = {"args": vars(args), "model": MODEL, "runs": []}
+    for ctx in map(int, args.contexts.split(",")):
+        budgets = [ctx // int(f) for f in args.fractions.split(",")]
+        samples = ruler_samples(resolve_model(MODEL), args.task, ctx, args.samples, args.seed)
+        per, pq = [], []
+        for s in samples:
+            t0 = time.time()
+            c, occ, voters = capture(model, tok, rec, s, args.chat, "cpu")
+            t1 = time.time()
+            r = analyse(c, occ, voters, budgets, args.sink, args.recent, snap)
+            r["prompt_len"] = c.prompt_len
+            per.append(r)
+            if args.pqcache:
+                from pqcache_analysis import OPTION_SETS
+                from pqcache_analysis import analyse as pq_analyse
+
+                sets = {n: OPTION_SETS[n] for n in args.pq_sets.split(",")}
+                pq.append({str(b): pq_analyse(c, b, args.sink, args.recent, sets) for b in budgets})
+            console.print(f"{args.task} {ctx} #{s.index}: {c.prompt_len} tokens, {r['occurrences']} occurrences "
+                          f"({r['marked_tokens']} tokens; {r['per_word_occurrences']}), capture {t1 - t0:.0f} s, "
+                          f"analysis {time.time() - t1:.0f} s")
+        run: dict[str, Any] = {"task": args.task, "context": ctx, "budgets": budgets,
+                               "marked_tokens": _avg([p["marked_tokens"] for p in per]),
+                               "occurrences": _avg([p["occurrences"] for p in per]),
+                               "prompts": [{k: p[k] for k in ("prompt_len", "marked_tokens", "occurrences", "per_word_occurrences")}
+                                           for p in per],
+                               "layers": merge(per)}
+        if pq:
+            run["pqcache"] = {b: [{"layer": i, "sets": {n: {m: _avg([p[b]["layers"][i]["sets"][n].get(m, float("nan")) for p in pq])
+                                                            for m in pq[0][b]["layers"][i]["sets"][n]}
+                                                        for n in pq[0][b]["layers"][i]["sets"]}}
+                                  for i in range(len(pq[0][b]["layers"]))] for b in pq[0]}
+            for b, layers in run["pqcache"].items():
+                t = new_table(f"PQCache {args.task} {ctx}, top_k {b}: mean over layers", tight=True)
+                for col in ("option set", "mass", "token", "needle", "logit ρ"):
+                    t.add_column(col, justify="right")
+                for n in layers[0]["sets"]:
+                    t.add_row(n, *(f"{_avg([r['sets'][n].get(m, float('nan')) for r in layers]):.3f}"
+                                   for m in ("mass", "token", "needle", "logit_corr")))
+                console.print(t)
+        report["runs"].append(run)
+        print_run(console, run, args.dense_first)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    console.print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,70 @@
+"""benchmarks/fwe_analysis.py's marking and kept-share arithmetic on hand-built examples (no
+checkpoint): whole-word occurrences split over several tokens, the shares a selection keeps,
+and the token top-k / SnapKV selections' forced tokens."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from helpers import load_benchmark as _load
+
+fa = _load("fwe_analysis")
+
+# " foo bar foo,foox foo": tokens " f" "oo" " bar" " f" "oo" "," "foox" " foo"
+TEXT = " foo bar foo,foox foo"
+OFFSETS = [(0, 2), (2, 4), (4, 8), (8, 10), (10, 12), (12, 13), (13, 17), (17, 21)]
+
+
+def test_word_spans_are_whole_words_only() -> None:
+    spans = fa.word_spans(TEXT, ["foo", "bar"])
+    assert spans["foo"] == [(1, 4), (9, 12), (18, 21)]  # not the "foo" inside "foox"
+    assert spans["bar"] == [(5, 8)]
+
+
+def test_occurrence_tokens_cover_every_piece_of_the_word() -> None:
+    spans = fa.word_spans(TEXT, ["foo"])["foo"]
+    assert fa.span_tokens(OFFSETS, spans) == [[0, 1], [3, 4], [7]]
+
+
+def test_occurrences_through_a_real_fast_tokenizer_shape() -> None:
+    class Tok:  # the two fields `occurrences` reads from a fast tokenizer's encoding
+        def __call__(self, text: str, **kw: object):  # type: ignore[no-untyped-def]
+            assert kw.get("return_offsets_mapping")
+            return type("Enc", (), {"input_ids": list(range(len(OFFSETS))), "offset_mapping": OFFSETS})()
+
+    ids, occ = fa.occurrences(Tok(), TEXT, ("foo", "bar"))
+    assert ids == list(range(8))
+    assert occ == {"foo": [[0, 1], [3, 4], [7]], "bar": [[2]]}
+
+
+def test_kept_shares_hand_counted() -> None:
+    occ = [[0, 1], [3, 4], [7]]  # 5 marked tokens, 3 occurrences
+    keep = torch.zeros(2, 8, dtype=torch.bool)
+    keep[0, [0, 1, 3, 6]] = True  # head 0: tokens 0,1,3 of 5; occurrence 1 whole only
+    keep[1, [0, 1, 3, 4, 7]] = True  # head 1: everything
+    mass = torch.zeros(2, 8)
+    mass[0, [0, 1, 3, 4, 7]] = torch.tensor([0.1, 0.1, 0.2, 0.4, 0.2])
+    mass[1, 2] = 1.0  # head 1 puts no mass on the marked tokens
+    s = fa.kept_shares(keep, occ, mass)
+    assert torch.allclose(s.token, torch.tensor([3 / 5, 1.0]))
+    assert torch.allclose(s.occurrence, torch.tensor([1 / 3, 1.0]))
+    assert math.isclose(float(s.mass[0]), 0.4 / 1.0, rel_tol=1e-6)
+    assert math.isnan(float(s.mass[1]))
+
+
+def test_token_topk_forces_sink_recent_newest_and_keeps_the_best() -> None:
+    t, n = 19, 20
+    scores = torch.zeros(1, n)
+    scores[0, [5, 9, 12]] = torch.tensor([3.0, 2.0, 1.0])
+    scores[0, 0] = 100.0  # a sink token's score takes no budget place
+    keep = fa.token_topk(scores, t, budget=2, sink=2, recent=4)
+    assert keep[0].nonzero().flatten().tolist() == [0, 1, 5, 9, 16, 17, 18, 19]
+
+
+def test_snapkv_keeps_votes_then_the_window_and_decoded_tokens() -> None:
+    votes = torch.zeros(1, 10)
+    votes[0, 7] = 5.0
+    keep = fa.snapkv_keep(votes, window_start=10, t=15, budget=1, sink=1, recent=2)
+    assert keep[0].nonzero().flatten().tolist() == [0, 7, 10, 11, 12, 13, 14, 15]
