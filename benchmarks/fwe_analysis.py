@@ -17,6 +17,7 @@ measures
   mass share    the share of the marked tokens' attention mass (the group's mean softmax)
                 that the selection keeps
   marked mass   the dense attention mass on the marked tokens (how much the layer looks)
+  total mass    the share of all the attention mass (every token) the selection keeps
 
 Selections (sink + recent forced, the same token budget): Quest's bound ("quest sum
 (default)"), Quest with range_weight 0 ("mid sum", the page midpoint), Quest's GQA "max"
@@ -247,6 +248,7 @@ def analyse(c: Captured, occ: dict[str, list[list[int]]], voters: list[torch.Ten
                 s = kept_shares(keep, allocc, mass)
                 for m in ("token", "occurrence", "mass"):
                     acc.setdefault(f"{m}|{key}", []).append(getattr(s, m))
+                acc.setdefault(f"total|{key}", []).append((mass * keep).sum(-1))  # of all the attention mass
                 if len(occ) > 1:
                     for w, wo in occ.items():
                         acc.setdefault(f"word {w}|{key}", []).append(kept_shares(keep, wo, mass).token)
@@ -303,14 +305,15 @@ def print_run(console: Console, run: dict[str, Any], dense_first: int) -> None:
     sels = list(layers[0]["sel"])
     t = new_table(f"{run['task']} {run['context']}: marked tokens kept, mean over layers >= {dense_first} "
                   f"and KV heads ({run['marked_tokens']:.0f} marked tokens, {run['occurrences']:.0f} occ.)", tight=True)
-    for col in ("selection", "budget", "fits", "token", "occ.", "mass", "head min"):
+    for col in ("selection", "budget", "fits", "token", "occ.", "mass", "head min", "all mass"):
         t.add_column(col, justify="right")
     for key in sels:
         name, b = key.split("|")
         vals = {m: _avg([_avg(r["sel"][key][m]) for r in layers[dense_first:]]) for m in ("token", "occurrence", "mass")}
         heads = [_avg([r["sel"][key]["token"][h] for r in layers[dense_first:]]) for h in range(len(layers[0]["marked_mass"]))]
         fits = min(1.0, int(b) / max(run["marked_tokens"], 1))  # the most a budget of b can hold
-        t.add_row(name, b, f"{fits:.3f}", f"{vals['token']:.3f}", f"{vals['occurrence']:.3f}", f"{vals['mass']:.3f}", f"{min(heads):.3f}")
+        t.add_row(name, b, f"{fits:.3f}", f"{vals['token']:.3f}", f"{vals['occurrence']:.3f}", f"{vals['mass']:.3f}", f"{min(heads):.3f}",
+                  f"{_avg([_avg(r['sel'][key]['total']) for r in layers[dense_first:]]):.3f}")
     console.print(t)
     main = [s for s in ("quest sum (default)", "mid sum", "oracle page", ORACLE_TOKEN, "snapkv (w32 k7 max)")
             if any(k.startswith(s + "|") for k in sels)]

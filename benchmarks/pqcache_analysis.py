@@ -13,6 +13,7 @@ more centroids, more iterations, `candidates: all`) it measures
   token recall  |selected ∩ exact top-k| / k over the same tokens
   needle recall share of the needle tokens' mass that the selection keeps (heads weighted
                 by their mass on the needle)
+  needle tokens share of the needle's tokens that the selection keeps (mean over KV heads)
   logit corr.   Pearson correlation of the PQ logits with q·k over the stored tokens
   exact probs   the same selection rule with exact logits (no quantisation): what the
                 group-softmax rule itself costs, apart from the codebooks
@@ -147,6 +148,8 @@ def analyse(c: Captured, budget: int, sink: int, recent: int, sets: dict[str, di
                 needle = torch.zeros(t + 1, dtype=torch.bool)
                 needle[[p for p in c.needle if p <= t]] = True
                 nm = (mass * needle).sum(-1)
+                if bool(needle.any()):  # the share of the needle's tokens kept, mean over KV heads
+                    acc.setdefault("needle_tokens", []).append(float(keep[:, needle].float().mean()))
                 if float(nm.sum()) > 0:
                     w = nm / nm.sum()
                     acc.setdefault("needle", []).append(float((((mass * keep * needle).sum(-1) / nm.clamp(min=1e-12)) * w).sum()))
