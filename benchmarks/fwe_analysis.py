@@ -18,6 +18,8 @@ measures
                 that the selection keeps
   marked mass   the dense attention mass on the marked tokens (how much the layer looks)
   total mass    the share of all the attention mass (every token) the selection keeps
+  w. mass       the mass share, each layer and head weighted by its marked mass (a layer
+                that does not look at the marked tokens cannot lose them)
 
 Selections (sink + recent forced, the same token budget): Quest's bound ("quest sum
 (default)"), Quest with range_weight 0 ("mid sum", the page midpoint), Quest's GQA "max"
@@ -213,9 +215,12 @@ def capture(model: Any, tok: Any, rec: Recorder, sample: Any, chat: bool, device
 
 # -- analysis ----------------------------------------------------------------------------------
 def analyse(c: Captured, occ: dict[str, list[list[int]]], voters: list[torch.Tensor], budgets: list[int], sink: int,
-            recent: int, snapkv: bool) -> dict[str, Any]:
+            recent: int, snapkv: bool, only: set[str] | None = None) -> dict[str, Any]:
     """Per layer: the marked tokens' dense mass, and per selection and budget the mean over
-    decode queries of each KV head's `Shares` (plus, for fwe, per answer word's token share)."""
+    decode queries of each KV head's `Shares` (plus, for fwe, per answer word's token share).
+    `only`: the selection names to measure (None: all)."""
+    page_variants = [v for v in PAGE_VARIANTS if only is None or v.name in only]
+    snap_sets = {n: o for n, o in SNAPKV_SETS.items() if only is None or n in only}
     allocc = [o for w in occ.values() for o in w]
     res: dict[str, Any] = {"marked_tokens": len({p for o in allocc for p in o}), "occurrences": len(allocc),
                            "per_word_occurrences": {w: len(v) for w, v in occ.items()}, "layers": []}
@@ -224,7 +229,7 @@ def analyse(c: Captured, occ: dict[str, list[list[int]]], voters: list[torch.Ten
         hk, d = k_all.shape[1], k_all.shape[2]
         votes: dict[str, torch.Tensor] = {}
         if snapkv:
-            for name, opts in SNAPKV_SETS.items():
+            for name, opts in snap_sets.items():
                 o = SnapKVOptions(**opts)
                 votes[name] = snapkv_votes(k_all[: c.prompt_len], voters[layer], o, "torch")
         acc: dict[str, list[torch.Tensor]] = {}
@@ -236,12 +241,13 @@ def analyse(c: Captured, occ: dict[str, list[list[int]]], voters: list[torch.Ten
             acc.setdefault("marked_mass", []).append((mass * marked).sum(-1))
             keeps: dict[str, torch.Tensor] = {}
             memo: dict = {}
-            for v in PAGE_VARIANTS:
+            for v in page_variants:
                 red, forced = variant_scores(v, q, k_all, t, sink, recent, None, memo)
                 for b in budgets:
                     keeps[f"{v.name}|{b}"] = pages_to_tokens(select_pages(red, forced, b // v.page), v.page, t)
             for b in budgets:
-                keeps[f"{ORACLE_TOKEN}|{b}"] = token_topk(mass, t, b, sink, recent)
+                if only is None or ORACLE_TOKEN in only:
+                    keeps[f"{ORACLE_TOKEN}|{b}"] = token_topk(mass, t, b, sink, recent)
                 for name, vt in votes.items():
                     keeps[f"{name}|{b}"] = snapkv_keep(vt, vt.shape[-1], t, b, sink, recent)
             for key, keep in keeps.items():
@@ -299,20 +305,32 @@ def _avg(xs: list[float]) -> float:
 
 
 # -- report ------------------------------------------------------------------------------------
+def weighted_mass(layers: list[dict[str, Any]], key: str) -> float:
+    """The marked tokens' mass share kept, each layer and head weighted by its dense mass on
+    them: a layer that does not look at the needle cannot lose it."""
+    num = den = 0.0
+    for r in layers:
+        for w, m in zip(r["marked_mass"], r["sel"][key]["mass"]):
+            if not math.isnan(m):
+                num, den = num + w * m, den + w
+    return num / den if den > 0 else float("nan")
+
+
 def print_run(console: Console, run: dict[str, Any], dense_first: int) -> None:
     """The summary over sparse layers, and per layer the token share of the main selections."""
     layers = run["layers"]
     sels = list(layers[0]["sel"])
-    t = new_table(f"{run['task']} {run['context']}: marked tokens kept, mean over layers >= {dense_first} "
-                  f"and KV heads ({run['marked_tokens']:.0f} marked tokens, {run['occurrences']:.0f} occ.)", tight=True)
-    for col in ("selection", "budget", "fits", "token", "occ.", "mass", "head min", "all mass"):
+    t = new_table(f"{run['task']} {run['context']}: marked tokens kept, layers >= {dense_first}, mean of heads "
+                  f"({run['marked_tokens']:.0f} marked tokens, {run['occurrences']:.0f} occ.)", tight=True)
+    for col in ("selection", "budget", "fits", "token", "occ.", "mass", "w. mass", "head min", "all mass"):
         t.add_column(col, justify="right")
     for key in sels:
         name, b = key.split("|")
         vals = {m: _avg([_avg(r["sel"][key][m]) for r in layers[dense_first:]]) for m in ("token", "occurrence", "mass")}
         heads = [_avg([r["sel"][key]["token"][h] for r in layers[dense_first:]]) for h in range(len(layers[0]["marked_mass"]))]
         fits = min(1.0, int(b) / max(run["marked_tokens"], 1))  # the most a budget of b can hold
-        t.add_row(name, b, f"{fits:.3f}", f"{vals['token']:.3f}", f"{vals['occurrence']:.3f}", f"{vals['mass']:.3f}", f"{min(heads):.3f}",
+        t.add_row(name, b, f"{fits:.3f}", f"{vals['token']:.3f}", f"{vals['occurrence']:.3f}", f"{vals['mass']:.3f}",
+                  f"{weighted_mass(layers[dense_first:], key):.3f}", f"{min(heads):.3f}",
                   f"{_avg([_avg(r['sel'][key]['total']) for r in layers[dense_first:]]):.3f}")
     console.print(t)
     main = [s for s in ("quest sum (default)", "mid sum", "oracle page", ORACLE_TOKEN, "snapkv (w32 k7 max)")
@@ -347,9 +365,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--snapkv", action="store_true", help="add SnapKV's prefill selections (default on for NIAH)")
     ap.add_argument("--pqcache", action="store_true", help="also run pqcache_analysis.analyse on each capture")
     ap.add_argument("--pq-sets", default="default (M2 b6 it20),bits 8", help="PQCache option sets (names)")
+    ap.add_argument("--selections", default="", help="selection names to measure (comma separated; default all)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--json", default=DEFAULT_JSON)
+    ap.add_argument("--show", default="", help="print the tables of a results JSON (runs nothing)")
     args = ap.parse_args(argv)
+    if args.show:
+        shown = json.loads(Path(args.show).read_text())
+        for run in shown["runs"]:
+            print_run(Console(width=80), run, shown["args"]["dense_first"])
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     console = Console(width=80)
@@ -367,8 +392,9 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.time()
             c, occ, voters = capture(model, tok, rec, s, args.chat, "cpu")
             t1 = time.time()
-            r = analyse(c, occ, voters, budgets, args.sink, args.recent, snap)
-            r["prompt_len"] = c.prompt_len
+            r = analyse(c, occ, voters, budgets, args.sink, args.recent, snap,
+                        set(args.selections.split(",")) if args.selections else None)
+            r["prompt_len"], r["answer"] = c.prompt_len, c.meta["answer"]
             per.append(r)
             if args.pqcache:
                 from pqcache_analysis import OPTION_SETS
@@ -382,7 +408,10 @@ def main(argv: list[str] | None = None) -> int:
         run: dict[str, Any] = {"task": args.task, "context": ctx, "budgets": budgets,
                                "marked_tokens": _avg([p["marked_tokens"] for p in per]),
                                "occurrences": _avg([p["occurrences"] for p in per]),
-                               "prompts": [{k: p[k] for k in ("prompt_len", "marked_tokens", "occurrences", "per_word_occurrences")}
+                               "prompts": [{**{k: p[k] for k in ("prompt_len", "marked_tokens", "occurrences", "per_word_occurrences")},
+                                            "answer": p["answer"], "marked_mass": [_avg(r["marked_mass"]) for r in p["layers"]],
+                                            "sel": {key: {m: [_avg(r["sel"][key][m]) for r in p["layers"]] for m in ("token", "mass")}
+                                                    for key in p["layers"][0]["sel"]}}
                                            for p in per],
                                "layers": merge(per)}
         if pq:
