@@ -316,6 +316,23 @@ def weighted_mass(layers: list[dict[str, Any]], key: str) -> float:
     return num / den if den > 0 else float("nan")
 
 
+def print_pqcache(console: Console, run: dict[str, Any]) -> None:
+    """PQCache's recalls (`pqcache_analysis.analyse`), mean over all layers (PQCache has no
+    dense layers); "w. needle": the needle recall, layers weighted by their mass on it."""
+    for b, layers in run.get("pqcache", {}).items():
+        t = new_table(f"PQCache {run['task']} {run['context']}, top_k {b}: mean over layers", tight=True)
+        for col in ("option set", "mass", "token", "needle", "w. needle", "needle tok.", "logit ρ"):
+            t.add_column(col, justify="right")
+        weights = [_avg(r["marked_mass"]) for r in run["layers"]]
+        for n in layers[0]["sets"]:
+            vals = [r["sets"][n] for r in layers]
+            num = sum(w * v["needle"] for w, v in zip(weights, vals) if not math.isnan(v.get("needle", float("nan"))))
+            t.add_row(n, *(f"{_avg([v.get(m, float('nan')) for v in vals]):.3f}" for m in ("mass", "token", "needle")),
+                      f"{num / sum(weights):.3f}",
+                      *(f"{_avg([v.get(m, float('nan')) for v in vals]):.3f}" for m in ("needle_tokens", "logit_corr")))
+        console.print(t)
+
+
 def print_run(console: Console, run: dict[str, Any], dense_first: int) -> None:
     """The summary over sparse layers, and per layer the token share of the main selections."""
     layers = run["layers"]
@@ -373,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.show:
         shown = json.loads(Path(args.show).read_text())
         for run in shown["runs"]:
+            print_pqcache(Console(width=80), run)
             print_run(Console(width=80), run, shown["args"]["dense_first"])
         return 0
     if args.threads:
@@ -419,15 +437,8 @@ def main(argv: list[str] | None = None) -> int:
                                                             for m in pq[0][b]["layers"][i]["sets"][n]}
                                                         for n in pq[0][b]["layers"][i]["sets"]}}
                                   for i in range(len(pq[0][b]["layers"]))] for b in pq[0]}
-            for b, layers in run["pqcache"].items():
-                t = new_table(f"PQCache {args.task} {ctx}, top_k {b}: mean over layers", tight=True)
-                for col in ("option set", "mass", "token", "needle", "logit ρ"):
-                    t.add_column(col, justify="right")
-                for n in layers[0]["sets"]:
-                    t.add_row(n, *(f"{_avg([r['sets'][n].get(m, float('nan')) for r in layers]):.3f}"
-                                   for m in ("mass", "token", "needle", "logit_corr")))
-                console.print(t)
         report["runs"].append(run)
+        print_pqcache(console, run)
         print_run(console, run, args.dense_first)
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(report, indent=1))
