@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import transformers
 
@@ -189,3 +191,18 @@ def test_sliding_chunk_attention_equals_the_plain_reference(n: int, before: int,
         want = causal_attention(q[start - before:], k[keys], v[keys], scale=0.3, softcap=softcap,
                                 window=WINDOW)[before:]
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 70), before=st.integers(0, 12), window=st.integers(1, 16), block=st.integers(1, 20),
+       softcap=st.sampled_from([None, 2.0]), seed=st.integers(0, 2**16))
+def test_a_sliding_chunk_in_blocks_equals_one_call(n: int, before: int, window: int, block: int,
+                                                   softcap: float | None, seed: int) -> None:
+    """Queries `block` at a time over their band of keys = the whole [n, m] mask in one call
+    (and so = exact attention, test above), for blocks shorter and longer than the window."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, 4, 8, generator=g)
+    k, v = torch.randn(before + n, 2, 8, generator=g), torch.randn(before + n, 2, 8, generator=g)
+    got = chunk_attention(q, k, v, scale=0.3, softcap=softcap, window=window, block=block)
+    want = chunk_attention(q, k, v, scale=0.3, softcap=softcap, window=window, block=None)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
