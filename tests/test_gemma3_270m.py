@@ -224,3 +224,19 @@ def test_the_server_and_ruler_give_one_bos_too() -> None:
     assert chat_text(body, tok, "m", Limits(max_model_len=64, chars_per_token=32, max_prompts=1)) == "<user>hi<model>"
     sample = RulerSample(task="t", context=8, index=0, input="hi", gen_prefix="A:", outputs=("x",), length=4)
     assert prompt_text(sample, tok, chat_template=True) == "<user>hi<model>A:"
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("adds_bos", [True, False])
+def test_ruler_prompt_ids_open_with_exactly_the_tokenizers_bos(chat: bool, adds_bos: bool) -> None:
+    """The RULER runner's token ids, raw or templated: one BOS where the tokenizer adds one
+    (Gemma: its raw prompts had none until 2026-11-29, and its answers collapse without), the
+    template's own where it does not; never two."""
+    from sparse_framework.eval.ruler import RulerSample, prompt_ids
+
+    tok = _TemplatedTokenizer(adds_bos=adds_bos)
+    sample = RulerSample(task="t", context=8, index=0, input="hi", gen_prefix="A:", outputs=("x",), length=4)
+    ids = prompt_ids(sample, tok, chat_template=chat)
+    # this tokenizer spells a BOS in text as characters; a real one reads it as the BOS token
+    body = ("<user>hi<model>A:" if adds_bos else "<bos><user>hi<model>A:") if chat else "hi A:"
+    assert ids == [tok.bos_token_id] * adds_bos + [ord(c) for c in body]

@@ -248,6 +248,14 @@ def prompt_text(sample: RulerSample, tokenizer: Any, chat_template: bool) -> str
     return chat_text(tokenizer, [{"role": "user", "content": sample.input}]) + sample.gen_prefix
 
 
+def prompt_ids(sample: RulerSample, tokenizer: Any, chat_template: bool) -> list[int]:
+    """The prompt's token ids as the engine encodes text (`LLM.encode`: the tokenizer's own
+    special tokens), so a model whose tokenizer opens with a BOS gets exactly one: raw prompts
+    too (Gemma's answers collapse without it; lm-eval adds it for Gemma), and chat prompts,
+    whose template's own BOS `prompt_text` drops where encoding adds one."""
+    return list(tokenizer.encode(prompt_text(sample, tokenizer, chat_template)))
+
+
 def score(prediction: str, outputs: tuple[str, ...] | list[str]) -> float:
     """RULER's string-match-all for one answer: the share of `outputs` found in the prediction
     (case-insensitive), after RULER's clean-up; lm-eval's own functions."""

@@ -23,7 +23,7 @@ import torch
 from ..common.errors import ConfigError
 from ..config import SparseConfig, load_config
 from .experiment import Cell, RulerWorkload
-from .ruler import RulerSample, prompt_text, ruler_samples, score
+from .ruler import RulerSample, prompt_ids, ruler_samples, score
 
 # the dense baseline: every request is "short" (dense), every token resident on the device
 DENSE_CONFIG: dict[str, Any] = {"algorithm": "quest", "store": "resident", "min_sparse_prompt_len": 10**9}
@@ -82,9 +82,7 @@ class RulerRunner:
             root = self.model_dir(workload)
             tok = self.tokenizer(root)
             samples = ruler_samples(root, workload.task, context, workload.samples, self.seed, tokenizer=tok)
-            # the template's special tokens are in the text: nothing more is added (as lm-eval)
-            ids = [list(tok.encode(prompt_text(s, tok, workload.chat_template), add_special_tokens=False))
-                   for s in samples]
+            ids = [prompt_ids(s, tok, workload.chat_template) for s in samples]
             self._prompts[key] = (samples, ids)
         return self._prompts[key]
 
