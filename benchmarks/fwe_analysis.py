@@ -37,6 +37,7 @@ on the same captures (a forward at 8K costs minutes on a CPU, so one capture ser
 from __future__ import annotations
 
 import argparse
+import bisect
 import copy
 import json
 import math
@@ -93,7 +94,7 @@ def span_tokens(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) ->
     out: list[list[int]] = []
     starts = [s for s, _ in offsets]
     for a, b in spans:
-        toks, i = [], max(0, _bisect(starts, a) - 1)
+        toks, i = [], max(0, bisect.bisect_right(starts, a) - 1)
         while i < len(offsets) and offsets[i][0] < b:
             s, e = offsets[i]
             if e > a and e > s:
@@ -101,12 +102,6 @@ def span_tokens(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) ->
             i += 1
         out.append(toks)
     return out
-
-
-def _bisect(xs: list[int], x: int) -> int:
-    import bisect
-
-    return bisect.bisect_right(xs, x)
 
 
 def occurrences(tok: Any, text: str, words: list[str] | tuple[str, ...]) -> tuple[list[int], dict[str, list[list[int]]]]:
