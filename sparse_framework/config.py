@@ -12,6 +12,7 @@ naming the field, the bad value and what is allowed — never later, at step tim
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from os import PathLike
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -393,7 +394,13 @@ def config_schema(distribution: str | None = None) -> dict[str, Any]:
     return schema
 
 
-def dense_layer_set(config: SparseConfig, num_layers: int) -> frozenset[int]:
-    """Every layer that attends densely: `config.dense_layers` and the algorithm's own."""
-    own = config.algorithm_class.own_dense_layers(config, num_layers)
+def dense_layer_set(config: SparseConfig, num_layers: int, model_layers: Sequence[int] | None = None) -> frozenset[int]:
+    """Every store layer that attends densely: `config.dense_layers` (store layers) and the
+    algorithm's own rule, which speaks of the network's layers (Quest's first N): with
+    `model_layers` (store layer i is model layer model_layers[i], `KVLayout.model_layers`) only
+    the store layers whose model layer it names, so on Gemma 3 (full layers 5, 11, 17) Quest's
+    first two layers are sliding ones and every full layer is sparse."""
+    ids = tuple(range(num_layers)) if model_layers is None else tuple(model_layers)
+    named = config.algorithm_class.own_dense_layers(config, max(ids, default=-1) + 1)
+    own = {i for i, layer in enumerate(ids) if layer in named}
     return frozenset(layer for layer in {*config.dense_layers, *own} if layer < num_layers)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from sparse_framework.algorithms.base import topk_selection
 from sparse_framework.kernels.reference.scores import reduce_groups
+from sparse_framework.config import load_config
 
 
 def forced_tokens(length: int, sink: int, recent: int, newest: bool = True, tail: int | None = None) -> set[int]:
@@ -316,3 +317,32 @@ def test_options_triton_interpreted_matches_torch() -> None:
     from helpers import run_interpreted
 
     run_interpreted(INTERPRETED_OPTIONS, "options ok")
+
+
+@pytest.mark.parametrize(("model_layers", "want"), [
+    (None, {0, 1}),                 # every layer full: the first two store layers
+    ((5, 11, 17), set()),           # Gemma 3: layers 0 and 1 slide, every full layer is sparse
+    ((0, 1, 5, 11), {0, 1}),        # a hybrid whose first layers are full
+    ((1, 6, 11), {0}),              # only model layer 1 of the first two is full
+])
+def test_quests_first_layers_count_in_the_models_layers(model_layers, want) -> None:  # noqa: ANN001
+    """`dense_first_layers` names the network's first layers; on a sliding-window hybrid the
+    store holds only its full layers (KVLayout.model_layers), and `dense_layers` stays in store
+    layers."""
+    from sparse_framework.common.layout import KVLayout
+    from sparse_framework.config import dense_layer_set
+
+    n = 4 if model_layers is None else len(model_layers)
+    layout = KVLayout(n, 1, 8, model_layers=model_layers)
+    config = load_config({"algorithm": "quest"})
+    assert dense_layer_set(config, layout.num_layers, layout.model_layers) == want
+    explicit = load_config({"algorithm": "quest", "dense_layers": [n - 1], "extra": {"dense_first_layers": 0}})
+    assert dense_layer_set(explicit, layout.num_layers, layout.model_layers) == {n - 1}
+
+
+@pytest.mark.parametrize("bad", [(3, 2, 5), (0, 0, 1), (0, 1), (-1, 2, 3)])
+def test_a_layout_refuses_model_layers_that_do_not_map_its_store_layers(bad) -> None:  # noqa: ANN001
+    from sparse_framework.common.layout import KVLayout
+
+    with pytest.raises(ValueError, match="model_layers"):
+        KVLayout(3, 1, 8, model_layers=bad)

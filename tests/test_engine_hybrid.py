@@ -206,3 +206,20 @@ def test_a_sliding_chunk_in_blocks_equals_one_call(n: int, before: int, window: 
     got = chunk_attention(q, k, v, scale=0.3, softcap=softcap, window=window, block=block)
     want = chunk_attention(q, k, v, scale=0.3, softcap=softcap, window=window, block=None)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("name", "dense"), [("gemma3", set()), ("gemma2", {0}), ("qwen2", {0, 1})])
+def test_quests_default_first_layers_are_the_models_on_a_hybrid(checkpoints, name: str, dense: set[int]) -> None:
+    """The engine and the transformers integration both give the coordinator the model layers
+    of its store layers: Quest's default first two layers are the model's, so Gemma 3 here
+    (S, S, F, S) decodes its one full layer sparsely, Gemma 2 (S, F, S, F) keeps model layer 1
+    (store layer 0) dense, and Qwen2 (F, F, S, S) both."""
+    from sparse_framework.integrations.transformers import sparse
+
+    model, path = checkpoints[name]
+    engine_model = load_model(path, dtype=torch.float32)
+    quest = {"algorithm": "quest", "store": "resident"}
+    engine = Engine(engine_model, engine_model.config, quest, EngineConfig(max_num_seqs=1, max_model_len=64))
+    assert engine.runner.coord.dense_layers == dense
+    with sparse(model, quest, max_requests=1, max_seq_len=64) as handle:
+        assert handle.coordinator.dense_layers == dense

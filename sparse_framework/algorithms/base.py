@@ -106,7 +106,9 @@ class SparseAlgorithm(ABC):
 
     @classmethod
     def own_dense_layers(cls, config: SparseSettings, num_layers: int) -> set[int]:
-        """Layers the algorithm's recipe keeps dense, on top of `config.dense_layers`."""
+        """Model layers (< num_layers) the algorithm's recipe keeps dense, on top of
+        `config.dense_layers`; a sliding-window hybrid maps them to its store layers
+        (`config.dense_layer_set`), so a rule like "the first two layers" means the network's."""
         return set()
 
     @classmethod

@@ -52,7 +52,8 @@ class QuestOptions(BaseModel):
     )
     min_pages: int = Field(3, ge=0, description="pages the top-k keeps at least (the original: 3)")
     dense_first_layers: int = Field(
-        2, ge=0, description="the first layers attend densely (the original: 2; a per-layer list goes in dense_layers)"
+        2, ge=0, description="the model's first layers attend densely (the original: 2; a per-layer list goes in "
+        "dense_layers); on a sliding-window hybrid only the full-attention layers among them (Gemma 3: none)"
     )
     newest_in_top_k: bool = Field(
         True,

@@ -51,6 +51,10 @@ class KVLayout:
     device: str | torch.device = "cpu"
     kind: Literal["mha", "mla"] = "mha"
     v_head_dim: int | None = None
+    # store layer i is model layer model_layers[i] (a sliding-window hybrid stores only its
+    # full-attention layers); None: the same numbering. Rules that speak of the network's depth
+    # (Quest's dense_first_layers) count in model layers.
+    model_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         # num_layers may be 0: a model whose every layer is sliding-window keeps nothing in
@@ -64,6 +68,12 @@ class KVLayout:
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ValueError(f"KVLayout.dtype must be a floating torch.dtype, got {self.dtype!r}")
         check_device(self.device)
+        if self.model_layers is not None:
+            ids = tuple(self.model_layers)
+            if len(ids) != self.num_layers or any(not isinstance(i, int) or i < 0 for i in ids) or list(ids) != sorted(set(ids)):
+                raise ValueError(f"KVLayout.model_layers must be {self.num_layers} increasing model layer indices "
+                                 f"(one per store layer), got {self.model_layers!r}")
+            object.__setattr__(self, "model_layers", ids)
         if self.kind not in ("mha", "mla"):
             raise ValueError(f"KVLayout.kind must be 'mha' or 'mla', got {self.kind!r}")
         if self.kind == "mla":

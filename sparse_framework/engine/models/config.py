@@ -169,11 +169,13 @@ class ModelConfig:
         """The KV the store holds: one K and one V row of num_kv_heads x head_dim per token and
         full-attention layer (`layer_map(max_model_len).full`; sliding layers keep a ring of
         their own, `sliding_ring_bytes`). A model whose layers all slide has 0 store layers."""
-        full = len(self.layer_map(max_model_len).full)
+        layers = self.layer_map(max_model_len)
+        full = len(layers.full)
         if self.mla is not None:  # one latent row per token, its first kv_lora_rank values the V
             return KVLayout.mla(full, latent_dim=self.head_dim, v_head_dim=self.mla.kv_lora_rank, dtype=dtype,
                                 device=device)
-        return KVLayout(full, self.num_kv_heads, self.head_dim, dtype=dtype, device=device)
+        return KVLayout(full, self.num_kv_heads, self.head_dim, dtype=dtype, device=device,
+                        model_layers=tuple(layers.full) if layers.sliding else None)
 
     def sliding_ring_bytes(self, dtype: torch.dtype, max_model_len: int | None = None, extra_slots: int = 0) -> int:
         """Device bytes one request row of the sliding-window ring takes (every sliding layer's

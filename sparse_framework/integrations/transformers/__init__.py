@@ -54,8 +54,8 @@ Hybrid sliding-window models
   last `window` real tokens into the ring; decode: the new token into slot position %
   window, attention over the ring's valid slots with the model's scale. The coordinator's
   `KVLayout` counts the full-attention layers only (store layer i is model layer
-  `handle.layers.full[i]`: `dense_layers` and `dense_first_layers` in the config count in
-  store layers), so its store and host pool hold no sliding-window KV; a model whose every
+  `handle.layers.full[i]`: `dense_layers` in the config counts in store layers, Quest's
+  `dense_first_layers` in model layers, `KVLayout.model_layers`), so its store and host pool hold no sliding-window KV; a model whose every
   layer slides has a layout of 0 layers (the coordinator then only tracks the requests).
   The last model layer, sliding or not, closes the step. A window >= max_seq_len never
   binds: such layers stay full layers. The observer and `last_selections` see the full

@@ -66,6 +66,7 @@ def enable(
         head_dim=head_dim,
         dtype=model.dtype,
         device=model.device,
+        model_layers=tuple(layers.full) if layers.sliding else None,  # Quest's first layers are the model's
     )
     coord = SparseCoordinator(
         config, layout, max_requests=max_requests, max_seq_len=max_seq_len,

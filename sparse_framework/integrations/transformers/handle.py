@@ -105,7 +105,8 @@ class SparseHandle:
         says which model layers slide instead, their window and their decode layer-steps
         (each attends to its whole window: min(seq_len, window) tokens). `full_layers`: the
         model layers the store holds, in store order (store layer i is model layer
-        full_layers[i]; the config's `dense_layers` count in store layers)."""
+        full_layers[i]; the config's `dense_layers` count in store layers, Quest's
+        `dense_first_layers` in model layers)."""
         selected, context = (int(x) for x in self._counts.tolist())
         dense = self.dense_tally()
         pools = self.coordinator.memory_stats()
