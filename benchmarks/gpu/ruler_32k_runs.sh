@@ -25,6 +25,16 @@ mkdir -p "$KEEP" "$OUT" "$SPARSE_FRAMEWORK_CACHE"
     || { echo "gemma3-270m is not converted here: run gemma3_gpu.sh stash/convert first" >&2; exit 2; }
 [[ -f $KEEP/results.jsonl ]] || cp benchmarks/results/ruler_32k_gpu.jsonl "$KEEP/results.jsonl"
 tar -xJf .gpu_carry/gemma3_ruler/ruler.tar.xz -C "$SPARSE_FRAMEWORK_CACHE"
+# the prompts are cached under a hash of the tokenizer files, and this machine's transformers
+# writes them differently: the carried prompts (the same text) go under this machine's hash too
+carried=$(tar -tJf .gpu_carry/gemma3_ruler/ruler.tar.xz | awk -F/ 'NF > 2 {print $2; exit}')
+here=$(python3 -c "from sparse_framework.engine.models.catalog import resolve_model
+from sparse_framework.eval.ruler import tokenizer_fingerprint
+print(tokenizer_fingerprint(resolve_model('gemma3-270m')))" 2>/dev/null | tail -n 1)
+if [[ -n $carried && -n $here && $carried != "$here" ]]; then
+    mkdir -p "$SPARSE_FRAMEWORK_CACHE/ruler/$here"
+    cp --update=none "$SPARSE_FRAMEWORK_CACHE/ruler/$carried"/* "$SPARSE_FRAMEWORK_CACHE/ruler/$here/"
+fi
 if [[ ! -x $SITE/bin/sparse-framework || $(cat "$KEEP/commit" 2>/dev/null) != "${SF_COMMIT:-tree}" ]]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" --upgrade .gpu_carry/whl/*.whl
     python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target "$SITE" --upgrade .
