@@ -240,3 +240,33 @@ def test_ruler_prompt_ids_open_with_exactly_the_tokenizers_bos(chat: bool, adds_
     # this tokenizer spells a BOS in text as characters; a real one reads it as the BOS token
     body = ("<user>hi<model>A:" if adds_bos else "<bos><user>hi<model>A:") if chat else "hi A:"
     assert ids == [tok.bos_token_id] * adds_bos + [ord(c) for c in body]
+
+
+class _SplitTokenizer:
+    """Encodes by words (or, broken, by characters), digits one by one as Gemma's does."""
+
+    def __init__(self, by_character: bool) -> None:
+        self.by_character = by_character
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.by_character:
+            return [ord(c) for c in text if c != " "]
+        return [hash(piece) % 1000 for word in text.split() for piece in ([*word] if word[0].isdigit() else [word])]
+
+
+def test_a_tokenizer_that_spells_words_letter_by_letter_is_refused() -> None:
+    """transformers 5.17 converted Gemma 3's GGUF tokenizer as Unigram without merges: 27,369
+    tokens for a prompt the right one encodes in 7,585, and garbage answers on the H200."""
+    catalog.check_tokenizer(_SplitTokenizer(by_character=False), "word-level")
+    with pytest.raises(ConfigError, match=r"letter by letter .* tokenizer_from"):
+        catalog.check_tokenizer(_SplitTokenizer(by_character=True), "converting gemma-3-270m-q4_k_m.gguf")
+
+
+@pytest.mark.slow
+@installed
+def test_the_converted_tokenizer_is_word_level(converted: Path) -> None:
+    from sparse_framework.engine.llm import load_tokenizer
+
+    tok = load_tokenizer(converted)
+    catalog.check_tokenizer(tok, "the converted checkpoint")
+    assert tok.tokenize("number 8515682.")[:2] == ["number", "▁"]

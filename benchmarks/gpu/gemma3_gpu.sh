@@ -51,7 +51,12 @@ split_parts() {
     done
     [[ -n $(ls "$WHL"/gguf-*.whl "$WHL"/accelerate-*.whl 2>/dev/null) ]] \
         || echo "note: no gguf/accelerate wheels in .gpu_carry/whl: run smollm2_gpu.sh prepare and copy .gpu_carry/part1/whl there"
-    echo "$src: $size bytes, sha256 $sha, $n parts of at most $PART_BYTES bytes"
+    # the tokenizer as this machine's transformers converts it: the GPU machine's (5.17) reads the
+    # GGUF's as a Unigram model without merges, letter by letter (catalog.check_tokenizer refuses it)
+    local conv
+    conv=$(cd "$ROOT" && $PY -c "from sparse_framework.engine.models.catalog import ensure_converted; print(ensure_converted('$NAME'))" | tail -n 1)
+    tar -C "$conv" -cJf "$CARRY/p$n/tokenizer.tar.xz" tokenizer.json tokenizer_config.json
+    echo "$src: $size bytes, sha256 $sha, $n parts of at most $PART_BYTES bytes; tokenizer from $conv in p$n"
     du -b "$CARRY"/p* | sort -k2 -V | awk '{printf "  %s %d bytes\n", $2, $1}'
     echo "calls 1..$((n - 1)): run(command=\"bash benchmarks/gpu/gemma3_gpu.sh stash N\", carry=[\".gpu_carry/gemma3/pN\"])"
     echo "call $n: run(command=\"bash benchmarks/gpu/gemma3_gpu.sh convert\", carry=[\".gpu_carry/gemma3/p$n\", \".gpu_carry/whl\"])"
@@ -94,11 +99,15 @@ convert() {
         $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHL"/*.whl
     fi
     (cd "$ROOT" && $PY -c "import sparse_framework" 2>/dev/null) || (cd "$ROOT" && $PY -m pip install -q --no-deps --no-build-isolation -e .)
-    (cd "$ROOT" && $PY - "$JOINED/$file" <<'EOF'
+    local tokdir="$JOINED/tokenizer"
+    rm -rf "$tokdir"
+    if [[ -f $STASH/tokenizer.tar.xz ]]; then mkdir -p "$tokdir" && tar -xJf "$STASH/tokenizer.tar.xz" -C "$tokdir"; fi
+    (cd "$ROOT" && $PY - "$JOINED/$file" "$tokdir" <<'EOF'
 import json, sys
 from pathlib import Path
 from sparse_framework.engine.models.catalog import ensure_converted
-out = ensure_converted("gemma3-270m", source=Path(sys.argv[1]))
+tok = Path(sys.argv[2])
+out = ensure_converted("gemma3-270m", source=Path(sys.argv[1]), tokenizer_from=tok if tok.is_dir() else None)
 c = json.loads((out / "config.json").read_text())
 print("converted:", out, {k: c.get(k) for k in ("architectures", "sliding_window", "max_position_embeddings", "eos_token_id")})
 EOF

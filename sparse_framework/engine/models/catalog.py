@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -226,10 +227,12 @@ def resolve_model(model: str | Path, log: Callable[[str], None] | None = None) -
     raise ConfigError(f"model {str(model)!r} is neither a checkpoint directory nor a model name; names: {names}")
 
 
-def ensure_converted(name: str, log: Callable[[str], None] | None = None, source: Path | None = None) -> Path:
+def ensure_converted(name: str, log: Callable[[str], None] | None = None, source: Path | None = None,
+                     tokenizer_from: Path | None = None) -> Path:
     """The converted checkpoint of catalog model `name`, converting it first if needed. `source`:
     a GGUF given directly (the GPU machine, where the package is not installed but its GGUF was
-    carried); else the installed package's."""
+    carried); else the installed package's. `tokenizer_from`: a directory whose tokenizer files
+    replace the GGUF's conversion (one made where transformers converts it right)."""
     entry = CATALOG[name]
     out = model_dir(name)
     if (out / CONVERTED_MARK).is_file():
@@ -245,13 +248,34 @@ def ensure_converted(name: str, log: Callable[[str], None] | None = None, source
         say(entry.terms)
     say(f"converting {name} once from {source} into {out} (under two minutes on 2 cores) ...")
     start = time.perf_counter()
-    convert_gguf(source, out, entry.architecture, chat_template=entry.chat_template, end_of_turn=entry.end_of_turn)
+    convert_gguf(source, out, entry.architecture, chat_template=entry.chat_template, end_of_turn=entry.end_of_turn,
+                 tokenizer_from=tokenizer_from)
     say(f"converted {name} in {time.perf_counter() - start:.0f} s")
     return out
 
 
+# a sentence Gemma's and SmolLM2's tokenizers split into 22 tokens (a digit each), the broken
+# conversion below into 38; refused past 2/5 of its characters (28)
+TOKENIZER_PROBE = "The capital of France is Paris, and the special magic number is 8515682."
+
+
+def check_tokenizer(tokenizer: Any, what: str) -> None:
+    """Refuse a tokenizer that splits words into pieces of letters: transformers 5.17 reads Gemma
+    3's GGUF tokenizer as a Unigram model without merges, which encodes a RULER prompt 3.6x
+    longer and the model answers garbage (the first Gemma RULER cells on the H200)."""
+    import transformers
+
+    n = len(tokenizer.encode(TOKENIZER_PROBE, add_special_tokens=False))
+    if n > len(TOKENIZER_PROBE) * 2 // 5:
+        raise ConfigError(
+            f"{what}: its tokenizer encodes a {len(TOKENIZER_PROBE)}-character sentence as {n} tokens, mostly letter "
+            f"by letter (transformers {transformers.__version__} converts this GGUF's tokenizer wrongly; 5.24 "
+            "converts it right): upgrade transformers, or convert where it is newer and pass that checkpoint's "
+            "tokenizer files (ensure_converted(..., tokenizer_from=dir); benchmarks/gpu/gemma3_gpu.sh carries them)")
+
+
 def convert_gguf(source: Path, out: Path, architecture: str, *, chat_template: str | None = None,
-                 end_of_turn: tuple[str, ...] = ()) -> None:
+                 end_of_turn: tuple[str, ...] = (), tokenizer_from: Path | None = None) -> None:
     """Dequantise a GGUF with transformers into `out`: config.json (with `architectures` and
     `rope_theta`, which transformers' GGUF config leaves out or renames; Gemma 3's older keys:
     `_gemma3_config`), float32 model.safetensors (tied embeddings stored once, as Hugging Face
@@ -269,7 +293,11 @@ def convert_gguf(source: Path, out: Path, architecture: str, *, chat_template: s
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        if tokenizer_from is None:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        else:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_from)
+        check_tokenizer(tokenizer, f"converting {source.name}")
         model = transformers.AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name)
         config = model.config.to_dict()
         config.pop("quantization_config", None)
