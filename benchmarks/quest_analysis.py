@@ -166,9 +166,9 @@ def find_needle(ids: list[int], answer: list[int]) -> list[int]:
 def capture(model: Any, tok: Any, rec: Recorder, sample: Any, device: str) -> Captured:
     """Dense prefill of the prompt (its KV cache kept for `simulate`), then the gold answer
     teacher-forced on a copy of the cache: the decode positions' queries and all keys."""
-    from sparse_framework.eval.ruler import prompt_text
+    from sparse_framework.eval.ruler import prompt_ids
 
-    ids = tok(prompt_text(sample, tok, True), add_special_tokens=False).input_ids
+    ids = prompt_ids(sample, tok, True)  # as the engine's RULER runner encodes it (one BOS where the model has one)
     answer = tok(" " + sample.outputs[0], add_special_tokens=False).input_ids
     rec.mode, rec.q, rec.k = "capture", {}, {}
     out = model(torch.tensor([ids], device=device), use_cache=True)
