@@ -9,6 +9,12 @@ and TFLOP/s of the causal part actually computed (4 · Hq · D per query-key pai
 790 TFLOP/s bf16 matmul peak. CUDA only; flash-attn rows where it is installed.
 
     python benchmarks/prefill_attention.py --out benchmarks/results/prefill_attention_h100.json
+
+`--window W`: a sliding-window layer's chunk instead (keys in (t - W, t]), one SDPA call over
+the whole [n, m] mask against the engine's blocks over each block's band of keys; TFLOP/s
+count the pairs the window keeps. Gemma 3's layers:
+    python benchmarks/prefill_attention.py --window 512 --heads 4,1 --head-dim 256 \
+        --shapes 8192x8192,32768x32768 --out benchmarks/results/prefill_sliding_h200.json
 """
 
 from __future__ import annotations
@@ -29,12 +35,19 @@ def causal_pairs(n: int, m: int) -> int:
     return n * (m - n) + n * (n + 1) // 2
 
 
+def window_pairs(n: int, m: int, window: int) -> int:
+    """The pairs a sliding chunk computes: query i sees min(window, m - n + i + 1) keys."""
+    full = max(0, min(n, window - (m - n)))  # the first queries, which see fewer than `window`
+    return sum(m - n + i + 1 for i in range(full)) + (n - full) * window
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=SHAPES, help=f"chunk queries x staged keys, comma separated (default {SHAPES})")
     p.add_argument("--heads", default="32,8", help="query heads, KV heads (default 32,8: Llama-3-8B)")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--window", type=int, default=None, help="a sliding layer's window: one masked call vs blocks")
     p.add_argument("--out", help="write the results as JSON")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -47,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     d = args.head_dim
     found = pa.find_varlen()
     kernels = {"sdpa": chunk_attention}
-    if isinstance(found, tuple):
+    if args.window is not None:
+        w = args.window
+        kernels = {"sdpa one call": lambda q, k, v: chunk_attention(q, k, v, window=w, block=None),
+                   "sdpa blocks": lambda q, k, v: chunk_attention(q, k, v, window=w)}
+    elif isinstance(found, tuple):
         label, fn = found
         kernels[label] = lambda q, k, v: pa.flash_chunk_attention(fn, q, k, v)
     else:
@@ -60,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         n, m = (int(x) for x in shape.split("x"))
         q = torch.randn(n, hq, d, generator=g, device="cuda").to(torch.bfloat16)
         k, v = (torch.randn(m, hkv, d, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
-        flops = 4 * hq * d * causal_pairs(n, m)
+        pairs = causal_pairs(n, m) if args.window is None else window_pairs(n, m, args.window)
+        flops = 4 * hq * d * pairs
         for name, kernel in kernels.items():
             us = timer(lambda: kernel(q, k, v))
             tflops = flops / us / 1e6
@@ -70,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         del q, k, v
     if args.out:
         write_results(args.out, {"device": torch.cuda.get_device_name(), "heads": [hq, hkv], "head_dim": d,
-                                 "dtype": "bfloat16", "peak_tflops": PEAK_TFLOPS}, rows, "prefill_attention.py", argv)
+                                 "dtype": "bfloat16", "peak_tflops": PEAK_TFLOPS, "window": args.window}, rows, "prefill_attention.py", argv)
     return 0
 
 
