@@ -12,6 +12,10 @@
 #
 #   run(command="LIMIT=540 bash benchmarks/gpu/ruler_32k_runs.sh",
 #       carry=[".gpu_carry/gemma3_ruler", ".gpu_carry/whl"])       # again until every cell is in
+#
+# FIRST=1: only the experiment's first algorithm at its first budget, beside dense, for every
+# task and context (the same cells, so a later full run skips them): what the model can do
+# before the 10 algorithm cells of each task and context.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 LIMIT=${LIMIT:-540}
@@ -42,6 +46,11 @@ if [[ ! -x $SITE/bin/sparse-framework || $(cat "$KEEP/commit" 2>/dev/null) != "$
 fi
 before=$(wc -l <"$KEEP/results.jsonl")
 start=$SECONDS
+if [[ -n ${FIRST:-} ]]; then
+    python3 -c "import json, sys; e = json.load(open(sys.argv[1])); e['algorithms'] = e['algorithms'][:1]; e['budgets'] = e['budgets'][:1]; json.dump(e, open(sys.argv[2], 'w'))" \
+        "$EXP" "$KEEP/first.json"
+    EXP=$KEEP/first.json
+fi
 # the experiment's order: task by task, each at every context (the likeliest tasks first), so a
 # call cut by its limit leaves whole tasks from 8K to 32K
 timeout "$LIMIT" "$SITE/bin/sparse-framework" eval "$EXP" --device cuda --out "$KEEP/results.jsonl" --no-progress \
