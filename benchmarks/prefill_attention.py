@@ -48,11 +48,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--window", type=int, default=None, help="a sliding layer's window: one masked call vs blocks")
+    p.add_argument("--device", default="cuda", help="cuda (bf16), or cpu (float32; --window comparisons only)")
     p.add_argument("--out", help="write the results as JSON")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("prefill_attention.py needs a CUDA GPU", file=sys.stderr)
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("prefill_attention.py: no CUDA GPU here (--device cpu runs the --window comparison)", file=sys.stderr)
         return 2
+    if dev.type == "cpu" and args.window is None:
+        print("prefill_attention.py: on the CPU only --window compares anything (no flash-attn)", file=sys.stderr)
+        return 2
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     from sparse_framework.engine import prefill_attention as pa
     from sparse_framework.engine.staging import chunk_attention
 
@@ -69,26 +75,28 @@ def main(argv: list[str] | None = None) -> int:
         kernels[label] = lambda q, k, v: pa.flash_chunk_attention(fn, q, k, v)
     else:
         print(f"flash-attn: {found}", file=sys.stderr)
-    timer = Timer(torch.device("cuda"), warmup=3, iters=args.iters, flush=True)
-    g = torch.Generator(device="cuda").manual_seed(0)
+    timer = Timer(dev, warmup=1 if dev.type == "cpu" else 3, iters=args.iters, flush=True)
+    g = torch.Generator(device=dev).manual_seed(0)
     rows = []
     print(f"{'n x m':>14} {'kernel':<14} {'ms':>8} {'TFLOP/s':>8} {'of peak':>8}")
     for shape in args.shapes.split(","):
         n, m = (int(x) for x in shape.split("x"))
-        q = torch.randn(n, hq, d, generator=g, device="cuda").to(torch.bfloat16)
-        k, v = (torch.randn(m, hkv, d, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
+        q = torch.randn(n, hq, d, generator=g, device=dev).to(dtype)
+        k, v = (torch.randn(m, hkv, d, generator=g, device=dev).to(dtype) for _ in range(2))
         pairs = causal_pairs(n, m) if args.window is None else window_pairs(n, m, args.window)
         flops = 4 * hq * d * pairs
         for name, kernel in kernels.items():
             us = timer(lambda: kernel(q, k, v))
             tflops = flops / us / 1e6
-            rows.append({"n": n, "m": m, "kernel": name, "ms": us / 1e3, "tflops": tflops,
-                         "fraction_of_peak": tflops / PEAK_TFLOPS})
-            print(f"{shape:>14} {name:<14} {us / 1e3:8.2f} {tflops:8.0f} {100 * tflops / PEAK_TFLOPS:7.1f}%")
+            peak = tflops / PEAK_TFLOPS if dev.type == "cuda" else None  # the GPU's peak: nothing on a CPU
+            rows.append({"n": n, "m": m, "kernel": name, "ms": us / 1e3, "tflops": tflops, "fraction_of_peak": peak})
+            of_peak = "–" if peak is None else f"{100 * peak:.1f}%"
+            print(f"{shape:>14} {name:<14} {us / 1e3:8.2f} {tflops:8.2f} {of_peak:>8}")
         del q, k, v
     if args.out:
-        write_results(args.out, {"device": torch.cuda.get_device_name(), "heads": [hq, hkv], "head_dim": d,
-                                 "dtype": "bfloat16", "peak_tflops": PEAK_TFLOPS, "window": args.window}, rows, "prefill_attention.py", argv)
+        name = torch.cuda.get_device_name() if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+        write_results(args.out, {"device": name, "heads": [hq, hkv], "head_dim": d,
+                                 "dtype": str(dtype).removeprefix("torch."), "peak_tflops": PEAK_TFLOPS, "window": args.window}, rows, "prefill_attention.py", argv)
     return 0
 
 
