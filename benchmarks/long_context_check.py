@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = [check(args, context) for context in (int(c) for c in args.contexts.split(","))]
     if args.json:
-        write_results(str(args.json), {"what": "transformers generate vs the engine, float32 CPU, greedy"}, rows,
+        write_results(str(args.json), {"what": "transformers generate vs the engine, CPU, greedy"}, rows,
                       "long_context_check.py", argv)
     return 0 if all(r["equal_tokens"] for r in rows) else 1
 
@@ -89,14 +89,15 @@ def check(args: argparse.Namespace, context: int) -> dict[str, Any]:
     t2 = time.perf_counter()
     diff = next((i for i, (a, b) in enumerate(zip(hf_tokens, engine_tokens)) if a != b), None)
     row = {
-        "model": args.model, "dtype": args.dtype, "bos": ids[:1] == [tok.bos_token_id], "task": args.task, "context": context, "index": args.index,
+        "model": args.model, "dtype": args.dtype, "bos": ids[:1] == [tok.bos_token_id], "task": args.task,
+        "context": context, "index": args.index,
         "prompt_tokens": len(ids), "answer": list(sample.outputs),
         "transformers": tok.decode(hf_tokens), "engine": tok.decode(engine_tokens),
         "equal_tokens": diff is None and len(hf_tokens) == len(engine_tokens),
         "first_difference": diff, "transformers_s": round(t1 - t0, 1), "engine_s": round(t2 - t1, 1),
     }
-    for key in ("context", "dtype", "bos", "answer", "transformers", "engine", "equal_tokens", "first_difference", "transformers_s",
-                "engine_s"):
+    for key in ("context", "dtype", "bos", "answer", "transformers", "engine", "equal_tokens", "first_difference",
+                "transformers_s", "engine_s"):
         print(f"{key:>16}: {row[key]!r}", flush=True)
     return row
 

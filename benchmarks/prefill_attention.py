@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         name = torch.cuda.get_device_name() if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
         write_results(args.out, {"device": name, "heads": [hq, hkv], "head_dim": d,
-                                 "dtype": str(dtype).removeprefix("torch."), "peak_tflops": PEAK_TFLOPS, "window": args.window}, rows, "prefill_attention.py", argv)
+                                 "dtype": str(dtype).removeprefix("torch."), "peak_tflops": PEAK_TFLOPS,
+                                 "window": args.window}, rows, "prefill_attention.py", argv)
     return 0
 
 

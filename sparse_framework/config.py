@@ -12,7 +12,6 @@ naming the field, the bad value and what is allowed — never later, at step tim
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from os import PathLike
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -394,13 +393,15 @@ def config_schema(distribution: str | None = None) -> dict[str, Any]:
     return schema
 
 
-def dense_layer_set(config: SparseConfig, num_layers: int, model_layers: Sequence[int] | None = None) -> frozenset[int]:
+def dense_layer_set(config: SparseConfig, layers: int | KVLayout) -> frozenset[int]:
     """Every store layer that attends densely: `config.dense_layers` (store layers) and the
-    algorithm's own rule, which speaks of the network's layers (Quest's first N): with
-    `model_layers` (store layer i is model layer model_layers[i], `KVLayout.model_layers`) only
-    the store layers whose model layer it names, so on Gemma 3 (full layers 5, 11, 17) Quest's
-    first two layers are sliding ones and every full layer is sparse."""
-    ids = tuple(range(num_layers)) if model_layers is None else tuple(model_layers)
+    algorithm's own rule, which speaks of the network's layers (Quest's first N). `layers`: a
+    layer count (store layers are the model's), or the store's layout, whose `model_layers`
+    (store layer i is model layer model_layers[i]) maps the rule, so on Gemma 3 (full layers 5,
+    11, 17) Quest's first two layers are sliding ones and every full layer is sparse."""
+    num_layers = layers if isinstance(layers, int) else layers.num_layers
+    model_layers = None if isinstance(layers, int) else layers.model_layers
+    ids = tuple(range(num_layers)) if model_layers is None else model_layers
     named = config.algorithm_class.own_dense_layers(config, max(ids, default=-1) + 1)
     own = {i for i, layer in enumerate(ids) if layer in named}
     return frozenset(layer for layer in {*config.dense_layers, *own} if layer < num_layers)

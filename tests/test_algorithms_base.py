@@ -335,9 +335,9 @@ def test_quests_first_layers_count_in_the_models_layers(model_layers, want) -> N
     n = 4 if model_layers is None else len(model_layers)
     layout = KVLayout(n, 1, 8, model_layers=model_layers)
     config = load_config({"algorithm": "quest"})
-    assert dense_layer_set(config, layout.num_layers, layout.model_layers) == want
+    assert dense_layer_set(config, layout) == want
     explicit = load_config({"algorithm": "quest", "dense_layers": [n - 1], "extra": {"dense_first_layers": 0}})
-    assert dense_layer_set(explicit, layout.num_layers, layout.model_layers) == {n - 1}
+    assert dense_layer_set(explicit, layout) == {n - 1}
 
 
 @pytest.mark.parametrize("bad", [(3, 2, 5), (0, 0, 1), (0, 1), (-1, 2, 3)])

@@ -70,7 +70,8 @@ class KVLayout:
         check_device(self.device)
         if self.model_layers is not None:
             ids = tuple(self.model_layers)
-            if len(ids) != self.num_layers or any(not isinstance(i, int) or i < 0 for i in ids) or list(ids) != sorted(set(ids)):
+            increasing = list(ids) == sorted(set(ids)) and all(isinstance(i, int) and i >= 0 for i in ids)
+            if len(ids) != self.num_layers or not increasing:
                 raise ValueError(f"KVLayout.model_layers must be {self.num_layers} increasing model layer indices "
                                  f"(one per store layer), got {self.model_layers!r}")
             object.__setattr__(self, "model_layers", ids)

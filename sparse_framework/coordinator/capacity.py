@@ -76,7 +76,7 @@ def plan_capacity(
     streams = layout.num_kv_heads if algo.per_kv_head else 1
     per_layer = layout.bytes_per_token_per_layer
     full = _round_up(context_len, p)
-    dense_layers = len(dense_layer_set(config, layout.num_layers, layout.model_layers))
+    dense_layers = len(dense_layer_set(config, layout))
     sparse_layers = layout.num_layers - dense_layers
     buffer = buffer_pages(config.device_buffer_tokens, p, context_len) * p
     share = p * row_share_pages(device_buffer_tokens=config.device_buffer_tokens,

@@ -132,7 +132,7 @@ class SparseCoordinator:
             raise ConfigError(f"backend {self.config.backend!r} {exc}") from None
         self.config.adaptor_class.check_layout(layout, self.config)
         algorithm_cls = self.config.algorithm_class
-        self.dense_layers = dense_layer_set(self.config, layout.num_layers, layout.model_layers)
+        self.dense_layers = dense_layer_set(self.config, layout)
         check_footprint(self.config, layout, max_requests=max_requests, max_seq_len=max_seq_len,
                         device_capacity_tokens=device_capacity_tokens, host_capacity_tokens=host_capacity_tokens)
         with reraise_allocation_error(f"algorithm {self.config.algorithm!r} representations", "max_requests / max_seq_len"):

@@ -81,7 +81,7 @@ def coordinator_parts(
     check_host_kv_dtype(config.host_kv_dtype, layout, resident=resident)  # refused before anything is allocated
     host_per_layer = host_bytes_per_token_per_layer(layout, config.host_kv_dtype)  # fp8 host rows: about half
     pools = size_device_pools(
-        num_layers=L, dense_layers=dense_layer_set(config, L, layout.model_layers), page_size=p,
+        num_layers=L, dense_layers=dense_layer_set(config, layout), page_size=p,
         device_buffer_tokens=config.device_buffer_tokens, min_sparse_prompt_len=config.min_sparse_prompt_len,
         max_requests=max_requests, max_seq_len=max_seq_len, resident_only=resident,
         capacity_tokens=device_capacity_tokens, hybrid=config.store == "hybrid",

@@ -469,8 +469,7 @@ def hybrid_pool(
     pool: the rows' buffer shares (`share_tokens`) plus what `left_bytes` of device budget
     holds, at most `rows` whole requests."""
     p = config.page_size
-    dense = dense_layer_set(config, layout.num_layers, layout.model_layers)
-    sparse_layers = layout.num_layers - len([layer for layer in dense if layer < layout.num_layers])
+    sparse_layers = layout.num_layers - len(dense_layer_set(config, layout))
     per_token = sparse_layers * layout.bytes_per_token_per_layer
     whole = rows * cdiv(max_model_len, p) * p
     more = (max(0, left_bytes) // per_token) // p * p if per_token else 0
@@ -485,7 +484,7 @@ def _capacity_tokens(config: SparseConfig, layout: KVLayout, rows: int, max_mode
     p = config.page_size
     resident = config.store == "resident"
     pools = size_device_pools(
-        num_layers=layout.num_layers, dense_layers=dense_layer_set(config, layout.num_layers, layout.model_layers), page_size=p,
+        num_layers=layout.num_layers, dense_layers=dense_layer_set(config, layout), page_size=p,
         device_buffer_tokens=config.device_buffer_tokens, min_sparse_prompt_len=config.min_sparse_prompt_len,
         max_requests=rows, max_seq_len=max_model_len, resident_only=resident,
     )

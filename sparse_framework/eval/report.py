@@ -181,7 +181,8 @@ def ruler_summary(records: list[CellRecord]) -> list[str]:
     lines = ["## RULER summary", "",
              "Each sample is one greedy request to the engine (all of a cell's samples submitted at once), its "
              "prompt lm-eval's RULER input (in the model's chat template unless the workload sets `chat_template` "
-             "false: the experiment file says which) with the task's `gen_prefix` opening the answer; `dense` is the same engine with every token resident and every request dense. Accuracy "
+             "false: the experiment file says which) with the task's `gen_prefix` opening the answer; `dense` is "
+             "the same engine with every token resident and every request dense. Accuracy "
              "(string-match-all, %) per task; `mean` over the tasks measured in that row. Few samples make "
              "coarse steps: one sample of a single-answer task scores 0 or 100.", ""]
     for context in sorted({r.context for r in rows}):

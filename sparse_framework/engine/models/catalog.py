@@ -35,9 +35,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ...common.errors import ConfigError
 from .errors import CheckpointError
