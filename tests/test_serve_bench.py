@@ -19,10 +19,14 @@ from test_serve import Server, free_port, reference_server  # noqa: E402  (skips
 
 from sparse_framework.cli.main import main  # noqa: E402
 from sparse_framework.common.errors import ConfigError  # noqa: E402
-from sparse_framework.bench.online import (  # noqa: E402
-    BenchRequest, RequestResult, ServeBenchSpec, benchmark, dataset_requests, error_lines, exact_text,
-    load_tokenizer_for, meets_slo, percentile, poisson_arrivals, report_tables, summarize, synthetic_requests,
+from sparse_framework.bench.online import benchmark  # noqa: E402
+from sparse_framework.bench.serve_client import RequestResult  # noqa: E402
+from sparse_framework.bench.serve_load import (  # noqa: E402
+    BenchRequest, dataset_requests, exact_text, load_tokenizer_for, poisson_arrivals, synthetic_requests,
 )
+from sparse_framework.bench.serve_report import error_lines, meets_slo, report_tables, summarize  # noqa: E402
+from sparse_framework.bench.serve_spec import ServeBenchSpec  # noqa: E402
+from sparse_framework.bench.stats import percentile  # noqa: E402
 
 INPUT_LEN, OUTPUT_LEN, N = 16, 5, 6
 

@@ -22,7 +22,9 @@ pytest.importorskip("uvicorn")
 from helpers import load_benchmark  # noqa: E402
 from test_serve import Server, free_port, reference_server  # noqa: E402
 
-from sparse_framework.bench.online import Point, ServeBenchSpec, benchmark, curve_tables, error_lines  # noqa: E402
+from sparse_framework.bench.online import benchmark  # noqa: E402
+from sparse_framework.bench.serve_report import curve_tables, error_lines  # noqa: E402
+from sparse_framework.bench.serve_spec import Point, ServeBenchSpec  # noqa: E402
 from sparse_framework.cli.main import main  # noqa: E402
 from sparse_framework.common.errors import ConfigError  # noqa: E402
 
