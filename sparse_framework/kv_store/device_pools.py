@@ -194,9 +194,9 @@ class DeviceRows:
     """Where a stream's rows sit on the device: each layer's pool and the device page table.
 
     `pools` are the store's pools and `pool_of` the pool of each layer (fixed at construction);
-    `table` [layers, max_requests, pages] int32 is the store's device page table, shared: the
-    store (`HierarchicalKVStore`, its one owner) maps and unmaps pages in it at admission,
-    growth, retract and release; the swap-in and the decode writes only read it."""
+    `table` [layers, max_requests, pages] int32 is the device page table, shared: its one owner
+    (`DevicePages`, device_pages.py) maps and unmaps pages in it at admission, growth, retract,
+    release and spills; the swap-in and the decode writes only read it."""
 
     def __init__(
         self, pools: list[DevicePool], pool_of: list[DevicePool], table: torch.Tensor, *, page_size: int, head_major: bool
@@ -222,3 +222,19 @@ class DeviceRows:
         """rows[i]: [n, kv_heads, dim] to device slots [n] (all heads), or, in the head-major
         layout, slots [n, kv_heads] (one slot per head)."""
         put_rows(self.buffers(layer), slots, rows, self.head_major)
+
+    def paged_view(self, layer: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_pages, page_size, heads, dim] views of a layer's device pool (no copy). An fp8
+        MLA latent comes as FlashMLA's uint8 rows [.., 1, 656] for both K and V (the same
+        tensor: V is part of the packed NoPE bytes); consumers unpack (`unpack_flashmla_fp8`)."""
+        layout = self.pool_of[layer].layout
+        heads = 1 if self.head_major else layout.num_kv_heads
+        shape = (-1, page_size, heads, layout.stored_head_dim)
+        bufs = self.buffers(layer)
+        k = bufs[0].reshape(shape)
+        if layout.is_flashmla_fp8:
+            return k, k
+        v = k[..., : layout.v_head_dim] if layout.is_mla else bufs[1].reshape(shape)
+        if layout.is_fp8:
+            return k.view(layout.dtype), v.view(layout.dtype)
+        return k, v

@@ -19,13 +19,19 @@ Asynchronous host writes: a decode token's rows go to the device buffer at once 
 host at `end_step`, on a side CUDA stream; `begin_step` makes the compute stream wait for
 them, so no step reads a host row before its copy completed.
 
-The store is split in parts that own their state: the decode writes are
-`decode_writes.DecodeWrites` (`self.writes`: the queue of host writes, their side stream and
-the rows written out), the swap-in of a selection (and the prefetch)
-`residency.BufferResidency` (`self.residency`: the swap-in's counters, timing and prefetch
-copies); admission, prefill, retract/resume and the accounting are here. The store owns what
-they share and passes it to them: the slot maps (`SlotMaps`), the host pool (`HostPool`) and the
-device rows (`DeviceRows`: the pools and the device page table, which only the store maps).
+`HierarchicalKVStore` is the facade the coordinator, the engine and the prefix cache talk to.
+It owns the store's settings (geometry, pool sizes, which layers are dense, which store it
+is) and composes the parts that own the state, passing each what it shares with the others:
+  device_pools.py  the device pools (`DevicePool`) and their addressing (`DeviceRows`)
+  device_pages.py  the pages each (request, layer) holds and the device page table (`DevicePages`)
+  host_pool.py     the host tier (`HostPool`)
+  slot_maps.py     the buffers' logical→unit maps and recency (`SlotMaps`)
+  residency.py     the swap-in and prefetch, with their counters (`BufferResidency`)
+  decode_writes.py the decode writes and the queue of host writes (`DecodeWrites`)
+  placement.py     each request's mode and its admission, growth, retract / resume and release,
+                   with the retracted rows (`RequestPlacement`)
+  spilling.py      a hybrid store's spills and promotions (`HybridSpilling`, over spills.py)
+  tier_copies.py   a whole request's rows between the tiers (`TierCopies`: no state of its own)
 """
 
 from __future__ import annotations
@@ -35,24 +41,22 @@ from collections.abc import Set as AbstractSet
 
 import torch
 
+from ..common.arith import cdiv
 from ..common.batch import Batch, Request, Selection
-from ..common.errors import CapacityError
-from ..common.transfer import tensor_to_device
+from ..common.layout import KVLayout, resolve_impl
 from .base import KVStore
 from .decode_writes import DecodeWrites
-from .residency import BufferResidency, CopyShapes
-from ..common.flashmla_format import pack_flashmla_fp8
+from .device_pages import DevicePages
+from .device_pools import DENSE_LAYERS, DevicePool, DeviceRows, buffer_pages, size_device_pools
 from .fp8_host import check_host_kv_dtype, is_fp8_host
 from .host_pool import HostPool
-from ..common.arith import cdiv
-from ..common.layout import KVLayout, resolve_impl
-from .device_pools import DENSE_LAYERS, RESIDENT, DevicePool, DeviceRows, buffer_pages, size_device_pools
+from .placement import BUFFERED, RESIDENT, RequestPlacement
+from .residency import BufferResidency, CopyShapes
 from .slot_maps import SlotMaps
 from .spills import SpilledRequests
+from .tier_copies import TierCopies
 
 log = logging.getLogger(__name__)
-_RESIDENT, _BUFFERED = "resident", "buffered"
-
 
 
 class HierarchicalKVStore(KVStore):
@@ -119,12 +123,15 @@ class HierarchicalKVStore(KVStore):
         knobs = {DENSE_LAYERS: "fewer dense_layers"}
         self.pools = [DevicePool(s, layout, head_major=per_kv_head, knob=knobs.get(s.kind, "device_capacity_tokens")) for s in sizings]
         self._pool = [next(p for p in self.pools if layer in p.index) for layer in range(L)]
-        self.dev_alloc = [self._pool[layer].alloc[layer] for layer in range(L)]
-        table_pages = max(self.max_pages, self.buffer_tokens // page_size)
-        self.dev_table = torch.full((L, max_requests, table_pages), -1, dtype=torch.int32, device=dev)
-        self._dev_pages: dict[tuple[int, int], torch.Tensor] = {}
-        # the pools and the page table, as the swap-in and the decode writes address them (the
-        # table is this store's: only _alloc_device / _free_device change it)
+        # the pages each request holds per layer and the device page table (device_pages.py):
+        # only admission, growth, retract / resume, release and spills change them
+        self.pages = DevicePages(
+            self._pool, page_size=page_size, max_requests=max_requests, max_pages=self.max_pages,
+            table_pages=max(self.max_pages, self.buffer_tokens // page_size), buffer_tokens=self.buffer_tokens,
+            min_sparse_prompt_len=self.min_sparse_prompt_len, device=dev,
+        )
+        self.dev_alloc, self.dev_table, self._dev_pages = self.pages.allocs, self.pages.table, self.pages.owned
+        # the pools and the page table, as the swap-in and the decode writes address them
         self.device_rows = DeviceRows(self.pools, self._pool, self.dev_table, page_size=page_size, head_major=per_kv_head)
 
         if host_capacity_tokens is None:
@@ -155,8 +162,6 @@ class HierarchicalKVStore(KVStore):
         # a hybrid store's requests spilled to the host tier (spills.py); never any otherwise
         self.hybrid = hybrid
         self.spills = SpilledRequests(max_requests, dev, enabled=hybrid)
-        self.spill_count = 0  # requests spilled so far (stats)
-        self.promote_count = 0  # spilled requests made whole again (stats)
 
         # the swap-in of selections and the prefetch (residency.py), with their counters and the
         # launch shapes of its copies (copy_shapes: `CopyShapes`, None for the measured defaults)
@@ -171,8 +176,21 @@ class HierarchicalKVStore(KVStore):
             residency=self.residency, unit=unit, streams=self.streams, dense_layers=self.dense_layers,
             all_resident=resident_only, impl=self.impl, device=dev,
         )
-        self._retracted: set[int] = set()
-        self._live: dict[int, Request] = {}  # admitted requests by state row (the hybrid store spills among them)
+        # a whole request's rows between the tiers: prefill, retract / resume, spills, the
+        # prefix cache's pages (tier_copies.py)
+        self.copies = TierCopies(
+            layout, maps=self.maps, device_rows=self.device_rows, host_pool=self.host_pool,
+            residency=self.residency, unit=unit, streams=self.streams, device=dev,
+        )
+        # each request's mode per layer and the moves of its life: admission, growth, retract /
+        # resume, release, and a hybrid store's spills and promotions (placement.py, spilling.py)
+        self.placement = RequestPlacement(
+            layout, pages=self.pages, host_pool=self.host_pool, maps=self.maps, spills=self.spills,
+            writes=self.writes, copies=self.copies, dense_layers=self.dense_layers,
+            sparse_layers=self.sparse_layers, all_resident=resident_only, hybrid=hybrid, page_size=page_size,
+            max_pages=self.max_pages, buffer_tokens=self.buffer_tokens,
+        )
+        self.spilling = self.placement.spilling
         for pool in self.pools:
             log.info(
                 "device KV pool of the %s: %d layer(s) x %d tokens = %.2f GiB (%s)",
@@ -186,7 +204,7 @@ class HierarchicalKVStore(KVStore):
         self.maps.clock += 1
 
     def write_decode(self, layer: int, batch: Batch, k: torch.Tensor, v: torch.Tensor | None) -> None:
-        self.writes.write_decode(layer, batch, self._tensors(k, v))
+        self.writes.write_decode(layer, batch, self.copies.stored(k, v))
 
     def end_step(self, batch: Batch) -> None:
         """Start this step's device→host writes (on a side stream on CUDA)."""
@@ -286,17 +304,12 @@ class HierarchicalKVStore(KVStore):
         return 1 if self.head_major else self.layout.num_kv_heads
 
     def _keeps_host(self, request: Request) -> bool:
-        """Sparse requests keep every token on the host; resident-only ones do not, nor do a
-        hybrid store's until they are spilled."""
-        if self.all_resident or request.dense:
-            return False
-        return not self.hybrid or request.slot in self.spills
+        """Whether the request keeps every token on the host (`RequestPlacement.keeps_host`)."""
+        return self.placement.keeps_host(request)
 
     def mode(self, request: Request, layer: int) -> str:
-        resident = self.all_resident or request.dense or layer in self.dense_layers
-        if self.hybrid and request.slot not in self.spills:
-            resident = True
-        return _RESIDENT if resident else _BUFFERED
+        """"resident" (every token on the device) or "buffered" (`RequestPlacement.mode`)."""
+        return self.placement.mode(request, layer)
 
     def decode_key(self, batch: Batch) -> tuple:
         """What a captured decode graph of this batch depends on beyond its composition:
@@ -319,136 +332,38 @@ class HierarchicalKVStore(KVStore):
         device slots (-1 kept)."""
         return self.device_rows.offsets(layer, slots, head)
 
-    def _store(self, x: torch.Tensor) -> torch.Tensor:
-        """Rows as stored: the layout's dtype; fp8 as bytes; an fp8 MLA latent packed into
-        FlashMLA's 656-byte rows (on the writer's device, before any copy)."""
-        if self.layout.is_flashmla_fp8:
-            return pack_flashmla_fp8(x)
-        x = x.to(self.layout.dtype)
-        return x.view(torch.uint8) if self.layout.is_fp8 else x
-
-    def _tensors(self, k: torch.Tensor, v: torch.Tensor | None) -> list[torch.Tensor]:
-        return [self._store(k)] if self.layout.is_mla else [self._store(k), self._store(v)]  # type: ignore[arg-type]
-
-    def _write_dev(self, layer: int, slots: torch.Tensor, rows: list[torch.Tensor]) -> None:
-        """rows[i]: [n, kv_heads, dim] to device slots [n] (all heads), or, in the head-major
-        layout, slots [n, kv_heads] (one slot per head)."""
-        self.device_rows.put(layer, slots, rows)
-
-    def _alloc_device(self, request: Request, layers: list[int], tokens_for: dict[str, int]) -> None:
-        """All-or-nothing: allocate device pages for the given layers or raise unchanged."""
-        needs = {}
-        for layer in layers:
-            have = self._dev_pages.get((layer, request.slot))
-            want = cdiv(tokens_for[self.mode(request, layer)], self.page_size)
-            n = want - (0 if have is None else have.numel())
-            if n > 0:
-                needs[layer] = n
-        for layer, n in needs.items():
-            if n > self.dev_alloc[layer].free:
-                raise self._no_room(layer, n, f"request {request.rid!r}", request.dense)
-        if not needs:
-            return
-        # the page-table entries of every layer in one host->device copy: a copy per layer
-        # synchronises with the device each time (32 per request at every page boundary)
-        layer_ids, cols, values = [], [], []
-        for layer, n in needs.items():
-            ids = self.dev_alloc[layer].alloc(n, self.page_size, f"request {request.rid!r}")
-            have = self._dev_pages.get((layer, request.slot), ids[:0])
-            layer_ids.append(torch.full((n,), layer))
-            cols.append(torch.arange(have.numel(), have.numel() + n))
-            values.append(ids)
-            self._dev_pages[(layer, request.slot)] = torch.cat([have, ids])
-        index = tensor_to_device(torch.stack([torch.cat(layer_ids), torch.cat(cols)]), self.device)
-        self.dev_table[index[0], request.slot, index[1]] = tensor_to_device(torch.cat(values).to(torch.int32), self.device)
-
-    def _no_room(self, layer: int, pages: int, who: str, dense_request: bool) -> CapacityError:
-        """The CapacityError for a layer's pool without `pages` free pages: what is full, why the
-        request(s) need the room, and the settings that make room."""
-        pool, alloc, p = self._pool[layer], self.dev_alloc[layer], self.page_size
-        full = f"max_requests x max_seq_len = {self.max_requests * self.max_pages * p}"
-        head = (
-            f"device KV pool of the {pool.kind.replace('_', ' ')} full in layer {layer}: {who} needs {pages} more "
-            f"pages of {p} tokens ({pages * p} tokens), {alloc.free} of {alloc.num_pages} pages are free"
-        )
-        if pool.kind == RESIDENT:
-            why = "the resident store keeps every token of every request on the device"
-            fix = (f"raise device_capacity_tokens (now {pool.slots} tokens per layer; {full} fits any mix), "
-                   "lower max_requests / max_seq_len, or use the hierarchical store")
-        elif pool.kind == DENSE_LAYERS:
-            why = f"dense layers ({sorted(pool.layers)}, dense_layers) keep every token of every request"
-            fix = "lower max_requests / max_seq_len or remove the layer from dense_layers"
-        elif dense_request:
-            why = (f"a request whose prompt is shorter than min_sparse_prompt_len ({self.min_sparse_prompt_len}) "
-                   "decodes densely and keeps every token in every layer")
-            fix = (f"raise device_capacity_tokens (now {pool.slots} tokens per layer; {full} fits any mix), "
-                   "lower min_sparse_prompt_len so that it decodes sparsely, or generate fewer tokens")
-        else:
-            why = f"a sparse request holds a buffer of device_buffer_tokens ({self.buffer_tokens}) in every sparse layer"
-            fix = (f"raise device_capacity_tokens (now {pool.slots} tokens per layer) or lower device_buffer_tokens; "
-                   "requests that decode densely (prompts shorter than min_sparse_prompt_len) may hold the rest")
-        return CapacityError(f"{head}: {why}; {fix}")
-
-    def _free_device(self, request: Request) -> None:
-        for layer in range(self.layout.num_layers):
-            ids = self._dev_pages.pop((layer, request.slot), None)
-            if ids is not None:
-                self.dev_alloc[layer].release(ids)
-        self.dev_table[:, request.slot] = -1
-
-    def _device_tokens_for(self, request: Request, tokens: int) -> dict[str, int]:
-        return {_RESIDENT: tokens, _BUFFERED: self.buffer_tokens}
-
+    # -- admission, growth, retract / resume, release (placement.py `RequestPlacement`) -------
     def admit(self, request: Request, cached_pages: torch.Tensor | None = None) -> None:
         """Reserve host pages (sparse requests) and device pages for the prompt; all or nothing.
+        `cached_pages`: a prefix cache's host pages of its first `request.cached_len` tokens,
+        borrowed. A hybrid store spills running requests for the room, or admits it spilled
+        (`RequestPlacement.admit`)."""
+        self.placement.admit(request, cached_pages)
 
-        `cached_pages`: host pages that already hold the K/V of the prompt's first
-        `request.cached_len` tokens (a prefix cache's, engine/prefix_cache.py). A request that
-        keeps its K/V on the host maps them read-only as its first pages (borrowed: never
-        written, never freed by it) and reserves pages for the rest only; `write_prefill`
-        then offloads only the tokens after them. Others keep nothing on the host.
+    def can_grow(self, requests: list[Request]) -> bool:
+        """Whether one more token of each request finds room; a hybrid store spills running
+        requests where that makes it (`RequestPlacement.can_grow`)."""
+        return self.placement.can_grow(requests)
 
-        A hybrid store admits a request whole on the device; where the sparse layers' pool
-        lacks the room, it first spills running requests (`make_room`), and if that cannot
-        make it, it admits a sparse request spilled (its prompt to the host, a buffer on the
-        device)."""
-        self._live[request.slot] = request
-        try:
-            if not self.hybrid:
-                self._admit(request, cached_pages)
-                return
-            self.spills.mark(request.slot, False)
-            # whole where there is (or spilling makes) the room; a dense request only whole
-            if self.make_room(cdiv(request.prompt_len, self.page_size), keep=request) or request.dense:
-                try:
-                    self._admit(request, cached_pages)
-                    return
-                except CapacityError:
-                    if request.dense:  # (the error says why)
-                        raise
-            self.spills.mark(request.slot, True)  # no room to be whole: admitted to the host tier
-            try:
-                self._admit(request, cached_pages)
-            except CapacityError:
-                self.spills.mark(request.slot, False)
-                raise
-            self.spill_count += 1
-        except CapacityError:
-            del self._live[request.slot]
-            raise
+    def needs_page(self, request: Request) -> bool:
+        """Whether the request's next decode token starts a new page (`RequestPlacement.needs_page`)."""
+        return self.placement.needs_page(request)
 
-    def _admit(self, request: Request, cached_pages: torch.Tensor | None) -> None:
-        layers = list(range(self.layout.num_layers))
-        try:
-            if self._keeps_host(request):
-                if cached_pages is not None and cached_pages.numel():
-                    self.host_pool.adopt(request, cached_pages)
-                self.host_pool.reserve(request, request.prompt_len)
-            self._alloc_device(request, layers, self._device_tokens_for(request, request.prompt_len))
-        except CapacityError:
-            self.host_pool.free(request)
-            raise
-        self.maps.reset(request.slot)
+    def grow(self, batch: Batch) -> None:
+        """Pages for this step's new tokens (only at page boundaries); all or nothing."""
+        self.placement.grow(batch)
+
+    def retract(self, request: Request) -> None:
+        """Preempt: free the request's device memory, keep (or make) its host copy."""
+        self.placement.retract(request)
+
+    def resume(self, request: Request) -> None:
+        """Bring a retracted request back: device pages, resident layers copied in whole,
+        buffered layers refilled with the sink and recent window."""
+        self.placement.resume(request)
+
+    def release(self, request: Request) -> None:
+        self.placement.release(request)
 
     # -- pages for a prefix cache (engine/prefix_cache.py) ------------------------------------
     def keeps_host(self, request: Request) -> bool:
@@ -485,15 +400,7 @@ class HierarchicalKVStore(KVStore):
         if ids.numel() == 0:
             return
         self.writes.sync()
-        rows = self.host_pool.rows_of_pages(ids).to(self.device)
-        m, elems = rows.numel(), self.layout.stored_row_elems
-        layers = torch.arange(self.layout.num_layers, device=self.device).view(-1, 1)
-        src = self.host_pool.offsets(layers, rows.view(1, -1)).flatten()
-        for d, h in zip(dst, self.host):
-            if d.dtype != self.layout.storage_dtype or d.shape[0] != self.layout.num_layers or start + m > d.shape[1]:
-                raise ValueError(f"load_pages: {m} rows from {start} do not fit {tuple(d.shape)} {d.dtype}")
-            dst_off = ((layers * d.shape[1] + start + torch.arange(m, device=self.device)) * elems).flatten()
-            self.host_pool.read_rows(h, d, src, dst_off, self.layout.num_kv_heads)
+        self.copies.load_pages(ids, dst, start)
 
     def export_pages(self, request: Request, first_page: int, num_pages: int) -> torch.Tensor:
         """Copy the request's device K/V of pages first_page..first_page+num_pages-1 (every
@@ -505,307 +412,43 @@ class HierarchicalKVStore(KVStore):
         if num_pages == 0:
             return ids
         self.writes.sync()
-        p = self.page_size
-        sid = torch.tensor([request.slot], device=self.device)
-        tokens = torch.arange(first_page * p, (first_page + num_pages) * p, device=self.device).unsqueeze(0)
-        host_rows = self.host_pool.rows_of_pages(ids).to(self.device)
-        for layer in range(self.layout.num_layers):
-            slots = self._phys(layer, sid, tokens)[0]
-            for h in range(self.streams):
-                src = self._dev_off(layer, slots, h).flatten()
-                dst = self.host_pool.offsets(layer, host_rows, h).flatten()
-                for dev_buf, host_buf in zip(self._pool[layer].tensors, self.host):
-                    self.host_pool.write_rows(dev_buf, host_buf, src, dst, self.row_heads)
+        self.copies.pages_to_host(request, first_page, ids)
         return ids
 
-    def _growth_error(self, starting: list[Request], spare: int = 0) -> CapacityError | None:
-        """Why the requests `starting` a new page cannot each get one (None: they can), with
-        `spare` more free pages in each sparse layer (what spills would free)."""
-        host_need = sum(1 for r in starting if self._keeps_host(r))
-        if host_need > self.host_alloc.free:
-            try:
-                self.host_alloc.alloc(host_need, self.page_size, f"{host_need} requests")
-            except CapacityError as exc:  # (the allocator's own message; nothing was taken)
-                return exc
-        for layer in range(self.layout.num_layers):
-            growing = [r for r in starting if self.mode(r, layer) == _RESIDENT]
-            if len(growing) > self.dev_alloc[layer].free + (0 if layer in self.dense_layers else spare):
-                who = ", ".join(repr(r.rid) for r in growing[:4]) + (", ..." if len(growing) > 4 else "")
-                return self._no_room(layer, len(growing), f"request(s) {who}", any(r.dense for r in growing))
-        return None
+    # -- the hybrid store's spills (spilling.py `HybridSpilling`, which owns their counts) -------
+    @property
+    def spill_count(self) -> int:
+        """Requests spilled so far (stats)."""
+        return self.spilling.spill_count
 
-    def can_grow(self, requests: list[Request]) -> bool:
-        """Whether one more token of each request (its next decode step) finds room. What an
-        engine asks before a step, to preempt instead of failing it; it changes nothing, but a
-        hybrid store spills running requests (`make_room`) where that makes the room."""
-        starting = [r for r in requests if self.needs_page(r)]
-        if not starting or self._growth_error(starting) is None:
-            return True
-        if not self.hybrid:
-            return False
-        spare = sum(freed for freed, _ in self._spillable())
-        if self._growth_error(starting, spare) is not None:
-            return False
-        self.make_room(self._sparse_growth(starting))
-        return self._growth_error(starting) is None
-
-    def _sparse_growth(self, starting: list[Request]) -> int:
-        """Pages the requests starting one need in each sparse layer (the whole ones)."""
-        layers = self.sparse_layers
-        return sum(1 for r in starting if self.mode(r, layers[0]) == _RESIDENT) if layers else 0
-
-    def needs_page(self, request: Request) -> bool:
-        """Whether the request's next decode token starts a new page (the only growth that
-        takes room: `can_grow` of requests that do not is always True)."""
-        return request.seq_len % self.page_size == 0
-
-    def grow(self, batch: Batch) -> None:
-        """Pages for this step's new tokens (only at page boundaries); all or nothing."""
-        starting = [r for r in batch.requests if (r.seq_len - 1) % self.page_size == 0]
-        if not starting:
-            return
-        error = self._growth_error(starting)
-        if error is not None and self.hybrid:  # spill (the batch's rows as before this step)
-            advanced = {r.slot for r in batch.requests}
-            self.make_room(self._sparse_growth(starting), advanced=advanced)
-            error = self._growth_error(starting)
-        if error is not None:
-            raise error
-        for r in starting:
-            if self._keeps_host(r):
-                self.host_pool.reserve(r, r.seq_len)
-            self._alloc_device(r, list(range(self.layout.num_layers)), self._device_tokens_for(r, r.seq_len))
-
-    def release(self, request: Request) -> None:
-        self.writes.sync()
-        self._free_device(request)
-        self.host_pool.free(request)
-        self.maps.reset(request.slot)
-        self._retracted.discard(request.slot)
-        self.spills.mark(request.slot, False)
-        self._live.pop(request.slot, None)
-        if self.hybrid and self.spills.slots:
-            self._promote_while_room()
-
-    # -- the hybrid store's spills (spills.py) ------------------------------------------------
-    def _sparse_pages(self, request: Request) -> int:
-        """Device pages the request holds in one sparse layer."""
-        layers = self.sparse_layers
-        ids = self._dev_pages.get((layers[0], request.slot)) if layers else None
-        return 0 if ids is None else ids.numel()
-
-    def _sparse_free(self) -> int:
-        """Free pages in every sparse layer (the fewest of any)."""
-        return min(self.dev_alloc[layer].free for layer in self.sparse_layers)
-
-    def _spillable(self, keep: Request | None = None) -> list[tuple[int, Request]]:
-        """Running requests a spill would shrink, with the pages per sparse layer it frees,
-        the most first (fewest spills for the room): whole, sparse, holding more than a buffer."""
-        buffer = self.buffer_tokens // self.page_size
-        found = []
-        for slot, r in self._live.items():
-            if r is keep or r.dense or slot in self.spills or slot in self._retracted or r.seq_len < r.prompt_len:
-                continue  # (a prompt not handed over yet has nothing to spill: it is admitted again whole)
-            freed = self._sparse_pages(r) - buffer
-            if freed > 0:
-                found.append((freed, r))
-        return sorted(found, key=lambda x: -x[0])
+    @property
+    def promote_count(self) -> int:
+        """Spilled requests made whole again (stats)."""
+        return self.spilling.promote_count
 
     def make_room(self, pages: int, keep: Request | None = None, advanced: AbstractSet[int] = frozenset()) -> bool:
-        """Free `pages` pages in every sparse layer of a hybrid store, spilling running
-        requests (the largest first) if needed; True when the room is there. Spills nobody
-        when spilling everyone it could would still not make the room. Not `keep`.
-        `advanced`: state rows whose seq_len already counts a token not written yet (a step
-        being begun: `grow`), spilled as they were before it."""
-        if not self.sparse_layers:
-            return True
-        short = pages - self._sparse_free()
-        if short <= 0:
-            return True
-        victims = []
-        for freed, r in self._spillable(keep):
-            if short <= 0:
-                break
-            victims.append(r)
-            short -= freed
-        if short > 0:
-            return False
-        for r in victims:
-            if r.slot in advanced:  # its newest token is not written yet: spill what is
-                r.seq_len -= 1
-                try:
-                    self.spill(r)
-                finally:
-                    r.seq_len += 1
-            else:
-                self.spill(r)
-        return True
+        """Free `pages` pages in every sparse layer of a hybrid store, spilling running requests
+        if needed; True when the room is there (`HybridSpilling.make_room`)."""
+        return self.spilling.make_room(pages, keep, advanced)
 
     def spill(self, request: Request) -> None:
-        """Move a whole request of a hybrid store to the host tier: every layer's K/V to its
-        host pages, then its sparse layers shrink to a buffer refilled with the sink and the
-        recent window (as after `resume`); later selections swap in what they need. Lossless:
-        attention reads the same rows (fp8 host rows: their round trip). CapacityError, with
-        nothing changed, when the host pool has no room for it."""
-        if not self.hybrid or request.dense or request.slot in self.spills or request.slot in self._retracted:
-            raise ValueError(f"request {request.rid!r}: only a live, whole, sparse request of a hybrid store spills")
-        self.writes.sync()
-        self.host_pool.reserve(request, request.seq_len)
-        self._copy_to_host(request)
-        for layer in self._switch_tier(request, spilled=True):
-            self._fill_buffer(layer, request, None)
-        self.spill_count += 1
-
-    def _switch_tier(self, request: Request, spilled: bool) -> list[int]:
-        """Re-place a request's sparse layers on the device for its new tier (spilled: a buffer;
-        whole: every token): their pages released and taken anew, the maps reset; the rows are
-        the caller's to copy. Returns the sparse layers."""
-        layers = self.sparse_layers
-        for layer in layers:
-            self.dev_alloc[layer].release(self._dev_pages.pop((layer, request.slot)))
-        self.dev_table[layers, request.slot] = -1
-        self.spills.mark(request.slot, spilled)
-        self.maps.reset(request.slot)
-        self._alloc_device(request, layers, self._device_tokens_for(request, request.seq_len))
-        return layers
-
-    def _promote_while_room(self) -> None:
-        """Make spilled requests whole again, the smallest first, while the sparse layers' pool
-        keeps the room of one more whole request of max_seq_len after each: room freed by a
-        finished request goes to the spilled ones, but not the room the next admission needs,
-        which would spill them again at once."""
-        if not self.sparse_layers:
-            return
-        waiting = sorted((r for slot, r in self._live.items() if slot in self.spills and slot not in self._retracted),
-                         key=lambda r: r.seq_len)
-        for r in waiting:
-            if self._sparse_free() - self._promotion_pages(r) < self.max_pages:
-                return
-            self.promote(r)
-
-    def _promotion_pages(self, request: Request) -> int:
-        """Pages per sparse layer a spilled request takes beyond its buffer when made whole."""
-        return cdiv(request.seq_len, self.page_size) - self._sparse_pages(request)
+        """Move a whole request of a hybrid store to the host tier, losslessly (`HybridSpilling.spill`)."""
+        self.spilling.spill(request)
 
     def promote(self, request: Request) -> None:
-        """Make a spilled request of a hybrid store whole on the device again: its sparse layers'
-        buffers are released, every token is copied back from its host pages, which are freed
-        (it keeps nothing on the host, as before its spill). Lossless. CapacityError, with
-        nothing changed, when the sparse layers' pool lacks the room."""
-        if request.slot not in self.spills or request.slot in self._retracted:
-            raise ValueError(f"request {request.rid!r}: only a live, spilled request of a hybrid store is promoted")
-        layers = self.sparse_layers
-        need = self._promotion_pages(request)
-        short = [layer for layer in layers if self.dev_alloc[layer].free < need]
-        if short:
-            raise self._no_room(short[0], need, f"request {request.rid!r} made whole", False)
-        self.writes.sync()  # its last decode tokens' host copies land before they are read back
-        self._switch_tier(request, spilled=False)
-        sid = torch.tensor([request.slot], device=self.device)
-        tokens = torch.arange(request.seq_len, device=self.device).unsqueeze(0)
-        for layer in layers:
-            self.residency.copy_in(layer, sid, tokens, self._phys(layer, sid, tokens))
-        # later writes to these host pages are queued after this copy (resume's argument)
-        self.host_pool.free(request)
-        self.promote_count += 1
-
-    def _copy_to_host(self, request: Request) -> None:
-        """Every layer's device rows of a request that keeps nothing on the host yet into its
-        (reserved) host pages."""
-        sid = torch.tensor([request.slot], device=self.device)
-        tokens = torch.arange(request.seq_len, device=self.device).unsqueeze(0)
-        host_rows = self.host_pool.rows(sid, tokens)
-        for layer in range(self.layout.num_layers):
-            slots = self._phys(layer, sid, tokens)
-            for h in range(self.streams):
-                src = self._dev_off(layer, slots, h).flatten()
-                dst = self.host_pool.offsets(layer, host_rows, h).flatten()
-                for dev_buf, host_buf in zip(self._pool[layer].tensors, self.host):
-                    self.host_pool.write_rows(dev_buf, host_buf, src, dst, self.row_heads)
+        """Make a spilled request of a hybrid store whole on the device again (`HybridSpilling.promote`)."""
+        self.spilling.promote(request)
 
     # -- prefill ----------------------------------------------------------------------------
-    def _fill_buffer(self, layer: int, request: Request, rows: list[torch.Tensor] | None) -> None:
-        """Map the initial units of a buffered (request, layer) to buffer units 0..m-1 and fill
-        them, from `rows` (the prompt's K/V, prefill) or from the host (resume)."""
-        units = self.maps.initial_units(request.seq_len)
-        m = units.numel()
-        r = request.slot
-        bu = torch.arange(m, device=self.device)
-        self.l2s[layer, r, :, units] = bu.to(torch.int32)
-        self.s2l[layer, r, :, :m] = units.to(torch.int32)
-        self.last_used[layer, r, :, :m] = self.clock
-        tokens = (units.unsqueeze(1) * self.unit + torch.arange(self.unit, device=self.device)).flatten()
-        pos = (bu.unsqueeze(1) * self.unit + torch.arange(self.unit, device=self.device)).flatten()
-        keep = tokens < request.seq_len
-        tokens, pos = tokens[keep], pos[keep]
-        slots = self._phys(layer, torch.tensor([r], device=self.device), pos.unsqueeze(0))[0]
-        if rows is not None:
-            self._write_dev(layer, slots, [x[tokens] for x in rows])
-        else:
-            self.residency.copy_in(layer, torch.tensor([r], device=self.device), tokens.unsqueeze(0), slots.unsqueeze(0))
-
     def write_prefill(self, layer: int, request: Request, k: torch.Tensor, v: torch.Tensor | None) -> None:
-        rows = self._tensors(k, v)
-        n = k.shape[0]
-        sid = torch.tensor([request.slot], device=self.device)
-        positions = torch.arange(n, device=self.device).unsqueeze(0)
-        if self._keeps_host(request):  # offload the prompt to the host (but a cached prefix)
-            c = request.cached_len  # tokens on borrowed host pages: never written
-            host_off = self.host_pool.offsets(layer, self.host_pool.rows(sid, positions[:, c:])[0], 0)
-            for buf, x in zip(self.host, rows):
-                src = x.contiguous()
-                src_off = torch.arange(c, n, device=src.device) * self.layout.stored_row_elems
-                self.host_pool.write_rows(src, buf, src_off, host_off, self.layout.num_kv_heads)
-        if self.mode(request, layer) == _RESIDENT:
-            self._write_dev(layer, self._phys(layer, sid, positions)[0], rows)
-        else:
-            self._fill_buffer(layer, request, rows)
-
-    # -- retract / resume -------------------------------------------------------------------
-    def retract(self, request: Request) -> None:
-        """Preempt: free the request's device memory, keep (or make) its host copy."""
-        self.writes.sync()
-        if not self._keeps_host(request):  # resident-only requests get a host copy first
-            self.host_pool.reserve(request, request.seq_len)
-            self._copy_to_host(request)
-        self._free_device(request)
-        self.maps.reset(request.slot)
-        self._retracted.add(request.slot)
-
-    def resume(self, request: Request) -> None:
-        """Bring a retracted request back: device pages, resident layers copied in whole,
-        buffered layers refilled with the sink and recent window."""
-        if request.slot not in self._retracted:
-            raise ValueError(f"request {request.rid!r} is not retracted")
-        self._alloc_device(request, list(range(self.layout.num_layers)), self._device_tokens_for(request, request.seq_len))
-        sid = torch.tensor([request.slot], device=self.device)
-        tokens = torch.arange(request.seq_len, device=self.device).unsqueeze(0)
-        for layer in range(self.layout.num_layers):
-            if self.mode(request, layer) == _RESIDENT:
-                self.residency.copy_in(layer, sid, tokens, self._phys(layer, sid, tokens))
-            else:
-                self._fill_buffer(layer, request, None)
-        if not self._keeps_host(request):
-            # later writes to these host pages are queued after this copy on the same
-            # stream (prefill) or on the side stream, which waits for it (end_step)
-            self.host_pool.free(request)
-        self._retracted.discard(request.slot)
+        self.copies.write_prompt(layer, request, self.copies.stored(k, v), to_host=self._keeps_host(request),
+                                 resident=self.mode(request, layer) == RESIDENT)
 
     # -- views and accounting ---------------------------------------------------------------
     def paged_view(self, layer: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[num_pages, page_size, heads, dim] views of a layer's device pool (no copy). An fp8
-        MLA latent comes as FlashMLA's uint8 rows [.., 1, 656] for both K and V (the same
-        tensor: V is part of the packed NoPE bytes); consumers unpack (`unpack_flashmla_fp8`)."""
-        heads = 1 if self.head_major else self.layout.num_kv_heads
-        shape = (-1, page_size, heads, self.layout.stored_head_dim)
-        bufs = self.layer_buffers(layer)
-        k = bufs[0].reshape(shape)
-        if self.layout.is_flashmla_fp8:
-            return k, k
-        v = k[..., : self.layout.v_head_dim] if self.layout.is_mla else bufs[1].reshape(shape)
-        if self.layout.is_fp8:
-            return k.view(self.layout.dtype), v.view(self.layout.dtype)
-        return k, v
+        """[num_pages, page_size, heads, dim] views of a layer's device pool, K and V (no copy;
+        `DeviceRows.paged_view`)."""
+        return self.device_rows.paged_view(layer, page_size)
 
     def read(self, layer: int, request: Request) -> list[torch.Tensor]:
         """A request's rows in logical order, [seq_len, kv_heads, dim] per stored tensor
@@ -816,44 +459,26 @@ class HierarchicalKVStore(KVStore):
         debugging."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        sid = torch.tensor([request.slot], device=self.device)
-        tokens = torch.arange(request.seq_len, device=self.device).unsqueeze(0)
-        if self.mode(request, layer) == _BUFFERED or request.slot in self._retracted:
-            rows = self.host_pool.rows(sid, tokens)[0].cpu()
-            return [self.host_pool.decode(buf[layer][rows]) for buf in self.host]
-        slots = self._phys(layer, sid, tokens)[0]
-        if self.head_major:
-            return [buf[:, slots].transpose(0, 1) for buf in self.layer_buffers(layer)]
-        return [buf[slots] for buf in self.layer_buffers(layer)]
+        from_host = self.mode(request, layer) == BUFFERED or request.slot in self.placement.retracted
+        return self.copies.read(layer, request, from_host)
 
     def device_tokens(self, request: Request) -> int:
         """Device token slots the request holds, averaged over layers."""
-        pages = sum(ids.numel() for (layer, slot), ids in self._dev_pages.items() if slot == request.slot)
-        return pages * self.page_size // max(1, self.layout.num_layers)  # 0 layers: nothing held
+        return self.pages.held(request.slot) * self.page_size // max(1, self.layout.num_layers)  # 0 layers: nothing held
 
     def host_tokens(self, request: Request) -> int:
         return self.host_pool.tokens(request)
 
     def used_tokens(self) -> int:
-        return sum(a.used for a in self.dev_alloc) * self.page_size // max(1, self.layout.num_layers)
+        return self.pages.used_pages * self.page_size // max(1, self.layout.num_layers)
 
     def device_bytes(self) -> int:
-        return sum(a.used for a in self.dev_alloc) * self.page_size * self.layout.bytes_per_token_per_layer
+        return self.pages.used_pages * self.page_size * self.layout.bytes_per_token_per_layer
 
     def pool_stats(self) -> list[dict[str, object]]:
         """Per pool (the device pools, then the host pool): kind, layers, tokens per layer,
         bytes, tokens and bytes used now (summed over layers), and how it was sized."""
-        host = self.host_pool
-        per_token = host.bytes_per_token_per_layer * self.layout.num_layers
-        return [pool.stats() for pool in self.pools] + [{
-            "kind": "host",
-            "layers": self.layout.num_layers,
-            "tokens_per_layer": host.host_slots,
-            "bytes": host.host_slots * per_token,
-            "used_tokens": host.host_alloc.used * self.page_size * self.layout.num_layers,
-            "used_bytes": host.host_alloc.used * self.page_size * per_token,
-            "rule": host.rule,
-        }]
+        return [pool.stats() for pool in self.pools] + [self.host_pool.stats()]
 
     def stats(self) -> list[dict[str, float]]:
         """Per layer: hits, misses, rows and bytes moved each way, swap-in time (syncs). With
@@ -876,5 +501,3 @@ class HierarchicalKVStore(KVStore):
             }
             for layer in range(self.layout.num_layers)
         ]
-
-

@@ -167,3 +167,17 @@ class HostPool:
         else:
             off = (layer * self.host_slots + rows) * hk * d
         return torch.where(rows >= 0, off, -1)
+
+    def stats(self) -> dict[str, object]:
+        """How the pool was sized and what it holds now (as `DevicePool.stats`, summed over layers)."""
+        layers = self.layout.num_layers
+        per_token = self.bytes_per_token_per_layer * layers
+        return {
+            "kind": "host",
+            "layers": layers,
+            "tokens_per_layer": self.host_slots,
+            "bytes": self.host_slots * per_token,
+            "used_tokens": self.host_alloc.used * self.page_size * layers,
+            "used_bytes": self.host_alloc.used * self.page_size * per_token,
+            "rule": self.rule,
+        }
