@@ -3,7 +3,10 @@ answer needs, per layer and KV head (issue 47, step 3).
 
 The capture is `quest_analysis.py`'s (transformers with a recording attention function; the
 prompt dense, then the gold answer teacher-forced: the decode queries as the engine sees
-them), on raw prompts by default (`--chat` for the chat template). The marked tokens are
+them), on raw prompts by default (`--chat` for the chat template), encoded as the engine's
+RULER runner does (the tokenizer's own BOS, which Gemma needs); `--model` picks the catalog
+model (on Gemma 3 only its full-attention layers are analysed, numbered as the model's). The
+marked tokens are
 
   ruler_fwe      every token of every occurrence in the prompt of the three answer words
                  (`sample.outputs`, the most frequent coded words): counting needs them all
@@ -32,11 +35,12 @@ on the same captures (a forward at 8K costs minutes on a CPU, so one capture ser
     python benchmarks/fwe_analysis.py --task ruler_fwe --contexts 4096 --samples 8
     python benchmarks/fwe_analysis.py --task niah_single_1 --contexts 4096,8192 --samples 2 --pqcache \\
         --json benchmarks/results/ruler_losses_cpu_niah.json
+    python benchmarks/fwe_analysis.py --model gemma3-270m --contexts 8192 --samples 4 \\
+        --json benchmarks/results/ruler_losses_gemma3_cpu_fwe.json
 """
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import copy
 import json
@@ -54,7 +58,8 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from quest_analysis import (  # noqa: E402
-    MODEL, Captured, Recorder, Variant, find_needle, load, pages_to_tokens, select_pages, variant_scores,
+    Captured, Recorder, Variant, common_args, find_needle, full_layers, load, pages_to_tokens, provenance, select_pages,
+    variant_scores,
 )
 
 from sparse_framework.algorithms.snapkv import SnapKVOptions, snapkv_votes  # noqa: E402
@@ -105,8 +110,9 @@ def span_tokens(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) ->
 
 
 def occurrences(tok: Any, text: str, words: list[str] | tuple[str, ...]) -> tuple[list[int], dict[str, list[list[int]]]]:
-    """The prompt's token ids and, per word, the token positions of each of its occurrences."""
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    """The prompt's token ids (with the tokenizer's own special tokens, as `ruler.prompt_ids`
+    encodes: Gemma's BOS) and, per word, the token positions of each of its occurrences."""
+    enc = tok(text, add_special_tokens=True, return_offsets_mapping=True)
     spans = word_spans(text, words)
     return enc.input_ids, {w: span_tokens(enc.offset_mapping, spans[w]) for w in words}
 
@@ -180,32 +186,33 @@ def capture(model: Any, tok: Any, rec: Recorder, sample: Any, chat: bool, device
     """Dense prefill of the prompt, then the gold answer teacher-forced (fwe: the three words,
     comma separated; NIAH: the value). Returns the capture, the marked occurrences per word,
     and per layer the prompt's last `window` queries [window, Hq, D] (SnapKV's voters)."""
-    from sparse_framework.eval.ruler import prompt_text
+    from sparse_framework.eval.ruler import prompt_ids, prompt_text
 
     text = prompt_text(sample, tok, chat)
     if sample.task == "ruler_fwe":
         ids, occ = occurrences(tok, text, sample.outputs)
+        assert ids == prompt_ids(sample, tok, chat), "the marked ids differ from the engine's encoding"
         answer = tok(" " + ", ".join(sample.outputs), add_special_tokens=False).input_ids
     else:
-        ids = tok(text, add_special_tokens=False).input_ids
+        ids = prompt_ids(sample, tok, chat)
         answer = tok(" " + sample.outputs[0], add_special_tokens=False).input_ids
         needle = find_needle(ids, answer)
         occ = {sample.outputs[0]: [needle]} if needle else {}
     rec.mode, rec.q, rec.k = "capture", {}, {}
-    out = model(torch.tensor([ids], device=device), use_cache=True)
-    n_layers = len(rec.k)
-    voters = [rec.q[i][:, -window:].transpose(0, 1).float().cpu() for i in range(n_layers)]
+    out = model(torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1)
+    layers = full_layers(model.config)  # a hybrid model's sliding layers are left out
+    voters = [rec.q[i][:, -window:].transpose(0, 1).float().cpu() for i in layers]
     cache, first = out.past_key_values, int(out.logits[0, -1].argmax())
     rec.q, rec.k = {}, {}
     step_cache = copy.deepcopy(cache)
-    model(torch.tensor([answer[:-1]], device=device), past_key_values=step_cache, use_cache=True)
-    keys = [rec.k[i].transpose(0, 1).float().cpu() for i in range(n_layers)]
-    queries = [rec.q[i].transpose(0, 1).float().cpu() for i in range(n_layers)]
+    model(torch.tensor([answer[:-1]], device=device), past_key_values=step_cache, use_cache=True, logits_to_keep=1)
+    keys = [rec.k[i].transpose(0, 1).float().cpu() for i in layers]
+    queries = [rec.q[i].transpose(0, 1).float().cpu() for i in layers]
     del step_cache, cache
     p = len(ids)
     flat = sorted({x for o in occ.values() for y in o for x in y})
     return (Captured(keys, queries, list(range(p, p + len(answer) - 1)), flat, p, None, first,
-                     {"task": sample.task, "index": sample.index, "answer": list(sample.outputs)}), occ, voters)
+                     {"task": sample.task, "index": sample.index, "answer": list(sample.outputs)}, layers), occ, voters)
 
 
 # -- analysis ----------------------------------------------------------------------------------
@@ -219,7 +226,7 @@ def analyse(c: Captured, occ: dict[str, list[list[int]]], voters: list[torch.Ten
     allocc = [o for w in occ.values() for o in w]
     res: dict[str, Any] = {"marked_tokens": len({p for o in allocc for p in o}), "occurrences": len(allocc),
                            "per_word_occurrences": {w: len(v) for w, v in occ.items()}, "layers": []}
-    for layer in range(len(c.keys)):
+    for layer, model_layer in enumerate(c.layers):
         k_all = c.keys[layer]
         hk, d = k_all.shape[1], k_all.shape[2]
         votes: dict[str, torch.Tensor] = {}
@@ -253,7 +260,7 @@ def analyse(c: Captured, occ: dict[str, list[list[int]]], voters: list[torch.Ten
                 if len(occ) > 1:
                     for w, wo in occ.items():
                         acc.setdefault(f"word {w}|{key}", []).append(kept_shares(keep, wo, mass).token)
-        row: dict[str, Any] = {"layer": layer, "sel": {}}
+        row: dict[str, Any] = {"layer": model_layer, "sel": {}}
         for name, vals in acc.items():
             per_head = torch.stack(vals).nanmean(0).tolist()
             if "|" not in name:
@@ -287,7 +294,8 @@ def merge(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for i in range(len(folded[0])):
         rows = [f[i] for f in folded]
-        m: dict[str, Any] = {"layer": i, "marked_mass": mean([r["marked_mass"] for r in rows]), "sel": {}}
+        m: dict[str, Any] = {"layer": rows[0]["layer"], "marked_mass": mean([r["marked_mass"] for r in rows]),
+                             "sel": {}}
         for key in rows[0]["sel"]:
             m["sel"][key] = {metric: mean([r["sel"][key][metric] for r in rows]) for metric in rows[0]["sel"][key]}
         out.append(m)
@@ -329,8 +337,10 @@ def print_pqcache(console: Console, run: dict[str, Any]) -> None:
 
 
 def print_run(console: Console, run: dict[str, Any], dense_first: int) -> None:
-    """The summary over sparse layers, and per layer the token share of the main selections."""
+    """The summary over sparse layers (model layers >= `dense_first`; on a hybrid model the
+    full-attention ones), and per layer the token share of the main selections."""
     layers = run["layers"]
+    sparse = [r for r in layers if r["layer"] >= dense_first]
     sels = list(layers[0]["sel"])
     t = new_table(f"{run['task']} {run['context']}: marked tokens kept, layers >= {dense_first}, mean of heads "
                   f"({run['marked_tokens']:.0f} marked tokens, {run['occurrences']:.0f} occ.)", tight=True)
@@ -338,12 +348,12 @@ def print_run(console: Console, run: dict[str, Any], dense_first: int) -> None:
         t.add_column(col, justify="right")
     for key in sels:
         name, b = key.split("|")
-        vals = {m: _avg([_avg(r["sel"][key][m]) for r in layers[dense_first:]]) for m in ("token", "occurrence", "mass")}
-        heads = [_avg([r["sel"][key]["token"][h] for r in layers[dense_first:]]) for h in range(len(layers[0]["marked_mass"]))]
+        vals = {m: _avg([_avg(r["sel"][key][m]) for r in sparse]) for m in ("token", "occurrence", "mass")}
+        heads = [_avg([r["sel"][key]["token"][h] for r in sparse]) for h in range(len(layers[0]["marked_mass"]))]
         fits = min(1.0, int(b) / max(run["marked_tokens"], 1))  # the most a budget of b can hold
         t.add_row(name, b, f"{fits:.3f}", f"{vals['token']:.3f}", f"{vals['occurrence']:.3f}", f"{vals['mass']:.3f}",
-                  f"{weighted_mass(layers[dense_first:], key):.3f}", f"{min(heads):.3f}",
-                  f"{_avg([_avg(r['sel'][key]['total']) for r in layers[dense_first:]]):.3f}")
+                  f"{weighted_mass(sparse, key):.3f}", f"{min(heads):.3f}",
+                  f"{_avg([_avg(r['sel'][key]['total']) for r in sparse]):.3f}")
     console.print(t)
     main = [s for s in ("quest sum (default)", "mid sum", "oracle page", ORACLE_TOKEN, "snapkv (w32 k7 max)")
             if any(k.startswith(s + "|") for k in sels)]
@@ -362,16 +372,29 @@ def print_run(console: Console, run: dict[str, Any], dense_first: int) -> None:
         console.print(lt)
 
 
+def summarise(ctx: int, budgets: list[int], per: list[dict[str, Any]], pq: list[dict[str, Any]]) -> dict[str, Any]:
+    """One context's run from its prompts' analyses (`per`) and PQCache analyses (`pq`)."""
+    run: dict[str, Any] = {"context": ctx, "budgets": budgets, "samples": len(per),
+                           "marked_tokens": _avg([p["marked_tokens"] for p in per]),
+                           "occurrences": _avg([p["occurrences"] for p in per]),
+                           "prompts": [{**{k: p[k] for k in ("prompt_len", "marked_tokens", "occurrences", "per_word_occurrences")},
+                                        "answer": p["answer"], "marked_mass": [_avg(r["marked_mass"]) for r in p["layers"]],
+                                        "sel": {key: {m: [_avg(r["sel"][key][m]) for r in p["layers"]] for m in ("token", "mass")}
+                                                for key in p["layers"][0]["sel"]}}
+                                       for p in per],
+                           "layers": merge(per)}
+    if pq:
+        run["pqcache"] = {b: [{"layer": pq[0][b]["layers"][i]["layer"],
+                               "sets": {n: {m: _avg([p[b]["layers"][i]["sets"][n].get(m, float("nan")) for p in pq])
+                                            for m in pq[0][b]["layers"][i]["sets"][n]}
+                                        for n in pq[0][b]["layers"][i]["sets"]}}
+                              for i in range(len(pq[0][b]["layers"]))] for b in pq[0]}
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    ap = common_args(__doc__, "4096", 8, "8,32", DEFAULT_JSON)
     ap.add_argument("--task", default="ruler_fwe", help="ruler_fwe or a niah task")
-    ap.add_argument("--contexts", default="4096", help="context lengths, comma separated")
-    ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--fractions", default="8,32", help="budgets as 1/x of the context, comma separated")
-    ap.add_argument("--sink", type=int, default=16)
-    ap.add_argument("--recent", type=int, default=64)
     ap.add_argument("--dense-first", type=int, default=2, help="layers left out of the summary (dense_first_layers)")
     ap.add_argument("--chat", action="store_true", help="prompts through the chat template (default: raw)")
     ap.add_argument("--snapkv", action="store_true", help="add SnapKV's prefill selections (default on for NIAH)")
@@ -379,7 +402,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pq-sets", default="default (M2 b6 it20),bits 8", help="PQCache option sets (names)")
     ap.add_argument("--selections", default="", help="selection names to measure (comma separated; default all)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--json", default=DEFAULT_JSON)
     ap.add_argument("--show", default="", help="print the tables of a results JSON (runs nothing)")
     args = ap.parse_args(argv)
     if args.show:
@@ -394,16 +416,17 @@ def main(argv: list[str] | None = None) -> int:
     from sparse_framework.engine.models.catalog import resolve_model
     from sparse_framework.eval.ruler import ruler_samples
 
-    model, tok, rec, _ = load("cpu", torch.float32)
+    model, tok, rec, _ = load(args.device, torch.float32, args.model)
     snap = args.snapkv or args.task.startswith("niah")
-    report: dict[str, Any] = {"args": vars(args), "model": MODEL, "runs": []}
+    report: dict[str, Any] = {**provenance("fwe_analysis.py", argv), "args": vars(args), "model": args.model,
+                              "runs": []}
     for ctx in map(int, args.contexts.split(",")):
         budgets = [ctx // int(f) for f in args.fractions.split(",")]
-        samples = ruler_samples(resolve_model(MODEL), args.task, ctx, args.samples, args.seed)
+        samples = ruler_samples(resolve_model(args.model), args.task, ctx, args.samples, args.seed)
         per, pq = [], []
         for s in samples:
             t0 = time.time()
-            c, occ, voters = capture(model, tok, rec, s, args.chat, "cpu")
+            c, occ, voters = capture(model, tok, rec, s, args.chat, args.device)
             t1 = time.time()
             r = analyse(c, occ, voters, budgets, args.sink, args.recent, snap,
                         set(args.selections.split(",")) if args.selections else None)
@@ -418,25 +441,12 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"{args.task} {ctx} #{s.index}: {c.prompt_len} tokens, {r['occurrences']} occurrences "
                           f"({r['marked_tokens']} tokens; {r['per_word_occurrences']}), capture {t1 - t0:.0f} s, "
                           f"analysis {time.time() - t1:.0f} s")
-        run: dict[str, Any] = {"task": args.task, "context": ctx, "budgets": budgets,
-                               "marked_tokens": _avg([p["marked_tokens"] for p in per]),
-                               "occurrences": _avg([p["occurrences"] for p in per]),
-                               "prompts": [{**{k: p[k] for k in ("prompt_len", "marked_tokens", "occurrences", "per_word_occurrences")},
-                                            "answer": p["answer"], "marked_mass": [_avg(r["marked_mass"]) for r in p["layers"]],
-                                            "sel": {key: {m: [_avg(r["sel"][key][m]) for r in p["layers"]] for m in ("token", "mass")}
-                                                    for key in p["layers"][0]["sel"]}}
-                                           for p in per],
-                               "layers": merge(per)}
-        if pq:
-            run["pqcache"] = {b: [{"layer": i, "sets": {n: {m: _avg([p[b]["layers"][i]["sets"][n].get(m, float("nan")) for p in pq])
-                                                            for m in pq[0][b]["layers"][i]["sets"][n]}
-                                                        for n in pq[0][b]["layers"][i]["sets"]}}
-                                  for i in range(len(pq[0][b]["layers"]))] for b in pq[0]}
+            run = {"task": args.task, **summarise(ctx, budgets, per, pq)}
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # after every prompt: a long run keeps its part
+            Path(args.json).write_text(json.dumps({**report, "runs": [*report["runs"], run]}, indent=1))
         report["runs"].append(run)
         print_pqcache(console, run)
         print_run(console, run, args.dense_first)
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1))
     console.print(f"wrote {args.json}")
     return 0
 

@@ -1,7 +1,8 @@
 """Why PQCache loses on a real model: its token selection against the exact top-k, per layer.
 
-The same capture as `quest_analysis.py` (SmolLM2-135M-Instruct on RULER prompts: post-RoPE
-keys of the prompt and the gold answer, the queries of the decode positions). For each layer
+The same capture as `quest_analysis.py` (SmolLM2-135M-Instruct by default, `--model` any catalog
+model, on RULER prompts: post-RoPE keys of the prompt and the gold answer, the queries of the
+decode positions; on Gemma 3 only the full-attention layers, numbered as the model's). For each layer
 the PQCache algorithm itself (`sparse_framework.algorithms.pqcache.PQCache`, torch scoring)
 builds its codebooks from the prompt's keys, appends the answer's keys one by one, and selects
 at every decode position with the framework's sink / recent / budget; per option set
@@ -28,7 +29,6 @@ prompt's dense cache shared) and scores RULER's string-match.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -41,7 +41,7 @@ from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from quest_analysis import MODEL, Captured, Recorder, capture, load  # noqa: E402
+from quest_analysis import Captured, Recorder, capture, common_args, load, provenance  # noqa: E402
 
 from sparse_framework import KVLayout, Request, load_config  # noqa: E402
 from sparse_framework.algorithms.pqcache import PQCache  # noqa: E402
@@ -104,10 +104,11 @@ def exact_selection(q: torch.Tensor, k: torch.Tensor, t: int, budget: int, sink:
 
 
 def analyse(c: Captured, budget: int, sink: int, recent: int, sets: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Per layer and option set: mean recalls over decode positions and KV heads."""
+    """Per captured layer (`c.layers`: the model's numbers) and option set: mean recalls over
+    decode positions and KV heads."""
     layers = len(c.keys)
     _, hk, d = c.keys[0].shape
-    out: dict[str, Any] = {"layers": [{"layer": i, "sets": {}} for i in range(layers)]}
+    out: dict[str, Any] = {"layers": [{"layer": c.layers[i], "sets": {}} for i in range(layers)]}
     for name, options in {**sets, EXACT: {}}.items():
         algo = None if name == EXACT else algorithm(layers, hk, d, budget, sink, recent, options, c.keys[0].shape[0] + 1)
         for layer in range(layers):
@@ -170,9 +171,10 @@ def simulate(model: Any, tok: Any, rec: Recorder, c: Captured, options: dict[str
     req = Request("r", c.prompt_len, seq_len=c.prompt_len, slot=0)
     stored: dict[int, int] = {}  # per layer: how many keys the representation holds
 
-    def selector(layer: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-        if algo is None:
+    def selector(model_layer: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+        if algo is None or model_layer not in c.layers:  # dense, or a sliding layer
             return None
+        layer = c.layers.index(model_layer)
         t = k.shape[0] - 1
         if layer not in stored:
             req.seq_len = c.prompt_len
@@ -198,21 +200,12 @@ def simulate(model: Any, tok: Any, rec: Recorder, c: Captured, options: dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    ap = common_args(__doc__, "4096", 3, "16", DEFAULT_JSON)
     ap.add_argument("--tasks", default="niah_single_1")
-    ap.add_argument("--contexts", default="4096")
-    ap.add_argument("--samples", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--fractions", default="16", help="budgets as 1/x of the context")
-    ap.add_argument("--sink", type=int, default=16)
-    ap.add_argument("--recent", type=int, default=64)
     ap.add_argument("--sets", default="", help="option-set names (comma separated; default all)")
     ap.add_argument("--extra-sets", default="", help="JSON {name: PQCache options} added to the option sets")
     ap.add_argument("--simulate", action="store_true")
     ap.add_argument("--max-new", type=int, default=16)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--json", default=DEFAULT_JSON)
     args = ap.parse_args(argv)
     console = Console(width=80)
     sets = {k: v for k, v in OPTION_SETS.items() if not args.sets or k in args.sets.split(",")}
@@ -220,13 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     from sparse_framework.engine.models.catalog import resolve_model
     from sparse_framework.eval.ruler import ruler_samples, score
 
-    model, tok, rec, _ = load(args.device, torch.float32)
-    report: dict[str, Any] = {"args": vars(args), "sets": sets, "runs": []}
+    model, tok, rec, _ = load(args.device, torch.float32, args.model)
+    report: dict[str, Any] = {**provenance("pqcache_analysis.py", argv), "args": vars(args), "model": args.model,
+                              "sets": sets, "runs": []}
     for task in args.tasks.split(","):
         for ctx in map(int, args.contexts.split(",")):
             for frac in map(int, args.fractions.split(",")):
                 budget = ctx // frac
-                samples = ruler_samples(resolve_model(MODEL), task, ctx, args.samples, args.seed)
+                samples = ruler_samples(resolve_model(args.model), task, ctx, args.samples, args.seed)
                 per, sims = [], {}
                 for s in samples:
                     t0 = time.time()
@@ -238,9 +232,11 @@ def main(argv: list[str] | None = None) -> int:
                             sims.setdefault(name, []).append({"score": score(text, s.outputs), "text": text})
                     console.print(f"{task} {ctx} #{s.index}: {time.time() - t0:.0f} s")
                     c.cache = None
-                layers = [{"layer": i, "sets": {n: {m: sum(p["layers"][i]["sets"][n][m] for p in per) / len(per)
-                                                    for m in per[0]["layers"][i]["sets"][n]}
-                                                for n in per[0]["layers"][i]["sets"]}} for i in range(len(per[0]["layers"]))]
+                layers = [{"layer": per[0]["layers"][i]["layer"],
+                           "sets": {n: {m: sum(p["layers"][i]["sets"][n][m] for p in per) / len(per)
+                                        for m in per[0]["layers"][i]["sets"][n]}
+                                    for n in per[0]["layers"][i]["sets"]}}
+                          for i in range(len(per[0]["layers"]))]
                 run = {"task": task, "context": ctx, "budget": budget, "layers": layers,
                        "simulated": {n: {"accuracy": sum(x["score"] for x in v) / len(v), "texts": [x["text"] for x in v]}
                                      for n, v in sims.items()}}

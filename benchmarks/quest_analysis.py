@@ -1,6 +1,6 @@
 """Why Quest loses on a real model: its page bounds against exact attention, per layer.
 
-On RULER prompts (SmolLM2-135M-Instruct by default) the model runs in transformers with a
+On RULER prompts (SmolLM2-135M-Instruct by default, `--model` any catalog name) the model runs in transformers with a
 custom attention function that records each layer's post-RoPE queries and keys (the prompt
 densely, then the gold answer teacher-forced: the queries at the decode positions, as the
 engine sees them — the first answer token comes from the dense prefill, every later one from
@@ -28,6 +28,12 @@ configs through the engine (`LLM.generate`), the figure that counts.
     python benchmarks/quest_analysis.py --device cuda --contexts 8192 --samples 20 --simulate \\
         --json benchmarks/results/quest_analysis_h100.json
     python benchmarks/quest_analysis.py --engine --contexts 2048 --samples 10 --json /tmp/engine.json
+
+On a hybrid model (Gemma 3: sliding-window layers between full-attention ones) only the layers
+whose `config.layer_types` entry is "full_attention" are captured and analysed (a selection in
+a sliding layer is meaningless: it attends to its last `sliding_window` tokens); the tables and
+JSON name the model's layer numbers, and `--dense-first` counts model layers as the engine's
+`dense_first_layers` does. Every JSON records the command line and the commit (`provenance`).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import argparse
 import copy
 import json
 import math
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -45,7 +52,10 @@ from typing import Any
 import torch
 from rich.console import Console
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from timing import current_commit  # noqa: E402
+
 from sparse_framework.common.tables import new_table  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -101,6 +111,21 @@ class Captured:
     cache: Any = None
     first_token: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+    layers: list[int] = field(default_factory=list)  # the model layer of keys[i] / queries[i] (empty: i)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            self.layers = list(range(len(self.keys)))
+
+
+def full_layers(config: Any) -> list[int]:
+    """The model's full-attention layers: those whose `layer_types` entry is "full_attention"
+    (every layer where the config has no `layer_types` or no sliding window)."""
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    if not types or not getattr(config, "sliding_window", None):
+        return list(range(n))
+    return [i for i in range(n) if types[i] == "full_attention"]
 
 
 class Recorder:
@@ -131,20 +156,29 @@ class Recorder:
                 out = logits.softmax(-1) @ v
                 return out.transpose(1, 2).contiguous(), None
         mask = None
-        if lq > 1:  # causal, the queries being the last lq positions (a chunk after a cache)
-            n = k.shape[2]
-            mask = torch.arange(n, device=k.device).view(1, -1) <= torch.arange(n - lq, n, device=k.device).view(-1, 1)
+        window = kw.get("sliding_window") or getattr(module, "sliding_window", None)
+        n = k.shape[2]
+        if lq > 1 or (window and n > window):
+            # causal, the queries being the last lq positions (a chunk after a cache); on a sliding
+            # layer also within its window (transformers' rule: kv > q − window; its cache keeps a
+            # contiguous tail, so the rule holds in the local positions)
+            kv = torch.arange(n, device=k.device).view(1, -1)
+            qp = torch.arange(n - lq, n, device=k.device).view(-1, 1)
+            mask = kv <= qp
+            if window:
+                mask = mask & (kv > qp - window)
         out = torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale)
         return out.transpose(1, 2).contiguous(), None
 
 
-def load(device: str, dtype: torch.dtype) -> tuple[Any, Any, Recorder, Path]:
-    """The catalog model in transformers with the recorder as its attention function."""
+def load(device: str, dtype: torch.dtype, name: str = MODEL) -> tuple[Any, Any, Recorder, Path]:
+    """The catalog model `name` (or a checkpoint folder) in transformers with the recorder as
+    its attention function."""
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
     from sparse_framework.engine.models.catalog import resolve_model
 
-    path = resolve_model(MODEL)
+    path = resolve_model(name)
     rec = Recorder()
     AttentionInterface.register("quest_analysis", rec)
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="quest_analysis", dtype=dtype).to(device).eval()
@@ -171,18 +205,18 @@ def capture(model: Any, tok: Any, rec: Recorder, sample: Any, device: str) -> Ca
     ids = prompt_ids(sample, tok, True)  # as the engine's RULER runner encodes it (one BOS where the model has one)
     answer = tok(" " + sample.outputs[0], add_special_tokens=False).input_ids
     rec.mode, rec.q, rec.k = "capture", {}, {}
-    out = model(torch.tensor([ids], device=device), use_cache=True)
+    out = model(torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1)
     cache, first = out.past_key_values, int(out.logits[0, -1].argmax())
-    n_layers = len(rec.k)
+    layers = full_layers(model.config)
     rec.q, rec.k = {}, {}
     step_cache = copy.deepcopy(cache)
-    model(torch.tensor([answer[:-1]], device=device), past_key_values=step_cache, use_cache=True)
-    keys = [rec.k[i].transpose(0, 1).float().cpu() for i in range(n_layers)]  # cache-extended: all positions
-    queries = [rec.q[i].transpose(0, 1).float().cpu() for i in range(n_layers)]  # [T, Hq, D]
+    model(torch.tensor([answer[:-1]], device=device), past_key_values=step_cache, use_cache=True, logits_to_keep=1)
+    keys = [rec.k[i].transpose(0, 1).float().cpu() for i in layers]  # cache-extended: all positions
+    queries = [rec.q[i].transpose(0, 1).float().cpu() for i in layers]  # [T, Hq, D]
     del step_cache
     p = len(ids)
     return Captured(keys, queries, list(range(p, p + len(answer) - 1)), find_needle(ids, answer), p, cache, first,
-                    {"task": sample.task, "index": sample.index, "answer": sample.outputs[0]})
+                    {"task": sample.task, "index": sample.index, "answer": sample.outputs[0]}, layers)
 
 
 # -- page scores ---------------------------------------------------------------------------
@@ -305,13 +339,12 @@ def variant_mask(v: Variant, q: torch.Tensor, k: torch.Tensor, t: int, budget_to
 def analyse(c: Captured, budgets: list[int], sink: int, recent: int, variants: list[Variant]) -> dict[str, Any]:
     """Per layer, variant and budget: mean retrieved-mass / page / needle recall over decode
     steps and KV heads; per layer: how Quest's bound relates to the exact page scores."""
-    n_layers = len(c.keys)
     res: dict[str, Any] = {"layers": []}
-    for layer in range(n_layers):
+    for layer, model_layer in enumerate(c.layers):
         k_all = c.keys[layer]
         hk, d = k_all.shape[1], k_all.shape[2]
         mu = k_all[: c.prompt_len].mean(0)  # frozen after the prompt
-        row: dict[str, Any] = {"layer": layer, "variants": {}}
+        row: dict[str, Any] = {"layer": model_layer, "variants": {}}
         absk = k_all[: c.prompt_len].abs().mean(0)  # [Hkv, D]
         row["key_top4_share"] = float((absk.topk(4, -1).values.sum(-1) / absk.sum(-1)).mean())
         row["key_max_over_median"] = float((absk.amax(-1) / absk.median(-1).values).mean())
@@ -379,7 +412,7 @@ def simulate(model: Any, tok: Any, rec: Recorder, c: Captured, v: Variant | None
     means: dict[int, torch.Tensor] = {}
 
     def selector(layer: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-        if v is None or layer < dense_first:
+        if v is None or layer < dense_first or layer not in c.layers:  # dense, or a sliding layer
             return None
         k = k.float().cpu()  # the analysis's helpers run on the CPU
         if layer not in means:
@@ -408,7 +441,7 @@ ENGINE_CONFIGS: dict[str, dict[str, Any]] = {
 
 
 def engine_accuracy(samples: list[Any], configs: dict[str, dict[str, Any]], budgets: list[int], ctx: int,
-                    max_tokens: int | None, log: Any, device: str = "cpu") -> dict[str, Any]:
+                    max_tokens: int | None, log: Any, device: str = "cpu", name: str = MODEL) -> dict[str, Any]:
     """RULER string-match through `LLM.generate` (greedy) per config and budget."""
     from sparse_framework.engine import LLM
     from sparse_framework.engine.sampling import SamplingParams
@@ -421,7 +454,7 @@ def engine_accuracy(samples: list[Any], configs: dict[str, dict[str, Any]], budg
                     "min_sparse_prompt_len": 0, "extra": extra.get("extra", {}), **{k: w for k, w in extra.items() if k not in ("algorithm", "extra")}}
                    if extra else {"algorithm": "quest", "min_sparse_prompt_len": 10**9})
             t0 = time.time()
-            llm = LLM(MODEL, cfg, device=device, max_model_len=ctx + 256, max_num_seqs=4)
+            llm = LLM(name, cfg, device=device, max_model_len=ctx + 256, max_num_seqs=4)
             prompts = [prompt_text(s, llm.tokenizer, True) for s in samples]
             params = [SamplingParams(max_tokens=max_tokens or RULER_TASKS[s.task].max_new_tokens, temperature=0) for s in samples]
             res = llm.generate(prompts, params)
@@ -455,7 +488,7 @@ def merge(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for i in range(len(results[0]["layers"])):
         rows = [r["layers"][i] for r in results]
-        m: dict[str, Any] = {"layer": i, "variants": {}}
+        m: dict[str, Any] = {"layer": rows[0]["layer"], "variants": {}}
         for key, val in rows[0].items():
             if isinstance(val, float):
                 m[key] = sum(r[key] for r in rows) / len(rows)
@@ -465,17 +498,35 @@ def merge(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
-    ap.add_argument("--tasks", default="niah_single_1", help="RULER tasks, comma separated")
-    ap.add_argument("--contexts", default="2048", help="context lengths, comma separated")
-    ap.add_argument("--samples", type=int, default=4, help="prompts per task and context")
+def common_args(doc: str, contexts: str, samples: int, fractions: str, json_path: str) -> argparse.ArgumentParser:
+    """The parser with the arguments the three loss-analysis scripts share (this one,
+    fwe_analysis.py, pqcache_analysis.py), with each script's defaults."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n\n".join(doc.split("\n\n")[1:]))
+    ap.add_argument("--model", default=MODEL, help="catalog name or checkpoint folder of the model to capture")
+    ap.add_argument("--contexts", default=contexts, help="context lengths, comma separated")
+    ap.add_argument("--samples", type=int, default=samples, help="prompts per task and context")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--fractions", default="8,16", help="budgets as 1/x of the context, comma separated")
+    ap.add_argument("--fractions", default=fractions, help="budgets as 1/x of the context, comma separated")
     ap.add_argument("--sink", type=int, default=16)
     ap.add_argument("--recent", type=int, default=64)
-    ap.add_argument("--dense-first", type=int, default=2, help="Quest's dense_first_layers in --simulate")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", default=json_path)
+    return ap
+
+
+def provenance(script: str, argv: list[str] | None) -> dict[str, Any]:
+    """The command line and commit a results JSON records (as `timing.write_results` does; the
+    arguments quoted, as these scripts take names with spaces)."""
+    args = argv if argv is not None else sys.argv[1:]
+    return {"command": shlex.join(["python", f"benchmarks/{script}", *args]), "commit": current_commit()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = common_args(__doc__, "2048", 4, "8,16", DEFAULT_JSON)
+    ap.add_argument("--tasks", default="niah_single_1", help="RULER tasks, comma separated")
+    ap.add_argument("--dense-first", type=int, default=2,
+                    help="Quest's dense_first_layers in --simulate (model layers)")
     ap.add_argument("--variants", default="", help="variant names to run (comma separated; default all)")
     ap.add_argument("--simulate", action="store_true", help="greedy decode with each variant's selection (RULER score)")
     ap.add_argument("--simulate-variants", default="", help="variant names to simulate (comma separated; default all)")
@@ -484,13 +535,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-extra", default="", help="JSON {name: sparse config} added to the engine's configs")
     ap.add_argument("--engine-only", default="", help="engine config names to run (comma separated; default all)")
     ap.add_argument("--max-tokens", type=int, default=None, help="engine answer budget (default: the task's)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--json", default=DEFAULT_JSON)
     args = ap.parse_args(argv)
     console = Console(width=80)
     torch.manual_seed(0)
     variants = [v for v in VARIANTS if not args.variants or v.name in args.variants.split(",")]
-    report: dict[str, Any] = {"args": vars(args), "variants": [asdict(v) for v in variants], "runs": []}
+    report: dict[str, Any] = {**provenance("quest_analysis.py", argv), "args": vars(args), "model": args.model,
+                              "variants": [asdict(v) for v in variants], "runs": []}
     model = tok = rec = None
     for task in args.tasks.split(","):
         for ctx in map(int, args.contexts.split(",")):
@@ -498,17 +548,18 @@ def main(argv: list[str] | None = None) -> int:
             from sparse_framework.engine.models.catalog import resolve_model
             from sparse_framework.eval.ruler import ruler_samples
 
-            samples = ruler_samples(resolve_model(MODEL), task, ctx, args.samples, args.seed)
+            samples = ruler_samples(resolve_model(args.model), task, ctx, args.samples, args.seed)
             run: dict[str, Any] = {"task": task, "context": ctx, "budgets": budgets}
             if args.engine:
                 configs = {**ENGINE_CONFIGS, **(json.loads(args.engine_extra) if args.engine_extra else {})}
                 if args.engine_only:
                     configs = {k: v for k, v in configs.items() if k in args.engine_only.split(",")}
-                run["engine"] = engine_accuracy(samples, configs, budgets, ctx, args.max_tokens, console.print, args.device)
+                run["engine"] = engine_accuracy(samples, configs, budgets, ctx, args.max_tokens, console.print,
+                                                args.device, args.model)
                 report["runs"].append(run)
                 continue
             if model is None:
-                model, tok, rec, _ = load(args.device, torch.float32)
+                model, tok, rec, _ = load(args.device, torch.float32, args.model)
             per_prompt, sims = [], {}
             from sparse_framework.eval.ruler import score
 
@@ -539,10 +590,11 @@ def main(argv: list[str] | None = None) -> int:
             names = [n for n in names if any(v.name == n for v in variants)][:4]
             for b in run["budgets"]:
                 layer_table(console, run["layers"], b, names)
-            summary = new_table(f"{run['task']} {run['context']}: mean over layers >= {args.dense_first}", tight=True)
+            summary = new_table(f"{run['task']} {run['context']}: mean over (full-attention) layers "
+                                f">= {args.dense_first}", tight=True)
             for col in ("variant", "budget", "mass", "page", "needle", "simulated acc."):
                 summary.add_column(col, justify="right")
-            sparse_layers = run["layers"][args.dense_first:]
+            sparse_layers = [r for r in run["layers"] if r["layer"] >= args.dense_first]
             for v in variants:
                 for b in run["budgets"]:
                     vals = [r["variants"][f"{v.name}|{b}"] for r in sparse_layers]

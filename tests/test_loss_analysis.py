@@ -5,6 +5,7 @@ and the token top-k / SnapKV selections' forced tokens."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 
@@ -68,3 +69,43 @@ def test_snapkv_keeps_votes_then_the_window_and_decoded_tokens() -> None:
     votes[0, 7] = 5.0
     keep = fa.snapkv_keep(votes, window_start=10, t=15, budget=1, sink=1, recent=2)
     assert keep[0].nonzero().flatten().tolist() == [0, 7, 10, 11, 12, 13, 14, 15]
+
+
+# -- the capture on a hybrid (sliding-window) model: benchmarks/quest_analysis.py --model ----------
+qa = _load("quest_analysis")
+
+
+def test_model_option_defaults_to_smollm2_and_takes_a_name() -> None:
+    ap = qa.common_args(qa.__doc__, "2048", 4, "8,16", "/tmp/x.json")
+    assert ap.parse_args([]).model == qa.MODEL == "smollm2-135m-instruct"
+    assert ap.parse_args(["--model", "gemma3-270m"]).model == "gemma3-270m"
+    prov = qa.provenance("quest_analysis.py", ["--model", "gemma3-270m"])
+    assert prov["command"] == "python benchmarks/quest_analysis.py --model gemma3-270m" and "commit" in prov
+    assert qa.provenance("fwe_analysis.py", ["--selections", "mid sum"])["command"].endswith("--selections 'mid sum'")
+
+
+def test_recorder_keeps_the_sliding_window_and_only_full_layers_are_analysed(tmp_path: Path) -> None:
+    """A tiny random Gemma 3 (window 8, layers sliding, sliding, full): the recording attention
+    gives eager's logits past the window, prefill and a teacher-forced chunk after a cache."""
+    import transformers
+
+    cfg = transformers.Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=8,
+                                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                        max_position_embeddings=128, query_pre_attn_scalar=16)
+    assert qa.full_layers(cfg) == [2]
+    assert qa.full_layers(transformers.LlamaConfig(num_hidden_layers=3)) == [0, 1, 2]
+    torch.manual_seed(0)
+    transformers.Gemma3ForCausalLM(cfg).save_pretrained(tmp_path)
+    ref = transformers.Gemma3ForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    rec = qa.Recorder()
+    transformers.AttentionInterface.register("quest_analysis_test", rec)
+    model = transformers.Gemma3ForCausalLM.from_pretrained(tmp_path, attn_implementation="quest_analysis_test").eval()
+    ids = torch.randint(0, 64, (1, 30), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(ids).logits
+        assert torch.allclose(model(ids).logits, want, atol=1e-5)
+        out = model(ids[:, :24], use_cache=True)
+        step = model(ids[:, 24:], past_key_values=out.past_key_values, use_cache=True)
+    assert torch.allclose(step.logits, want[:, 24:], atol=1e-5)
+    assert rec.k[2].shape[1] == 30  # the full layer's keys: every position
