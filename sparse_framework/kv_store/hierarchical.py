@@ -178,17 +178,13 @@ class HierarchicalKVStore(KVStore):
         )
         # a whole request's rows between the tiers: prefill, retract / resume, spills, the
         # prefix cache's pages (tier_copies.py)
-        self.copies = TierCopies(
-            layout, maps=self.maps, device_rows=self.device_rows, host_pool=self.host_pool,
-            residency=self.residency, unit=unit, streams=self.streams, device=dev,
-        )
+        self.copies = TierCopies(self.residency)
         # each request's mode per layer and the moves of its life: admission, growth, retract /
         # resume, release, and a hybrid store's spills and promotions (placement.py, spilling.py)
         self.placement = RequestPlacement(
-            layout, pages=self.pages, host_pool=self.host_pool, maps=self.maps, spills=self.spills,
-            writes=self.writes, copies=self.copies, dense_layers=self.dense_layers,
-            sparse_layers=self.sparse_layers, all_resident=resident_only, hybrid=hybrid, page_size=page_size,
-            max_pages=self.max_pages, buffer_tokens=self.buffer_tokens,
+            pages=self.pages, spills=self.spills, writes=self.writes, copies=self.copies,
+            dense_layers=self.dense_layers, sparse_layers=self.sparse_layers, all_resident=resident_only,
+            hybrid=hybrid, buffer_tokens=self.buffer_tokens,
         )
         self.spilling = self.placement.spilling
         for pool in self.pools:

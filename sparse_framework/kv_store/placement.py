@@ -18,11 +18,8 @@ import torch
 from ..common.arith import cdiv
 from ..common.batch import Batch, Request
 from ..common.errors import CapacityError
-from ..common.layout import KVLayout
 from .decode_writes import DecodeWrites
 from .device_pages import DevicePages
-from .host_pool import HostPool
-from .slot_maps import SlotMaps
 from .spilling import HybridSpilling
 from .spills import SpilledRequests
 from .tier_copies import TierCopies
@@ -32,16 +29,14 @@ RESIDENT, BUFFERED = "resident", "buffered"  # a (request, layer)'s mode
 
 class RequestPlacement:
     """Where each request's rows live, and the moves of its life (module docstring).
-    dense_layers, sparse_layers, all_resident (the resident store), hybrid, page_size, max_pages
-    and buffer_tokens: the store's settings; the parts: the store's, shared."""
+    dense_layers, sparse_layers, all_resident (the resident store), hybrid and buffer_tokens:
+    the store's settings; the parts: the store's, shared (the layout, host pool and slot maps
+    are the row copies', `copies`)."""
 
     def __init__(
         self,
-        layout: KVLayout,
         *,
         pages: DevicePages,
-        host_pool: HostPool,
-        maps: SlotMaps,
         spills: SpilledRequests,
         writes: DecodeWrites,
         copies: TierCopies,
@@ -49,21 +44,18 @@ class RequestPlacement:
         sparse_layers: list[int],
         all_resident: bool,
         hybrid: bool,
-        page_size: int,
-        max_pages: int,
         buffer_tokens: int,
     ) -> None:
-        self.layout, self.pages, self.host_pool, self.maps = layout, pages, host_pool, maps
-        self.spills, self.writes, self.copies = spills, writes, copies
+        self.pages, self.spills, self.writes, self.copies = pages, spills, writes, copies
+        self.layout, self.host_pool, self.maps = copies.layout, copies.host_pool, copies.maps
         self.dense_layers, self.sparse_layers = dense_layers, sparse_layers
         self.all_resident, self.hybrid = all_resident, hybrid
-        self.page_size, self.buffer_tokens = page_size, buffer_tokens
+        self.page_size, self.buffer_tokens = pages.page_size, buffer_tokens
         self.retracted: set[int] = set()
         # the hybrid store's spills and promotions, with the admitted requests they choose among
         self.spilling = HybridSpilling(
-            spills=spills, pages=pages, copies=copies, host_pool=host_pool, maps=maps, writes=writes,
-            retracted=self.retracted, sparse_layers=sparse_layers, page_size=page_size, max_pages=max_pages,
-            buffer_tokens=buffer_tokens,
+            spills=spills, pages=pages, copies=copies, writes=writes, retracted=self.retracted,
+            sparse_layers=sparse_layers, buffer_tokens=buffer_tokens,
         )
 
     def keeps_host(self, request: Request) -> bool:

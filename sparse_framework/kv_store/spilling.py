@@ -17,8 +17,6 @@ from ..common.arith import cdiv
 from ..common.batch import Request
 from .decode_writes import DecodeWrites
 from .device_pages import DevicePages
-from .host_pool import HostPool
-from .slot_maps import SlotMaps
 from .spills import SpilledRequests
 from .tier_copies import TierCopies
 
@@ -26,8 +24,8 @@ from .tier_copies import TierCopies
 class HybridSpilling:
     """Spills and promotions of a hybrid store (module docstring); `spills.enabled` False: the
     store is not hybrid and `spill` refuses. `retracted`: the store's retracted rows, shared
-    (read only: a retracted request is neither spilled nor promoted). sparse_layers, page_size,
-    max_pages and buffer_tokens: the store's geometry."""
+    (read only: a retracted request is neither spilled nor promoted). The host pool and slot
+    maps are the row copies' (`copies`); sparse_layers and buffer_tokens the store's geometry."""
 
     def __init__(
         self,
@@ -35,19 +33,15 @@ class HybridSpilling:
         spills: SpilledRequests,
         pages: DevicePages,
         copies: TierCopies,
-        host_pool: HostPool,
-        maps: SlotMaps,
         writes: DecodeWrites,
         retracted: AbstractSet[int],
         sparse_layers: list[int],
-        page_size: int,
-        max_pages: int,
         buffer_tokens: int,
     ) -> None:
-        self.spills, self.pages, self.copies, self.host_pool = spills, pages, copies, host_pool
-        self.maps, self.writes, self.retracted = maps, writes, retracted
-        self.sparse_layers, self.page_size = sparse_layers, page_size
-        self.max_pages, self.buffer_tokens = max_pages, buffer_tokens
+        self.spills, self.pages, self.copies, self.writes = spills, pages, copies, writes
+        self.host_pool, self.maps = copies.host_pool, copies.maps  # (the store's, shared)
+        self.retracted, self.sparse_layers, self.buffer_tokens = retracted, sparse_layers, buffer_tokens
+        self.page_size, self.max_pages = pages.page_size, pages.max_pages
         self.live: dict[int, Request] = {}  # admitted requests by state row (the hybrid store spills among them)
         self.spill_count = 0  # requests spilled so far (stats)
         self.promote_count = 0  # spilled requests made whole again (stats)

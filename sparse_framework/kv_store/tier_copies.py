@@ -16,34 +16,20 @@ import torch
 
 from ..common.batch import Request
 from ..common.flashmla_format import pack_flashmla_fp8
-from ..common.layout import KVLayout
-from .device_pools import DeviceRows
-from .host_pool import HostPool
 from .residency import BufferResidency
-from .slot_maps import SlotMaps
 
 
 class TierCopies:
-    """Whole-request row copies (module docstring). layout, unit (selection granularity),
-    streams (per request, or per KV head) and device: the store's geometry; maps, device_rows,
-    host_pool and residency (whose `copy_in` copies host rows in): the store's, shared."""
+    """Whole-request row copies (module docstring), between the parts the swap-in
+    (`residency`, whose `copy_in` brings host rows in) shares with the store: its layout, slot
+    maps, device rows and host pool, and its geometry (unit, streams, device)."""
 
-    def __init__(
-        self,
-        layout: KVLayout,
-        *,
-        maps: SlotMaps,
-        device_rows: DeviceRows,
-        host_pool: HostPool,
-        residency: BufferResidency,
-        unit: int,
-        streams: int,
-        device: torch.device,
-    ) -> None:
-        self.layout, self.maps, self.device_rows, self.host_pool = layout, maps, device_rows, host_pool
+    def __init__(self, residency: BufferResidency) -> None:
         self.residency = residency
-        self.unit, self.streams, self.device = unit, streams, device
-        self.row_heads = 1 if device_rows.head_major else layout.num_kv_heads
+        self.layout, self.maps, self.device_rows = residency.layout, residency.maps, residency.device_rows
+        self.host_pool = residency.host_pool
+        self.unit, self.streams, self.device = residency.unit, residency.streams, residency.device
+        self.row_heads = residency.row_heads
 
     def _all_tokens(self, request: Request) -> tuple[torch.Tensor, torch.Tensor]:
         """The request's row id [1] and every logical token [1, seq_len], on the device."""
