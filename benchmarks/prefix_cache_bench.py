@@ -68,7 +68,8 @@ from sparse_framework.common.errors import ConfigError  # noqa: E402
 from sparse_framework.bench.offline import fmt_or_dash, reset_peak_memory  # noqa: E402
 from sparse_framework.bench.stats import percentile  # noqa: E402
 from sparse_framework.engine.models.random_shapes import RANDOM_MODELS  # noqa: E402
-from sparse_framework.engine.engine import Engine, RequestOutput  # noqa: E402
+from sparse_framework.engine.engine import Engine  # noqa: E402
+from sparse_framework.engine.request_output import RequestOutput  # noqa: E402
 from sparse_framework.engine.engine_config import EngineConfig  # noqa: E402
 from sparse_framework.engine.models import ModelConfig, random_model  # noqa: E402
 from sparse_framework.engine.sampling import SamplingParams  # noqa: E402

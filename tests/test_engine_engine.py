@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from sparse_framework import ConfigError
-from sparse_framework.engine.engine import PENDING, Engine
+from sparse_framework.engine.async_steps import PENDING
+from sparse_framework.engine.engine import Engine
 from sparse_framework.engine.engine_config import EngineConfig
 from sparse_framework.engine.models import load_model
 from sparse_framework.engine.sampling import SamplingParams
@@ -283,7 +284,7 @@ def test_async_abort_reads_the_step_in_flight_first(checkpoint) -> None:
         engine.add_request(f"r{i}", p, GREEDY)
     for _ in range(5):
         engine.step()
-    assert engine._inflight is not None  # a step's tokens are on the device
+    assert engine.async_steps.step is not None  # a step's tokens are on the device
     aborted = engine.abort("r1")
     assert aborted is not None and aborted.finish_reason == "abort" and aborted.token_ids
     assert all(t >= 0 for t in aborted.token_ids)
@@ -369,7 +370,8 @@ def test_bad_model_directories_are_clear_errors(tmp_path) -> None:
 
 FUSED = r"""
 import torch
-from sparse_framework.engine.engine import PENDING, Engine
+from sparse_framework.engine.async_steps import PENDING
+from sparse_framework.engine.engine import Engine
 from sparse_framework.engine.engine_config import EngineConfig
 from sparse_framework.engine.models import ModelConfig, random_model
 from sparse_framework.engine.sampling import SamplingParams
@@ -550,10 +552,10 @@ def test_token_ids_of_any_integer_kind_run_and_others_are_refused_by_name(checkp
 def test_the_step_log_is_bounded_and_steps_still_counts_every_step(checkpoint, monkeypatch) -> None:
     """A serving engine steps forever: its step log keeps the last STEP_LOG_LIMIT steps (it
     grew by one entry per step for good), while `steps` counts them all."""
-    from sparse_framework.engine import engine as engine_module
+    from sparse_framework.engine import step_log as step_log_module
 
     _, path = checkpoint
-    monkeypatch.setattr(engine_module, "STEP_LOG_LIMIT", 3)
+    monkeypatch.setattr(step_log_module, "STEP_LOG_LIMIT", 3)
     engine = engine_for(path, SMALL)
     engine.add_request("r0", prompts([20], seed=1)[0], GREEDY)
     n = 0

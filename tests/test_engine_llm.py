@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from sparse_framework.engine.engine import RequestOutput
 from sparse_framework.engine.llm import LLM, REFERENCE_MAX_MODEL_LEN
 from sparse_framework.engine.models import ModelConfig, random_model
+from sparse_framework.engine.request_output import RequestOutput
 from sparse_framework.engine.sampling import SamplingParams
 from helpers import HIERARCHICAL_ALWAYS  # noqa: E402
 

@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sparse_framework.common.errors import ConfigError
-from sparse_framework.engine.engine import RequestOutput
 from sparse_framework.engine.llm import LLM, IdTokenizer, load_tokenizer
 from sparse_framework.engine.models import ModelConfig, random_model
+from sparse_framework.engine.request_output import RequestOutput
 from sparse_framework.engine.sampling import SamplingParams
 from sparse_framework.engine.stop import RequestText, decode_text, decoder
 from helpers import HIERARCHICAL_ALWAYS

@@ -23,8 +23,8 @@ from ..common.chat import chat_text
 from ..common.errors import ConfigError
 from ..common.tables import new_table
 from ..config import load_config
-from ..engine.engine import RequestOutput
 from ..engine.engine_config import KV_CACHE_DTYPES
+from ..engine.request_output import RequestOutput
 from ..bench.offline import (LENGTH_DISTRIBUTIONS, BenchSpec, TokenProgress, bench_tables, draw_workload, memory_plan,
                     reset_peak_memory, run_benchmark)
 from ..engine.llm import LLM, REFERENCE_MAX_MODEL_LEN

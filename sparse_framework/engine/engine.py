@@ -25,7 +25,7 @@ tokens stay on the device and the host goes on with the next step — schedules 
 inputs (every host→device copy on the step's path is non-blocking: common/transfer.py) and
 launches it — before reading them, so the GPU is not idle while the host works. The scheduler
 records each sampled token as `PENDING` at once (lengths and `max_tokens` need no value); the
-next step's decode rows take their token from the device (`TokenFeed`); the values are read
+next step's decode rows take their token from the device (`TokenFeed`: async_steps.py); the values are read
 (and stop tokens seen) one step later. A request that hit a stop token has then already been
 given one more decode row: that row's token is dropped and the request finishes with reason
 "stop" exactly where it would have without async scheduling (its memory is freed then; the
@@ -35,17 +35,18 @@ that draw from the engine's shared generator may not (an extra row changes the d
 With tensor parallelism it is opt-in (`async_scheduling=True`; None is off there): rank 0's
 sampled tokens are broadcast on the device (NCCL) and feed every rank's next step, and the
 ranks compare their plans over a host-side gloo group, which does not wait for the GPU.
+
+The parts that own state of their own sit beside it: request_output.py (`LiveRequest`, what is
+kept of a request until its `RequestOutput`), async_steps.py (the step in flight: `AsyncSteps`,
+`PENDING`), step_log.py (`StepLog`, `EngineStats`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-import warnings
 import zlib
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,116 +60,22 @@ from .engine_config import KV_CACHE_DTYPES, EngineConfig, kv_store_dtype  # re-e
 from .memory import EngineMemoryPlan, host_budget, plan_for
 from .models import ModelConfig
 from .models.tensor_parallel import check_tensor_parallel
+from .async_steps import PENDING, AsyncSteps
 from .prefix_cache import PrefixCache, check_supported, swa_limit_pages
-from .runner import DecodeRow, Model, ModelRunner, TokenFeed
+from .request_output import LiveRequest, RequestOutput, output_of
+from .runner import DecodeRow, Model, ModelRunner
 from .runner import PrefillChunk as RunnerChunk
 from .sampling import Sampler, SamplingParams, finished
 from .stop import RequestText, decoder
 from .scheduler import FinishReason, Scheduler, Sequence, StepPlan
+from .step_log import EngineStats, StepLog, engine_stats
 from .token_ids import token_ids
 from .warm_up import WarmUpProgress, WarmUpReport, warm_up, warm_up_enabled
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class RequestOutput:
-    """A finished request: its tokens, why it ended, and its timings (seconds, perf_counter).
-
-    `request_id` is vLLM's name for the id given to `add_request`; `rid`, its old name here,
-    is kept as a read-only alias that warns (DeprecationWarning)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    finish_reason: str
-    error: str | None = None
-    text: str | None = None  # the engine's when it kept the text (stop strings), else `LLM`'s when it has a tokenizer
-    arrival_time: float = 0.0
-    first_token_time: float | None = None
-    finish_time: float = 0.0
-    num_preemptions: int = 0
-
-    @property
-    def rid(self) -> str:
-        """Deprecated alias of `request_id` (read-only)."""
-        warnings.warn("RequestOutput.rid is deprecated: use RequestOutput.request_id", DeprecationWarning, stacklevel=2)
-        return self.request_id
-
-    @property
-    def ttft(self) -> float | None:
-        """Time to the first token (queueing and prefill included)."""
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def tpot(self) -> float | None:
-        """Mean time per output token after the first."""
-        if self.first_token_time is None or len(self.token_ids) < 2:
-            return None
-        return (self.finish_time - self.first_token_time) / (len(self.token_ids) - 1)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "prompt_tokens": len(self.prompt_token_ids), "token_ids": self.token_ids,
-                "text": self.text, "finish_reason": self.finish_reason, "error": self.error, "ttft_s": self.ttft,
-                "tpot_s": self.tpot, "num_preemptions": self.num_preemptions}
-
-
-PENDING = -1  # an output token sampled on the device that the host has not read yet
 STEP_FAILED = "the engine step failed"  # how the error of a request ended by a failed step begins
-STEP_LOG_LIMIT = 1 << 16  # steps kept in Engine.step_log (benchmarks read whole runs; far shorter)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """The engine's counters in one object (`Engine.stats`), for servers and reports: they read
-    this rather than the scheduler, the runner or the coordinator."""
-
-    running: int
-    waiting: int
-    preempted: int
-    preemptions: int
-    steps: int
-    config: SparseConfig  # as resolved for the device (backend "auto" named)
-    dense_tally: Any  # the coordinator's DenseTally: requests and layer-steps dense, by reason
-    pools: list[dict[str, Any]] | None = None  # with store=True: Coordinator.memory_stats()
-    buffer_hits: int | None = None  # with store=True, hierarchical store only
-    buffer_misses: int | None = None
-    prefix_hit_tokens: int | None = None  # prefix caching on only
-    prefix_prompt_tokens: int | None = None
-
-
-@dataclass
-class _InFlight:
-    """A step whose sampled tokens the host has not read yet (async scheduling)."""
-
-    lives: list[_Live]  # the step's sampled requests, in row order
-    at: list[int]  # where each one's token sits in its output_ids (PENDING until read)
-    tokens: torch.Tensor  # [R] int64 on the device: the next step's decode rows read these
-    host: torch.Tensor  # [R] int64 on the host, filled by a non-blocking copy
-    ready: torch.cuda.Event | None  # recorded after that copy (None off CUDA)
-    started: float
-    stats: tuple[int, int, int]  # decode rows, prefill tokens, context (step_log)
-    finished: list[Sequence]  # finished at max_tokens in this step: output once the token is read
-    # ended by the scheduler while the next step was planned (no room to keep them), their
-    # newest token still in this step: rid -> (live, error); output once the token is read
-    ended: dict[str, tuple[_Live, str | None]] = field(default_factory=dict)
-
-
-@dataclass
-class _Live:
-    seq: Sequence
-    params: SamplingParams
-    generator: torch.Generator | None
-    arrival: float
-    first_token: float | None = None
-    text: RequestText | None = None  # kept with stop strings or detokenize=True
-
-    def take(self, token: int) -> bool:
-        """The token into the text, if kept; True when it completed a stop string."""
-        if self.text is None:
-            return False
-        self.text.add(token)
-        return self.text.stopped
 
 
 class Engine:
@@ -263,21 +170,16 @@ class Engine:
         self.sampler = Sampler(config.seed)
         self.eos = model_config.eos_token_ids
         self.max_model_len = max_model_len
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveRequest] = {}
         self._rejected: list[RequestOutput] = []  # outputs the next step() returns
         # with tensor parallelism async scheduling is opt-in (True; None means off there): the
         # ranks then check their steps over a host-side group and rank 0's tokens are broadcast
         # on the device. Not yet measured on GPUs, so the synchronous path stays the default
         self.async_scheduling = bool(config.async_scheduling) if self.tp is not None else (
             config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda")
-        self._inflight: _InFlight | None = None
-        self._last_read = 0.0
-        # per step run: (decode rows, prefill tokens, context tokens of the decode rows, seconds);
-        # a step ends with its sampled tokens on the host (async scheduling: when they are read,
-        # its time counted from its start or the previous read, whichever is later); the last
-        # STEP_LOG_LIMIT steps only, so that a server's engine does not grow it forever
-        self.step_log: deque[tuple[int, int, int, float]] = deque(maxlen=STEP_LOG_LIMIT)
-        self._steps = 0
+        self._steps = StepLog()
+        self.step_log = self._steps.entries  # per step run: (decode rows, prefill tokens, context, seconds)
+        self.async_steps = AsyncSteps(self.scheduler, self._live, self.eos, self._steps, self.device)
         self.warm_up_report: WarmUpReport | None = None  # set by warm_up()
 
     # -- warm start (engine/warm_up.py) ---------------------------------------------------------
@@ -379,7 +281,7 @@ class Engine:
             raise ValueError("add_request(detokenize=True) needs the engine's tokenizer (Engine(..., tokenizer=...))")
         now = time.perf_counter()
         if (rid in self._live or any(out.request_id == rid for out in self._rejected)
-                or (self._inflight is not None and rid in self._inflight.ended)):
+                or self.async_steps.holds_ended(rid)):
             raise ValueError(f"request {rid!r} is already queued or running (or its error output not yet returned)")
         ids, error = token_ids(prompt_ids)
         error = error or self._check(ids, params)
@@ -388,7 +290,7 @@ class Engine:
             text = None
             if params.stop or detokenize:
                 text = RequestText(decoder(self.tokenizer), params.stop, params.include_stop_str_in_output)
-            self._live[rid] = _Live(seq, params, params.make_generator(self.device), now, text=text)
+            self._live[rid] = LiveRequest(seq, params, params.make_generator(self.device), now, text=text)
             return
         why = error or seq.error or "rejected"
         self._rejected.append(RequestOutput(rid, ids, [], FinishReason.ERROR.value, why,
@@ -423,7 +325,7 @@ class Engine:
         `release`), the scheduler, the runner and the coordinator still free it
         (Scheduler.finish, RunnerBudget.free, SparseCoordinator.on_request_end): the error is
         logged and recorded in the output's `error`, not raised, so a server's loop goes on."""
-        self._rejected.extend(self._read_inflight())  # its tokens so far, values read
+        self._rejected.extend(self.async_steps.read_now())  # its tokens so far, values read
         for i, out in enumerate(self._rejected):
             if out.request_id == rid:
                 return self._rejected.pop(i)
@@ -436,10 +338,10 @@ class Engine:
             seq, error = (live.seq if live else None), f"freeing the aborted request raised {type(exc).__name__}: {exc}"
         if live is None or seq is None:
             return None
-        return self._output(live, FinishReason.ABORT.value, error)
+        return output_of(live, FinishReason.ABORT.value, error)
 
     def has_unfinished(self) -> bool:
-        return bool(self._rejected) or self.scheduler.has_unfinished() or self._inflight is not None
+        return bool(self._rejected) or self.scheduler.has_unfinished() or self.async_steps.step is not None
 
     def output_text(self, rid: str) -> RequestText | None:
         """The text the engine keeps of a queued or running request (stop strings, or
@@ -459,20 +361,7 @@ class Engine:
     def stats(self, store: bool = False) -> EngineStats:
         """The counters as of the last step; `store`: also the pools and the device buffer's hits
         (reading them may synchronise the device: a server asks at most once a second)."""
-        sched, coord = self.scheduler, self.runner.coord
-        extra: dict[str, Any] = {}
-        if store:
-            extra["pools"] = coord.memory_stats()
-            if coord.config.store != "resident" and hasattr(coord.store, "stats"):
-                counts = coord.store.stats()
-                extra["buffer_hits"] = sum(int(c["hits"]) for c in counts)
-                extra["buffer_misses"] = sum(int(c["misses"]) for c in counts)
-        if self.prefix_cache is not None:
-            extra["prefix_hit_tokens"] = self.prefix_cache.stats.hit_tokens
-            extra["prefix_prompt_tokens"] = self.prefix_cache.stats.prompt_tokens
-        return EngineStats(running=len(sched.running), waiting=len(sched.waiting), preempted=len(sched.preempted),
-                           preemptions=sched.num_preemptions, steps=self.steps, config=coord.config,
-                           dense_tally=coord.dense_tally, **extra)
+        return engine_stats(self.scheduler, self.runner.coord, self.prefix_cache, self.steps, store)
 
     @property
     def max_running(self) -> int:
@@ -483,7 +372,7 @@ class Engine:
     @property
     def steps(self) -> int:
         """Steps run so far (plans with rows), also past the step log's limit."""
-        return self._steps
+        return self._steps.steps
 
     def step(self) -> list[RequestOutput]:
         """Run one step; the requests that finished in it (rejected ones included)."""
@@ -493,7 +382,7 @@ class Engine:
         for seq in plan.finished:
             outputs.extend(self._ended_while_planning(seq))
         if plan.is_empty:
-            outputs.extend(self._read_inflight())
+            outputs.extend(self.async_steps.read_now())
             return outputs
         started = time.perf_counter()
         try:
@@ -510,12 +399,11 @@ class Engine:
     def _ended_while_planning(self, seq: Sequence) -> list[RequestOutput]:
         """A sequence the scheduler ended while planning (`plan.finished`: it had to be
         preempted with nowhere to keep it): its output now, or, when its newest token is still
-        on the device (async scheduling), once the step in flight is read (`_read`)."""
+        on the device (async scheduling), once the step in flight is read (`AsyncSteps.read`)."""
         live = self._live.pop(seq.rid)
-        if self._inflight is not None and PENDING in seq.output_ids:
-            self._inflight.ended[seq.rid] = (live, seq.error)
+        if self.async_steps.end_later(seq, live):
             return []
-        return [self._output(live, FinishReason.ERROR.value, seq.error)]
+        return [output_of(live, FinishReason.ERROR.value, seq.error)]
 
     def _fail_step(self, plan: StepPlan, exc: BaseException) -> list[RequestOutput]:
         """A step raised (a model error, a failed host write, an interrupt): end
@@ -528,9 +416,9 @@ class Engine:
         log.error("%s; ending the %d requests it touched", why, len(plan.decode) + len(plan.prefill))
         outputs: list[RequestOutput] = []
         try:
-            outputs.extend(self._read_inflight())
+            outputs.extend(self.async_steps.read_now())
         except Exception:  # noqa: BLE001 - the device may be unusable: its tokens are lost
-            self._inflight = None
+            self.async_steps.step = None
         touched = [s.rid for s in (*plan.decode, *plan.admitted, *plan.resumed)] + [c.seq.rid for c in plan.prefill]
         for rid in dict.fromkeys(touched):
             live = self._live.pop(rid, None)
@@ -540,7 +428,7 @@ class Engine:
                 log.exception("ending request %r after the failed step: freeing it raised", rid)
                 seq = live.seq if live else None
             if live is not None and seq is not None:
-                outputs.append(self._output(live, FinishReason.ERROR.value, why))
+                outputs.append(output_of(live, FinishReason.ERROR.value, why))
         self.scheduler.drop_plan()
         return outputs
 
@@ -552,7 +440,7 @@ class Engine:
         context = sum(s.num_computed_tokens + 1 for s in plan.decode)
         decode = [DecodeRow(s.rid, s.last_token_id) for s in plan.decode]
         chunks = [RunnerChunk(c.seq.rid, tuple(c.seq.prompt_ids[c.start : c.end]), c.start, c.is_last) for c in plan.prefill]
-        logits = self.runner.execute(decode, chunks, self._feed(plan))
+        logits = self.runner.execute(decode, chunks, self.async_steps.feed(plan))
         sampled = plan.sampled
         lives = [self._live[s.rid] for s in sampled]
         tokens = None
@@ -561,16 +449,12 @@ class Engine:
         if self.async_scheduling:
             if self.tp is not None and sampled:  # every rank feeds its next step rank 0's tokens
                 tokens = self.tp.broadcast_tokens(tokens, len(sampled))
-            record = self._record(plan, lives, tokens, started, context)
-            previous, self._inflight = self._inflight, record
-            if previous is not None:
-                outputs.extend(self._read(previous))
-            return outputs
+            return self.async_steps.launch(plan, lives, tokens, started, context)
         values = tokens.tolist() if tokens is not None else []
         if self.tp is not None and sampled:
             values = self.tp.share_tokens(values if self.tp.rank == 0 else None, len(sampled))
         now = time.perf_counter()
-        self._log_step((len(plan.decode), plan.num_tokens - len(plan.decode), context, now - started))
+        self._steps.add((len(plan.decode), plan.num_tokens - len(plan.decode), context, now - started))
         new_tokens, stops = {}, {}
         for live, token in zip(lives, values):
             seq = live.seq
@@ -584,98 +468,8 @@ class Engine:
                 stops[seq.rid] = reason
         for seq in self.scheduler.on_step_done(plan, new_tokens, stops):
             live = self._live.pop(seq.rid)
-            outputs.append(self._output(live, str(seq.finish_reason.value), seq.error))
+            outputs.append(output_of(live, str(seq.finish_reason.value), seq.error))
         return outputs
-
-    def _log_step(self, entry: tuple[int, int, int, float]) -> None:
-        self.step_log.append(entry)
-        self._steps += 1
-
-    # -- async scheduling ------------------------------------------------------------------------
-    def _feed(self, plan: StepPlan) -> TokenFeed | None:
-        """The decode rows whose last token is still on the device: the step in flight's."""
-        rows = [i for i, s in enumerate(plan.decode) if s.output_ids[-1] == PENDING]
-        if not rows:
-            return None
-        inflight = self._inflight
-        assert inflight is not None, "a PENDING token with no step in flight"
-        source = {live.seq.rid: i for i, live in enumerate(inflight.lives)}
-        return TokenFeed(inflight.tokens, rows, [source[plan.decode[i].rid] for i in rows])
-
-    def _record(self, plan: StepPlan, lives: list[_Live], tokens: torch.Tensor | None, started: float,
-                context: int) -> _InFlight:
-        """Start copying the step's tokens to the host and advance the scheduler with PENDING
-        tokens (max_tokens finishes happen now; stop tokens when the values are read)."""
-        if tokens is None:
-            tokens = torch.empty(0, dtype=torch.int64, device=self.device)
-        cuda = tokens.is_cuda
-        host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=cuda)
-        host.copy_(tokens, non_blocking=cuda)
-        ready = None
-        if cuda:
-            ready = torch.cuda.Event()
-            ready.record()
-        at = [len(live.seq.output_ids) for live in lives]
-        done = self.scheduler.on_step_done(plan, {live.seq.rid: PENDING for live in lives})
-        stats = (len(plan.decode), plan.num_tokens - len(plan.decode), context)
-        return _InFlight(lives, at, tokens, host, ready, started, stats, done)
-
-    def _read_inflight(self) -> list[RequestOutput]:
-        """Read the step in flight now (nothing else to overlap it with)."""
-        inflight, self._inflight = self._inflight, None
-        return self._read(inflight) if inflight is not None else []
-
-    def _read(self, step: _InFlight) -> list[RequestOutput]:
-        """A step's token values: into the output ids, stop tokens applied (a request that
-        stopped drops the tokens of the steps after; it finishes now if it still runs), and
-        the outputs of the requests that finished in it."""
-        if step.ready is not None:
-            step.ready.synchronize()
-        values = step.host.tolist()
-        now = time.perf_counter()
-        self._log_step((*step.stats, now - max(step.started, self._last_read)))
-        self._last_read = now
-        outputs = []
-        for live, at, token in zip(step.lives, step.at, values):
-            seq = live.seq
-            ended = seq.rid in step.ended
-            if (not ended and self._live.get(seq.rid) is not live) or at >= len(seq.output_ids):
-                continue  # its output is out (aborted, or stopped at an earlier step)
-            seq.output_ids[at] = token
-            if live.first_token is None:
-                live.first_token = now
-            stop_string = live.take(token)
-            if finished(live.params, token, at + 1, self.eos or None) == "stop" or stop_string:
-                del seq.output_ids[at + 1 :]  # sampled after the stop, in steps already run
-                if ended:  # it stopped before it had to be ended: a stop, not an error
-                    step.ended[seq.rid] = (live, None)
-                    continue
-                if seq.is_finished:  # at max_tokens in a later step: the stop token came first
-                    seq.finish_reason = FinishReason.STOP
-                else:
-                    self.scheduler.finish(seq.rid, FinishReason.STOP)
-                self._live.pop(seq.rid)
-                outputs.append(self._output(live, FinishReason.STOP.value))
-        for seq in step.finished:
-            live = self._live.pop(seq.rid, None)
-            if live is not None:
-                outputs.append(self._output(live, str(seq.finish_reason.value), seq.error))
-        for live, error in step.ended.values():
-            reason = FinishReason.STOP if error is None else FinishReason.ERROR
-            outputs.append(self._output(live, reason.value, error))
-        return outputs
-
-    def _output(self, live: _Live, reason: str, error: str | None = None) -> RequestOutput:
-        seq = live.seq
-        text = None
-        if live.text is not None:
-            text = live.text.finish()
-            if live.text.stopped and reason == FinishReason.LENGTH.value:  # found in the text held to the end
-                reason = FinishReason.STOP.value
-        return RequestOutput(
-            seq.rid, list(seq.prompt_ids), list(seq.output_ids), reason, error, text=text, arrival_time=live.arrival,
-            first_token_time=live.first_token, finish_time=time.perf_counter(), num_preemptions=seq.num_preemptions,
-        )
 
     def run_to_completion(self) -> list[RequestOutput]:
         """Step until every request has finished; their outputs in finishing order."""

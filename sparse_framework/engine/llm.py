@@ -53,11 +53,12 @@ import torch
 
 from ..common.errors import ConfigError
 from ..config import SparseConfig
-from .engine import Engine, RequestOutput
+from .engine import Engine
 from .engine_config import EngineConfig
 from .token_ids import token_ids
 from .models import EngineModel, load_model, load_reference
 from .models.catalog import resolve_model
+from .request_output import RequestOutput
 from .sampling import SamplingParams
 from .stop import decode_text  # its home is engine/stop.py; imported from here too
 from .warm_up import WarmUpProgress, progress_bar

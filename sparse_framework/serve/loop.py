@@ -38,7 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine.engine import STEP_FAILED, Engine, RequestOutput
+from ..engine.engine import STEP_FAILED, Engine
+from ..engine.request_output import RequestOutput
 from ..engine.sampling import SamplingParams
 from ..engine.stop import RequestText
 from ..engine.warm_up import bar_text, progress_bar

@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ..coordinator.dense_tally import COST_POLICY
-from ..engine.engine import RequestOutput
+from ..engine.request_output import RequestOutput
 from .loop import EngineLoop
 
 PREFIX = "sparse_framework"
