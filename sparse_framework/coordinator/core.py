@@ -28,6 +28,11 @@ The request hooks (on_request_begin, retract / resume, on_request_end, with `dec
 and `can_grow`) are carried out by `requests.RequestLifecycle` (`self.lifecycle`), which owns the
 table of active and retracted requests and the free state rows; the coordinator's methods of
 those names delegate to it. Construction and the step hooks are here.
+
+Why this module is long: the step hooks stay one object's because they share one open step (the
+batch's lengths, the layer open, its metadata, the step's dense rows) over the store, algorithm,
+adaptor and backend they drive; what owns other state lives apart (requests.py, step_order.py,
+dense_tally.py, graphs.py).
 """
 
 from __future__ import annotations

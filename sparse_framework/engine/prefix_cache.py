@@ -114,6 +114,11 @@ windows of the chunk ends snapshot as they pass and inserted with the prompt. SG
 sliding-window KV stays in its device pool while cached; here it is copied to the host (the
 ring is per request row and is overwritten by the row's next request). SGLang skips prefix
 matching for a request whose prompt is all cached by leaving one token; same rule here.
+
+Why this module is long: a fifth of it is this docstring, and the rest is one piece of state,
+the host pages the tree holds and what rides on them (each request's lock, the SWA windows, the
+indexer keys, the copies in flight), which every hook reads and updates together; the tree
+itself is radix_cache.py's.
 """
 
 from __future__ import annotations

@@ -88,6 +88,10 @@ read for its facts:
   sliding-window handles, and the caller's full values come back as duplicates.
 - Not done here: SGLang's early release of the SWA lock once a request decodes past its
   window (`dec_swa_lock_only`), node-chain compaction, host backup values, KV events.
+
+Why this module is long: the nodes, their locks, the page counts and the two LRU orders are one
+state that every operation (match, insert, lock, evict) keeps consistent at once, and this
+docstring, with its comparison to SGLang, is a sixth of it.
 """
 
 from __future__ import annotations

@@ -48,6 +48,11 @@ Memory is reserved when a request is admitted (`admit`: the coordinator's device
 host pages, and the staging span of the whole prompt) and grows one token per decode step;
 `can_grow` says, before a step, whether it will find room, so the scheduler preempts
 (`retract`) rather than failing the step.
+
+Why this module is long: the model, the coordinator and the prefill staging it owns meet in
+each step's attention function (full, sliding-window and MLA forms), which reads all three; the
+staging (staging.py), the step graphs (step_graphs.py) and the choice of prefill attention
+(prefill_attention.py) already live apart.
 """
 
 from __future__ import annotations
