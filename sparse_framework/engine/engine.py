@@ -25,7 +25,7 @@ tokens stay on the device and the host goes on with the next step — schedules 
 inputs (every host→device copy on the step's path is non-blocking: common/transfer.py) and
 launches it — before reading them, so the GPU is not idle while the host works. The scheduler
 records each sampled token as `PENDING` at once (lengths and `max_tokens` need no value); the
-next step's decode rows take their token from the device (`TokenFeed`: async_steps.py); the values are read
+next step's decode rows take their token from the device (`TokenFeed`); the values are read
 (and stop tokens seen) one step later. A request that hit a stop token has then already been
 given one more decode row: that row's token is dropped and the request finishes with reason
 "stop" exactly where it would have without async scheduling (its memory is freed then; the
@@ -37,8 +37,8 @@ sampled tokens are broadcast on the device (NCCL) and feed every rank's next ste
 ranks compare their plans over a host-side gloo group, which does not wait for the GPU.
 
 The parts that own state of their own sit beside it: request_output.py (`LiveRequest`, what is
-kept of a request until its `RequestOutput`), async_steps.py (the step in flight: `AsyncSteps`,
-`PENDING`), step_log.py (`StepLog`, `EngineStats`).
+kept of a request until its `RequestOutput`), async_steps.py (`AsyncSteps`: the step in flight,
+its `TokenFeed`, `PENDING`), step_log.py (`StepLog`, `EngineStats`).
 """
 
 from __future__ import annotations
