@@ -13,6 +13,10 @@
 #   run(command="LIMIT=540 bash benchmarks/gpu/ruler_32k_runs.sh",
 #       carry=[".gpu_carry/gemma3_ruler", ".gpu_carry/whl"])       # again until every cell is in
 #
+# EXP=experiments/ruler_gemma3_options_gpu.json: the options that answer the gaps of the first
+# (Quest page_size 4/8, PQCache bits 8 at 1/8; the defaults beside the same config with
+# sparse_policy "always", every answer kept): results in benchmarks/results/<EXP name>.jsonl.
+#
 # FIRST=1: only the experiment's first algorithm at its first budget, beside dense, for every
 # task and context (the same cells, so a later full run skips them): what the model can do
 # before the 10 algorithm cells of each task and context.
@@ -20,14 +24,15 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 LIMIT=${LIMIT:-540}
 EXP=${EXP:-experiments/ruler_32k_gpu.json}
-KEEP=${KEEP:-/tmp/ruler_32k}
+RESULTS=${RESULTS:-benchmarks/results/$(basename "$EXP" .json).jsonl}  # committed cells: the start
+KEEP=${KEEP:-/tmp/$(basename "$EXP" .json)}
 OUT=${OUT:-$KEEP/out}
 eval "$(bash benchmarks/gpu/smollm2_gpu.sh env)"
 SITE=${PYTHONPATH%%:*}
 mkdir -p "$KEEP" "$OUT" "$SPARSE_FRAMEWORK_CACHE"
 [[ -f $SPARSE_FRAMEWORK_CACHE/models/gemma3-270m/config.json ]] \
     || { echo "gemma3-270m is not converted here: run gemma3_gpu.sh stash/convert first" >&2; exit 2; }
-[[ -f $KEEP/results.jsonl ]] || cp benchmarks/results/ruler_32k_gpu.jsonl "$KEEP/results.jsonl"
+[[ -f $KEEP/results.jsonl ]] || { [[ -f $RESULTS ]] && cp "$RESULTS" "$KEEP/results.jsonl"; } || touch "$KEEP/results.jsonl"
 tar -xJf .gpu_carry/gemma3_ruler/ruler.tar.xz -C "$SPARSE_FRAMEWORK_CACHE"
 # the prompts are cached under a hash of the tokenizer files, and this machine's transformers
 # writes them differently: the carried prompts (the same text) go under this machine's hash too
@@ -57,4 +62,4 @@ timeout "$LIMIT" "$SITE/bin/sparse-framework" eval "$EXP" --device cuda --out "$
     >>"$KEEP/eval.log" 2>&1
 echo "eval: rc=$? in $((SECONDS - start)) s; cells $before -> $(wc -l <"$KEEP/results.jsonl")"
 tail -n 5 "$KEEP/eval.log"
-cp "$KEEP/results.jsonl" "$OUT/ruler_32k_gpu.jsonl" && cp "$KEEP/eval.log" "$OUT/"
+cp "$KEEP/results.jsonl" "$OUT/$(basename "$RESULTS")" && cp "$KEEP/eval.log" "$OUT/"
