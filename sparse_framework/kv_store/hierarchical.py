@@ -30,7 +30,7 @@ is) and composes the parts that own the state, passing each what it shares with 
   decode_writes.py the decode writes and the queue of host writes (`DecodeWrites`)
   placement.py     each request's mode and its admission, growth, retract / resume and release,
                    with the retracted rows (`RequestPlacement`)
-  spilling.py      a hybrid store's spills and promotions (`HybridSpilling`, over spills.py)
+  spill_policy.py  a hybrid store's spills and promotions (`HybridSpilling`, over spills.py)
   tier_copies.py   a whole request's rows between the tiers (`TierCopies`: no state of its own)
 """
 
@@ -180,7 +180,7 @@ class HierarchicalKVStore(KVStore):
         # prefix cache's pages (tier_copies.py)
         self.copies = TierCopies(self.residency)
         # each request's mode per layer and the moves of its life: admission, growth, retract /
-        # resume, release, and a hybrid store's spills and promotions (placement.py, spilling.py)
+        # resume, release, and a hybrid store's spills and promotions (placement.py, spill_policy.py)
         self.placement = RequestPlacement(
             pages=self.pages, spills=self.spills, writes=self.writes, copies=self.copies,
             dense_layers=self.dense_layers, sparse_layers=self.sparse_layers, all_resident=resident_only,
@@ -411,7 +411,7 @@ class HierarchicalKVStore(KVStore):
         self.copies.pages_to_host(request, first_page, ids)
         return ids
 
-    # -- the hybrid store's spills (spilling.py `HybridSpilling`, which owns their counts) -------
+    # -- the hybrid store's spills (spill_policy.py `HybridSpilling`, which owns their counts) -------
     @property
     def spill_count(self) -> int:
         """Requests spilled so far (stats)."""

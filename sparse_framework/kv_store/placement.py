@@ -20,7 +20,7 @@ from ..common.batch import Batch, Request
 from ..common.errors import CapacityError
 from .decode_writes import DecodeWrites
 from .device_pages import DevicePages
-from .spilling import HybridSpilling
+from .spill_policy import HybridSpilling
 from .spills import SpilledRequests
 from .tier_copies import TierCopies
 
