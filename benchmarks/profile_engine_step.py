@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from sparse_framework.kernels import pdl
 
     pdl.PDL = args.pdl
-    from sparse_framework.bench.offline import prefill_flops
+    from sparse_framework.bench.floors import prefill_flops
     from sparse_framework.engine.models.random_shapes import RANDOM_MODELS
     from sparse_framework.engine.models import ModelConfig, random_model
 

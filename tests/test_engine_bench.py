@@ -12,6 +12,7 @@ from rich.console import Console
 
 from sparse_framework.cli import main as cli
 from sparse_framework.common.errors import ConfigError
+from sparse_framework.bench import floors
 from sparse_framework.bench import offline as bench
 from sparse_framework.engine.models.random_shapes import RANDOM_MODELS
 from sparse_framework.config import load_config
@@ -110,7 +111,7 @@ def test_hierarchical_figures_are_sane_and_resident_has_no_traffic(tiny) -> None
     assert r["hit_rate"] is None and r["h2d_bytes"] is None and r["h2d_gb_per_s"] is None
     assert h["prefetch_rows"] == 0 and r["prefetch_rows"] is None  # prefetch is off by default
     for x in (h, r):
-        assert x["prefill_flops"] == bench.prefill_flops(TINY, [200] * 3) and x["prefill_tflops"] > 0
+        assert x["prefill_flops"] == floors.prefill_flops(TINY, [200] * 3) and x["prefill_tflops"] > 0
         assert x["decode_step_rows"] == 3 and 0 < x["decode_step_floor_ms"] < x["decode_step_ms"]
         assert x["memory_bound_max"] >= 1 and x["ttft_p50_ms"] <= x["ttft_p99_ms"]
     for store, x in rows.items():  # the bound is the plan's, recorded whole
@@ -126,7 +127,7 @@ def test_prefill_flops_equal_a_hand_computation() -> None:
     prompts = [10, 20]
     attention = sum(2 * 2 * layers * 4 * 16 * n * n / 2 for n in prompts)
     expected = 2 * per_token * sum(prompts) + 2 * vocab * d * len(prompts) + attention
-    assert bench.prefill_flops(TINY, prompts) == expected == 4_701_952
+    assert floors.prefill_flops(TINY, prompts) == expected == 4_701_952
 
 
 @pytest.mark.parametrize("kind", ["dense resident", "sparse resident", "hierarchical"])
@@ -144,9 +145,9 @@ def test_decode_floor_of_each_kind_equals_a_hand_computation(tiny, kind) -> None
         selected = 16 * (1 + 4 + 2)  # pages: sink 1, top_k 64 / 16 = 4, recent 16 tokens span up to 2
         representation = 2 * (2 * 16 * 4) / 16  # Quest: a min and a max K row per page of 16
         kv = 2 * (2 * selected * per_token + (200 + 150) * representation)
-    assert bench.decode_floor_bytes(llm, rows) == weights + kv
+    assert floors.decode_floor_bytes(llm, rows) == weights + kv
     # a request whose prompt is below min_sparse_prompt_len reads its whole context in any store
-    mixed = bench.decode_floor_bytes(llm, [(200, 199), (90, 89)])
+    mixed = floors.decode_floor_bytes(llm, [(200, 199), (90, 89)])
     if kind != "dense resident":
         assert mixed == weights + 2 * (selected * per_token + 200 * representation + 90 * per_token)
 
@@ -249,7 +250,7 @@ def test_mla_prefill_flops_equal_a_hand_computation() -> None:
     kept = {10: 55, 40: 16 * 17 // 2 + 24 * 16}  # (query, key) pairs the top-16 keeps
     causal = {10: 55, 40: 820}
     expected = sum(2 * per_token * n + 2 * 256 * 64 + 2 * 2 * (4 * 40 * kept[n] + 4 * 33 * causal[n]) for n in (10, 40))
-    assert bench.prefill_flops(DSV32, [10, 40]) == expected == 10_044_736
+    assert floors.prefill_flops(DSV32, [10, 40]) == expected == 10_044_736
 
 
 def test_mla_decode_floor_equals_a_hand_computation(dsv32) -> None:
@@ -265,9 +266,9 @@ def test_mla_decode_floor_equals_a_hand_computation(dsv32) -> None:
     weights = everything - 4 * 256 * 64 + 4 * 2 * 64
     rows = [(100, 99), (10, 9)]
     kv = 2 * ((16 * 40 * 4 + 100 * 32 * 2) + (10 * 40 * 4 + 10 * 32 * 2))  # 2 layers; the short row: all 10
-    assert bench.decode_floor_bytes(llm, rows) == weights + kv  # 2 rows x top-2: all 4 experts may be hit
-    assert bench.decode_floor_bytes(llm, rows, [3]) == weights - 4 * EXPERT + kv  # measured: 3 of 4 hit
-    assert bench.decode_floor_bytes(llm, rows[:1]) == weights - 4 * 2 * EXPERT - 4 * 64 + kv - 2 * (10 * 40 * 4 + 10 * 32 * 2)
+    assert floors.decode_floor_bytes(llm, rows) == weights + kv  # 2 rows x top-2: all 4 experts may be hit
+    assert floors.decode_floor_bytes(llm, rows, [3]) == weights - 4 * EXPERT + kv  # measured: 3 of 4 hit
+    assert floors.decode_floor_bytes(llm, rows[:1]) == weights - 4 * 2 * EXPERT - 4 * 64 + kv - 2 * (10 * 40 * 4 + 10 * 32 * 2)
 
 
 def test_bench_runs_hierarchical_dsa_on_deepseek_v32_end_to_end(monkeypatch, tmp_path) -> None:
@@ -287,7 +288,7 @@ def test_bench_runs_hierarchical_dsa_on_deepseek_v32_end_to_end(monkeypatch, tmp
     assert r["decode_step_rows"] == 2 and 0 < r["decode_step_floor_ms"] < r["decode_step_ms"]
     assert r["decode_step_weight_bytes"] < r["decode_step_floor_bytes"] and r["kv_row_bytes"] == 40 * 4
     assert 0 <= r["hit_rate"] <= 1 and r["buffer_misses"] > 0 and r["h2d_bytes"] > 0  # prompts > the 64-row buffer
-    assert r["prefill_flops"] == bench.prefill_flops(DSV32, [90] * 3) and r["prefill_tflops"] > 0
+    assert r["prefill_flops"] == floors.prefill_flops(DSV32, [90] * 3) and r["prefill_tflops"] > 0
     assert r["prefill_attention"] == "mla-masked-sdpa"  # the CPU's MLA prefill, not the other layers' choice
 
 
