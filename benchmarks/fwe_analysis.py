@@ -42,7 +42,6 @@ on the same captures (a forward at 8K costs minutes on a CPU, so one capture ser
 from __future__ import annotations
 
 import bisect
-import copy
 import json
 import math
 import re
@@ -58,9 +57,11 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from quest_analysis import (  # noqa: E402
-    Captured, Recorder, Variant, common_args, find_needle, full_layers, load, pages_to_tokens, provenance, select_pages,
+    Captured, Recorder, Variant, common_args, find_needle, load, pages_to_tokens, select_pages, teacher_forced,
     variant_scores,
 )
+
+from timing import provenance  # noqa: E402
 
 from sparse_framework.algorithms.snapkv import SnapKVOptions, snapkv_votes  # noqa: E402
 from sparse_framework.common.tables import new_table  # noqa: E402
@@ -198,21 +199,12 @@ def capture(model: Any, tok: Any, rec: Recorder, sample: Any, chat: bool, device
         answer = tok(" " + sample.outputs[0], add_special_tokens=False).input_ids
         needle = find_needle(ids, answer)
         occ = {sample.outputs[0]: [needle]} if needle else {}
-    rec.mode, rec.q, rec.k = "capture", {}, {}
-    out = model(torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1)
-    layers = full_layers(model.config)  # a hybrid model's sliding layers are left out
-    voters = [rec.q[i][:, -window:].transpose(0, 1).float().cpu() for i in layers]
-    cache, first = out.past_key_values, int(out.logits[0, -1].argmax())
-    rec.q, rec.k = {}, {}
-    step_cache = copy.deepcopy(cache)
-    model(torch.tensor([answer[:-1]], device=device), past_key_values=step_cache, use_cache=True, logits_to_keep=1)
-    keys = [rec.k[i].transpose(0, 1).float().cpu() for i in layers]
-    queries = [rec.q[i].transpose(0, 1).float().cpu() for i in layers]
-    del step_cache, cache
+    t = teacher_forced(model, rec, ids, answer, device, voters=window)
     p = len(ids)
     flat = sorted({x for o in occ.values() for y in o for x in y})
-    return (Captured(keys, queries, list(range(p, p + len(answer) - 1)), flat, p, None, first,
-                     {"task": sample.task, "index": sample.index, "answer": list(sample.outputs)}, layers), occ, voters)
+    return (Captured(t.keys, t.queries, list(range(p, p + len(answer) - 1)), flat, p, None, t.first,
+                     {"task": sample.task, "index": sample.index, "answer": list(sample.outputs)}, t.layers),
+            occ, t.voters)
 
 
 # -- analysis ----------------------------------------------------------------------------------

@@ -41,7 +41,8 @@ from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from quest_analysis import Captured, Recorder, capture, common_args, load, provenance  # noqa: E402
+from quest_analysis import Captured, Recorder, capture, common_args, load  # noqa: E402
+from timing import provenance  # noqa: E402
 
 from sparse_framework import KVLayout, Request, load_config  # noqa: E402
 from sparse_framework.algorithms.pqcache import PQCache  # noqa: E402

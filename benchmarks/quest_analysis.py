@@ -42,7 +42,6 @@ import argparse
 import copy
 import json
 import math
-import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -54,7 +53,7 @@ from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from timing import current_commit  # noqa: E402
+from timing import provenance  # noqa: E402
 
 from sparse_framework.common.tables import new_table  # noqa: E402
 
@@ -204,19 +203,41 @@ def capture(model: Any, tok: Any, rec: Recorder, sample: Any, device: str) -> Ca
 
     ids = prompt_ids(sample, tok, True)  # as the engine's RULER runner encodes it (one BOS where the model has one)
     answer = tok(" " + sample.outputs[0], add_special_tokens=False).input_ids
+    t = teacher_forced(model, rec, ids, answer, device)
+    p = len(ids)
+    return Captured(t.keys, t.queries, list(range(p, p + len(answer) - 1)), find_needle(ids, answer), p, t.cache,
+                    t.first, {"task": sample.task, "index": sample.index, "answer": sample.outputs[0]}, t.layers)
+
+
+@dataclass
+class TeacherForced:
+    """What `teacher_forced` records, per full-attention layer (`layers`: the model's numbers)."""
+
+    keys: list[torch.Tensor]  # [prompt + answer - 1, Hkv, D]: every position, post-RoPE
+    queries: list[torch.Tensor]  # [answer - 1, Hq, D]: the decode positions'
+    layers: list[int]
+    first: int  # the dense prefill's greedy first token
+    cache: Any  # the prompt's KV cache (the answer ran on a copy)
+    voters: list[torch.Tensor]  # the prompt's last `voters` queries [voters, Hq, D] (none when 0)
+
+
+@torch.no_grad()
+def teacher_forced(model: Any, rec: Recorder, ids: list[int], answer: list[int], device: str,
+                   voters: int = 0) -> TeacherForced:
+    """Dense prefill of `ids`, then `answer[:-1]` teacher-forced on a copy of its cache, through
+    the recording attention: the capture the loss analyses share (this script's `capture`,
+    fwe_analysis.py's)."""
     rec.mode, rec.q, rec.k = "capture", {}, {}
     out = model(torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1)
+    layers = full_layers(model.config)  # a hybrid model's sliding layers are left out
+    voter_q = [rec.q[i][:, -voters:].transpose(0, 1).float().cpu() for i in layers] if voters else []
     cache, first = out.past_key_values, int(out.logits[0, -1].argmax())
-    layers = full_layers(model.config)
     rec.q, rec.k = {}, {}
     step_cache = copy.deepcopy(cache)
     model(torch.tensor([answer[:-1]], device=device), past_key_values=step_cache, use_cache=True, logits_to_keep=1)
     keys = [rec.k[i].transpose(0, 1).float().cpu() for i in layers]  # cache-extended: all positions
     queries = [rec.q[i].transpose(0, 1).float().cpu() for i in layers]  # [T, Hq, D]
-    del step_cache
-    p = len(ids)
-    return Captured(keys, queries, list(range(p, p + len(answer) - 1)), find_needle(ids, answer), p, cache, first,
-                    {"task": sample.task, "index": sample.index, "answer": sample.outputs[0]}, layers)
+    return TeacherForced(keys, queries, layers, first, cache, voter_q)
 
 
 # -- page scores ---------------------------------------------------------------------------
@@ -513,13 +534,6 @@ def common_args(doc: str, contexts: str, samples: int, fractions: str, json_path
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", default=json_path)
     return ap
-
-
-def provenance(script: str, argv: list[str] | None) -> dict[str, Any]:
-    """The command line and commit a results JSON records (as `timing.write_results` does; the
-    arguments quoted, as these scripts take names with spaces)."""
-    args = argv if argv is not None else sys.argv[1:]
-    return {"command": shlex.join(["python", f"benchmarks/{script}", *args]), "commit": current_commit()}
 
 
 def main(argv: list[str] | None = None) -> int:

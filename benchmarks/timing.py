@@ -13,6 +13,7 @@ FLUSH_MODES: "read" (default), "write" (the old way, kept to compare), "none".""
 from __future__ import annotations
 
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -124,10 +125,16 @@ def gpu_name() -> str | None:
         return None
 
 
+def provenance(script: str, argv: list[str] | None) -> dict[str, Any]:
+    """The command line (`argv`, None: this process's; quoted where an argument needs it, so
+    that it runs again as written) and the commit a results JSON records (benchmarks/FIGURES.md)."""
+    args = argv if argv is not None else sys.argv[1:]
+    return {"command": shlex.join(["python", f"benchmarks/{script}", *args]), "commit": current_commit()}
+
+
 def write_results(path: str, meta: dict[str, Any], results: list, script: str, argv: list[str] | None) -> None:
     """Write a benchmark's {"meta", "results"} JSON to `path` (its folder made if missing),
-    with the command line that produced it and the commit in meta (benchmarks/FIGURES.md)."""
-    args = argv if argv is not None else sys.argv[1:]
-    meta = {**meta, "command": " ".join(["python", f"benchmarks/{script}", *args]), "commit": current_commit()}
+    with its `provenance` in meta."""
+    meta = {**meta, **provenance(script, argv)}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")

@@ -109,3 +109,8 @@ def test_recorder_keeps_the_sliding_window_and_only_full_layers_are_analysed(tmp
         step = model(ids[:, 24:], past_key_values=out.past_key_values, use_cache=True)
     assert torch.allclose(step.logits, want[:, 24:], atol=1e-5)
     assert rec.k[2].shape[1] == 30  # the full layer's keys: every position
+    # the capture the analyses share: the prompt densely, the answer teacher-forced after it
+    t = qa.teacher_forced(model, rec, ids[0, :24].tolist(), ids[0, 24:30].tolist(), "cpu", voters=4)
+    assert t.layers == [2] and t.first == int(want[0, 23].argmax())
+    assert t.keys[0].shape == (29, 1, 16) and t.queries[0].shape == (5, 4, 16) and t.voters[0].shape == (4, 4, 16)
+    assert t.cache.get_seq_length() == 24  # the answer ran on a copy
