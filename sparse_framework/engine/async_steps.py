@@ -20,7 +20,7 @@ from .request_output import LiveRequest, RequestOutput, output_of
 from .runner import TokenFeed
 from .sampling import finished
 from .scheduler import FinishReason, Scheduler, Sequence, StepPlan
-from .step_log import StepLog
+from .step_log import StepLog, step_stats
 
 PENDING = -1  # an output token sampled on the device that the host has not read yet
 
@@ -100,8 +100,7 @@ class AsyncSteps:
             ready.record()
         at = [len(live.seq.output_ids) for live in lives]
         done = self.scheduler.on_step_done(plan, {live.seq.rid: PENDING for live in lives})
-        stats = (len(plan.decode), plan.num_tokens - len(plan.decode), context)
-        return InFlightStep(lives, at, tokens, host, ready, started, stats, done)
+        return InFlightStep(lives, at, tokens, host, ready, started, step_stats(plan, context), done)
 
     def read_now(self) -> list[RequestOutput]:
         """Read the step in flight now (nothing else to overlap it with)."""

@@ -68,7 +68,7 @@ from .runner import PrefillChunk as RunnerChunk
 from .sampling import Sampler, SamplingParams, finished
 from .stop import RequestText, decoder
 from .scheduler import FinishReason, Scheduler, Sequence, StepPlan
-from .step_log import EngineStats, StepLog, engine_stats
+from .step_log import EngineStats, StepLog, engine_stats, step_stats
 from .token_ids import token_ids
 from .warm_up import WarmUpProgress, WarmUpReport, warm_up, warm_up_enabled
 
@@ -454,7 +454,7 @@ class Engine:
         if self.tp is not None and sampled:
             values = self.tp.share_tokens(values if self.tp.rank == 0 else None, len(sampled))
         now = time.perf_counter()
-        self._steps.add((len(plan.decode), plan.num_tokens - len(plan.decode), context, now - started))
+        self._steps.add((*step_stats(plan, context), now - started))
         new_tokens, stops = {}, {}
         for live, token in zip(lives, values):
             seq = live.seq

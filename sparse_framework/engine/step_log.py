@@ -16,7 +16,7 @@ from typing import Any
 from ..config import SparseConfig
 from ..coordinator.core import SparseCoordinator
 from .prefix_cache import PrefixCache
-from .scheduler import Scheduler
+from .scheduler import Scheduler, StepPlan
 
 STEP_LOG_LIMIT = 1 << 16  # steps kept in Engine.step_log (benchmarks read whole runs; far shorter)
 
@@ -34,6 +34,11 @@ class StepLog:
     def add(self, entry: tuple[int, int, int, float]) -> None:
         self.entries.append(entry)
         self.steps += 1
+
+
+def step_stats(plan: StepPlan, context: int) -> tuple[int, int, int]:
+    """A step's entry but its seconds: decode rows, prefill tokens, context tokens of the decode rows."""
+    return len(plan.decode), plan.num_tokens - len(plan.decode), context
 
 
 @dataclass(frozen=True)
