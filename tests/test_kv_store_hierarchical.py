@@ -365,7 +365,7 @@ class StoreMachine(RuleBasedStateMachine):
             return
         st_ = self.store
         for r in self.active.values():
-            if not st_._keeps_host(r):
+            if not st_.keeps_host(r):
                 continue
             rows = st_.host_pool.rows(torch.tensor([r.slot], device=DEVICE),
                                       torch.arange(r.seq_len, device=DEVICE).unsqueeze(0))[0].cpu()

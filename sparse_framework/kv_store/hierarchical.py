@@ -299,10 +299,6 @@ class HierarchicalKVStore(KVStore):
         """KV heads in one stream's row: one (head-major), or all."""
         return 1 if self.head_major else self.layout.num_kv_heads
 
-    def _keeps_host(self, request: Request) -> bool:
-        """Whether the request keeps every token on the host (`RequestPlacement.keeps_host`)."""
-        return self.placement.keeps_host(request)
-
     def mode(self, request: Request, layer: int) -> str:
         """"resident" (every token on the device) or "buffered" (`RequestPlacement.mode`)."""
         return self.placement.mode(request, layer)
@@ -363,8 +359,9 @@ class HierarchicalKVStore(KVStore):
 
     # -- pages for a prefix cache (engine/prefix_cache.py) ------------------------------------
     def keeps_host(self, request: Request) -> bool:
-        """Whether the request's K/V live on the host (its host pages can be cached as they are)."""
-        return self._keeps_host(request)
+        """Whether the request's K/V live on the host (its host pages can be cached as they are;
+        `RequestPlacement.keeps_host`)."""
+        return self.placement.keeps_host(request)
 
     def keeps_host_for(self, prompt_len: int, dense: bool | None = None) -> bool:
         """`keeps_host` of a request with this prompt before it is admitted: `dense` as the
@@ -402,7 +399,7 @@ class HierarchicalKVStore(KVStore):
         """Copy the request's device K/V of pages first_page..first_page+num_pages-1 (every
         layer resident: a request that keeps nothing on the host) into newly allocated host
         pages, returned (owned by the caller; CapacityError, nothing taken, without room)."""
-        if self._keeps_host(request):
+        if self.keeps_host(request):
             raise ValueError(f"request {request.rid!r} keeps its K/V on the host: use host_page_ids")
         ids = self.host_alloc.alloc(num_pages, self.page_size, f"prefix cache of {request.rid!r}")
         if num_pages == 0:
@@ -437,7 +434,7 @@ class HierarchicalKVStore(KVStore):
 
     # -- prefill ----------------------------------------------------------------------------
     def write_prefill(self, layer: int, request: Request, k: torch.Tensor, v: torch.Tensor | None) -> None:
-        self.copies.write_prompt(layer, request, self.copies.stored(k, v), to_host=self._keeps_host(request),
+        self.copies.write_prompt(layer, request, self.copies.stored(k, v), to_host=self.keeps_host(request),
                                  resident=self.mode(request, layer) == RESIDENT)
 
     # -- views and accounting ---------------------------------------------------------------
