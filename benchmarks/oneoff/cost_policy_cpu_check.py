@@ -59,21 +59,50 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=12)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--backend", default="torch_ref", help="triton: run with TRITON_INTERPRET=1 on the CPU")
+    ap.add_argument("--ruler", metavar="MODEL:TASK", help="a catalog model and RULER task instead of the tiny "
+                    "model (e.g. gemma3-270m:niah_single_1): --requests prompts of --length tokens, raw")
+    ap.add_argument("--samples", type=int, help="--ruler: the cached prompt set to draw from (default: --requests)")
     args = ap.parse_args()
-    path = Path(tempfile.mkdtemp()) / "gemma3"
-    tiny_gemma3(path)
-    g = torch.Generator().manual_seed(1)
-    batch = [torch.randint(0, 96, (args.length,), generator=g).tolist() for _ in range(args.requests)]
+    if args.ruler:
+        from sparse_framework.engine.models.catalog import resolve_model
+        from sparse_framework.eval.ruler_runner import RulerRunner
+        from sparse_framework.eval.experiment import RulerWorkload
+
+        name, task = args.ruler.split(":")
+        path = resolve_model(name)
+        runner = RulerRunner(args.device, getattr(torch, args.dtype), 0)
+        workload = RulerWorkload(kind="ruler", task=task, model=name, samples=args.samples or args.requests,
+                                 chat_template=False)
+        batch = runner.prompts(workload, args.length)[1][: args.requests]
+        args.length = max(len(b) for b in batch)
+    else:
+        path = Path(tempfile.mkdtemp()) / "gemma3"
+        tiny_gemma3(path)
+        g = torch.Generator().manual_seed(1)
+        batch = [torch.randint(0, 96, (args.length,), generator=g).tolist() for _ in range(args.requests)]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0)
 
     def run(sparse: dict) -> tuple[dict, str]:
-        model = load_model(path, dtype=torch.float32)
+        model = load_model(path, dtype=getattr(torch, args.dtype), device=args.device)
         engine = Engine(model, model.config, sparse, EngineConfig(
-            max_num_seqs=args.requests, max_model_len=args.length + 64, max_num_batched_tokens=8192))
-        return run_batch(engine, batch, params), engine.runner.coord.dense_tally.summary()
+            max_num_seqs=args.requests, max_model_len=args.length + 64, max_num_batched_tokens=max(8192, args.length + 64)))
+        algo = engine.runner.coord.algorithm
+        calls = [0]
+        select = algo.select
 
-    quest = {"algorithm": "quest", "top_k": args.top_k, "store": "resident", "backend": "torch_ref"}
-    dense, _ = run({**DENSE_CONFIG, "backend": "torch_ref"})
+        def counted(*a, **k):  # how many selections ran (each sparse layer-step batch)
+            calls[0] += 1
+            return select(*a, **k)
+
+        algo.select = counted
+        out = run_batch(engine, batch, params)
+        return out, f"{engine.runner.coord.dense_tally.summary()}; select calls {calls[0]}"
+
+    quest = {"algorithm": "quest", "top_k": args.top_k, "store": "resident", "backend": args.backend}
+    dense, _ = run({**DENSE_CONFIG, "backend": args.backend})
     always, tally = run({**quest, "sparse_policy": "always", "min_sparse_prompt_len": 0,
                          "extra": {"dense_first_layers": 0}})
     print(f"always: equal to dense {sum(always[k] == dense[k] for k in dense)} of {len(dense)} | {tally}")

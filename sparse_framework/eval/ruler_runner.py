@@ -25,8 +25,12 @@ from ..config import SparseConfig, load_config
 from .experiment import Cell, RulerWorkload
 from .ruler import RulerSample, prompt_ids, ruler_samples, score
 
-# the dense baseline: every request is "short" (dense), every token resident on the device
-DENSE_CONFIG: dict[str, Any] = {"algorithm": "quest", "store": "resident", "min_sparse_prompt_len": 10**9}
+# the dense baseline: every request is "short" (dense) under the static rule, every token resident
+# on the device. sparse_policy "always" is what makes min_sparse_prompt_len count: under the
+# default cost policy it is not consulted and long contexts decode sparsely (stop 53 found the
+# H200 baselines at 16K/32K ~95 % sparse that way); `run` refuses a baseline that went sparse.
+DENSE_CONFIG: dict[str, Any] = {"algorithm": "quest", "store": "resident", "sparse_policy": "always",
+                                "min_sparse_prompt_len": 10**9}
 
 EXAMPLE_CHARS = 120  # a kept prediction is cut to this many characters
 
@@ -111,6 +115,10 @@ class RulerRunner:
         failed = [o for o in outputs if o.finish_reason == "error"]
         if failed:
             raise RuntimeError(f"{len(failed)} of {len(outputs)} requests failed in the engine: {failed[0].error}")
+        sparse_share = llm.engine.runner.coord.dense_tally.sparse_fraction
+        if cell.config is None and sparse_share:
+            raise RuntimeError(f"the dense baseline decoded {sparse_share:.1%} of its layer-steps sparsely: "
+                               f"its config {config.key()} is not dense")
         texts = [o.text or "" for o in outputs]
         scores = [score(t, s.outputs) for t, s in zip(texts, samples)]
         metrics: dict[str, Any] = {
