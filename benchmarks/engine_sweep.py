@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from sparse_framework.common.errors import ConfigError
-from sparse_framework.config import load_config
+from sparse_framework.config import DENSE_CONFIG, load_config
 from sparse_framework.bench import offline as bench
 from sparse_framework.engine.models.random_shapes import RANDOM_MODELS, random_model_config
 from sparse_framework.engine.llm import LLM
@@ -65,8 +65,7 @@ def sweep_configs(backend: str, top_k: int, device_buffer_tokens: int, min_spars
     common = {"backend": backend, "top_k": top_k, "sparse_policy": "always", "min_sparse_prompt_len": min_sparse_prompt_len}
     quest = {"algorithm": "quest", "extra": {"dense_first_layers": quest_dense_first_layers}}
     return {
-        "dense": {"algorithm": "quest", "backend": backend, "store": "resident", "sparse_policy": "always",
-                  "min_sparse_prompt_len": 10**9},
+        "dense": {**DENSE_CONFIG, "backend": backend},
         "quest-resident": {**common, **quest, "store": "resident"},
         "dsa-resident": {**common, "algorithm": "dsa", "store": "resident", "extra": {"source": "keys"}},
         "quest-hier": {**common, **quest, "store": "hierarchical", "device_buffer_tokens": device_buffer_tokens},

@@ -69,6 +69,7 @@ def check(args: argparse.Namespace, context: int) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from sparse_framework.engine.llm import LLM
+    from sparse_framework.config import DENSE_CONFIG
     from sparse_framework.engine.models import load_model
     from sparse_framework.engine.sampling import SamplingParams
 
@@ -82,7 +83,7 @@ def check(args: argparse.Namespace, context: int) -> dict[str, Any]:
     hf_tokens = out[0, len(ids):].tolist()
     t1 = time.perf_counter()
     del hf
-    dense = {"algorithm": "quest", "store": "resident", "min_sparse_prompt_len": 10**9}
+    dense = DENSE_CONFIG
     llm = LLM.from_model(load_model(root, dtype, "cpu"), dense, tokenizer=tok,
                          max_model_len=len(ids) + args.new_tokens + 64, max_num_seqs=1, max_num_batched_tokens=4096)
     engine_tokens = list(llm.generate([ids], SamplingParams(max_tokens=args.new_tokens, temperature=0))[0].token_ids)

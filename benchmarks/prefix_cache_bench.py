@@ -65,6 +65,7 @@ from timing import write_results  # noqa: E402
 
 from sparse_framework.common.tables import new_table  # noqa: E402
 from sparse_framework.common.errors import ConfigError  # noqa: E402
+from sparse_framework.config import DENSE_CONFIG  # noqa: E402
 from sparse_framework.bench.offline import fmt_or_dash, reset_peak_memory  # noqa: E402
 from sparse_framework.bench.stats import percentile  # noqa: E402
 from sparse_framework.engine.models.random_shapes import RANDOM_MODELS  # noqa: E402
@@ -83,7 +84,7 @@ def bench_configs(backend: str, top_k: int, device_buffer_tokens: int, min_spars
                   quest_dense_first_layers: int) -> dict[str, dict[str, Any]]:
     """The sparse configs by name (module docstring)."""
     return {
-        "dense": {"algorithm": "quest", "backend": backend, "store": "resident", "min_sparse_prompt_len": 10**9},
+        "dense": {**DENSE_CONFIG, "backend": backend},
         "quest-hier": {"algorithm": "quest", "backend": backend, "store": "hierarchical", "top_k": top_k,
                        "device_buffer_tokens": device_buffer_tokens, "min_sparse_prompt_len": min_sparse_prompt_len,
                        "extra": {"dense_first_layers": quest_dense_first_layers}},

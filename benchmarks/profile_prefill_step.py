@@ -9,7 +9,7 @@ costs (the cached pages' copy to the device and the question's prefill over them
 
     python benchmarks/profile_prefill_step.py --shape deepseek-v3.2-mini --context 16384
     python benchmarks/profile_prefill_step.py --shape llama-3-8b --context 16384 --prefix-hit \\
-        --config '{"algorithm": "quest", "store": "resident", "min_sparse_prompt_len": 1000000000}'
+        --config '{"algorithm": "quest", "store": "resident", "sparse_policy": "always", "min_sparse_prompt_len": 1000000000}'
 """
 
 from __future__ import annotations

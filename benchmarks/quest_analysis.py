@@ -465,6 +465,7 @@ def engine_accuracy(samples: list[Any], configs: dict[str, dict[str, Any]], budg
                     max_tokens: int | None, log: Any, device: str = "cpu", name: str = MODEL) -> dict[str, Any]:
     """RULER string-match through `LLM.generate` (greedy) per config and budget."""
     from sparse_framework.engine import LLM
+    from sparse_framework.config import DENSE_CONFIG
     from sparse_framework.engine.sampling import SamplingParams
     from sparse_framework.eval.ruler import RULER_TASKS, prompt_text, score
 
@@ -473,7 +474,7 @@ def engine_accuracy(samples: list[Any], configs: dict[str, dict[str, Any]], budg
         for b in budgets if extra else [0]:
             cfg = ({"algorithm": extra.get("algorithm", "quest"), "top_k": b, "device_buffer_tokens": b + 256,
                     "min_sparse_prompt_len": 0, "extra": extra.get("extra", {}), **{k: w for k, w in extra.items() if k not in ("algorithm", "extra")}}
-                   if extra else {"algorithm": "quest", "min_sparse_prompt_len": 10**9})
+                   if extra else DENSE_CONFIG)
             t0 = time.time()
             llm = LLM(name, cfg, device=device, max_model_len=ctx + 256, max_num_seqs=4)
             prompts = [prompt_text(s, llm.tokenizer, True) for s in samples]

@@ -61,7 +61,7 @@ from timing import write_results  # noqa: E402
 
 from sparse_framework.common.tables import new_table  # noqa: E402
 from sparse_framework.common.errors import ConfigError  # noqa: E402
-from sparse_framework.config import load_config  # noqa: E402
+from sparse_framework.config import DENSE_CONFIG, load_config  # noqa: E402
 from sparse_framework.bench.offline import fmt_or_dash  # noqa: E402
 from sparse_framework.engine.llm import LLM, decode_text  # noqa: E402
 from sparse_framework.engine.sampling import SamplingParams  # noqa: E402
@@ -227,8 +227,7 @@ def run_grid(model: Any, tokenizer: Any, prompts: list[Prompt], configs: dict[st
 
     rows = []
     if dense:
-        rows.append(one("dense", {"algorithm": "quest", "backend": backend, "store": "resident",
-                                  "min_sparse_prompt_len": 10**9}, store="resident", label="all tokens"))
+        rows.append(one("dense", {**DENSE_CONFIG, "backend": backend}, store="resident", label="all tokens"))
     for name, base in configs.items():
         for top_k in top_ks:
             config = {**base, "backend": backend, "top_k": top_k, "min_sparse_prompt_len": shortest}

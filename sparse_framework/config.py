@@ -28,6 +28,13 @@ if TYPE_CHECKING:
     from .backends.base import AttentionBackend
     from .common.layout import KVLayout
 
+DENSE_CONFIG: dict[str, Any] = {"algorithm": "quest", "store": "resident", "sparse_policy": "always",
+                                "min_sparse_prompt_len": 10**9}
+"""A config under which every request decodes densely, every token resident on the device: the
+dense baseline of evaluations and benchmarks. Every request is "short" under the static rule;
+sparse_policy "always" is what makes min_sparse_prompt_len count (the default cost policy does
+not consult it, so `{"min_sparse_prompt_len": 10**9}` alone still decodes long contexts sparsely)."""
+
 AUTO_BACKENDS = {"cuda": ("triton", "flashmla", "torch_ref"), "cpu": ("torch_ref",)}
 """backend "auto": the first of these that is installed and serves the layout, per device type
 (the Triton split-K kernel on CUDA: measured faster than flash-attn's paged decode over a page

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparse_framework import Batch, KVLayout, Request
-from sparse_framework.config import load_config
+from sparse_framework.config import DENSE_CONFIG, load_config
 from sparse_framework.coordinator.core import SparseCoordinator
 from sparse_framework.coordinator.dense_tally import COST_POLICY, DENSE_REQUEST, REQUESTED_DENSE, SHORT_PROMPT
 from sparse_framework.common.hardware import H100
@@ -44,6 +44,19 @@ def policy(config: dict, layout: KVLayout = LLAMA, **kw: int) -> SparsePolicy:
 
 
 # -- the model's numbers -------------------------------------------------------------------------
+def test_the_dense_baseline_decodes_densely_at_any_length_and_batch() -> None:
+    """DENSE_CONFIG is every evaluation's and benchmark's dense baseline. Under the default cost
+    policy `min_sparse_prompt_len` is not consulted, and a 16K-32K baseline went sparse that way
+    (stop 53): it must hold where the cost model would pick sparse."""
+    for store in ("resident", "hybrid", "hierarchical"):
+        dense = policy({**DENSE_CONFIG, "store": store})
+        cost = policy({**DENSE_CONFIG, "store": store, "sparse_policy": "cost"})
+        for length, batch in ((65536, 1), (131000, 32)):
+            assert dense.decodes_densely(length, None, batch) == (True, SHORT_PROMPT)
+            assert cost.model.sparse_pays(length, batch)  # where the default policy would go sparse
+        assert not dense.per_step  # no step of a dense request is decided again
+
+
 def test_a_short_batch_1_request_decides_dense_and_a_long_one_sparse() -> None:
     hier = policy({**QUEST, "store": "hierarchical", "sparse_policy": "cost"})
     assert hier.decodes_densely(1024, None, 1) == (True, COST_POLICY)

@@ -32,7 +32,7 @@ from sparse_framework.engine.engine import Engine  # noqa: E402
 from sparse_framework.engine.engine_config import EngineConfig  # noqa: E402
 from sparse_framework.engine.models import load_model  # noqa: E402
 from sparse_framework.engine.sampling import SamplingParams  # noqa: E402
-from sparse_framework.eval.ruler_runner import DENSE_CONFIG  # noqa: E402
+from sparse_framework.config import DENSE_CONFIG  # noqa: E402
 
 S, F = "sliding_attention", "full_attention"
 

@@ -21,16 +21,10 @@ from typing import Any
 import torch
 
 from ..common.errors import ConfigError
-from ..config import SparseConfig, load_config
+from ..config import DENSE_CONFIG, SparseConfig, load_config
 from .experiment import Cell, RulerWorkload
 from .ruler import RulerSample, prompt_ids, ruler_samples, score
 
-# the dense baseline: every request is "short" (dense) under the static rule, every token resident
-# on the device. sparse_policy "always" is what makes min_sparse_prompt_len count: under the
-# default cost policy it is not consulted and long contexts decode sparsely (stop 53 found the
-# H200 baselines at 16K/32K ~95 % sparse that way); `run` refuses a baseline that went sparse.
-DENSE_CONFIG: dict[str, Any] = {"algorithm": "quest", "store": "resident", "sparse_policy": "always",
-                                "min_sparse_prompt_len": 10**9}
 
 EXAMPLE_CHARS = 120  # a kept prediction is cut to this many characters
 
