@@ -12,6 +12,7 @@ naming the field, the bad value and what is allowed — never later, at step tim
 from __future__ import annotations
 
 import json
+import warnings
 from os import PathLike
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -166,6 +167,18 @@ class SparseConfig(BaseModel):
             raise ValueError(str(exc)) from None
         return name
 
+    def _warn_unconsulted_threshold(self) -> None:
+        """A min_sparse_prompt_len set to anything but 0 or its default under the cost policy is
+        not consulted: say so, since a config such as {"min_sparse_prompt_len": 10**9} reads as
+        "dense" but decodes long contexts sparsely (a dense baseline went sparse that way)."""
+        default = type(self).model_fields["min_sparse_prompt_len"].default
+        if self.sparse_policy == "cost" and self.min_sparse_prompt_len not in (0, default):
+            warnings.warn(
+                f"min_sparse_prompt_len ({self.min_sparse_prompt_len}) is not consulted under sparse_policy "
+                "'cost' (the default), which decides dense or sparse by its cost model; set sparse_policy "
+                "'always' for the static rule (sparse_framework.config.DENSE_CONFIG decodes everything densely)",
+                UserWarning, stacklevel=2)
+
     @model_validator(mode="after")
     def _check_plugins(self) -> SparseConfig:
         algo = self.algorithm_class
@@ -179,6 +192,7 @@ class SparseConfig(BaseModel):
         self._check_top_k(algo)
         algo.check_config(self)
         self.adaptor_class.check_config(self)
+        self._warn_unconsulted_threshold()
         if self.backend == "auto":
             return self  # the adaptor is checked against the backend `resolved` picks
         backend = self.backend_class

@@ -50,7 +50,8 @@ def test_the_dense_baseline_decodes_densely_at_any_length_and_batch() -> None:
     (stop 53): it must hold where the cost model would pick sparse."""
     for store in ("resident", "hybrid", "hierarchical"):
         dense = policy({**DENSE_CONFIG, "store": store})
-        cost = policy({**DENSE_CONFIG, "store": store, "sparse_policy": "cost"})
+        with pytest.warns(UserWarning, match="not consulted"):  # the trap, named
+            cost = policy({**DENSE_CONFIG, "store": store, "sparse_policy": "cost"})
         for length, batch in ((65536, 1), (131000, 32)):
             assert dense.decodes_densely(length, None, batch) == (True, SHORT_PROMPT)
             assert cost.model.sparse_pays(length, batch)  # where the default policy would go sparse
@@ -305,3 +306,16 @@ def test_bad_policy_settings_are_refused(field: str, value: object) -> None:
 
     with pytest.raises(ConfigError, match=field):
         load_config({field: value})
+
+
+def test_a_threshold_the_cost_policy_does_not_consult_is_named() -> None:
+    """min_sparse_prompt_len other than 0 or its default under the cost policy warns (naming
+    sparse_policy); the same under "always", the default, and a stored key do not."""
+    with pytest.warns(UserWarning, match="sparse_policy 'always'"):
+        load_config({"algorithm": "quest", "min_sparse_prompt_len": 10**9})
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for config in (DENSE_CONFIG, {"algorithm": "quest"}, {"algorithm": "quest", "min_sparse_prompt_len": 0}):
+            load_config(load_config(config).key())
