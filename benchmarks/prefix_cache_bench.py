@@ -85,7 +85,8 @@ def bench_configs(backend: str, top_k: int, device_buffer_tokens: int, min_spars
     """The sparse configs by name (module docstring)."""
     return {
         "dense": {**DENSE_CONFIG, "backend": backend},
-        "quest-hier": {"algorithm": "quest", "backend": backend, "store": "hierarchical", "top_k": top_k,
+        "quest-hier": {"algorithm": "quest", "backend": backend, "store": "hierarchical", "sparse_policy": "always",
+                       "top_k": top_k,
                        "device_buffer_tokens": device_buffer_tokens, "min_sparse_prompt_len": min_sparse_prompt_len,
                        "extra": {"dense_first_layers": quest_dense_first_layers}},
     }
