@@ -200,7 +200,7 @@ def measure(kind: str, batch: int, fraction: float, args: argparse.Namespace, sh
     host_rows = torch.randint(0, store.host_slots, (max(n, 1),), device="cuda")[:n]
     dev_rows = torch.randperm(store.layer_slots(0), device="cuda")[:n]
     src = store.host_pool.offsets(0, host_rows)
-    dst = store._dev_off(0, dev_rows)
+    dst = store.device_rows.offsets(0, dev_rows)
 
     def kernel(i: int) -> None:
         for dev_buf, host_buf in zip(store.pool_of(0).tensors, store.host):

@@ -319,7 +319,7 @@ class StoreMachine(RuleBasedStateMachine):
             return
         st_ = self.store
         for layer in range(2):
-            owned = [ids for (lay, _), ids in st_._dev_pages.items() if lay == layer]
+            owned = [ids for (lay, _), ids in st_.pages.owned.items() if lay == layer]
             flat = torch.cat(owned) if owned else torch.empty(0, dtype=torch.long)
             assert flat.unique().numel() == flat.numel()
             assert flat.numel() == st_.dev_alloc[layer].used
@@ -350,7 +350,7 @@ class StoreMachine(RuleBasedStateMachine):
                         bu = int(l2s[x])
                         toks = torch.arange(x * u, min((x + 1) * u, r.seq_len))
                         pos = (bu * u + torch.arange(toks.numel())).to(DEVICE)
-                        slots = st_._phys(layer, torch.tensor([r.slot], device=DEVICE), pos.unsqueeze(0))[0]
+                        slots = st_.device_rows.slots(layer, torch.tensor([r.slot], device=DEVICE), pos.unsqueeze(0))[0]
                         got = [buf[h, slots] if st_.head_major else buf[slots] for buf in st_.layer_buffers(layer)]
                         want = [t[toks, h] if st_.head_major else t[toks] for t in self.truth[r.rid][layer]]
                         for g, w in zip(got, want):
@@ -663,7 +663,7 @@ def test_fp8_mla_latents_are_held_as_flashmla_rows_on_both_tiers() -> None:
     for unit in range(store.buffer_units):
         toks = int(store.s2l[0, 0, 0, unit])
         if toks >= 0:
-            slots = store._phys(0, torch.tensor([0]), (unit * 4 + torch.arange(4)).unsqueeze(0))[0]
+            slots = store.device_rows.slots(0, torch.tensor([0]), (unit * 4 + torch.arange(4)).unsqueeze(0))[0]
             assert torch.equal(store.layer_buffers(0)[0][slots], want[toks * 4 : toks * 4 + 4])
 
 

@@ -130,7 +130,7 @@ class HierarchicalKVStore(KVStore):
             table_pages=max(self.max_pages, self.buffer_tokens // page_size), buffer_tokens=self.buffer_tokens,
             min_sparse_prompt_len=self.min_sparse_prompt_len, device=dev,
         )
-        self.dev_alloc, self.dev_table, self._dev_pages = self.pages.allocs, self.pages.table, self.pages.owned
+        self.dev_alloc, self.dev_table = self.pages.allocs, self.pages.table
         # the pools and the page table, as the swap-in and the decode writes address them
         self.device_rows = DeviceRows(self.pools, self._pool, self.dev_table, page_size=page_size, head_major=per_kv_head)
 
@@ -312,17 +312,6 @@ class HierarchicalKVStore(KVStore):
         """Whether a row of the batch is buffered in the sparse layers: a sparse request of the
         hierarchical store, a spilled one of the hybrid store; never in the resident store."""
         return self.residency.buffers_rows_of(batch)
-
-    def _phys(self, layer: int, slot_ids: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        """Device slots of positions (logical tokens of a resident layer, or buffer positions
-        of a buffered one). slot_ids: [B]; pos: [B, ...] int, -1 kept. Returns `dtype`.
-        In torch ops: the decode step's look-up (`resident_slots`) has its own kernel."""
-        return self.device_rows.slots(layer, slot_ids, pos, dtype)
-
-    def _dev_off(self, layer: int, slots: torch.Tensor, head: torch.Tensor | int = 0) -> torch.Tensor:
-        """Flat element offsets, into the tensors of the layer's pool, of a stream's row at
-        device slots (-1 kept)."""
-        return self.device_rows.offsets(layer, slots, head)
 
     # -- admission, growth, retract / resume, release (placement.py `RequestPlacement`) -------
     def admit(self, request: Request, cached_pages: torch.Tensor | None = None) -> None:
