@@ -394,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pq-sets", default="default (M2 b6 it20),bits 8", help="PQCache option sets (names)")
     ap.add_argument("--selections", default="", help="selection names to measure (comma separated; default all)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--indices", default="", help="only these prompts of the --samples set (comma separated "
+                    "indices, e.g. the ones a GPU cell answered differently)")
     ap.add_argument("--show", default="", help="print the tables of a results JSON (runs nothing)")
     args = ap.parse_args(argv)
     if args.show:
@@ -415,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     for ctx in map(int, args.contexts.split(",")):
         budgets = [ctx // int(f) for f in args.fractions.split(",")]
         samples = ruler_samples(resolve_model(args.model), args.task, ctx, args.samples, args.seed)
+        if args.indices:
+            wanted = {int(i) for i in args.indices.split(",")}
+            samples = [s for s in samples if s.index in wanted]
         per, pq = [], []
         for s in samples:
             t0 = time.time()
