@@ -41,6 +41,7 @@ on the same captures (a forward at 8K costs minutes on a CPU, so one capture ser
 
 from __future__ import annotations
 
+import argparse
 import bisect
 import json
 import math
@@ -384,6 +385,17 @@ def summarise(ctx: int, budgets: list[int], per: list[dict[str, Any]], pq: list[
     return run
 
 
+def _indices(text: str) -> set[int]:
+    """--indices: comma-separated non-negative prompt indices."""
+    try:
+        out = {int(i) for i in text.split(",") if i.strip()}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated prompt indices such as 15,36, got {text!r}") from None
+    if any(i < 0 for i in out):
+        raise argparse.ArgumentTypeError(f"prompt indices are 0 or more, got {text!r}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = common_args(__doc__, "4096", 8, "8,32", DEFAULT_JSON)
     ap.add_argument("--task", default="ruler_fwe", help="ruler_fwe or a niah task")
@@ -394,8 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pq-sets", default="default (M2 b6 it20),bits 8", help="PQCache option sets (names)")
     ap.add_argument("--selections", default="", help="selection names to measure (comma separated; default all)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--indices", default="", help="only these prompts of the --samples set (comma separated "
-                    "indices, e.g. the ones a GPU cell answered differently)")
+    ap.add_argument("--indices", default="", type=_indices, help="only these prompts of the --samples set "
+                    "(comma separated indices, e.g. the ones a GPU cell answered differently)")
     ap.add_argument("--show", default="", help="print the tables of a results JSON (runs nothing)")
     args = ap.parse_args(argv)
     if args.show:
@@ -418,8 +430,11 @@ def main(argv: list[str] | None = None) -> int:
         budgets = [ctx // int(f) for f in args.fractions.split(",")]
         samples = ruler_samples(resolve_model(args.model), args.task, ctx, args.samples, args.seed)
         if args.indices:
-            wanted = {int(i) for i in args.indices.split(",")}
-            samples = [s for s in samples if s.index in wanted]
+            missing = args.indices - {s.index for s in samples}
+            if missing:
+                ap.error(f"--indices {sorted(missing)} are not among the {len(samples)} prompts of --samples "
+                         f"{args.samples} (indices 0..{len(samples) - 1})")
+            samples = [s for s in samples if s.index in args.indices]
         per, pq = [], []
         for s in samples:
             t0 = time.time()

@@ -71,6 +71,8 @@ def main() -> None:
         from sparse_framework.eval.ruler_runner import RulerRunner
         from sparse_framework.eval.experiment import RulerWorkload
 
+        if args.ruler.count(":") != 1:
+            ap.error(f"--ruler takes MODEL:TASK (e.g. gemma3-270m:niah_single_1), got {args.ruler!r}")
         name, task = args.ruler.split(":")
         path = resolve_model(name)
         runner = RulerRunner(args.device, getattr(torch, args.dtype), 0)

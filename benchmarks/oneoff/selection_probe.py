@@ -48,6 +48,8 @@ def main() -> None:
         from sparse_framework.eval.experiment import RulerWorkload
         from sparse_framework.eval.ruler_runner import RulerRunner
 
+        if args.ruler.count(":") != 1:
+            ap.error(f"--ruler takes MODEL:TASK (e.g. gemma3-270m:niah_single_1), got {args.ruler!r}")
         name, task = args.ruler.split(":")
         path = resolve_model(name)
         wl = RulerWorkload(kind="ruler", task=task, model=name, samples=args.samples or args.requests,
