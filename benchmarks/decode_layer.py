@@ -52,7 +52,12 @@ ALGORITHMS = {
     "quest": {"algorithm": "quest", "extra": {"dense_first_layers": 0}},
     "dsa": {"algorithm": "dsa", "extra": {"key_dtype": "fp8_e4m3"}},
 }
-COMMON = {"top_k": 2048, "page_size": 16, "sink_tokens": 16, "recent_tokens": 64, "min_sparse_prompt_len": 0, "store": "resident"}
+# sparse_policy "always": a cell times the sparse layer at every context and batch. Under the cost
+# default the coordinator admits a request dense where sparse could never pay (a resident store at
+# max_seq_len = context), so cells below the break-even timed the dense path: the H200 run of
+# stop 50 (decode_layer_short_h200.json) did, in 21-24 of its 36 cells (docs/defaults.md)
+COMMON = {"top_k": 2048, "page_size": 16, "sink_tokens": 16, "recent_tokens": 64, "min_sparse_prompt_len": 0,
+          "store": "resident", "sparse_policy": "always"}
 # backend -> adaptor used with it; MLA adds the FlashMLA-indices path of the Triton kernel
 BACKENDS = {"mha": [("triton", None), ("flash_attn", None), ("torch_ref", None)],
             "mla": [("triton", None), ("triton", "flashmla"), ("flashmla", None), ("torch_ref", None)]}
@@ -102,6 +107,9 @@ class Cell:
         self.requests = reqs
         self.step_batch = Batch(reqs)
         self.coord.forward_begin(self.step_batch)
+        if self.step_batch.num_sparse != batch or self.coord.dense_report()["dense_layers"]:
+            raise RuntimeError(f"decode_layer cell {algo} {ctx}x{batch}: {batch - self.step_batch.num_sparse} of "
+                               f"{batch} requests would decode densely; the cell times the sparse layer")
         self.q = self.randn(batch, self.q_heads, lay.head_dim)
         self.k = self.randn(batch, lay.num_kv_heads, lay.head_dim)
         self.v = None if lay.is_mla else self.randn(batch, lay.num_kv_heads, lay.head_dim)
