@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 
     _force_triton()
     _mark_triton_launches()
-    config = {"top_k": 64, "page_size": 16, "device_buffer_tokens": 256, "min_sparse_prompt_len": 256,
+    config = {"top_k": 64, "page_size": 16, "device_buffer_tokens": 256, "sparse_policy": "always", "min_sparse_prompt_len": 256,
               **json.loads(args.config)}
     config.setdefault("extra", {"dense_first_layers": 0} if config.get("algorithm") == "quest" else {})
     model_config = ModelConfig.from_hf(RANDOM_MODELS["tiny"])

@@ -473,7 +473,7 @@ def engine_accuracy(samples: list[Any], configs: dict[str, dict[str, Any]], budg
     for name, extra in configs.items():
         for b in budgets if extra else [0]:
             cfg = ({"algorithm": extra.get("algorithm", "quest"), "top_k": b, "device_buffer_tokens": b + 256,
-                    "min_sparse_prompt_len": 0, "extra": extra.get("extra", {}), **{k: w for k, w in extra.items() if k not in ("algorithm", "extra")}}
+                    "sparse_policy": "always", "min_sparse_prompt_len": 0, "extra": extra.get("extra", {}), **{k: w for k, w in extra.items() if k not in ("algorithm", "extra")}}
                    if extra else DENSE_CONFIG)
             t0 = time.time()
             llm = LLM(name, cfg, device=device, max_model_len=ctx + 256, max_num_seqs=4)

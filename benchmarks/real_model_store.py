@@ -230,7 +230,7 @@ def run_grid(model: Any, tokenizer: Any, prompts: list[Prompt], configs: dict[st
         rows.append(one("dense", {**DENSE_CONFIG, "backend": backend}, store="resident", label="all tokens"))
     for name, base in configs.items():
         for top_k in top_ks:
-            config = {**base, "backend": backend, "top_k": top_k, "min_sparse_prompt_len": shortest}
+            config = {**base, "backend": backend, "top_k": top_k, "sparse_policy": "always", "min_sparse_prompt_len": shortest}
             residents: dict[int, list[list[int]]] = {}  # the references, by the widest selection
             for m in multiples:
                 tokens = buffer_tokens(config, m)

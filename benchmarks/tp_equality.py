@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from sparse_framework.config import DENSE_CONFIG  # noqa: E402
 from sparse_framework.engine import parallel  # noqa: E402
 from sparse_framework.engine.models.random_shapes import RANDOM_MODELS  # noqa: E402
 from sparse_framework.engine.engine import Engine  # noqa: E402
@@ -74,8 +75,8 @@ def big_runs(ctx: parallel.TPContext | None, device: torch.device, args: argpars
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
     quest = {"algorithm": "quest", "top_k": args.prompt_len // 8, "backend": "triton", "store": "hierarchical",
-             "device_buffer_tokens": args.prompt_len // 4}
-    dense = {**quest, "store": "resident", "min_sparse_prompt_len": 10**9}
+             "sparse_policy": "always", "device_buffer_tokens": args.prompt_len // 4}
+    dense = {**quest, **DENSE_CONFIG, "backend": "triton"}
     out: dict[str, Any] = {}
     runs = [("dense", dense), ("quest", quest)] + ([("dense_again", dense)] if ctx is None else [])
     for label, sparse in runs:
