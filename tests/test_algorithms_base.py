@@ -249,7 +249,7 @@ OPTION_VARIANTS = [
 @pytest.mark.parametrize("sink, recent", [(0, 0), (3, 5)])
 def test_each_option_with_a_budget_covering_the_context_equals_dense(algorithm, extra, sink, recent) -> None:
     """Through the coordinator, against float64 dense attention, over a few decode steps."""
-    from test_coordinator import Driver, make
+    from coordinator_driver import Driver, make
 
     from sparse_framework import Request
 

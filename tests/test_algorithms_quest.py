@@ -356,7 +356,7 @@ def test_range_weight_outside_zero_one_is_a_config_error() -> None:
 @pytest.mark.parametrize("range_weight", [0.0, 0.5])
 def test_range_weight_with_a_budget_covering_the_context_equals_dense(range_weight) -> None:
     """Through the coordinator, against float64 dense attention, over a few decode steps."""
-    from test_coordinator import Driver, make as make_coordinator
+    from coordinator_driver import Driver, make as make_coordinator
 
     cfg = {"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "top_k": 128, "page_size": 4, "sink_tokens": 3, "recent_tokens": 5,
            "extra": {"dense_first_layers": 0, "range_weight": range_weight}}

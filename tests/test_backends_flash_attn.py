@@ -17,7 +17,7 @@ from sparse_framework.backends.torch_ref import TorchRefBackend, paged_attention
 from sparse_framework.coordinator.core import SparseCoordinator
 
 from helpers import SMALL_QUEST
-from test_coordinator import Driver
+from coordinator_driver import Driver
 
 AVAILABLE = FlashAttnBackend.unavailable_reason() is None
 

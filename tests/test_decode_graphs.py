@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from sparse_framework import Batch, ConfigError, Request
 from sparse_framework.backends.flash_attn import FlashAttnBackend
 from sparse_framework.coordinator.graphs import Staging, bucket_width
-from test_coordinator import Driver, make
+from coordinator_driver import Driver, make
 
 
 @given(st.integers(1, 10_000), st.integers(1, 4096), st.integers(1, 20_000))

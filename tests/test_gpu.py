@@ -11,7 +11,7 @@ from sparse_framework import Batch, KVLayout, Request
 from sparse_framework.kv_store.copy import copy_rows
 from sparse_framework.kv_store.hierarchical import HierarchicalKVStore
 
-from test_coordinator import Driver, make
+from coordinator_driver import Driver, make
 
 def capture(fn):  # type: ignore[no-untyped-def]
     """Warm `fn` up on a side stream, then capture it: (graph, the captured call's output)."""

@@ -510,7 +510,7 @@ def drive_triton_coordinator(config: dict, device: str, lengths: tuple[int, int]
     decode `steps` steps. Every backend call is also run by torch_ref (the max abs
     differences are returned); when `config` sets a budget that holds every token, each
     layer's output must equal dense attention to `atol`."""
-    from test_coordinator import Driver, make
+    from coordinator_driver import Driver, make
 
     from sparse_framework import Request
 
