@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("httpx")
-from test_serve import Server, free_port, reference_server  # noqa: E402  (skips without the serve extra)
+from serve_server import Server, free_port, reference_server  # noqa: E402  (skips without the serve extra)
 
 from sparse_framework.cli.main import main  # noqa: E402
 from sparse_framework.common.errors import ConfigError  # noqa: E402
@@ -217,7 +217,7 @@ def test_a_random_shape_is_served_and_benchmarked_in_token_ids(tmp_path: Path) -
     """`serve --random SHAPE` (the H100 rate sweep's 8B shape, here `tiny`): its name is the
     model's, bench-serve builds id prompts over the shape's vocabulary by that name, and every
     request of the sweep comes back whole."""
-    from test_serve import Server
+    from serve_server import Server
 
     s = Server(["-m", "sparse_framework.cli.main", "serve", "--random", "tiny", "--port", "{port}", "--max-num-seqs", "4",
                 "--max-model-len", "256", "--config", '{"store": "hierarchical", "sparse_policy": "always", "algorithm": "quest", "top_k": 32, "min_sparse_prompt_len": 0}'])

@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 from helpers import load_benchmark  # noqa: E402
-from test_serve import Server, free_port, reference_server  # noqa: E402
+from serve_server import Server, free_port, reference_server  # noqa: E402
 
 from sparse_framework.bench.online import benchmark  # noqa: E402
 from sparse_framework.bench.serve_report import curve_tables, error_lines  # noqa: E402

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip install -e '.[real]' in the checkout")
 pytest.importorskip("tenacity", reason="lm-eval's API models need its `api` extra: pip install 'lm-eval[api]'")
 pytest.importorskip("aiohttp", reason="lm-eval's API models need its `api` extra: pip install 'lm-eval[api]'")
-from test_serve import Server  # noqa: E402  (skips without the serve extra)
+from serve_server import Server  # noqa: E402  (skips without the serve extra)
 
 MODEL = "smollm2-135m-instruct"
 CONTEXT = 1024

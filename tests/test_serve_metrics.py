@@ -11,7 +11,7 @@ import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from test_serve import HIERARCHICAL_CONFIG, reference_server
+from serve_server import HIERARCHICAL_CONFIG, reference_server
 
 from sparse_framework.serve.loop import STATS_INTERVAL_S
 
