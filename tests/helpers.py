@@ -160,3 +160,18 @@ def tiny_engine(path, sparse: dict, max_model_len: int, **config):  # type: igno
 
     model = load_model(path, dtype=torch.float32)
     return Engine(model, model.config, sparse, EngineConfig(**{"max_num_seqs": 4, "max_model_len": max_model_len, **config}))
+
+
+def dense_loop_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """q [Hq, D], k [L, Hk, D], v [L, Hk, Dv] -> [Hq, Dv] in float64, by a loop over heads.
+    An empty sequence (L = 0) gives zeros."""
+    hq, hk = q.shape[0], k.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if k.shape[0] == 0:
+        return torch.zeros(hq, v.shape[-1], dtype=torch.float64)
+    out = []
+    for h in range(hq):
+        kh, vh = k[:, h // (hq // hk)].double(), v[:, h // (hq // hk)].double()
+        p = (kh @ q[h].double() * scale).softmax(0)
+        out.append(p @ vh)
+    return torch.stack(out)

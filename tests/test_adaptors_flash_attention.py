@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from sparse_framework.adaptors.flash_attention import FlashAttentionAdaptor, check_page_runs
 from sparse_framework.backends.torch_ref import TorchRefBackend
 
-from test_backends_torch_ref import dense
+from helpers import dense_loop_f64 as dense
 
 
 def aligned_slots(
