@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_engine_hybrid import tiny_hf_model
-from test_engine_prefix_cache import (
+from prefix_cache_driver import (
     chat,
     chat_hit_tokens,
     chat_prompt_lens,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_engine_prefix_cache import (
+from prefix_cache_driver import (
     GREEDY,
     arrivals,
     assert_empty_after_clear,
