@@ -175,3 +175,22 @@ def dense_loop_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         p = (kh @ q[h].double() * scale).softmax(0)
         out.append(p @ vh)
     return torch.stack(out)
+
+
+# the sliding-window hybrids' tiny shape (tests/test_engine_hybrid.py, test_engine_prefix_cache_hybrid.py)
+TINY_HYBRID = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, max_position_embeddings=256, eos_token_id=None,
+                   bos_token_id=None, pad_token_id=None)
+
+
+def tiny_hf_model(config_cls: str, model_cls: str, extra: dict):
+    """A transformers model of the TINY_HYBRID shape (seed 0), its norms' weights drawn too."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**TINY_HYBRID, **extra)).eval()
+    with torch.no_grad():  # Gemma's norms start at 0 (scale 1 + w): make them matter
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.normal_(0.0, 0.3)
+    return model

@@ -12,7 +12,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
-import transformers
 
 from sparse_framework import ConfigError
 from sparse_framework.config import load_config
@@ -22,13 +21,11 @@ from sparse_framework.engine.memory import plan_for
 from sparse_framework.engine.models import causal_attention, load_model
 from sparse_framework.engine.sampling import SamplingParams
 from sparse_framework.engine.staging import chunk_attention
-from helpers import HIERARCHICAL_ALWAYS, run_batch
+from helpers import HIERARCHICAL_ALWAYS, TINY_HYBRID, run_batch, tiny_hf_model
 
-VOCAB = 96
+VOCAB = TINY_HYBRID["vocab_size"]
+TINY = TINY_HYBRID
 WINDOW = 8
-TINY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, max_position_embeddings=256, eos_token_id=None, bos_token_id=None,
-            pad_token_id=None)
 S, F = "sliding_attention", "full_attention"
 # name -> (config class, model class, extra): every model slides with a window of 8
 MODELS = {
@@ -56,17 +53,6 @@ def hf_model(name: str, window: bool = True):
     if not window:  # the same model with a window longer than any sequence here: every key seen
         extra = {**extra, "sliding_window": TINY["max_position_embeddings"]}
     return tiny_hf_model(config_cls, model_cls, extra)
-
-
-def tiny_hf_model(config_cls: str, model_cls: str, extra: dict):
-    """A transformers model of the TINY shape (seed 0), its norms' weights drawn too."""
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**TINY, **extra)).eval()
-    with torch.no_grad():  # Gemma's norms start at 0 (scale 1 + w): make them matter
-        for n, p in model.named_parameters():
-            if "norm" in n:
-                p.normal_(0.0, 0.3)
-    return model
 
 
 @pytest.fixture(scope="module")

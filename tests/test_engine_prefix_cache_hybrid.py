@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_hybrid import tiny_hf_model
+from helpers import tiny_hf_model
 from prefix_cache_driver import (
     chat,
     chat_hit_tokens,
