@@ -107,9 +107,10 @@ class Cell:
         self.requests = reqs
         self.step_batch = Batch(reqs)
         self.coord.forward_begin(self.step_batch)
-        if self.step_batch.num_sparse != batch or self.coord.dense_report()["dense_layers"]:
+        if self.step_batch.num_sparse != batch or self.coord.dense_layers:
             raise RuntimeError(f"decode_layer cell {algo} {ctx}x{batch}: {batch - self.step_batch.num_sparse} of "
-                               f"{batch} requests would decode densely; the cell times the sparse layer")
+                               f"{batch} requests (dense layers {sorted(self.coord.dense_layers)}) would decode "
+                               "densely; the cell times the sparse layer")
         self.q = self.randn(batch, self.q_heads, lay.head_dim)
         self.k = self.randn(batch, lay.num_kv_heads, lay.head_dim)
         self.v = None if lay.is_mla else self.randn(batch, lay.num_kv_heads, lay.head_dim)

@@ -83,8 +83,7 @@ def check(args: argparse.Namespace, context: int) -> dict[str, Any]:
     hf_tokens = out[0, len(ids):].tolist()
     t1 = time.perf_counter()
     del hf
-    dense = DENSE_CONFIG
-    llm = LLM.from_model(load_model(root, dtype, "cpu"), dense, tokenizer=tok,
+    llm = LLM.from_model(load_model(root, dtype, "cpu"), DENSE_CONFIG, tokenizer=tok,
                          max_model_len=len(ids) + args.new_tokens + 64, max_num_seqs=1, max_num_batched_tokens=4096)
     engine_tokens = list(llm.generate([ids], SamplingParams(max_tokens=args.new_tokens, temperature=0))[0].token_ids)
     t2 = time.perf_counter()

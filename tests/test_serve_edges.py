@@ -13,7 +13,6 @@ import asyncio
 import http.client
 import json
 import logging
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ pytest.importorskip("starlette")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
+from serve_server import free_port  # noqa: E402
 from sparse_framework.serve.app import ServerState, build_app  # noqa: E402
 from sparse_framework.cli.serve import build_llm  # noqa: E402
 from sparse_framework.serve.loop import EngineLoop  # noqa: E402
@@ -37,12 +37,6 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 512
 MAX_NUM_SEQS = 8
 MAX_WAITING = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Local:

@@ -53,6 +53,34 @@ def tiny_gemma3(path: Path) -> None:
     model.save_pretrained(path, safe_serialization=True)
 
 
+def add_prompt_args(ap: argparse.ArgumentParser) -> None:
+    """--ruler and --samples: the prompts `prompt_batch` draws (this script's and selection_probe.py's)."""
+    ap.add_argument("--ruler", metavar="MODEL:TASK", help="a catalog model and RULER task instead of the tiny "
+                    "model (e.g. gemma3-270m:niah_single_1): --requests prompts of --length tokens, raw")
+    ap.add_argument("--samples", type=int, help="--ruler: the cached prompt set to draw from (default: --requests)")
+
+
+def prompt_batch(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Path, list[list[int]]]:
+    """(checkpoint folder, --requests prompts): the first of a cached RULER set (--ruler), or
+    random ids of --length on a tiny Gemma 3 saved to a temporary folder."""
+    if not args.ruler:
+        path = Path(tempfile.mkdtemp()) / "gemma3"
+        tiny_gemma3(path)
+        g = torch.Generator().manual_seed(1)
+        return path, [torch.randint(0, 96, (args.length,), generator=g).tolist() for _ in range(args.requests)]
+    from sparse_framework.engine.models.catalog import resolve_model
+    from sparse_framework.eval.experiment import RulerWorkload
+    from sparse_framework.eval.ruler_runner import RulerRunner
+
+    if args.ruler.count(":") != 1:
+        ap.error(f"--ruler takes MODEL:TASK (e.g. gemma3-270m:niah_single_1), got {args.ruler!r}")
+    name, task = args.ruler.split(":")
+    workload = RulerWorkload(kind="ruler", task=task, model=name, samples=args.samples or args.requests,
+                             chat_template=False)
+    runner = RulerRunner(args.device, getattr(torch, args.dtype), 0)
+    return resolve_model(name), runner.prompts(workload, args.length)[1][: args.requests]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--length", type=int, default=12000, help="prompt tokens")
@@ -62,29 +90,10 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--backend", default="torch_ref", help="triton: run with TRITON_INTERPRET=1 on the CPU")
-    ap.add_argument("--ruler", metavar="MODEL:TASK", help="a catalog model and RULER task instead of the tiny "
-                    "model (e.g. gemma3-270m:niah_single_1): --requests prompts of --length tokens, raw")
-    ap.add_argument("--samples", type=int, help="--ruler: the cached prompt set to draw from (default: --requests)")
+    add_prompt_args(ap)
     args = ap.parse_args()
-    if args.ruler:
-        from sparse_framework.engine.models.catalog import resolve_model
-        from sparse_framework.eval.ruler_runner import RulerRunner
-        from sparse_framework.eval.experiment import RulerWorkload
-
-        if args.ruler.count(":") != 1:
-            ap.error(f"--ruler takes MODEL:TASK (e.g. gemma3-270m:niah_single_1), got {args.ruler!r}")
-        name, task = args.ruler.split(":")
-        path = resolve_model(name)
-        runner = RulerRunner(args.device, getattr(torch, args.dtype), 0)
-        workload = RulerWorkload(kind="ruler", task=task, model=name, samples=args.samples or args.requests,
-                                 chat_template=False)
-        batch = runner.prompts(workload, args.length)[1][: args.requests]
-        args.length = max(len(b) for b in batch)
-    else:
-        path = Path(tempfile.mkdtemp()) / "gemma3"
-        tiny_gemma3(path)
-        g = torch.Generator().manual_seed(1)
-        batch = [torch.randint(0, 96, (args.length,), generator=g).tolist() for _ in range(args.requests)]
+    path, batch = prompt_batch(ap, args)
+    args.length = max(len(b) for b in batch)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0)
 
     def run(sparse: dict) -> tuple[dict, str]:

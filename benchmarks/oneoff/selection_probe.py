@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-from cost_policy_cpu_check import tiny_gemma3  # noqa: E402
+from cost_policy_cpu_check import add_prompt_args, prompt_batch  # noqa: E402
 from helpers import run_batch  # noqa: E402
 from sparse_framework.engine.engine import Engine  # noqa: E402
 from sparse_framework.engine.engine_config import EngineConfig  # noqa: E402
@@ -35,31 +34,14 @@ def main() -> None:
     ap.add_argument("--config", default='{"algorithm": "quest", "sparse_policy": "always", "min_sparse_prompt_len": 0}')
     ap.add_argument("--length", type=int, default=1500)
     ap.add_argument("--requests", type=int, default=12)
-    ap.add_argument("--samples", type=int)
     ap.add_argument("--new-tokens", type=int, default=6)
     ap.add_argument("--batched-tokens", type=int, default=32768)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--ruler", metavar="MODEL:TASK")
+    add_prompt_args(ap)
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
-    if args.ruler:
-        from sparse_framework.engine.models.catalog import resolve_model
-        from sparse_framework.eval.experiment import RulerWorkload
-        from sparse_framework.eval.ruler_runner import RulerRunner
-
-        if args.ruler.count(":") != 1:
-            ap.error(f"--ruler takes MODEL:TASK (e.g. gemma3-270m:niah_single_1), got {args.ruler!r}")
-        name, task = args.ruler.split(":")
-        path = resolve_model(name)
-        wl = RulerWorkload(kind="ruler", task=task, model=name, samples=args.samples or args.requests,
-                           chat_template=False)
-        batch = RulerRunner(args.device, dtype, 0).prompts(wl, args.length)[1][: args.requests]
-    else:
-        path = Path(tempfile.mkdtemp()) / "gemma3"
-        tiny_gemma3(path)
-        g = torch.Generator().manual_seed(1)
-        batch = [torch.randint(0, 96, (args.length,), generator=g).tolist() for _ in range(args.requests)]
+    path, batch = prompt_batch(ap, args)
     longest = max(len(b) for b in batch)
     model = load_model(path, dtype=dtype, device=args.device)
     engine = Engine(model, model.config, json.loads(args.config), EngineConfig(
