@@ -39,7 +39,7 @@ from sparse_framework.common import hardware
 from sparse_framework.common.tables import new_table
 from sparse_framework.coordinator.core import SparseCoordinator
 from sparse_framework.kernels import pdl
-from timing import FLUSH_MODES, Timer
+from timing import FLUSH_MODES, Timer, write_results
 
 HBM_GBPS = hardware.hbm_bytes_per_s() / 1e9  # the GPU's measured copy ceiling (common/hardware.py)
 DEFAULT_JSON = "benchmarks/results/decode_layer_h100.json"
@@ -312,11 +312,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import triton
 
-    Path(json_path).parent.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "triton": triton.__version__,
-            "hbm_ceiling_gbps": HBM_GBPS, "pdl": args.pdl, "iters": args.iters, "warmup": args.warmup, "l2_flush": timer.flush,
-            "command": "python benchmarks/decode_layer.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    Path(json_path).write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str) + "\n")
+            "hbm_ceiling_gbps": HBM_GBPS, "pdl": args.pdl, "iters": args.iters, "warmup": args.warmup, "l2_flush": timer.flush}
+    write_results(json_path, meta, results, "decode_layer.py", argv)  # with the command and the commit
     console.print(f"wrote {json_path}")
     return 0
 

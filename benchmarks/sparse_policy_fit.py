@@ -189,6 +189,11 @@ def check_rows(even: dict[str, Any], source: str) -> list[dict[str, Any]]:
     return check
 
 
+def source_meta(name: str) -> dict[str, Any]:
+    """The measurement file's meta (its command and commit): what the fit stands on."""
+    return json.loads((RESULTS / name).read_text()).get("meta", {})
+
+
 def h200(args: argparse.Namespace) -> int:
     """--gpu h200: the fit and check from decode_layer_short_h200.json (module docstring)."""
     layer = [p for p in layer_points(H200_SHORT) if p["context"] <= H200_FIT_MAX_CONTEXT]
@@ -202,7 +207,8 @@ def h200(args: argparse.Namespace) -> int:
     result = {"command": "python benchmarks/sparse_policy_fit.py --gpu h200", "gpu": "H200",
               "model": "overhead per sparse layer-step of a batch of b selecting requests: o1 + g * (b - 1) µs",
               "hbm_tb_s": H200.hbm_tb_s, "overhead_us": round(o1, 1), "overhead_growth_us": round(g, 2),
-              "fit": {"source": H200_SHORT, "max_context": H200_FIT_MAX_CONTEXT, "points": points, "o1": o1, "g": g},
+              "fit": {"source": H200_SHORT, "source_commit": source_meta(H200_SHORT).get("commit"),
+                      "max_context": H200_FIT_MAX_CONTEXT, "points": points, "o1": o1, "g": g},
               "layer_points": layer, "break_even": even,
               "check": {"source": H200_SHORT, "in_sample": True, "by_batch": check_rows(even, H200_SHORT)}}
     if not args.no_write:

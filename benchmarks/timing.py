@@ -137,4 +137,4 @@ def write_results(path: str, meta: dict[str, Any], results: list, script: str, a
     with its `provenance` in meta."""
     meta = {**meta, **provenance(script, argv)}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
+    Path(path).write_text(json.dumps({"meta": meta, "results": results}, indent=1, default=str) + "\n")

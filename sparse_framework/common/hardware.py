@@ -45,10 +45,9 @@ class GpuFigures:
 # H100 80GB HBM3 (SXM): DESIGN.md's table; the policy's fit: benchmarks/results/sparse_policy_fit.json
 H100 = GpuFigures("H100", 3.0e12, 790e12, 55e9, 27.9, 1.1, "table")
 # H200 141GB HBM3e: a device copy measures 4.28 TB/s (DESIGN.md); same chip as the H100, so the
-# same matmul peak and PCIe gen5 link. The policy's fit: benchmarks/results/sparse_policy_fit_h200.json,
-# suspect: 21-24 of the 36 cells it was fitted on timed the dense path (docs/defaults.md); kept
-# until decode_layer.py (now always sparse) is re-run on the H200
-H200 = GpuFigures("H200", 4.3e12, 790e12, 55e9, 25.9, 0.74, "table")
+# same matmul peak and PCIe gen5 link. The policy's fit: benchmarks/results/sparse_policy_fit_h200.json
+# (stop 54: refitted on true sparse steps, decode_layer.py with sparse_policy "always")
+H200 = GpuFigures("H200", 4.3e12, 790e12, 55e9, 21.6, 0.81, "table")
 KNOWN: tuple[GpuFigures, ...] = (H200, H100)  # matched by name, in this order
 DEFAULT = H100  # a report that must show a figure without a device (docs, the CPU's "n/a")
 
