@@ -72,7 +72,7 @@ from ..common.layout import KVLayout
 from ..config import SparseConfig, load_config
 from ..coordinator.core import SparseCoordinator
 from ..kv_store.sliding_window import SlidingWindowKV
-from .models import ModelConfig
+from .models import ModelConfig, Prefetch
 from .models.mla import MLAInputs, mla_prefill_attention, mla_prefill_label
 from .models.mla_config import MLAConfig
 from .prefill_attention import choose as choose_prefill_attention
@@ -89,7 +89,8 @@ class Model(Protocol):
     `config`, a ModelConfig, gives the layer types, window, scale and soft-cap)."""
 
     def __call__(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn, logits_rows: torch.Tensor
+        self, token_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn, logits_rows: torch.Tensor,
+        prefetch: Prefetch | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -362,9 +363,10 @@ class ModelRunner:
         try:
             if self.step_graphs is not None and batch is not None and not prefill:
                 logits = self.step_graphs.run(batch, token_ids, pos, rows, lambda i, p, r: self.model(
-                    i, p, self._attend_fn(batch, len(decode), []), r))
+                    i, p, self._attend_fn(batch, len(decode), []), r, self._prefetch(batch, [])))
             else:
-                logits = self.model(token_ids, pos, self._attend_fn(batch, len(decode), prefill), rows)
+                logits = self.model(token_ids, pos, self._attend_fn(batch, len(decode), prefill), rows,
+                                    self._prefetch(batch, prefill))
             if batch is not None:
                 self.coord.forward_end(batch)
         except BaseException:  # forward_end's failure too: the step never stays open
@@ -413,15 +415,20 @@ class ModelRunner:
                 offset += n
             return out
 
-        if not prefill and batch is not None and coord.prefetching:
-            def predict(layer: int, q: torch.Tensor) -> None:
-                coord.prefetch(store_of[layer], q, batch)
-
-            # the model layers whose selection a prefetch can predict (sparse, in the store)
-            predict.layers = frozenset(  # type: ignore[attr-defined]
-                i for i, at in store_of.items() if i not in ring_of and at not in coord.dense_layers)
-            attend.predict = predict  # type: ignore[attr-defined]
         return attend
+
+    def _prefetch(self, batch: Batch | None, prefill: list[PrefillChunk]) -> Prefetch | None:
+        """The step's early-query prefetch (SparseConfig.prefetch), for a decode-only step of a
+        model with a store: the model layers whose selection it predicts (sparse, in the store)."""
+        coord, store_of = self.coord, self.layers.store
+        if prefill or batch is None or self.mla is not None or not coord.prefetching:
+            return None
+
+        def predict(layer: int, q: torch.Tensor) -> None:
+            coord.prefetch(store_of[layer], q, batch)
+
+        return Prefetch(frozenset(i for i, at in store_of.items() if i not in self.layers.ring
+                                  and at not in coord.dense_layers), predict)
 
     def _attend_sliding(
         self, layer: int, batch: Batch | None, num_decode: int, prefill: list[PrefillChunk],

@@ -4,7 +4,7 @@ DeepSeek-V3.2 (MLA + lightning indexer + MoE) over packed tokens, attention left
 
 from __future__ import annotations
 
-from .attention import Attend, causal_attention, dense_causal_attend
+from .attention import Attend, Prefetch, causal_attention, dense_causal_attend
 from .config import (
     SUPPORTED_ARCHITECTURES,
     CheckpointError,
@@ -36,6 +36,7 @@ __all__ = [
     "YarnRopeScaling",
     "Llama3RopeScaling",
     "ModelConfig",
+    "Prefetch",
     "UnsupportedModelError",
     "build_model",
     "causal_attention",

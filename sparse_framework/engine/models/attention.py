@@ -7,7 +7,8 @@ business. That keeps the model a plain forward that the runner can also capture 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -31,6 +32,17 @@ class Attend(Protocol):
     """
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """The engine's prefetch for one decode step (`SparseConfig.prefetch`), handed to a model's
+    forward beside `attend`: before layer i runs, for i in `layers`, the model calls
+    `predict(i, q)` with an early query of layer i (computed from the hidden state entering
+    layer i - 1), so that the store can start copying what layer i will likely select."""
+
+    layers: frozenset[int]
+    predict: Callable[[int, torch.Tensor], None]
 
 
 def check_packed(token_ids: torch.Tensor, positions: torch.Tensor) -> None:

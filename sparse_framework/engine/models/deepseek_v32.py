@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attention import check_packed
+from .attention import Prefetch, check_packed
 from .config import ModelConfig
 from .llama import RMSNorm
 from .mla import MLAAttend, MLAInputs
@@ -291,8 +291,9 @@ class DeepseekV32Model(nn.Module):
 
     @torch.no_grad()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attend: MLAAttend,
-                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """token_ids [T], positions [T] -> logits [R, vocab] float32 of `logits_rows` (None: all)."""
+                logits_rows: torch.Tensor | None = None, prefetch: Prefetch | None = None) -> torch.Tensor:
+        """token_ids [T], positions [T] -> logits [R, vocab] float32 of `logits_rows` (None: all).
+        `prefetch` is ignored: the early-query prefetch is implemented for DecoderModel only."""
         check_packed(token_ids, positions)
         h = self.model.embed_tokens(token_ids)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ...common.layer_map import SLIDING
-from .attention import Attend, check_packed
+from .attention import Attend, Prefetch, check_packed
 from .config import ModelConfig
 from .llama import Attention
 from .rope import RotaryEmbedding
@@ -136,9 +136,11 @@ class GemmaDecoderModel(nn.Module):
         positions: torch.Tensor,
         attend: Attend,
         logits_rows: torch.Tensor | None = None,
+        prefetch: Prefetch | None = None,
     ) -> torch.Tensor:
         """As `DecoderModel.forward`: token_ids, positions [T] -> logits [R, vocab] float32
-        of the rows `logits_rows` (None: all), soft-capped when the config says so."""
+        of the rows `logits_rows` (None: all), soft-capped when the config says so. `prefetch`
+        is ignored: the early-query prefetch is implemented for DecoderModel only (as before)."""
         check_packed(token_ids, positions)
         c = self.config
         h = self.model.embed_tokens(token_ids)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attention import Attend, check_packed
+from .attention import Attend, Prefetch, check_packed
 from .config import ModelConfig
 from .rope import RotaryEmbedding, apply_rotary
 from .tensor_parallel import TPShard, local_config
@@ -261,29 +261,29 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         attend: Attend,
         logits_rows: torch.Tensor | None = None,
+        prefetch: Prefetch | None = None,
     ) -> torch.Tensor:
         """token_ids [T] and positions [T] (int64; each token's position in its own sequence)
         -> logits [R, vocab] float32 for the rows `logits_rows` [R] (typically each sequence's
         last token of the step; None = all T rows). Only those rows go through the final norm
-        and the LM head."""
+        and the LM head. `prefetch`: the engine's early queries for a decode step (None: none)."""
         check_packed(token_ids, positions)
         h = self.model.embed_tokens(token_ids)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        predict = getattr(attend, "predict", None)  # the engine's prefetch (SparseConfig.prefetch)
-        ahead = getattr(predict, "layers", frozenset()) if predict is not None else frozenset()
         if self.fused_ops:
             residual: torch.Tensor | None = None
             for i, layer in enumerate(self.model.layers):
-                if i + 1 in ahead:
-                    predict(i + 1, self.early_query(i + 1, h if residual is None else h + residual, cos, sin))
+                if prefetch is not None and i + 1 in prefetch.layers:
+                    early = h if residual is None else h + residual
+                    prefetch.predict(i + 1, self.early_query(i + 1, early, cos, sin))
                 h, residual = layer.forward_fused(h, residual, cos, sin, attend, i)
             if logits_rows is not None:
                 h, residual = h[logits_rows], residual[logits_rows]
             norm = self.model.norm
             return self.lm_head(_layer_ops().add_rms_norm(h, residual, norm.weight, norm.eps)[0]).float()
         for i, layer in enumerate(self.model.layers):
-            if i + 1 in ahead:
-                predict(i + 1, self.early_query(i + 1, h, cos, sin))
+            if prefetch is not None and i + 1 in prefetch.layers:
+                prefetch.predict(i + 1, self.early_query(i + 1, h, cos, sin))
             h = layer(h, cos, sin, attend, i)
         if logits_rows is not None:
             h = h[logits_rows]
