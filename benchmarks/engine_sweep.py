@@ -7,6 +7,8 @@ One process, the model built once; per cell a fresh engine (`LLM.from_model`) ru
   --configs       names of CONFIGS below (default all):
                     dense           resident store, every request in the algorithm's dense mode
                                     (min_sparse_prompt_len 1e9): the baseline every token is read by
+                    defaults        {"algorithm": "quest"} as a user writes it (backend auto, the
+                                    resident store, the cost policy, top_k 2048: not --top-k)
                     quest-resident  Quest over a resident store (sparse reads, every token on the device)
                     dsa-resident    DSA scoring the attention keys (extra.source "keys"), resident
                     quest-hier      Quest over the hierarchical store (full KV on the host, a buffer)
@@ -55,7 +57,7 @@ from sparse_framework.engine.llm import LLM
 from sparse_framework.engine.memory import DEFAULT_GPU_MEMORY_UTILIZATION, HOST_MEMORY_FRACTION
 from sparse_framework.engine.models import ModelConfig, random_model
 
-CONFIG_NAMES = ("dense", "quest-resident", "dsa-resident", "quest-hier", "pqcache-hier", "dsa-indexer-hier")
+CONFIG_NAMES = ("dense", "defaults", "quest-resident", "dsa-resident", "quest-hier", "pqcache-hier", "dsa-indexer-hier")
 
 
 def sweep_configs(backend: str, top_k: int, device_buffer_tokens: int, min_sparse_prompt_len: int,
@@ -66,6 +68,7 @@ def sweep_configs(backend: str, top_k: int, device_buffer_tokens: int, min_spars
     quest = {"algorithm": "quest", "extra": {"dense_first_layers": quest_dense_first_layers}}
     return {
         "dense": {**DENSE_CONFIG, "backend": backend},
+        "defaults": {"algorithm": "quest"},  # as a user writes it: every other option the library's default
         "quest-resident": {**common, **quest, "store": "resident"},
         "dsa-resident": {**common, "algorithm": "dsa", "store": "resident", "extra": {"source": "keys"}},
         "quest-hier": {**common, **quest, "store": "hierarchical", "device_buffer_tokens": device_buffer_tokens},

