@@ -422,8 +422,40 @@ class SparseCoordinator:
         self.steps.began(layer)
         return meta
 
+    def store_prompt(
+        self,
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor | None,
+        batch: Batch,
+        queries: torch.Tensor | None = None,
+        inputs: Inputs | None = None,
+    ) -> None:
+        """A prefill layer whose attention the host computed itself (an engine that attends its
+        prompt chunks from its own staging): store the prompts' K/V and build the algorithm's
+        representations, in place of attention_begin + attention_end with nothing to attend.
+
+        k, v as attention_begin's at prefill. `queries`: what the algorithm's build reads (q's
+        tail form: each prompt's last `algorithm.prefill_query_rows` queries, or every query),
+        None when it reads none; `inputs` its declared prefill inputs. Counts as the layer's
+        attention_begin and attention_end in the step order."""
+        if not batch.is_prefill:
+            raise ValueError(f"store_prompt(layer {layer}) takes a prefill batch; a decode step goes through "
+                             "attention_begin / attend / attention_end")
+        if queries is None and self.algorithm.needs_prefill_queries and not all(r.dense for r in batch.requests):
+            raise ValueError(
+                f"algorithm {self.config.algorithm!r} builds from the prompt's queries: pass store_prompt(..., "
+                f"queries=...) with each prompt's last {self.algorithm.prefill_query_rows} queries (or all of them)")
+        self.steps.check_attention_begin(layer, batch)
+        check_qkv(self.layout, layer, queries, k, v, batch, self._input_dtypes, self.algorithm.prefill_query_rows)
+        inputs = self._check_model_inputs(sum(batch.query_lens), inputs, True)
+        with self.steps.work("attention_begin", layer, writes=True):
+            self._eager_begin(layer, queries, k, v, batch, inputs)
+        self.steps.began(layer)
+        self.attention_end(layer, None, batch)
+
     def _eager_begin(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, batch: Batch, inputs: Inputs
+        self, layer: int, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor | None, batch: Batch, inputs: Inputs
     ) -> AttentionMetadata:
         batch.pending[layer] = {"q": q, "k": k, "v": v, "inputs": inputs}
         if batch.is_prefill:
@@ -510,9 +542,9 @@ class SparseCoordinator:
         if layer in self.dense_layers or pending.get("appended"):
             return
         if batch.is_prefill:
-            q = pending["q"]
+            q = pending["q"]  # None from store_prompt for an algorithm that reads no queries
             tail = self._query_tail_rows(batch)
-            q_lens = tail if tail is not None and q.shape[0] == sum(tail) else batch.query_lens
+            q_lens = tail if tail is not None and q is not None and q.shape[0] == sum(tail) else batch.query_lens
             offset = q_offset = 0
             for r, q_len in zip(batch.requests, q_lens):
                 if not r.dense:

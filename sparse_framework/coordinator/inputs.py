@@ -50,12 +50,13 @@ def input_dtypes(layout: KVLayout) -> frozenset[torch.dtype] | None:
     return None if layout.is_fp8 else frozenset((layout.dtype, torch.float32))
 
 
-def check_qkv(layout: KVLayout, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, batch: Batch,
-              dtypes: frozenset[torch.dtype] | None, prefill_query_rows: int | None) -> None:
+def check_qkv(layout: KVLayout, layer: int, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor | None,
+              batch: Batch, dtypes: frozenset[torch.dtype] | None, prefill_query_rows: int | None) -> None:
     """q [rows, num_q_heads, head_dim], k and v [tokens, num_kv_heads, head_dim] (MLA: the
     latent as k, v None), in `dtypes`. Anything else — bfloat16 rows into a float32 layout
     (KVLayout's default dtype, not the model's), float16 into bfloat16 — would be cast
-    silently: a layout built for another model dtype."""
+    silently: a layout built for another model dtype. q None (store_prompt for an algorithm
+    that reads no queries): k and v only."""
     tokens = sum(batch.query_lens)  # the layer and the step were checked by the coordinator's step order
     want_kv = (tokens, layout.num_kv_heads, layout.head_dim)
     if layout.is_mla:
@@ -67,12 +68,15 @@ def check_qkv(layout: KVLayout, layer: int, q: torch.Tensor, k: torch.Tensor, v:
     elif v is None or tuple(k.shape) != want_kv or tuple(v.shape) != want_kv:
         got = "None" if v is None else list(v.shape)
         raise ValueError(f"k and v must be {list(want_kv)}, got {list(k.shape)} and {got}")
-    if dtypes is not None and not (q.dtype in dtypes and k.dtype in dtypes and (v is None or v.dtype in dtypes)):
-        got = f"q {q.dtype}, k {k.dtype}" + ("" if v is None else f", v {v.dtype}")
+    if dtypes is not None and not ((q is None or q.dtype in dtypes) and k.dtype in dtypes
+                                   and (v is None or v.dtype in dtypes)):
+        got = ("" if q is None else f"q {q.dtype}, ") + f"k {k.dtype}" + ("" if v is None else f", v {v.dtype}")
         raise ValueError(
             f"layer {layer}: the KV layout's dtype is {layout.dtype} but got {got}; q, k and v must be in the "
             f"layout's dtype (or float32, cast down as stored): build the layout with the model's dtype "
             f"(KVLayout(dtype=...), ModelConfig.kv_layout(dtype, ...)) or cast q, k and v to {layout.dtype}")
+    if q is None:
+        return
     tail = query_tail_rows(batch, prefill_query_rows)
     rows_ok = q.dim() == 3 and (q.shape[0] == tokens or (tail is not None and q.shape[0] == sum(tail)))
     if not rows_ok or q.shape[2] != layout.head_dim or q.shape[1] % layout.num_kv_heads:

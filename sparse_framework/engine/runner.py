@@ -509,19 +509,20 @@ class ModelRunner:
             tail[layer, lo - first : hi - first] = q[lo - chunk.start : hi - chunk.start]
 
     def _commit(self, rid: str, prompt_len: int) -> None:
-        """Hand a completed prompt from the staging to the coordinator: one prefill step, the
-        store writes and the algorithm's build, no attention (the chunks computed it)."""
+        """Hand a completed prompt from the staging to the coordinator: one prefill step of
+        `store_prompt` per layer (the store writes and the algorithm's build; the chunks
+        attended already)."""
         request = self.requests[rid]
         batch = Batch([request], is_prefill=True)
         self.coord.forward_begin(batch)
         try:
             index_k = "index_k" in self.coord.algorithm.prefill_inputs
+            tail = self._q_tails.get(rid)  # the queries the algorithm's build reads (None: it reads none)
             for layer in range(self.layout.num_layers):
                 k, v = self.staging.prefix(layer, rid, prompt_len)
                 inputs = {"index_k": self.staging.index_prefix(layer, rid, prompt_len)} if index_k else None
-                self.coord.attention_begin(layer, self._prompt_queries(layer, rid, prompt_len), k,
-                                           None if self.layout.is_mla else v, batch, inputs)
-                self.coord.attention_end(layer, None, batch)
+                self.coord.store_prompt(layer, k, None if self.layout.is_mla else v, batch,
+                                        None if tail is None else tail[layer], inputs)
             self.coord.forward_end(batch)
         except BaseException:
             self.coord.abort_step(batch)
@@ -531,15 +532,6 @@ class ModelRunner:
         self.staging.release(rid)
         self._q_tails.pop(rid, None)
 
-    def _prompt_queries(self, layer: int, rid: str, n: int) -> torch.Tensor:
-        """q for the coordinator's prefill: the kept last queries (the coordinator's tail form
-        when the algorithm reads only those: never a [prompt, Hq, D] tensor), or a zero-stride
-        stand-in [n, Hq, D] (no memory) when the algorithm reads none."""
-        tail = self._q_tails.get(rid)
-        if tail is None:
-            shape = (n, self.num_q_heads, self.layout.head_dim)
-            return torch.zeros((1, *shape[1:]), dtype=self.dtype, device=self.layout.device).expand(shape)
-        return tail[layer]
 
 
 def _engine_terms(text: str) -> str:
