@@ -34,9 +34,13 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parents[1]))
 from fwe_analysis import snapkv_keep, token_topk  # noqa: E402
+from pqcache_analysis import algorithm as pq_algorithm  # noqa: E402
+from pqcache_analysis import batch as pq_batch  # noqa: E402
+from pqcache_analysis import selection_mask  # noqa: E402
 from quest_analysis import Variant, load, teacher_forced, variant_mask  # noqa: E402
 from timing import provenance  # noqa: E402
 
+from sparse_framework import Request  # noqa: E402
 from sparse_framework.algorithms.snapkv import SnapKVOptions, snapkv_votes  # noqa: E402
 
 Selector = Callable[[int, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
@@ -63,6 +67,31 @@ def selectors(layers: list[int], prompt_len: int, voters: list[torch.Tensor], ke
         return variant_mask(mid, q, k, k.shape[0] - 1, budget, sink, recent, means[layer])
 
     return {"dense": None, "oracle token": oracle, "snapkv": snapkv, "quest mid": quest}
+
+
+def pqcache_selector(layers: list[int], keys: list[torch.Tensor], prompt_len: int, budget: int, sink: int,
+                     recent: int, options: dict[str, Any], max_new: int) -> Selector:
+    """PQCache (`options`) selecting in every full layer, its codebooks built from the prompt's
+    keys and each decoded key appended, as pqcache_analysis.simulate does."""
+    _, hk, d = keys[0].shape
+    algo = pq_algorithm(len(layers), hk, d, budget, sink, recent, options, prompt_len + max_new + 1)
+    req = Request("r", prompt_len, seq_len=prompt_len, slot=0)
+    stored: dict[int, int] = {}
+
+    def select(model_layer: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        layer, t = layers.index(model_layer), k.shape[0] - 1
+        if layer not in stored:
+            req.seq_len = prompt_len
+            algo.build(layer, req, k[:prompt_len])
+            stored[layer] = prompt_len
+        for p in range(stored[layer], t):
+            req.seq_len = p + 1
+            algo.append(layer, pq_batch(req), k[p][None])
+        stored[layer] = t
+        req.seq_len = t + 1
+        return selection_mask(algo.select(layer, q[None], pq_batch(req)), t)
+
+    return select
 
 
 @torch.no_grad()
@@ -107,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                     "still run on the CPU, as fwe_analysis.py's do)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                     help="bfloat16: the model as the H200 cells ran it")
+    ap.add_argument("--pqcache", action="store_true", help="also PQCache, default and bits 8 (a build per prompt)")
+    ap.add_argument("--only-pqcache", action="store_true", help="dense and PQCache only")
     ap.add_argument("--json", default="benchmarks/results/niah_margins_gemma3_cpu.json")
     args = ap.parse_args(argv)
     if args.threads:
@@ -128,8 +159,15 @@ def main(argv: list[str] | None = None) -> int:
         answer = tok(" " + s.outputs[0], add_special_tokens=False).input_ids
         t = teacher_forced(model, rec, ids, answer, args.device, voters=32)
         runs = {}
-        for name, sel in selectors(t.layers, len(ids), t.voters, t.keys, args.context // args.fraction,
-                                   args.sink, args.recent).items():
+        budget = args.context // args.fraction
+        sels = selectors(t.layers, len(ids), t.voters, t.keys, budget, args.sink, args.recent)
+        if args.only_pqcache:
+            sels = {"dense": None}
+        if args.pqcache or args.only_pqcache:
+            for name, opts in (("pqcache", {}), ("pqcache bits 8", {"bits": 8})):
+                sels[name] = pqcache_selector(t.layers, t.keys, len(ids), budget, args.sink, args.recent, opts,
+                                              args.steps + 1)
+        for name, sel in sels.items():
             steps = decode(model, rec, t.cache, t.first, t.layers, sel, answer, args.steps, args.device)
             runs[name] = {"text": tok.decode([t.first] + [x["token"] for x in steps]), "steps": steps}
         row = {"index": s.index, "answer": s.outputs[0], "prompt_len": len(ids), "first": tok.decode([t.first]),
