@@ -12,6 +12,9 @@
 #                         the cost policy's constants for this GPU (benchmarks/sparse_policy_fit.py --gpu)
 #   call 2 (carry .gpu_carry/part1b): bash benchmarks/gpu/defaults_gpu_runs.sh gpu-tests
 #     gpu_tests           the CUDA tests (tests/test_gpu.py and the compiled kernel tests) under the new defaults
+#   (or calls 1-2 as `stash` and `stash1b`, and then, carry .gpu_carry/part2 on the first,
+#    EXP=experiments/ruler_smollm2_8k_gpu.json LIMIT=540 bash benchmarks/gpu/defaults_gpu_runs.sh ruler
+#    until every cell is in: SmolLM2's RULER at 8K for issue 47)
 #   call 3 (carry .gpu_carry/part2): bash benchmarks/gpu/defaults_gpu_runs.sh accuracy
 #     ruler_defaults      experiments/defaults_gpu.json: RULER niah_single_1 at 8K on SmolLM2, 50 prompts,
 #                         dense beside the defaults as written
@@ -26,13 +29,16 @@ source benchmarks/gpu/run_logged.sh  # run NAME LIMIT_S COMMAND...
 G=SmolLM2-135M-Instruct.Q4_1.gguf
 STASH=/tmp/gpu_carry/part1
 case ${1:-} in
-    split)  # HERE, after smollm2_gpu.sh prepare: part1 = wheels + 44 MB, part1b = 44 MB, part2 = the rest
+    split)  # HERE, after smollm2_gpu.sh prepare: part1 = wheels + 40 MB, part1b = 40 MB, part2 = the rest
         c=.gpu_carry
         [[ -f $c/part1/$G.1 && -f $c/part2/$G.2 ]] || { echo "run smollm2_gpu.sh prepare first" >&2; exit 1; }
         mkdir -p "$c/part1b" && cat "$c/part1/$G.1" "$c/part2/$G.2" >"$c/full.gguf" && rm "$c/part1/$G.1" "$c/part2/$G.2"
-        head -c 44000000 "$c/full.gguf" >"$c/part1/$G.1a"
-        tail -c +44000001 "$c/full.gguf" | head -c 44000000 >"$c/part1b/$G.1b"
-        tail -c +88000001 "$c/full.gguf" >"$c/part2/$G.2" && rm "$c/full.gguf"
+        # PART bytes a part: part1 also carries the wheels (~3.3 MB) and every call the working
+        # tree (~21 MB at stop 54), all under a call's 64 MiB
+        part=${PART:-40000000}
+        head -c "$part" "$c/full.gguf" >"$c/part1/$G.1a"
+        tail -c +$((part + 1)) "$c/full.gguf" | head -c "$part" >"$c/part1b/$G.1b"
+        tail -c +$((2 * part + 1)) "$c/full.gguf" >"$c/part2/$G.2" && rm "$c/full.gguf"
         du -sb "$c"/part1 "$c"/part1b "$c"/part2
         exit 0
         ;;
@@ -62,5 +68,20 @@ case ${1:-} in
             --no-progress
         tail -n 30 "$OUT/ruler_defaults.log"
         ;;
-    *) echo "usage: defaults_gpu_runs.sh split|speed|gpu-tests|accuracy" >&2; exit 2 ;;
+    stash)  # THERE, call 1 (carry .gpu_carry/part1) when the speed runs are not wanted
+        mkdir -p $STASH && cp -r .gpu_carry/part1/. $STASH/ && echo "part 1 in $STASH"
+        ;;
+    stash1b)  # THERE, call 2 (carry .gpu_carry/part1b): part 1b after part 1, without the tests
+        cat .gpu_carry/part1b/$G.1b >>$STASH/$G.1a && mv $STASH/$G.1a $STASH/$G.1 && echo "parts 1 and 1b joined"
+        ;;
+    ruler)  # THERE, call 3 on (carry .gpu_carry/part2 on the first): EXP=experiments/<x>.json, LIMIT s
+        # a call; resumable: the cells live in /tmp/<x>/results.jsonl on the warm machine
+        [[ -f $STASH/$G.1 ]] || { echo "stash and stash1b (or gpu-tests) first" >&2; exit 1; }
+        bash benchmarks/gpu/smollm2_gpu.sh join && eval "$(bash benchmarks/gpu/smollm2_gpu.sh env)"
+        exp=${EXP:?EXP=experiments/<name>.json}
+        keep=/tmp/$(basename "$exp" .json) && mkdir -p "$keep"
+        run ruler ${LIMIT:-540} sparse-framework eval "$exp" --device cuda --out "$keep/results.jsonl" --no-progress
+        tail -n 12 "$OUT/ruler.log" && cp "$keep/results.jsonl" "$OUT/$(basename "$exp" .json).jsonl"
+        ;;
+    *) echo "usage: defaults_gpu_runs.sh split|speed|stash|stash1b|gpu-tests|accuracy|ruler" >&2; exit 2 ;;
 esac
