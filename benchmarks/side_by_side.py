@@ -11,6 +11,8 @@ call each; `--group all` runs both in one process tree where time allows.)
 Paths (each in its own process, so that no two share GPU memory or a CUDA context):
   vllm-dense            vLLM 0.26, its defaults (FlashAttention 3, full CUDA graphs, prefix caching)
   vllm-plugin           the same with this project's plugin: Quest, top_k 2048, page = block 16
+  vllm-plugin-defaults  the plugin with `{"algorithm": "quest"}` as a user writes it (--paths only:
+                        the vllm group's call has no room for a third vLLM start)
   engine-dense          the engine, every request dense (Quest never selects)
   engine-defaults       the engine, `{"algorithm": "quest"}` as a user writes it (step 16's defaults)
   engine-resident       the engine, Quest 2048 on the resident store, sparse at any length
@@ -45,13 +47,14 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 from timing import current_commit, gpu_name  # noqa: E402
 
-VLLM_PATHS = {"vllm-dense": "dense", "vllm-plugin": "quest"}  # vllm_gpu.py perf's config names
+VLLM_PATHS = {"vllm-dense": "dense", "vllm-plugin": "quest",
+              "vllm-plugin-defaults": "defaults"}  # vllm_gpu.py perf's config names
 ENGINE_PATHS = {"engine-dense": "dense", "engine-defaults": "defaults", "engine-resident": "tuned",
                 "engine-hierarchical": "hierarchical", "engine-dense-fa": "dense-fa",
                 "engine-resident-fa": "tuned-fa", "engine-hybrid": "hybrid",
                 "engine-hybrid-fp8": "hybrid-fp8"}  # defaults_gpu.py's config names
 PATHS = {**VLLM_PATHS, **ENGINE_PATHS}
-GROUPS = {"vllm": list(VLLM_PATHS), "engine": ["engine-dense", "engine-defaults", "engine-resident",
+GROUPS = {"vllm": ["vllm-dense", "vllm-plugin"], "engine": ["engine-dense", "engine-defaults", "engine-resident",
                                                  "engine-hierarchical"], "all": list(PATHS)}
 
 

@@ -430,6 +430,7 @@ def perf(args: argparse.Namespace, runner: Runner) -> dict[str, Any]:
         "dense": (None, {}),
         "dense-piecewise": (None, {"compilation_config": {"cudagraph_mode": "PIECEWISE"}}),
         "quest": (quest, {}),  # full graphs for decode batches (the plugin's static path)
+        "defaults": ({"algorithm": "quest"}, {}),  # as a user writes it: every other option the plugin's default
         "quest-piecewise": (quest, {"compilation_config": {"cudagraph_mode": "PIECEWISE"}}),  # attention eager
     }
     out: dict[str, Any] = {"cells": [], "configs": {}, "hbm_tb_s": HBM_TB_S, "weights_bytes": WEIGHTS_8B}
@@ -495,6 +496,7 @@ def ruler(args: argparse.Namespace, runner: Runner) -> dict[str, Any]:
         spec["llm"].update(dtype="float32", enforce_eager=True, block_size=32, kv_cache_memory_bytes=1 << 30)
     out: dict[str, Any] = {"context": args.context, "samples": args.samples, "top_k": args.top_k, "scores": {}}
     configs = {"dense": None, "quest": {**QUEST, "top_k": args.top_k},
+               "defaults": {"algorithm": "quest"},  # as a user writes it
                # the page bound without its range term: what keeps SmolLM2's accuracy (docs/algorithms.md)
                "quest-rw0": {**QUEST, "top_k": args.top_k, "extra": {"range_weight": 0.0}},
                # PQCache through the rebuild bridge (paged_bridge.py: eager, k-means every step)
@@ -549,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     pf.add_argument("--contexts", default="16384,32768")
     pf.add_argument("--batches", default="8,32")
     pf.add_argument("--configs", default="dense,quest,quest-piecewise",
-                    help="comma list: dense, dense-piecewise, quest, quest-piecewise")
+                    help="comma list: dense, dense-piecewise, quest, quest-piecewise, defaults "
+                         "({\"algorithm\": \"quest\"} as a user writes it)")
     pf.add_argument("--top-k", type=int, default=2048)
     pf.add_argument("--output-len", type=int, default=64)
     pf.add_argument("--repeats", type=int, default=3)
@@ -564,7 +567,9 @@ def main(argv: list[str] | None = None) -> int:
     ru.add_argument("--samples", type=int, default=4)
     ru.add_argument("--top-k", type=int, default=512)
     ru.add_argument("--configs", default="dense,quest,quest-rw0",
-                    help="dense, quest (the paper's bound), quest-rw0, pqcache (through the rebuild bridge)")
+                    help="dense, quest (sparse at every length; range_weight the config's default, 0), quest-rw0 "
+                         "(range_weight 0 spelt out), pqcache (through the rebuild bridge), defaults "
+                         "({\"algorithm\": \"quest\"} as a user writes it)")
     ru.add_argument("--seed", type=int, default=0)
     for p in (eq, pf):
         p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
