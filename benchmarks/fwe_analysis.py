@@ -58,8 +58,8 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from quest_analysis import (  # noqa: E402
-    Captured, Recorder, Variant, common_args, find_needle, load, pages_to_tokens, select_pages, teacher_forced,
-    variant_scores,
+    Captured, Recorder, Variant, common_args, find_needle, group_mass, load, pages_to_tokens, select_pages,
+    teacher_forced, variant_scores,
 )
 
 from timing import provenance  # noqa: E402
@@ -221,7 +221,6 @@ def analyse(c: Captured, occ: dict[str, list[list[int]]], voters: list[torch.Ten
                            "per_word_occurrences": {w: len(v) for w, v in occ.items()}, "layers": []}
     for layer, model_layer in enumerate(c.layers):
         k_all = c.keys[layer]
-        hk, d = k_all.shape[1], k_all.shape[2]
         votes: dict[str, torch.Tensor] = {}
         if snapkv:
             for name, opts in snap_sets.items():
@@ -230,7 +229,7 @@ def analyse(c: Captured, occ: dict[str, list[list[int]]], voters: list[torch.Ten
         acc: dict[str, list[torch.Tensor]] = {}
         for i, t in enumerate(c.positions):
             q = c.queries[layer][i]
-            mass = (torch.einsum("hgd,nhd->hgn", q.view(hk, -1, d), k_all[: t + 1]) / math.sqrt(d)).softmax(-1).mean(1)
+            mass = group_mass(q, k_all[: t + 1])
             marked = torch.zeros(t + 1, dtype=torch.bool)
             marked[[p for p in c.needle if p <= t]] = True
             acc.setdefault("marked_mass", []).append((mass * marked).sum(-1))

@@ -34,7 +34,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from rich.console import Console
@@ -159,6 +159,33 @@ def analyse(c: Captured, budget: int, sink: int, recent: int, sets: dict[str, di
     return out
 
 
+def decode_selector(layers: list[int], key_shape: torch.Size, prompt_len: int, budget: int, sink: int, recent: int,
+                    options: dict[str, Any], max_new: int) -> Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """PQCache (`options`) selecting at decode in the model layers `layers`: select(model_layer,
+    q [Hq, D], k [n, Hkv, D]) -> keep [Hkv, n] on the CPU (the algorithm runs there, in float32).
+    The codebooks are built from the prompt's keys at a layer's first call, and every key
+    decoded since is appended."""
+    _, hk, d = key_shape
+    algo = algorithm(len(layers), hk, d, budget, sink, recent, options, prompt_len + max_new + 1)
+    req = Request("r", prompt_len, seq_len=prompt_len, slot=0)
+    stored: dict[int, int] = {}  # per layer: how many keys the representation holds
+
+    def select(model_layer: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        layer, t = layers.index(model_layer), k.shape[0] - 1
+        if layer not in stored:
+            req.seq_len = prompt_len
+            algo.build(layer, req, k[:prompt_len].float().cpu())
+            stored[layer] = prompt_len
+        for p in range(stored[layer], t):  # keys decoded since (the answer's first token on)
+            req.seq_len = p + 1
+            algo.append(layer, batch(req), k[p][None].float().cpu())
+        stored[layer] = t
+        req.seq_len = t + 1
+        return selection_mask(algo.select(layer, q.float().cpu()[None], batch(req)), t)
+
+    return select
+
+
 @torch.no_grad()
 def simulate(model: Any, tok: Any, rec: Recorder, c: Captured, options: dict[str, Any] | None, budget: int, sink: int,
              recent: int, max_new: int, device: str) -> str:
@@ -166,27 +193,13 @@ def simulate(model: Any, tok: Any, rec: Recorder, c: Captured, options: dict[str
     import copy
 
     cache = copy.deepcopy(c.cache)
-    layers = len(c.keys)
-    _, hk, d = c.keys[0].shape
-    algo = None if options is None else algorithm(layers, hk, d, budget, sink, recent, options, c.prompt_len + max_new + 1)
-    req = Request("r", c.prompt_len, seq_len=c.prompt_len, slot=0)
-    stored: dict[int, int] = {}  # per layer: how many keys the representation holds
+    select = None if options is None else decode_selector(c.layers, c.keys[0].shape, c.prompt_len, budget, sink,
+                                                          recent, options, max_new)
 
     def selector(model_layer: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-        if algo is None or model_layer not in c.layers:  # dense, or a sliding layer
+        if select is None or model_layer not in c.layers:  # dense, or a sliding layer
             return None
-        layer = c.layers.index(model_layer)
-        t = k.shape[0] - 1
-        if layer not in stored:
-            req.seq_len = c.prompt_len
-            algo.build(layer, req, k[: c.prompt_len].float().cpu())
-            stored[layer] = c.prompt_len
-        for p in range(stored[layer], t):  # keys decoded since (the answer's first token on)
-            req.seq_len = p + 1
-            algo.append(layer, batch(req), k[p][None].float().cpu())
-        stored[layer] = t
-        req.seq_len = t + 1
-        return selection_mask(algo.select(layer, q.float().cpu()[None], batch(req)), t).to(q.device)
+        return select(model_layer, q, k).to(q.device)
 
     rec.mode, rec.selector = "sparse", selector
     out, token = [c.first_token], c.first_token

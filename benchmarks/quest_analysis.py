@@ -346,13 +346,17 @@ def pages_to_tokens(pages: torch.Tensor, page: int, t: int) -> torch.Tensor:
     return torch.cat([tok, torch.ones(tok.shape[0], 1, dtype=torch.bool)], -1)
 
 
+def group_mass(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q [Hq, D], k [n, Hkv, D] -> [Hkv, n]: the attention mass each KV head's query group puts
+    on each key (the mean of the group's softmax): what an exact token selection ranks by."""
+    hk, d = k.shape[1], k.shape[2]
+    return (torch.einsum("hgd,nhd->hgn", q.view(hk, -1, d), k) / math.sqrt(d)).softmax(-1).mean(1)
+
+
 def variant_mask(v: Variant, q: torch.Tensor, k: torch.Tensor, t: int, budget_tokens: int, sink: int, recent: int,
                  mu: torch.Tensor | None = None) -> torch.Tensor:
     """Token mask [Hkv, t+1] of `v`'s selection for query q [Hq, D] over keys k [>t, Hkv, D]."""
-    mass = None
-    if v.score == "oracle-mass":
-        hk, d = k.shape[1], k.shape[2]
-        mass = (torch.einsum("hgd,nhd->hgn", q.view(hk, -1, d), k[: t + 1]) / math.sqrt(d)).softmax(-1).mean(1)
+    mass = group_mass(q, k[: t + 1]) if v.score == "oracle-mass" else None
     red, forced = variant_scores(v, q, k, t, sink, recent, mu, mass=mass)
     return pages_to_tokens(select_pages(red, forced, budget_tokens // v.page), v.page, t)
 

@@ -34,13 +34,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parents[1]))
 from fwe_analysis import snapkv_keep, token_topk  # noqa: E402
-from pqcache_analysis import algorithm as pq_algorithm  # noqa: E402
-from pqcache_analysis import batch as pq_batch  # noqa: E402
-from pqcache_analysis import selection_mask  # noqa: E402
-from quest_analysis import Variant, load, teacher_forced, variant_mask  # noqa: E402
+from pqcache_analysis import decode_selector  # noqa: E402
+from quest_analysis import Variant, group_mass, load, teacher_forced, variant_mask  # noqa: E402
 from timing import provenance  # noqa: E402
 
-from sparse_framework import Request  # noqa: E402
 from sparse_framework.algorithms.snapkv import SnapKVOptions, snapkv_votes  # noqa: E402
 
 Selector = Callable[[int, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
@@ -55,9 +52,7 @@ def selectors(layers: list[int], prompt_len: int, voters: list[torch.Tensor], ke
     mid = Variant("mid sum", score="mid")
 
     def oracle(layer: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        hk, d = k.shape[1], k.shape[2]
-        mass = (torch.einsum("hgd,nhd->hgn", q.view(hk, -1, d), k) / d ** 0.5).softmax(-1).mean(1)
-        return token_topk(mass, k.shape[0] - 1, budget, sink, recent)
+        return token_topk(group_mass(q, k), k.shape[0] - 1, budget, sink, recent)
 
     def snapkv(layer: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         v = votes[layer]
@@ -67,31 +62,6 @@ def selectors(layers: list[int], prompt_len: int, voters: list[torch.Tensor], ke
         return variant_mask(mid, q, k, k.shape[0] - 1, budget, sink, recent, means[layer])
 
     return {"dense": None, "oracle token": oracle, "snapkv": snapkv, "quest mid": quest}
-
-
-def pqcache_selector(layers: list[int], keys: list[torch.Tensor], prompt_len: int, budget: int, sink: int,
-                     recent: int, options: dict[str, Any], max_new: int) -> Selector:
-    """PQCache (`options`) selecting in every full layer, its codebooks built from the prompt's
-    keys and each decoded key appended, as pqcache_analysis.simulate does."""
-    _, hk, d = keys[0].shape
-    algo = pq_algorithm(len(layers), hk, d, budget, sink, recent, options, prompt_len + max_new + 1)
-    req = Request("r", prompt_len, seq_len=prompt_len, slot=0)
-    stored: dict[int, int] = {}
-
-    def select(model_layer: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        layer, t = layers.index(model_layer), k.shape[0] - 1
-        if layer not in stored:
-            req.seq_len = prompt_len
-            algo.build(layer, req, k[:prompt_len])
-            stored[layer] = prompt_len
-        for p in range(stored[layer], t):
-            req.seq_len = p + 1
-            algo.append(layer, pq_batch(req), k[p][None])
-        stored[layer] = t
-        req.seq_len = t + 1
-        return selection_mask(algo.select(layer, q[None], pq_batch(req)), t)
-
-    return select
 
 
 @torch.no_grad()
@@ -165,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             sels = {"dense": None}
         if args.pqcache or args.only_pqcache:
             for name, opts in (("pqcache", {}), ("pqcache bits 8", {"bits": 8})):
-                sels[name] = pqcache_selector(t.layers, t.keys, len(ids), budget, args.sink, args.recent, opts,
-                                              args.steps + 1)
+                sels[name] = decode_selector(t.layers, t.keys[0].shape, len(ids), budget, args.sink, args.recent,
+                                             opts, args.steps + 1)
         for name, sel in sels.items():
             steps = decode(model, rec, t.cache, t.first, t.layers, sel, answer, args.steps, args.device)
             runs[name] = {"text": tok.decode([t.first] + [x["token"] for x in steps]), "steps": steps}
