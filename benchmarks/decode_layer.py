@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
-from pathlib import Path
 
 import torch
 from rich.console import Console

@@ -447,7 +447,7 @@ class SparseCoordinator:
                 f"algorithm {self.config.algorithm!r} builds from the prompt's queries: pass store_prompt(..., "
                 f"queries=...) with each prompt's last {self.algorithm.prefill_query_rows} queries (or all of them)")
         self.steps.check_attention_begin(layer, batch)
-        check_qkv(self.layout, layer, queries, k, v, batch, self._input_dtypes, self.algorithm.prefill_query_rows)
+        self._check_inputs(layer, queries, k, v, batch)
         inputs = self._check_model_inputs(sum(batch.query_lens), inputs, True)
         with self.steps.work("attention_begin", layer, writes=True):
             self._eager_begin(layer, queries, k, v, batch, inputs)
@@ -599,7 +599,8 @@ class SparseCoordinator:
     def _check_model_inputs(self, tokens: int, inputs: Inputs | None, prefill: bool) -> Inputs:
         return check_model_inputs(self.algorithm, self.config.algorithm, tokens, inputs, prefill, self.layout)
 
-    def _check_inputs(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, batch: Batch) -> None:
+    def _check_inputs(self, layer: int, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor | None,
+                      batch: Batch) -> None:
         check_qkv(self.layout, layer, q, k, v, batch, self._input_dtypes, self.algorithm.prefill_query_rows)
 
     def _query_tail_rows(self, batch: Batch) -> list[int] | None:
